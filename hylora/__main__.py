@@ -1,0 +1,3 @@
+from hylora.cli import main
+
+main()

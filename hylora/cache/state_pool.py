@@ -1,0 +1,67 @@
+"""Per-sequence state of the Gated DeltaNet layers: one slot-indexed pool for all GDN layers."""
+
+from __future__ import annotations
+
+import torch
+
+from hylora.config import ModelConfig
+
+
+class OutOfSlots(RuntimeError):
+    pass
+
+
+class StatePool:
+    """conv state [L, S, conv_dim, K-1] (model dtype) and recurrent state [L, S, Hv, dk, dv] (fp32).
+
+    A slot handed out by `allocate` is zeroed first: a sequence never reads another's state.
+    """
+
+    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str):
+        n_layers = len(config.gdn_layers)
+        self.layer_index = {layer: i for i, layer in enumerate(config.gdn_layers)}
+        self.conv = torch.zeros(
+            n_layers,
+            num_slots,
+            config.linear_conv_dim,
+            config.linear_conv_kernel_dim - 1,
+            dtype=dtype,
+            device=device,
+        )
+        self.recurrent = torch.zeros(
+            n_layers,
+            num_slots,
+            config.linear_num_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+            dtype=torch.float32,
+            device=device,
+        )
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise OutOfSlots(f"all {self.num_slots} GDN state slots are in use")
+        slot = self._free.pop()
+        self.reset(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is not allocated")
+        self._free.append(slot)
+
+    def reset(self, slot: int) -> None:
+        self.conv[:, slot].zero_()
+        self.recurrent[:, slot].zero_()
+
+    def bytes_per_slot(self) -> int:
+        return (
+            self.conv[:, 0].numel() * self.conv.element_size()
+            + self.recurrent[:, 0].numel() * self.recurrent.element_size()
+        )

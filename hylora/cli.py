@@ -1,0 +1,81 @@
+"""`hylora` command line: demo-model, generate."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from hylora.config import parse_dtype
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", nargs="?", help="Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--demo", action="store_true", help="use the embedded demo model (written on first use)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    from hylora.demo import ensure_demo
+
+    if args.demo == bool(args.model_dir):
+        raise SystemExit("give a MODEL_DIR or --demo (one of them)")
+    return ensure_demo() if args.demo else Path(args.model_dir)
+
+
+def cmd_demo_model(args: argparse.Namespace) -> None:
+    from hylora.demo import write_demo
+
+    path = write_demo(args.dir)
+    print(f"wrote the demo model and adapters relic, tomb, mural to {path}")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from hylora.generate import greedy_generate
+    from hylora.model.loader import load_model
+    from hylora.tokenizer import chat_prompt, load_tokenizer
+
+    model_dir = _model_dir(args)
+    dtype = None if args.dtype == "auto" else parse_dtype(args.dtype)
+    model = load_model(model_dir, dtype=dtype, device=args.device)
+    tokenizer = load_tokenizer(model_dir)
+    if args.raw:
+        ids = tokenizer.encode(args.prompt, add_special_tokens=False)
+    else:
+        ids = chat_prompt(tokenizer, [{"role": "user", "content": args.prompt}])
+    stop = tuple(model.config.eos_token_ids) or (
+        (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    )
+    out = greedy_generate(model, [ids], args.max_tokens, stop_ids=stop)[0]
+    print(tokenizer.decode(out, skip_special_tokens=True))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hylora", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo-model", help="write the embedded demo checkpoint and its task adapters")
+    p.add_argument("dir")
+    p.set_defaults(func=cmd_demo_model)
+
+    p = sub.add_parser("generate", help="greedy generation from one prompt")
+    _add_model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # config / checkpoint / usage errors: message, no traceback
+        print(f"hylora: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

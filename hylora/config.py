@@ -1,0 +1,188 @@
+"""Model configuration: one normaliser from a Hugging Face config.json to what hylora needs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+class ConfigError(ValueError):
+    """The model directory's config.json describes something hylora cannot serve."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The text decoder of a Qwen3.5 / Qwen3.6 hybrid model (Gated DeltaNet + gated attention)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    # gated full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    mrope_section: tuple[int, int, int]
+    # Gated DeltaNet
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    eos_token_ids: tuple[int, ...] = ()
+    checkpoint_dtype: torch.dtype = torch.float32
+    # True for the vision-language wrapper (`model_type: qwen3_5`), whose text weights live
+    # under `model.language_model.`.
+    is_multimodal: bool = False
+    vision: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:  # Hk * dk
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:  # Hv * dv
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:  # channels of the depthwise conv: [q | k | v]
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def gdn_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == LINEAR]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL]
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
+        return cls.from_hf(json.loads(path.read_text()))
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Normalise a Hugging Face config dict (VL wrapper or text-only)."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type {model_type!r} is not supported; "
+                f"hylora serves {', '.join(SUPPORTED_MODEL_TYPES)}"
+                + (" (the MoE variant is not supported yet)" if model_type and "moe" in model_type else "")
+            )
+        is_multimodal = model_type == "qwen3_5"
+        text = dict(hf.get("text_config") or {}) if is_multimodal else dict(hf)
+        if is_multimodal and not text:
+            raise ConfigError("config.json of model_type 'qwen3_5' has no text_config")
+
+        def need(key: str) -> Any:
+            if key not in text:
+                raise ConfigError(f"config.json: text config lacks {key!r}")
+            return text[key]
+
+        num_layers = int(need("num_hidden_layers"))
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = int(text.get("full_attention_interval", 4))
+            layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+        if len(layer_types) != num_layers or set(layer_types) - {LINEAR, FULL}:
+            raise ConfigError(f"config.json: layer_types {layer_types} do not fit {num_layers} layers")
+
+        if text.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {text['hidden_act']!r} is not supported (only 'silu')")
+        if text.get("attention_bias", False):
+            raise ConfigError("attention_bias=True is not supported")
+
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default' M-RoPE)")
+        rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
+        partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+        head_dim = int(text.get("head_dim") or need("hidden_size") // need("num_attention_heads"))
+        rotary_dim = int(head_dim * partial)
+        mrope = tuple(int(s) for s in rope.get("mrope_section", [11, 11, 10]))
+        if len(mrope) != 3 or sum(mrope) != rotary_dim // 2:
+            raise ConfigError(
+                f"mrope_section {list(mrope)} must have 3 entries summing to rotary_dim/2 = {rotary_dim // 2}"
+            )
+        if rope.get("mrope_interleaved", True) is False:
+            raise ConfigError("only the interleaved M-RoPE layout (mrope_interleaved=true) is supported")
+
+        hk, hv = int(need("linear_num_key_heads")), int(need("linear_num_value_heads"))
+        if hv % hk:
+            raise ConfigError(f"linear_num_value_heads {hv} must be a multiple of linear_num_key_heads {hk}")
+        nh, nkv = int(need("num_attention_heads")), int(need("num_key_value_heads"))
+        if nh % nkv:
+            raise ConfigError(f"num_attention_heads {nh} must be a multiple of num_key_value_heads {nkv}")
+
+        eos = hf.get("eos_token_id", text.get("eos_token_id"))
+        eos_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
+        dtype_name = hf.get("dtype") or hf.get("torch_dtype") or text.get("dtype") or "float32"
+        tie = bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        return cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=int(need("hidden_size")),
+            intermediate_size=int(need("intermediate_size")),
+            layer_types=tuple(layer_types),
+            num_attention_heads=nh,
+            num_key_value_heads=nkv,
+            head_dim=head_dim,
+            rope_theta=rope_theta,
+            partial_rotary_factor=partial,
+            mrope_section=mrope,  # type: ignore[arg-type]
+            linear_num_key_heads=hk,
+            linear_num_value_heads=hv,
+            linear_key_head_dim=int(need("linear_key_head_dim")),
+            linear_value_head_dim=int(need("linear_value_head_dim")),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=tie,
+            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            checkpoint_dtype=parse_dtype(str(dtype_name)),
+            is_multimodal=is_multimodal,
+            vision=dict(hf.get("vision_config") or {}),
+        )
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """'bfloat16' / 'torch.bfloat16' / 'bf16' → torch.bfloat16."""
+    key = name.removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16")
+    return _DTYPES[key]

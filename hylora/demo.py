@@ -1,0 +1,266 @@
+"""The embedded demo: a small checkpoint of the real architecture plus three task adapters.
+
+Everything is generated here, deterministically, from a fixed seed and a built-in text: a
+byte-level BPE tokenizer with the Qwen special tokens and a ChatML chat template, random
+weights for an 8-layer hybrid decoder (3 GDN + 1 gated attention, twice), and PEFT-format LoRA
+adapters `relic`, `tomb` and `mural` with different ranks and target modules.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+CORPUS = """\
+The relic is a bronze vessel with a round belly, three legs and two upright handles.
+Its surface carries a green patina; the rim shows a band of cloud and thunder motifs.
+Material: cast bronze. Shape: tripod cauldron. Period: late Western Zhou, about 800 BC.
+A jade disc with a central hole, polished on both faces, pale green with brown veins.
+The tomb has a sloping ramp passage that leads north into a vaulted antechamber.
+Two side chambers open east and west; the coffin chamber lies at the far end.
+The passages are lined with grey bricks laid in a herringbone pattern.
+The mural on the east wall shows a procession of riders and musicians.
+Pigments: red ochre, malachite green, azurite blue and carbon black on lime plaster.
+An inscription in ink names the tomb owner and the year of burial.
+The paint is flaking near the floor where moisture has risen through the wall.
+The camera moves slowly along the corridor; dust hangs in the light of the lamps.
+At second twelve a ceramic figure of a horse appears on a low platform.
+Describe the object, its material and its condition in plain words.
+What does the video show? Where is the entrance? How many chambers are there?
+"""
+DEMO_ADAPTERS = {
+    # name: (rank, alpha, rsLoRA, target modules)
+    "relic": (8, 16, False, ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj"]),
+    "tomb": (16, 16, True, ["in_proj_qkv", "in_proj_b", "in_proj_a", "gate_proj", "up_proj", "down_proj"]),
+    "mural": (
+        4,
+        8,
+        False,
+        [
+            "in_proj_qkv",
+            "in_proj_z",
+            "in_proj_b",
+            "in_proj_a",
+            "out_proj",
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+    ),
+}
+SEED = 1234
+
+
+@dataclass(frozen=True)
+class DemoShape:
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 32
+    linear_value_head_dim: int = 32
+    tokenizer_vocab: int = 1024
+
+
+def default_demo_dir() -> Path:
+    root = os.environ.get("HYLORA_CACHE_DIR") or Path.home() / ".cache" / "hylora"
+    return Path(root) / "demo"
+
+
+def ensure_demo(path: Path | None = None) -> Path:
+    """Write the demo into `path` (default cache dir) unless it is already complete there."""
+    path = Path(path) if path else default_demo_dir()
+    if not (path / "DEMO_COMPLETE").is_file():
+        write_demo(path)
+    return path
+
+
+def write_demo(path: str | Path, shape: DemoShape = DemoShape()) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(shape.tokenizer_vocab)
+    vocab = len(tokenizer.get_vocab())
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    _write_tokenizer_files(path, tokenizer)
+    config = _model_config(shape, vocab_size=math.ceil(vocab / 64) * 64, eos=im_end)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": im_end}, indent=2))
+    weights = _random_weights(config, torch.Generator().manual_seed(SEED))
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    for i, (name, spec) in enumerate(DEMO_ADAPTERS.items()):
+        _write_adapter(
+            path / "adapters" / name, weights, *spec, generator=torch.Generator().manual_seed(SEED + i + 1)
+        )
+    (path / "DEMO_COMPLETE").write_text("ok\n")
+    return path
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    tok.add_special_tokens(SPECIAL_TOKENS)  # appended after the BPE vocab, as in Qwen
+    return tok
+
+
+def _write_tokenizer_files(path: Path, tokenizer) -> None:
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "model_max_length": 32768,
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+        )
+    )
+
+
+def _model_config(s: DemoShape, vocab_size: int, eos: int) -> dict:
+    layers = [
+        "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(s.num_hidden_layers)
+    ]
+    rotary_half = int(s.head_dim * 0.25) // 2
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "dtype": "float32",
+        "vocab_size": vocab_size,
+        "hidden_size": s.hidden_size,
+        "intermediate_size": s.intermediate_size,
+        "num_hidden_layers": s.num_hidden_layers,
+        "layer_types": layers,
+        "num_attention_heads": s.num_attention_heads,
+        "num_key_value_heads": s.num_key_value_heads,
+        "head_dim": s.head_dim,
+        "linear_num_key_heads": s.linear_num_key_heads,
+        "linear_num_value_heads": s.linear_num_value_heads,
+        "linear_key_head_dim": s.linear_key_head_dim,
+        "linear_value_head_dim": s.linear_value_head_dim,
+        "linear_conv_kernel_dim": 4,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "eos_token_id": eos,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [rotary_half - 2 * (rotary_half // 3), rotary_half // 3, rotary_half // 3],
+            "mrope_interleaved": True,
+        },
+    }
+
+
+def _random_weights(cfg: dict, g: torch.Generator) -> dict[str, torch.Tensor]:
+    from hylora.config import ModelConfig
+    from hylora.model.decoder import HybridDecoder
+
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in HybridDecoder(ModelConfig.from_hf(cfg)).named_parameters()}
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith("A_log"):
+            t = torch.empty(shape).uniform_(0.01, 8.0, generator=g).log()
+        elif name.endswith("dt_bias"):
+            t = torch.randn(shape, generator=g) * 0.5
+        elif name.endswith("linear_attn.norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif "norm" in name:
+            t = 0.1 * torch.randn(shape, generator=g)
+        else:  # fan-in scaled so activations stay O(1) through the stack
+            fan_in = shape[-1] if len(shape) > 1 else 1
+            t = torch.randn(shape, generator=g) * (1.5 if "embed" in name else 1.0 / math.sqrt(fan_in))
+        key = name if name == "lm_head.weight" else "model." + name
+        out[key] = t.contiguous()
+    return out
+
+
+def _write_adapter(
+    path: Path,
+    base: dict[str, torch.Tensor],
+    rank: int,
+    alpha: int,
+    rslora: bool,
+    targets: list[str],
+    generator: torch.Generator,
+) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for key, w in base.items():
+        module = key.rsplit(".", 2)[-2]
+        if not key.endswith(".weight") or module not in targets:
+            continue
+        prefix = "base_model.model." + key[: -len(".weight")]
+        out_f, in_f = w.shape
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_f, generator=generator) / math.sqrt(in_f)
+        tensors[f"{prefix}.lora_B.weight"] = (
+            torch.randn(out_f, rank, generator=generator) * 0.5 / math.sqrt(rank)
+        )
+    save_file(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
+    (path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "base_model_name_or_path": "hylora-demo",
+                "r": rank,
+                "lora_alpha": alpha,
+                "use_rslora": rslora,
+                "target_modules": targets,
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "fan_in_fan_out": False,
+                "modules_to_save": None,
+                "rank_pattern": {},
+                "alpha_pattern": {},
+                "layers_to_transform": None,
+                "use_dora": False,
+                "init_lora_weights": True,
+                "inference_mode": True,
+            },
+            indent=2,
+        )
+    )

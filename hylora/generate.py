@@ -1,0 +1,82 @@
+"""Offline stepping and greedy generation on top of the decoder and its caches.
+
+`CachedRunner` owns a state pool and a paged KV cache, hands each sequence a slot and pages, and
+runs one flat varlen step for any mix of prefill chunks and decode tokens. The serving engine's
+scheduler replaces the batching policy; the cache handling stays the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hylora.cache import PagedKVCache, StatePool
+from hylora.model.decoder import HybridDecoder
+from hylora.model.forward_batch import ForwardBatch, SequenceChunk
+
+
+@dataclass
+class SequenceHandle:
+    slot: int
+    pages: list[int] = field(default_factory=list)
+    length: int = 0  # tokens already in the caches
+
+
+class CachedRunner:
+    def __init__(self, model: HybridDecoder, num_slots: int = 8, num_pages: int = 512, page_size: int = 16):
+        self.model = model
+        self.states = StatePool(model.config, num_slots, model.dtype, model.device)
+        self.kv = PagedKVCache(model.config, num_pages, page_size, model.dtype, model.device)
+
+    def add(self) -> SequenceHandle:
+        return SequenceHandle(slot=self.states.allocate())
+
+    def release(self, seq: SequenceHandle) -> None:
+        self.kv.free(seq.pages)
+        self.states.free(seq.slot)
+        seq.pages = []
+
+    @torch.inference_mode()
+    def step(
+        self, feeds: list[tuple[SequenceHandle, list[int]]], all_logits: bool = False
+    ) -> list[torch.Tensor]:
+        """Append tokens to several sequences in one forward pass.
+
+        Returns per sequence the fp32 logits of its last new token [V], or of every new token [n, V].
+        """
+        chunks = []
+        for seq, tokens in feeds:
+            need = self.kv.pages_needed(seq.length + len(tokens)) - len(seq.pages)
+            if need > 0:
+                seq.pages += self.kv.allocate(need)
+            chunks.append(SequenceChunk(list(tokens), seq.length, seq.slot, seq.pages))
+        batch = ForwardBatch.build(chunks, self.kv.page_size, self.model.device)
+        hidden = self.model(batch, self.kv, self.states)
+        for seq, tokens in feeds:
+            seq.length += len(tokens)
+        if all_logits:
+            return list(self.model.logits(hidden).split(batch.seq_lens))
+        return list(self.model.logits(hidden[batch.last_token_index]))
+
+
+def greedy_generate(
+    model: HybridDecoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: tuple[int, ...] = ()
+) -> list[list[int]]:
+    """Greedy decoding of several prompts batched together; returns the generated ids per prompt."""
+    max_len = max(len(p) for p in prompts) + max_new_tokens
+    runner = CachedRunner(
+        model, num_slots=len(prompts), num_pages=len(prompts) * (max_len // 16 + 1), page_size=16
+    )
+    seqs = [runner.add() for _ in prompts]
+    logits = runner.step(list(zip(seqs, prompts, strict=True)))
+    outputs: list[list[int]] = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    for _ in range(max_new_tokens):
+        for i, lg in zip(active, logits, strict=True):
+            outputs[i].append(int(lg.argmax()))
+        active = [i for i in active if outputs[i][-1] not in stop_ids and len(outputs[i]) < max_new_tokens]
+        if not active:
+            break
+        logits = runner.step([(seqs[i], [outputs[i][-1]]) for i in active])
+    return outputs

@@ -1,0 +1,52 @@
+"""Gated full attention (the `self_attn` layers): output = o_proj(attn * sigmoid(gate))."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hylora import ops
+from hylora.cache.paged_kv import PagedKVCache
+from hylora.config import ModelConfig
+from hylora.model.forward_batch import ForwardBatch
+from hylora.model.layers import Linear, RMSNorm
+from hylora.model.rotary import apply_rotary
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        # q_proj rows per head: [query (head_dim) | gate (head_dim)]
+        self.q_proj = Linear(c.hidden_size, self.heads * self.head_dim * 2)
+        self.k_proj = Linear(c.hidden_size, self.kv_heads * self.head_dim)
+        self.v_proj = Linear(c.hidden_size, self.kv_heads * self.head_dim)
+        self.o_proj = Linear(self.heads * self.head_dim, c.hidden_size)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, gate = self.q_proj(x).view(T, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(T, self.kv_heads, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)
+
+        layer = kv.layer_index[self.layer_idx]
+        kv.k[layer, batch.kv_slot_mapping] = k.to(kv.k.dtype)
+        kv.v[layer, batch.kv_slot_mapping] = v.to(kv.v.dtype)
+        o = ops.paged_attention(
+            q,
+            kv.k[layer],
+            kv.v[layer],
+            batch.block_table,
+            batch.context_lens,
+            batch.seq_lens,
+            batch.page_size,
+            self.head_dim**-0.5,
+        )
+        return self.o_proj(o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1)))

@@ -1,0 +1,71 @@
+"""The flat varlen batch the model runs on: several sequences' new tokens in one tensor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SequenceChunk:
+    """One sequence's part of a step: its new tokens and where its cached state lives."""
+
+    token_ids: list[int]
+    context_len: int  # tokens of this sequence already in its caches
+    state_slot: int  # GDN state-pool slot
+    pages: list[int]  # KV pages in order; must cover context_len + len(token_ids) tokens
+    positions: torch.Tensor | None = None  # [3, n] M-RoPE positions; None = text (ctx + arange)
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [3, T] temporal / height / width rotary positions
+    seq_lens: list[int]  # new tokens per sequence
+    context_lens: list[int]  # cached tokens per sequence before this step
+    state_slots: torch.Tensor  # [N]
+    block_table: torch.Tensor  # [N, max_pages]
+    kv_slot_mapping: torch.Tensor  # [T] flat KV-cache row of each new token
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """[N] flat index of each sequence's last new token (where its next-token logits come from)."""
+        ends = torch.tensor(self.seq_lens, device=self.input_ids.device).cumsum(0)
+        return ends - 1
+
+    @classmethod
+    def build(cls, chunks: list[SequenceChunk], page_size: int, device: torch.device | str) -> ForwardBatch:
+        if not chunks:
+            raise ValueError("empty batch")
+        ids, positions, slot_mapping = [], [], []
+        max_pages = max(1, max(len(c.pages) for c in chunks))
+        table = torch.zeros(len(chunks), max_pages, dtype=torch.int32)
+        for i, c in enumerate(chunks):
+            n = len(c.token_ids)
+            if n == 0:
+                raise ValueError("a sequence in the batch has no new tokens")
+            end = c.context_len + n
+            if len(c.pages) * page_size < end:
+                raise ValueError(f"sequence {i} needs {end} KV rows but holds {len(c.pages)} pages")
+            ids.extend(c.token_ids)
+            pos = torch.arange(c.context_len, end)
+            positions.append(pos.expand(3, n) if c.positions is None else c.positions)
+            pages = torch.tensor(c.pages, dtype=torch.int64)
+            slot_mapping.append(pages[pos // page_size] * page_size + pos % page_size)
+            table[i, : len(c.pages)] = pages.to(torch.int32)
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.cat(positions, dim=1).to(device),
+            seq_lens=[len(c.token_ids) for c in chunks],
+            context_lens=[c.context_len for c in chunks],
+            state_slots=torch.tensor([c.state_slot for c in chunks], dtype=torch.long, device=device),
+            block_table=table.to(device),
+            kv_slot_mapping=torch.cat(slot_mapping).to(device),
+            page_size=page_size,
+        )

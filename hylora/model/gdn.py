@@ -1,0 +1,67 @@
+"""Gated DeltaNet mixer (the `linear_attn` layers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hylora import ops
+from hylora.cache.state_pool import StatePool
+from hylora.config import ModelConfig
+from hylora.model.forward_batch import ForwardBatch
+from hylora.model.layers import GatedRMSNorm, Linear, _param
+
+
+class DepthwiseConv(nn.Module):
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = _param(channels, 1, kernel)  # checkpoint layout of nn.Conv1d(groups=channels)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.hk, self.hv = c.linear_num_key_heads, c.linear_num_value_heads
+        self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim, self.value_dim = c.linear_key_dim, c.linear_value_dim
+        self.in_proj_qkv = Linear(c.hidden_size, c.linear_conv_dim)
+        self.in_proj_z = Linear(c.hidden_size, self.value_dim)
+        self.in_proj_b = Linear(c.hidden_size, self.hv)
+        self.in_proj_a = Linear(c.hidden_size, self.hv)
+        self.conv1d = DepthwiseConv(c.linear_conv_dim, c.linear_conv_kernel_dim)
+        self.dt_bias = _param(self.hv)
+        self.A_log = _param(self.hv)
+        self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps)
+        self.out_proj = Linear(self.value_dim, c.hidden_size)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, states: StatePool) -> torch.Tensor:
+        T = x.shape[0]
+        layer = states.layer_index[self.layer_idx]
+        slots = batch.state_slots
+
+        mixed, conv_state = ops.causal_conv1d_varlen(
+            self.in_proj_qkv(x), self.conv1d.weight[:, 0], states.conv[layer, slots], batch.seq_lens
+        )
+        states.conv[layer, slots] = conv_state
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        group = self.hv // self.hk  # value head i reads key head i // group
+        q = l2norm(q.reshape(T, self.hk, self.dk).float()).repeat_interleave(group, dim=1) * self.dk**-0.5
+        k = l2norm(k.reshape(T, self.hk, self.dk).float()).repeat_interleave(group, dim=1)
+        v = v.reshape(T, self.hv, self.dv)
+
+        beta = self.in_proj_b(x).sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+
+        o, recurrent = ops.varlen_gated_delta_rule(
+            q, k, v, g, beta, states.recurrent[layer, slots], batch.seq_lens
+        )
+        states.recurrent[layer, slots] = recurrent
+        z = self.in_proj_z(x).reshape(T, self.hv, self.dv)
+        return self.out_proj(self.norm(o, z).reshape(T, self.value_dim))

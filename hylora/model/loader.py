@@ -1,0 +1,149 @@
+"""Load a Hugging Face model directory (safetensors, single or sharded) into a HybridDecoder.
+
+Tensors are read one at a time from the memory-mapped files and cast / moved straight into their
+parameter, so peak host memory is the model plus one tensor, never a second full copy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from hylora.config import ModelConfig
+from hylora.model.decoder import HybridDecoder
+
+log = logging.getLogger(__name__)
+
+# Checkpoint key prefixes of the text decoder, most specific first.
+TEXT_PREFIXES = ("model.language_model.", "model.")
+# Weights hylora does not use yet: skipped with a note, never silently.
+SKIPPED_PREFIXES = {
+    "model.visual.": "vision tower (vision is not supported yet)",
+    "mtp.": "multi-token prediction head",
+}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model its config.json describes."""
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """checkpoint key → the safetensors file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {key: model_dir / name for key, name in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
+            p.name for p in model_dir.glob("*.pt")
+        )
+        hint = (
+            f" (found {', '.join(pickles)}: pickle weights are not loaded; convert them to safetensors)"
+            if pickles
+            else ""
+        )
+        raise CheckpointError(f"{model_dir}: no *.safetensors weights{hint}")
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                out[key] = f
+    return out
+
+
+def parameter_name(key: str) -> str | None:
+    """Map a checkpoint key to a HybridDecoder parameter name; None if it is a known skip."""
+    if key == "lm_head.weight":
+        return key
+    for prefix in SKIPPED_PREFIXES:
+        if key.startswith(prefix):
+            return None
+    for prefix in TEXT_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return key  # reported as unexpected below
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> HybridDecoder:
+    """Build the decoder from `model_dir`. dtype None = the checkpoint's dtype."""
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_dir(model_dir)
+    dtype = dtype or config.checkpoint_dtype
+    with torch.device("meta"):
+        model = HybridDecoder(config)
+    params = dict(model.named_parameters())
+    expected = set(params)
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+
+    files = weight_files(model_dir)
+    by_file: dict[Path, list[tuple[str, str]]] = defaultdict(list)
+    unexpected, skipped = [], defaultdict(int)
+    for key, path in files.items():
+        name = parameter_name(key)
+        if name is None:
+            skipped[next(p for p in SKIPPED_PREFIXES if key.startswith(p))] += 1
+        elif name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the embedding is the head
+        elif name in params:
+            by_file[path].append((key, name))
+        else:
+            unexpected.append(key)
+    if unexpected:
+        raise CheckpointError(f"{model_dir}: unexpected tensors {_names(unexpected)}")
+    seen: dict[str, str] = {}
+    for entries in by_file.values():
+        for key, name in entries:
+            if name in seen:
+                raise CheckpointError(f"{model_dir}: tensors {seen[name]!r} and {key!r} both fill {name!r}")
+            seen[name] = key
+    missing = sorted(expected - set(seen))
+    if missing:
+        raise CheckpointError(f"{model_dir}: missing tensors {_names(missing)}")
+
+    bar = tqdm(total=len(seen), desc="loading weights", unit="tensor", disable=not progress)
+    for path, entries in by_file.items():
+        with safe_open(str(path), framework="pt") as handle:
+            for key, name in entries:
+                tensor = handle.get_tensor(key)
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    raise CheckpointError(
+                        f"{model_dir}: tensor {key!r} has shape {list(tensor.shape)}, "
+                        f"the config expects {list(params[name].shape)}"
+                    )
+                _assign(model, name, tensor.to(device=device, dtype=_param_dtype(name, dtype)))
+                bar.update()
+    bar.close()
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    for prefix, count in skipped.items():
+        log.info("skipped %d tensors of the %s", count, SKIPPED_PREFIXES[prefix])
+    return model.eval()
+
+
+def _param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    # The GDN decay parameters stay fp32: exp(A_log) in half precision loses the small decays.
+    return torch.float32 if name.endswith(("A_log", "dt_bias")) else dtype
+
+
+def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    setattr(module, attr, torch.nn.Parameter(tensor, requires_grad=False))
+
+
+def _names(keys: list[str], limit: int = 12) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

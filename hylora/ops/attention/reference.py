@@ -1,0 +1,44 @@
+"""Causal attention of new tokens over a paged KV cache, in plain torch.
+
+Each sequence's keys/values live in pages of the cache; `block_table[i]` lists its pages in order.
+The new tokens of sequence i sit at positions [context_lens[i], context_lens[i] + seq_lens[i]).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D] new tokens' queries (rotary applied)
+    k_cache: torch.Tensor,  # [num_pages * page_size, Hkv, D], new tokens already written
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [N, max_pages] int
+    context_lens: list[int],  # tokens cached before this step
+    seq_lens: list[int],  # new tokens this step
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
+    out = torch.empty_like(q)
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    start = 0
+    for i, (ctx, n) in enumerate(zip(context_lens, seq_lens, strict=True)):
+        if n == 0:
+            continue
+        total = ctx + n
+        pos = torch.arange(total, device=q.device)
+        slots = block_table[i, pos // page_size].long() * page_size + pos % page_size
+        k = k_cache[slots].transpose(0, 1)  # [Hkv, total, D]
+        v = v_cache[slots].transpose(0, 1)
+        qi = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
+        # query j (position ctx + j) sees keys 0..ctx + j
+        mask = (
+            torch.arange(total, device=q.device)[None, :] <= (ctx + torch.arange(n, device=q.device))[:, None]
+        )
+        o = F.scaled_dot_product_attention(
+            qi.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=hq != hkv
+        )
+        out[start : start + n] = o.transpose(0, 1).to(q.dtype)
+        start += n
+    return out

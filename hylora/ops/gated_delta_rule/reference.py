@@ -1,0 +1,121 @@
+"""Gated delta rule in plain torch: the reference every fast kernel is tested against.
+
+Per value head, with state S [dk, dv], for each token t:
+    S <- S * exp(g_t)
+    S <- S + k_t ⊗ beta_t (v_t - S^T k_t)
+    o_t = S^T q_t
+q and k arrive already L2-normalised and expanded to the value heads; q is scaled by the caller.
+All arithmetic is fp32; outputs are returned in v's dtype, states in fp32.
+
+Varlen layout (as fla): flat tokens [T, H, d] with cu_seqlens [N+1] and one state per sequence
+[N, H, dk, dv].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_SIZE = 64
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,  # [B, T, H, dk]
+    k: torch.Tensor,  # [B, T, H, dk]
+    v: torch.Tensor,  # [B, T, H, dv]
+    g: torch.Tensor,  # [B, T, H] log decay (<= 0)
+    beta: torch.Tensor,  # [B, T, H]
+    initial_state: torch.Tensor,  # [B, H, dk, dv]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token recurrence over equal-length sequences. Returns (o [B, T, H, dv], state)."""
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    state = initial_state.float().clone()
+    out = torch.empty_like(v)
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        kv_mem = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
+    return out, state
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,  # [T, H, dk]
+    k: torch.Tensor,  # [T, H, dk]
+    v: torch.Tensor,  # [T, H, dv]
+    g: torch.Tensor,  # [T, H]
+    beta: torch.Tensor,  # [T, H]
+    initial_state: torch.Tensor,  # [H, dk, dv]
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence, chunked (WY / UT-transform form). Returns (o [T, H, dv], state [H, dk, dv])."""
+    T = q.shape[0]
+    C = chunk_size
+    pad = (-T) % C
+    # head-major fp32: [H, T, d]
+    q, k, v = (F.pad(x.float(), (0, 0, 0, 0, 0, pad)).transpose(0, 1) for x in (q, k, v))
+    g, beta = (F.pad(x.float(), (0, 0, 0, pad)).transpose(0, 1) for x in (g, beta))
+    H, Tp, dk = k.shape
+    n = Tp // C
+    q, k, v = (x.reshape(H, n, C, -1) for x in (q, k, v))
+    g, beta = g.reshape(H, n, C), beta.reshape(H, n, C)
+
+    G = g.cumsum(-1)  # [H, n, C] log decay from chunk start to position i
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, n, C, C]
+    k_beta = k * beta[..., None]
+    # (I + A) with A strictly lower: A[i, j] = beta_i k_i.k_j exp(G_i - G_j)
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * G.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay  # [H, n, C, C], diagonal included
+    q_decayed = q * G.exp()[..., None]
+    k_to_end = k * (G[..., -1:] - G).exp()[..., None]
+    chunk_decay = G[..., -1].exp()  # [H, n]
+
+    state = initial_state.float().clone()
+    out = torch.empty_like(v)
+    for c in range(n):
+        v_new = u[:, c] - w[:, c] @ state  # [H, C, dv]
+        out[:, c] = q_decayed[:, c] @ state + intra[:, c] @ v_new
+        state = state * chunk_decay[:, c, None, None] + k_to_end[:, c].transpose(-1, -2) @ v_new
+    out = out.reshape(H, Tp, -1)[:, :T].transpose(0, 1)
+    return out, state
+
+
+def varlen_gated_delta_rule(
+    q: torch.Tensor,  # [T, H, dk]
+    k: torch.Tensor,
+    v: torch.Tensor,  # [T, H, dv]
+    g: torch.Tensor,  # [T, H]
+    beta: torch.Tensor,
+    initial_states: torch.Tensor,  # [N, H, dk, dv]
+    seq_lens: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several sequences in one flat batch. Single-token sequences (decode) are stepped together
+    by the recurrence; longer ones (prefill chunks) go through the chunked form one by one.
+    Returns (o [T, H, dv] in v's dtype, final states [N, H, dk, dv] fp32)."""
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    final = torch.empty(initial_states.shape, dtype=torch.float32, device=v.device)
+    starts = [0]
+    for n in seq_lens:
+        starts.append(starts[-1] + n)
+    single = [i for i, n in enumerate(seq_lens) if n == 1]
+    if single:
+        idx = torch.tensor([starts[i] for i in single], device=v.device)
+        seq = torch.tensor(single, device=v.device)
+        o, s = recurrent_gated_delta_rule(
+            q[idx, None], k[idx, None], v[idx, None], g[idx, None], beta[idx, None], initial_states[seq]
+        )
+        out[idx] = o[:, 0]
+        final[seq] = s
+    for i, n in enumerate(seq_lens):
+        if n == 1:
+            continue
+        sl = slice(starts[i], starts[i + 1])
+        if n == 0:
+            final[i] = initial_states[i].float()
+            continue
+        out[sl], final[i] = chunk_gated_delta_rule(q[sl], k[sl], v[sl], g[sl], beta[sl], initial_states[i])
+    return out.to(v.dtype), final

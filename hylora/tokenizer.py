@@ -1,0 +1,22 @@
+"""Tokenizer and chat template from the model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    model_dir = Path(model_dir)
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: no tokenizer.json / tokenizer_config.json")
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` rendered with the model's chat template, ready for the reply."""
+    if not tokenizer.chat_template:
+        raise ValueError("this model directory has no chat template; send a plain completion prompt instead")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)

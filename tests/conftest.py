@@ -1,0 +1,92 @@
+"""Tiny random-weight checkpoints of the real architecture, written by transformers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.set_num_threads(min(4, os.cpu_count() or 1))
+
+TEXT_CONFIG = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
+)
+VISION_CONFIG = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+
+
+def text_config(**overrides):
+    cfg = dict(TEXT_CONFIG)
+    cfg.update(overrides)
+    return cfg
+
+
+def randomise(model: torch.nn.Module, seed: int) -> None:
+    """Larger-than-init random weights so every path (norm weights, decays) matters in the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.01, 4.0, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif "norm" in name:
+                p.copy_(
+                    torch.randn(p.shape, generator=g) * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0)
+                )
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def write_causal(path: Path, seed: int = 0, **overrides):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text_config(**overrides))).eval()
+    randomise(model, seed)
+    model.save_pretrained(path)
+    return model
+
+
+def write_vl(path: Path, seed: int = 0, **overrides):
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = Qwen3_5Config(text_config=text_config(**overrides), vision_config=VISION_CONFIG)
+    model = Qwen3_5ForConditionalGeneration(cfg).eval()
+    randomise(model, seed)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def causal_ckpt(tmp_path_factory):
+    """(model_dir, transformers Qwen3_5ForCausalLM) sharing the same random weights."""
+    path = tmp_path_factory.mktemp("causal")
+    return path, write_causal(path)
+
+
+@pytest.fixture(scope="session")
+def vl_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vl")
+    return path, write_vl(path, seed=1)

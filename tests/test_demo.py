@@ -1,0 +1,108 @@
+"""The embedded demo is a real checkpoint: transformers and PEFT load it, and it is reproducible."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+
+import pytest
+from safetensors import safe_open
+
+from hylora.demo import DEMO_ADAPTERS, SPECIAL_TOKENS, write_demo
+from hylora.model.loader import load_model
+from hylora.tokenizer import chat_prompt, load_tokenizer
+from tests.helpers import hf_logits, hylora_logits
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    return write_demo(tmp_path_factory.mktemp("demo"))
+
+
+def _digest(path):
+    return {
+        p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_demo_is_deterministic(demo_dir, tmp_path):
+    assert _digest(write_demo(tmp_path)) == _digest(demo_dir)
+
+
+def test_tokenizer_has_qwen_special_tokens_and_chat_template(demo_dir):
+    tok = load_tokenizer(demo_dir)
+    for special in SPECIAL_TOKENS:
+        ids = tok.encode(special, add_special_tokens=False)
+        assert len(ids) == 1, special
+    ids = chat_prompt(tok, [{"role": "user", "content": "Describe the relic."}])
+    assert tok.decode(ids) == "<|im_start|>user\nDescribe the relic.<|im_end|>\n<|im_start|>assistant\n"
+    text = "Pigments: red ochre, 孔雀石 — ünïcode"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_transformers_loads_demo_with_same_logits(demo_dir):
+    from transformers import Qwen3_5ForCausalLM
+
+    ref = Qwen3_5ForCausalLM.from_pretrained(demo_dir).eval()
+    ids = load_tokenizer(demo_dir).encode("The tomb has a sloping ramp passage that leads north.")
+    ours, theirs = hylora_logits(load_model(demo_dir, progress=False), ids), hf_logits(ref, ids)
+    assert (ours - theirs).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name", list(DEMO_ADAPTERS))
+def test_peft_loads_each_demo_adapter_and_it_changes_the_output(demo_dir, name):
+    from peft import PeftModel
+    from transformers import Qwen3_5ForCausalLM
+
+    base = Qwen3_5ForCausalLM.from_pretrained(demo_dir).eval()
+    ids = list(range(3, 40))
+    before = hf_logits(base, ids)
+    peft = PeftModel.from_pretrained(base, demo_dir / "adapters" / name).eval()
+    rank, _, _, targets = DEMO_ADAPTERS[name]
+    assert peft.peft_config["default"].r == rank
+    lora_a = [n for n, _ in peft.named_parameters() if ".lora_A." in n]
+    assert {n.split(".")[-4] for n in lora_a} == set(targets)  # [..., module, lora_A, default, weight]
+    with safe_open(str(demo_dir / "adapters" / name / "adapter_model.safetensors"), "pt") as f:
+        assert len(lora_a) == sum(k.endswith("lora_A.weight") for k in f.keys())  # noqa: SIM118  # nothing dropped
+    after = hf_logits(peft, ids)
+    assert (after - before).abs().max().item() > 1e-2
+
+
+def test_cli_generate_on_demo(tmp_path):
+    env = {"HYLORA_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hylora",
+            "generate",
+            "--demo",
+            "--prompt",
+            "Describe the relic.",
+            "--max-tokens",
+            "8",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "demo" / "DEMO_COMPLETE").is_file()
+    assert out.stdout.strip()
+
+
+def test_cli_reports_bad_model_dir_without_traceback(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "hylora", "generate", str(tmp_path), "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "no config.json" in out.stderr and "Traceback" not in out.stderr
