@@ -197,9 +197,14 @@ def _model_config(s: DemoShape, vocab_size: int, eos: int) -> dict:
 def _random_weights(cfg: dict, g: torch.Generator) -> dict[str, torch.Tensor]:
     from hylora.config import ModelConfig
     from hylora.model.decoder import HybridDecoder
+    from hylora.model.loader import checkpoint_layout
 
     with torch.device("meta"):
-        shapes = {n: p.shape for n, p in HybridDecoder(ModelConfig.from_hf(cfg)).named_parameters()}
+        model = HybridDecoder(ModelConfig.from_hf(cfg))
+    params = dict(model.named_parameters())
+    shapes = {
+        name: (rows, *params[dest].shape[1:]) for name, (dest, _, rows) in checkpoint_layout(model).items()
+    }
     out = {}
     for name, shape in shapes.items():
         if name.endswith("A_log"):

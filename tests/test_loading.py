@@ -106,7 +106,7 @@ def test_half_precision_load_stays_close(causal_ckpt, dtype):
     ids = random_ids(100, 320, seed=23)
     full = hylora_logits(load_model(causal_ckpt[0], progress=False), ids)
     half_model = load_model(causal_ckpt[0], dtype=dtype, progress=False)
-    assert half_model.layers[0].mlp.up_proj.weight.dtype == dtype
+    assert half_model.layers[0].mlp.gate_up_proj.weight.dtype == dtype
     half = hylora_logits(half_model, ids)
     assert torch.isfinite(half).all()
     rel = (half - full).norm() / full.norm()

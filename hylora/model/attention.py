@@ -19,11 +19,12 @@ class GatedAttention(nn.Module):
         c = config
         self.layer_idx = layer_idx
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        # q_proj rows per head: [query (head_dim) | gate (head_dim)]
-        self.q_proj = Linear(c.hidden_size, self.heads * self.head_dim * 2)
-        self.k_proj = Linear(c.hidden_size, self.kv_heads * self.head_dim)
-        self.v_proj = Linear(c.hidden_size, self.kv_heads * self.head_dim)
-        self.o_proj = Linear(self.heads * self.head_dim, c.hidden_size)
+        # one GEMM for [q_proj | k_proj | v_proj]; q_proj rows per head: [query | gate]
+        self.q_rows, self.kv_rows = self.heads * self.head_dim * 2, self.kv_heads * self.head_dim
+        self.qkv_proj = Linear(
+            c.hidden_size, {"q_proj": self.q_rows, "k_proj": self.kv_rows, "v_proj": self.kv_rows}
+        )
+        self.o_proj = Linear(self.heads * self.head_dim, {"o_proj": c.hidden_size})
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
 
@@ -31,10 +32,11 @@ class GatedAttention(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         T = x.shape[0]
-        q, gate = self.q_proj(x).view(T, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, k, v = self.qkv_proj(x, batch.lora).split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
+        q, gate = q.reshape(T, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(T, self.kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)
+        k = apply_rotary(self.k_norm(k.reshape(T, self.kv_heads, self.head_dim)), cos, sin)
+        v = v.reshape(T, self.kv_heads, self.head_dim)
 
         layer = kv.layer_index[self.layer_idx]
         kv.k[layer, batch.kv_slot_mapping] = k.to(kv.k.dtype)
@@ -49,4 +51,4 @@ class GatedAttention(nn.Module):
             batch.page_size,
             self.head_dim**-0.5,
         )
-        return self.o_proj(o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1)))
+        return self.o_proj(o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1)), batch.lora)

@@ -43,7 +43,7 @@ class DecoderLayer(nn.Module):
         else:
             h = self.self_attn(h, batch, kv, cos, sin)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), batch.lora)
 
 
 class Embedding(nn.Module):

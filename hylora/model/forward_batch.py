@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hylora.lora.apply import LoRABatch
+
 
 @dataclass
 class SequenceChunk:
@@ -16,6 +18,7 @@ class SequenceChunk:
     state_slot: int  # GDN state-pool slot
     pages: list[int]  # KV pages in order; must cover context_len + len(token_ids) tokens
     positions: torch.Tensor | None = None  # [3, n] M-RoPE positions; None = text (ctx + arange)
+    lora_slot: int = -1  # device slot of this sequence's adapter; -1 = base model
 
 
 @dataclass
@@ -28,6 +31,7 @@ class ForwardBatch:
     block_table: torch.Tensor  # [N, max_pages]
     kv_slot_mapping: torch.Tensor  # [T] flat KV-cache row of each new token
     page_size: int
+    lora: LoRABatch | None = None  # per-token adapter slots; None = no adapter in this batch
 
     @property
     def num_tokens(self) -> int:
@@ -68,4 +72,11 @@ class ForwardBatch:
             block_table=table.to(device),
             kv_slot_mapping=torch.cat(slot_mapping).to(device),
             page_size=page_size,
+            lora=_lora_batch(chunks, device),
         )
+
+
+def _lora_batch(chunks: list[SequenceChunk], device: torch.device | str) -> LoRABatch | None:
+    if all(c.lora_slot < 0 for c in chunks):
+        return None
+    return LoRABatch.build([c.lora_slot for c in chunks], [len(c.token_ids) for c in chunks], device)

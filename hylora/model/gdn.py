@@ -30,24 +30,27 @@ class GatedDeltaNet(nn.Module):
         self.layer_idx = layer_idx
         self.hk, self.hv = c.linear_num_key_heads, c.linear_num_value_heads
         self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
-        self.key_dim, self.value_dim = c.linear_key_dim, c.linear_value_dim
-        self.in_proj_qkv = Linear(c.hidden_size, c.linear_conv_dim)
-        self.in_proj_z = Linear(c.hidden_size, self.value_dim)
-        self.in_proj_b = Linear(c.hidden_size, self.hv)
-        self.in_proj_a = Linear(c.hidden_size, self.hv)
+        self.key_dim, self.value_dim, self.conv_dim = c.linear_key_dim, c.linear_value_dim, c.linear_conv_dim
+        # fused GEMMs (model/packing.py): [qkv | z] and [b | a]
+        self.in_proj_qkvz = Linear(
+            c.hidden_size, {"in_proj_qkv": c.linear_conv_dim, "in_proj_z": self.value_dim}
+        )
+        self.in_proj_ba = Linear(c.hidden_size, {"in_proj_b": self.hv, "in_proj_a": self.hv})
         self.conv1d = DepthwiseConv(c.linear_conv_dim, c.linear_conv_kernel_dim)
         self.dt_bias = _param(self.hv)
         self.A_log = _param(self.hv)
         self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps)
-        self.out_proj = Linear(self.value_dim, c.hidden_size)
+        self.out_proj = Linear(self.value_dim, {"out_proj": c.hidden_size})
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states: StatePool) -> torch.Tensor:
         T = x.shape[0]
         layer = states.layer_index[self.layer_idx]
         slots = batch.state_slots
+        qkv, z = self.in_proj_qkvz(x, batch.lora).split([self.conv_dim, self.value_dim], dim=-1)
+        b, a = self.in_proj_ba(x, batch.lora).chunk(2, dim=-1)
 
         mixed, conv_state = ops.causal_conv1d_varlen(
-            self.in_proj_qkv(x), self.conv1d.weight[:, 0], states.conv[layer, slots], batch.seq_lens
+            qkv, self.conv1d.weight[:, 0], states.conv[layer, slots], batch.seq_lens
         )
         states.conv[layer, slots] = conv_state
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -56,12 +59,12 @@ class GatedDeltaNet(nn.Module):
         k = l2norm(k.reshape(T, self.hk, self.dk).float()).repeat_interleave(group, dim=1)
         v = v.reshape(T, self.hv, self.dv)
 
-        beta = self.in_proj_b(x).sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta = b.sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
         o, recurrent = ops.varlen_gated_delta_rule(
             q, k, v, g, beta, states.recurrent[layer, slots], batch.seq_lens
         )
         states.recurrent[layer, slots] = recurrent
-        z = self.in_proj_z(x).reshape(T, self.hv, self.dv)
-        return self.out_proj(self.norm(o, z).reshape(T, self.value_dim))
+        o = self.norm(o, z.reshape(T, self.hv, self.dv))
+        return self.out_proj(o.reshape(T, self.value_dim), batch.lora)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply
+
 
 def _param(*shape: int) -> nn.Parameter:
     # Created empty (usually on the meta device); the loader assigns the checkpoint tensor.
@@ -13,15 +15,33 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x W^T. The unit the LoRA layer attaches to."""
+    """y = x W^T (+ the batch's LoRA deltas). The unit LoRA attaches to.
 
-    def __init__(self, in_features: int, out_features: int):
+    `slices` names the output row blocks: one for a plain projection, several when hylora fuses
+    checkpoint projections into one GEMM (see model/packing.py). LoRA deltas are added per slice.
+    """
+
+    def __init__(self, in_features: int, slices: dict[str, int]):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = _param(out_features, in_features)
+        self.in_features = in_features
+        self.slices = dict(slices)  # checkpoint module name → output rows
+        self.out_features = sum(slices.values())
+        self.weight = _param(self.out_features, in_features)
+        self.lora: LoRAStack | None = None  # set by the adapter registry
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+    @property
+    def slice_offsets(self) -> list[tuple[int, int]]:
+        offsets, start = [], 0
+        for rows in self.slices.values():
+            offsets.append((start, rows))
+            start += rows
+        return offsets
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if lora is not None and self.lora is not None and lora.has_adapters:
+            y = lora_apply(x, y, self.lora, lora)
+        return y
 
 
 class RMSNorm(nn.Module):
@@ -55,9 +75,9 @@ class GatedRMSNorm(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = Linear(hidden, intermediate)
-        self.up_proj = Linear(hidden, intermediate)
-        self.down_proj = Linear(intermediate, hidden)
+        self.gate_up_proj = Linear(hidden, {"gate_proj": intermediate, "up_proj": intermediate})
+        self.down_proj = Linear(intermediate, {"down_proj": hidden})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, lora)

@@ -1,7 +1,8 @@
 """Load a Hugging Face model directory (safetensors, single or sharded) into a HybridDecoder.
 
-Tensors are read one at a time from the memory-mapped files and cast / moved straight into their
-parameter, so peak host memory is the model plus one tensor, never a second full copy.
+Tensors are read one at a time from the memory-mapped files and copied (cast, moved) straight into
+their rows of the destination parameter, so peak host memory is the model plus one tensor, never a
+second full copy. Projections that hylora fuses into one GEMM (model/packing.py) are assembled here.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tqdm import tqdm
 
 from hylora.config import ModelConfig
 from hylora.model.decoder import HybridDecoder
+from hylora.model.layers import Linear
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,23 @@ def parameter_name(key: str) -> str | None:
     return key  # reported as unexpected below
 
 
+def checkpoint_layout(model: HybridDecoder) -> dict[str, tuple[str, int, int]]:
+    """Checkpoint parameter name (text prefix removed) → (hylora parameter, first row, rows).
+
+    Fused projections (model/packing.py) receive several checkpoint tensors, one row block each."""
+    layout: dict[str, tuple[str, int, int]] = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, Linear):
+            parent = module_name.rpartition(".")[0]
+            for part, (start, rows) in zip(module.slices, module.slice_offsets, strict=True):
+                layout[f"{parent}.{part}.weight"] = (f"{module_name}.weight", start, rows)
+    covered = {dest for dest, _, _ in layout.values()}
+    for name, p in model.named_parameters():
+        if name not in covered:
+            layout[name] = (name, 0, p.shape[0])
+    return layout
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype | None = None,
@@ -83,10 +102,9 @@ def load_model(
     dtype = dtype or config.checkpoint_dtype
     with torch.device("meta"):
         model = HybridDecoder(config)
-    params = dict(model.named_parameters())
-    expected = set(params)
+    layout = checkpoint_layout(model)
     if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
+        del layout["lm_head.weight"]
 
     files = weight_files(model_dir)
     by_file: dict[Path, list[tuple[str, str]]] = defaultdict(list)
@@ -97,7 +115,7 @@ def load_model(
             skipped[next(p for p in SKIPPED_PREFIXES if key.startswith(p))] += 1
         elif name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the embedding is the head
-        elif name in params:
+        elif name in layout:
             by_file[path].append((key, name))
         else:
             unexpected.append(key)
@@ -109,23 +127,34 @@ def load_model(
             if name in seen:
                 raise CheckpointError(f"{model_dir}: tensors {seen[name]!r} and {key!r} both fill {name!r}")
             seen[name] = key
-    missing = sorted(expected - set(seen))
+    missing = sorted(set(layout) - set(seen))
     if missing:
         raise CheckpointError(f"{model_dir}: missing tensors {_names(missing)}")
 
+    params = dict(model.named_parameters())
+    filled: dict[str, torch.Tensor] = {}
     bar = tqdm(total=len(seen), desc="loading weights", unit="tensor", disable=not progress)
     for path, entries in by_file.items():
         with safe_open(str(path), framework="pt") as handle:
             for key, name in entries:
+                dest_name, start, rows = layout[name]
+                dest_shape = params[dest_name].shape
+                expected = (rows, *dest_shape[1:])
                 tensor = handle.get_tensor(key)
-                if tuple(tensor.shape) != tuple(params[name].shape):
+                if tuple(tensor.shape) != tuple(expected):
                     raise CheckpointError(
                         f"{model_dir}: tensor {key!r} has shape {list(tensor.shape)}, "
-                        f"the config expects {list(params[name].shape)}"
+                        f"the config expects {list(expected)}"
                     )
-                _assign(model, name, tensor.to(device=device, dtype=_param_dtype(name, dtype)))
+                if dest_name not in filled:
+                    filled[dest_name] = torch.empty(
+                        dest_shape, dtype=_param_dtype(dest_name, dtype), device=device
+                    )
+                filled[dest_name][start : start + rows].copy_(tensor)
                 bar.update()
     bar.close()
+    for dest_name, tensor in filled.items():
+        _assign(model, dest_name, tensor)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     for prefix, count in skipped.items():

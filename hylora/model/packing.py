@@ -1,0 +1,30 @@
+"""Which checkpoint projections hylora fuses into one GEMM, and where their rows go.
+
+One table, two users: the checkpoint loader copies each base weight into its rows of the fused
+weight, and the LoRA loader puts each adapter's B slice on exactly the same rows.
+"""
+
+from __future__ import annotations
+
+# (sub-layer, fused module) → the checkpoint modules whose output rows it stacks, in order
+PACKED_MODULES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("linear_attn", "in_proj_qkvz"): ("in_proj_qkv", "in_proj_z"),
+    ("linear_attn", "in_proj_ba"): ("in_proj_b", "in_proj_a"),
+    ("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
+    ("mlp", "gate_up_proj"): ("gate_proj", "up_proj"),
+}
+# checkpoint module → (fused module, slice index)
+PACKED_INTO: dict[tuple[str, str], tuple[str, int]] = {
+    (sub, part): (fused, i) for (sub, fused), parts in PACKED_MODULES.items() for i, part in enumerate(parts)
+}
+# every projection of the text decoder that LoRA may target, by sub-layer
+LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "linear_attn": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+
+
+def locate(sublayer: str, module: str) -> tuple[str, int]:
+    """Checkpoint module name → (hylora module name, output slice index)."""
+    return PACKED_INTO.get((sublayer, module), (module, 0))
