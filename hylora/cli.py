@@ -1,4 +1,4 @@
-"""`hylora` command line: demo-model, generate."""
+"""`hylora` command line: demo-model, generate, merge."""
 
 from __future__ import annotations
 
@@ -50,8 +50,21 @@ def cmd_generate(args: argparse.Namespace) -> None:
     stop = tuple(model.config.eos_token_ids) or (
         (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     )
-    out = greedy_generate(model, [ids], args.max_tokens, stop_ids=stop)[0]
+    adapters, lora = None, None
+    if args.lora:
+        from hylora.lora.registry import AdapterRegistry
+
+        adapters = AdapterRegistry(model, max_loras=1, max_lora_rank=256)
+        lora = adapters.load(Path(args.lora).name, args.lora).name
+    out = greedy_generate(model, [ids], args.max_tokens, stop_ids=stop, adapters=adapters, lora=lora)[0]
     print(tokenizer.decode(out, skip_special_tokens=True))
+
+
+def cmd_merge(args: argparse.Namespace) -> None:
+    from hylora.lora.merge import merge_adapter
+
+    out = merge_adapter(args.model_dir, args.adapter_dir, args.out_dir)
+    print(f"wrote {args.model_dir} + {args.adapter_dir} merged to {out}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--lora", metavar="ADAPTER_DIR", help="apply this PEFT LoRA adapter dynamically")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("merge", help="fold a LoRA adapter into the base weights (a complete model directory)")
+    p.add_argument("model_dir")
+    p.add_argument("adapter_dir")
+    p.add_argument("out_dir")
+    p.set_defaults(func=cmd_merge)
     return parser
 
 

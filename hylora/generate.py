@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hylora.cache import PagedKVCache, StatePool
+from hylora.lora.registry import AdapterLease, AdapterRegistry
 from hylora.model.decoder import HybridDecoder
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk
 
@@ -21,21 +22,42 @@ class SequenceHandle:
     slot: int
     pages: list[int] = field(default_factory=list)
     length: int = 0  # tokens already in the caches
+    lora: AdapterLease | None = None  # the adapter version this sequence runs with
+
+    @property
+    def lora_slot(self) -> int:
+        return self.lora.slot if self.lora is not None else -1
 
 
 class CachedRunner:
-    def __init__(self, model: HybridDecoder, num_slots: int = 8, num_pages: int = 512, page_size: int = 16):
+    def __init__(
+        self,
+        model: HybridDecoder,
+        num_slots: int = 8,
+        num_pages: int = 512,
+        page_size: int = 16,
+        adapters: AdapterRegistry | None = None,
+    ):
         self.model = model
+        self.adapters = adapters
         self.states = StatePool(model.config, num_slots, model.dtype, model.device)
         self.kv = PagedKVCache(model.config, num_pages, page_size, model.dtype, model.device)
 
-    def add(self) -> SequenceHandle:
-        return SequenceHandle(slot=self.states.allocate())
+    def add(self, adapter: str | None = None) -> SequenceHandle:
+        """A new sequence, on the base model or on the current version of adapter `adapter`."""
+        lease = None
+        if adapter is not None:
+            if self.adapters is None:
+                raise ValueError("this runner has no adapter registry")
+            lease = self.adapters.acquire(adapter)
+        return SequenceHandle(slot=self.states.allocate(), lora=lease)
 
     def release(self, seq: SequenceHandle) -> None:
         self.kv.free(seq.pages)
         self.states.free(seq.slot)
         seq.pages = []
+        if seq.lora is not None and self.adapters is not None:
+            self.adapters.release(seq.lora)
 
     @torch.inference_mode()
     def step(
@@ -50,7 +72,9 @@ class CachedRunner:
             need = self.kv.pages_needed(seq.length + len(tokens)) - len(seq.pages)
             if need > 0:
                 seq.pages += self.kv.allocate(need)
-            chunks.append(SequenceChunk(list(tokens), seq.length, seq.slot, seq.pages))
+            chunks.append(
+                SequenceChunk(list(tokens), seq.length, seq.slot, seq.pages, lora_slot=seq.lora_slot)
+            )
         batch = ForwardBatch.build(chunks, self.kv.page_size, self.model.device)
         hidden = self.model(batch, self.kv, self.states)
         for seq, tokens in feeds:
@@ -61,14 +85,24 @@ class CachedRunner:
 
 
 def greedy_generate(
-    model: HybridDecoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: tuple[int, ...] = ()
+    model: HybridDecoder,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_ids: tuple[int, ...] = (),
+    adapters: AdapterRegistry | None = None,
+    lora: str | None = None,
 ) -> list[list[int]]:
-    """Greedy decoding of several prompts batched together; returns the generated ids per prompt."""
+    """Greedy decoding of several prompts batched together (all on adapter `lora`, or the base);
+    returns the generated ids per prompt."""
     max_len = max(len(p) for p in prompts) + max_new_tokens
     runner = CachedRunner(
-        model, num_slots=len(prompts), num_pages=len(prompts) * (max_len // 16 + 1), page_size=16
+        model,
+        num_slots=len(prompts),
+        num_pages=len(prompts) * (max_len // 16 + 1),
+        page_size=16,
+        adapters=adapters,
     )
-    seqs = [runner.add() for _ in prompts]
+    seqs = [runner.add(lora) for _ in prompts]
     logits = runner.step(list(zip(seqs, prompts, strict=True)))
     outputs: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))

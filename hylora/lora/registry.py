@@ -1,0 +1,268 @@
+"""Adapters by name: validated at load, kept in a CPU LRU cache, placed into device slots on use.
+
+Device side: every LoRA-capable linear gets a `LoRAStack` of `max_loras` slots padded to
+`max_lora_rank`. A request acquires a lease on the adapter *version* current when it starts; reload
+under the same name makes a new version for new requests while running ones keep theirs, and
+unload hides the name at once but frees the slot only when the last lease is released. So neither
+ever changes the weights under a running request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hylora.lora.adapter import WEIGHTS_FILE, AdapterError, LoRAAdapter, read_adapter
+from hylora.lora.apply import LoRAStack
+from hylora.model.decoder import HybridDecoder
+from hylora.model.layers import Linear
+from hylora.model.packing import locate
+
+
+class UnknownAdapter(KeyError):
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class NoFreeLoRASlot(RuntimeError):
+    """Every device slot is held by running requests; retry when one finishes."""
+
+
+@dataclass(eq=False)
+class AdapterVersion:
+    name: str
+    version: int
+    path: Path
+    digest: str  # sha256 of the weights file, to re-read it safely after CPU eviction
+    max_rank: int
+    pinned: bool = False
+    leases: int = 0
+    slot: int | None = None
+    retired: bool = False  # replaced by a reload or unloaded
+
+
+@dataclass
+class AdapterLease:
+    version: AdapterVersion
+    released: bool = field(default=False)
+
+    @property
+    def slot(self) -> int:
+        assert self.version.slot is not None, "a leased adapter always has a device slot"
+        return self.version.slot
+
+    @property
+    def name(self) -> str:
+        return self.version.name
+
+
+class AdapterRegistry:
+    def __init__(
+        self,
+        model: HybridDecoder,
+        max_loras: int = 4,
+        max_lora_rank: int = 64,
+        max_cpu_loras: int | None = None,
+    ):
+        if max_loras < 1 or max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be at least 1")
+        self.model = model
+        self.config = model.config
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.max_cpu_loras = max(max_cpu_loras or 2 * max_loras, 1)
+        self._lock = threading.RLock()
+        self._current: dict[str, AdapterVersion] = {}
+        self._slots: list[AdapterVersion | None] = [None] * max_loras
+        self._slot_lru: OrderedDict[int, None] = OrderedDict()  # least recently used slot first
+        self._cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # id(version) → tensors, LRU
+        self._versions = 0
+        self._linears: dict[str, Linear] = {
+            name: m for name, m in model.named_modules() if isinstance(m, Linear)
+        }
+        for linear in self._linears.values():
+            linear.lora = self._new_stack(linear)
+
+    # --- loading ---------------------------------------------------------------------------
+    def load(self, name: str, path: str | Path, pin: bool = False) -> AdapterVersion:
+        """Read and validate an adapter and register it under `name`. Loading a name that exists
+        is a reload: new requests get the new version, running ones finish on the old."""
+        path = Path(path)
+        adapter = read_adapter(path, self.config, name)
+        if adapter.max_rank > self.max_lora_rank:
+            raise AdapterError(
+                f"adapter {name!r} has rank {adapter.max_rank}, above max_lora_rank {self.max_lora_rank}; "
+                "start the server with a larger --max-lora-rank"
+            )
+        with self._lock:
+            self._versions += 1
+            version = AdapterVersion(
+                name=name,
+                version=self._versions,
+                path=path,
+                digest=_digest(path / WEIGHTS_FILE),
+                max_rank=adapter.max_rank,
+                pinned=pin,
+            )
+            old = self._current.get(name)
+            self._current[name] = version
+            self._cache(version, adapter)
+            if old is not None:
+                self._retire(old)
+            return version
+
+    def unload(self, name: str) -> None:
+        """Remove `name` for new requests; requests already running on it finish normally."""
+        with self._lock:
+            version = self._current.pop(name, None)
+            if version is None:
+                raise UnknownAdapter(f"no adapter named {name!r} is loaded")
+            self._retire(version)
+
+    def pin(self, name: str, pinned: bool = True) -> None:
+        """A pinned adapter is never evicted from the CPU cache or from its device slot."""
+        with self._lock:
+            self.get(name).pinned = pinned
+
+    def get(self, name: str) -> AdapterVersion:
+        with self._lock:
+            if name not in self._current:
+                known = ", ".join(sorted(self._current)) or "none"
+                raise UnknownAdapter(f"no adapter named {name!r} is loaded (loaded: {known})")
+            return self._current[name]
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._current)
+
+    # --- use by requests -------------------------------------------------------------------
+    def acquire(self, name: str) -> AdapterLease:
+        """Lease the current version of `name` for one request and make sure it is on the device."""
+        with self._lock:
+            version = self.get(name)
+            if version.slot is None:
+                self._place(version)
+            version.leases += 1
+            self._slot_lru.move_to_end(version.slot)  # type: ignore[arg-type]
+            return AdapterLease(version)
+
+    def release(self, lease: AdapterLease) -> None:
+        with self._lock:
+            if lease.released:
+                return
+            lease.released = True
+            version = lease.version
+            version.leases -= 1
+            if version.retired and version.leases == 0:
+                self._evict_slot(version)
+
+    # --- introspection ---------------------------------------------------------------------
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            on_device = [v.name for v in self._slots if v is not None and not v.retired]
+            return {
+                "loaded": sorted(self._current),
+                "on_device": sorted(on_device),
+                "on_cpu": len(self._cpu),
+                "slots_total": self.max_loras,
+                "slots_used": sum(v is not None for v in self._slots),
+                "leases": {v.name: v.leases for v in self._current.values()},
+            }
+
+    def slot_of(self, name: str) -> int | None:
+        with self._lock:
+            return self.get(name).slot
+
+    # --- internals -------------------------------------------------------------------------
+    def _new_stack(self, linear: Linear) -> LoRAStack:
+        dev, dtype, r = linear.weight.device, linear.weight.dtype, self.max_lora_rank
+        return LoRAStack(
+            a=[
+                torch.zeros(self.max_loras, r, linear.in_features, device=dev, dtype=dtype)
+                for _ in linear.slices
+            ],
+            b=[
+                torch.zeros(self.max_loras, rows, r, device=dev, dtype=dtype)
+                for rows in linear.slices.values()
+            ],
+            offsets=linear.slice_offsets,
+            present=[[False] * len(linear.slices) for _ in range(self.max_loras)],
+        )
+
+    def _retire(self, version: AdapterVersion) -> None:
+        version.retired = True
+        self._cpu.pop(id(version), None)
+        if version.leases == 0:
+            self._evict_slot(version)
+
+    def _cache(self, version: AdapterVersion, adapter: LoRAAdapter) -> None:
+        self._cpu[id(version)] = adapter
+        self._cpu.move_to_end(id(version))
+        pinned = {id(v) for v in self._current.values() if v.pinned}
+        for key in list(self._cpu):
+            if len(self._cpu) <= self.max_cpu_loras:
+                break
+            if key not in pinned and key != id(version):
+                del self._cpu[key]
+
+    def _tensors(self, version: AdapterVersion) -> LoRAAdapter:
+        adapter = self._cpu.get(id(version))
+        if adapter is None:  # evicted from the CPU cache: read it again, and make sure it is the same file
+            if _digest(version.path / WEIGHTS_FILE) != version.digest:
+                raise AdapterError(
+                    f"adapter {version.name!r}: {version.path / WEIGHTS_FILE} changed on disk since it was "
+                    "loaded; load it again to serve the new weights"
+                )
+            adapter = read_adapter(version.path, self.config, version.name)
+        self._cache(version, adapter)
+        return adapter
+
+    def _place(self, version: AdapterVersion) -> None:
+        slot = next((i for i, v in enumerate(self._slots) if v is None), None)
+        if slot is None:
+            slot = next(
+                (
+                    s
+                    for s in self._slot_lru
+                    if (v := self._slots[s]) is not None and v.leases == 0 and not v.pinned
+                ),
+                None,
+            )
+            if slot is None:
+                raise NoFreeLoRASlot(
+                    f"all {self.max_loras} LoRA slots hold adapters of running requests or pinned adapters"
+                )
+            self._evict_slot(self._slots[slot])  # type: ignore[arg-type]
+        adapter = self._tensors(version)
+        for (layer, sub, module), w in adapter.weights.items():
+            fused, index = locate(sub, module)
+            stack = self._linears[f"layers.{layer}.{sub}.{fused}"].lora
+            assert stack is not None
+            r = w.a.shape[0]
+            stack.a[index][slot].zero_()  # the slot was cleared on eviction; zero the padding anyway
+            stack.b[index][slot].zero_()
+            stack.a[index][slot, :r] = w.a.to(stack.a[index].dtype)
+            stack.b[index][slot, :, :r] = (w.b * w.scale).to(stack.b[index].dtype)
+            stack.present[slot][index] = True
+        self._slots[slot] = version
+        version.slot = slot
+        self._slot_lru[slot] = None
+
+    def _evict_slot(self, version: AdapterVersion) -> None:
+        slot = version.slot
+        if slot is None:
+            return
+        for linear in self._linears.values():
+            if linear.lora is not None and any(linear.lora.present[slot]):
+                linear.lora.clear_slot(slot)
+        self._slots[slot] = None
+        self._slot_lru.pop(slot, None)
+        version.slot = None
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

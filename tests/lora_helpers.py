@@ -1,0 +1,41 @@
+"""PEFT-written random adapters (non-zero B) on the tiny test checkpoints."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+# name → LoraConfig kwargs; different ranks, target sets, patterns and one rsLoRA
+ADAPTER_SPECS = {
+    "gdn_attn": dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj"],
+        layers_to_transform=[0, 2, 3],
+    ),
+    "rs_mlp": dict(
+        r=4,
+        lora_alpha=4,
+        use_rslora=True,
+        target_modules=["in_proj_b", "in_proj_a", "gate_proj", "down_proj", "k_proj", "o_proj"],
+        rank_pattern={"down_proj": 2},
+        alpha_pattern={"o_proj": 3},
+    ),
+    "all_linear": dict(r=6, lora_alpha=6, target_modules="all-linear"),
+    "regex": dict(
+        r=3, lora_alpha=5, target_modules=r".*layers\.[13]\..*(in_proj_qkv|in_proj_ba?|up_proj|o_proj)"
+    ),
+}
+
+
+def peft_adapter(base_model, out_dir: Path, seed: int, **lora_kwargs):
+    """Wrap a copy of `base_model` with a random LoRA (B != 0), save it, return the PEFT model."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    cfg = LoraConfig(init_lora_weights=False, lora_dropout=0.0, **lora_kwargs)
+    peft_model = get_peft_model(copy.deepcopy(base_model), cfg).eval()
+    peft_model.save_pretrained(out_dir)
+    return peft_model
