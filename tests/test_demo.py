@@ -71,6 +71,26 @@ def test_peft_loads_each_demo_adapter_and_it_changes_the_output(demo_dir, name):
     assert (after - before).abs().max().item() > 1e-2
 
 
+@pytest.mark.parametrize("name", list(DEMO_ADAPTERS))
+def test_hylora_applies_demo_adapters_as_peft_does(demo_dir, name):
+    from peft import PeftModel
+    from transformers import Qwen3_5ForCausalLM
+
+    from hylora.generate import CachedRunner
+    from hylora.lora.registry import AdapterRegistry
+
+    peft = PeftModel.from_pretrained(
+        Qwen3_5ForCausalLM.from_pretrained(demo_dir), demo_dir / "adapters" / name
+    )
+    model = load_model(demo_dir, progress=False)
+    registry = AdapterRegistry(model, max_loras=1, max_lora_rank=16)
+    registry.load(name, demo_dir / "adapters" / name)
+    runner = CachedRunner(model, num_slots=1, num_pages=16, adapters=registry)
+    ids = load_tokenizer(demo_dir).encode("At second twelve a ceramic figure of a horse appears.")
+    got = runner.step([(runner.add(name), ids)], all_logits=True)[0]
+    assert (got - hf_logits(peft.eval(), ids)).abs().max().item() <= 1e-4
+
+
 def test_cli_generate_on_demo(tmp_path):
     env = {"HYLORA_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
     out = subprocess.run(

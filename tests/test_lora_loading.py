@@ -202,3 +202,38 @@ def test_rank_above_max_lora_rank_is_refused(good_adapter, causal_ckpt):
     registry = AdapterRegistry(load_model(causal_ckpt[0], progress=False), max_loras=1, max_lora_rank=2)
     with pytest.raises(AdapterError, match="rank 4, above max_lora_rank 2"):
         registry.load("a", good_adapter)
+
+
+def test_merge_vl_checkpoint_keeps_layout_and_vision(twin_checkpoints, tmp_path):
+    """`hylora merge` on a VL checkpoint: same files and keys, vision tower untouched, and
+    transformers' VL class loads it with the adapter's effect."""
+    import subprocess
+    import sys
+
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    bases, adapters, causal_peft = twin_checkpoints
+    out = tmp_path / "merged"
+    run = subprocess.run(
+        [sys.executable, "-m", "hylora", "merge", str(bases["vl"]), str(adapters["causal"]), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    before, after = load_file(bases["vl"] / "model.safetensors"), load_file(out / "model.safetensors")
+    assert before.keys() == after.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(".language_model." in k for k in changed)
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("model.visual."))
+    merged = Qwen3_5ForConditionalGeneration.from_pretrained(out).eval()
+    ids = random_ids(70, 320, seed=8)
+    assert (hf_logits(merged, ids) - hf_logits(causal_peft, ids)).abs().max().item() <= 1e-4
+
+
+def test_merge_refuses_to_overwrite(twin_checkpoints):
+    from hylora.lora.merge import merge_adapter
+
+    bases, adapters, _ = twin_checkpoints
+    with pytest.raises(ValueError, match="must differ"):
+        merge_adapter(bases["vl"], adapters["vl"], bases["vl"])
