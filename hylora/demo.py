@@ -107,19 +107,16 @@ def ensure_demo(path: Path | None = None) -> Path:
 def write_demo(path: str | Path, shape: DemoShape = DemoShape()) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(shape.tokenizer_vocab)
+    tokenizer = write_tokenizer(path, shape.tokenizer_vocab)
     vocab = len(tokenizer.get_vocab())
     im_end = tokenizer.token_to_id("<|im_end|>")
-    _write_tokenizer_files(path, tokenizer)
     config = _model_config(shape, vocab_size=math.ceil(vocab / 64) * 64, eos=im_end)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": im_end}, indent=2))
     weights = _random_weights(config, torch.Generator().manual_seed(SEED))
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     for i, (name, spec) in enumerate(DEMO_ADAPTERS.items()):
-        _write_adapter(
-            path / "adapters" / name, weights, *spec, generator=torch.Generator().manual_seed(SEED + i + 1)
-        )
+        _write_adapter(path / "adapters" / name, weights, *spec, generator=torch.Generator().manual_seed(SEED + i + 1))
     (path / "DEMO_COMPLETE").write_text("ok\n")
     return path
 
@@ -140,7 +137,10 @@ def _train_tokenizer(vocab_size: int):
     return tok
 
 
-def _write_tokenizer_files(path: Path, tokenizer) -> None:
+def write_tokenizer(path: Path, vocab_size: int):
+    """Train the byte-level BPE (at most `vocab_size` ids, specials included) and write
+    tokenizer.json + tokenizer_config.json (with the chat template) into `path`."""
+    tokenizer = _train_tokenizer(vocab_size)
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps(
@@ -154,12 +154,11 @@ def _write_tokenizer_files(path: Path, tokenizer) -> None:
             indent=2,
         )
     )
+    return tokenizer
 
 
 def _model_config(s: DemoShape, vocab_size: int, eos: int) -> dict:
-    layers = [
-        "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(s.num_hidden_layers)
-    ]
+    layers = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(s.num_hidden_layers)]
     rotary_half = int(s.head_dim * 0.25) // 2
     return {
         "architectures": ["Qwen3_5ForCausalLM"],
@@ -202,9 +201,7 @@ def _random_weights(cfg: dict, g: torch.Generator) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
         model = HybridDecoder(ModelConfig.from_hf(cfg))
     params = dict(model.named_parameters())
-    shapes = {
-        name: (rows, *params[dest].shape[1:]) for name, (dest, _, rows) in checkpoint_layout(model).items()
-    }
+    shapes = {name: (rows, *params[dest].shape[1:]) for name, (dest, _, rows) in checkpoint_layout(model).items()}
     out = {}
     for name, shape in shapes.items():
         if name.endswith("A_log"):
@@ -241,9 +238,7 @@ def _write_adapter(
         prefix = "base_model.model." + key[: -len(".weight")]
         out_f, in_f = w.shape
         tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_f, generator=generator) / math.sqrt(in_f)
-        tensors[f"{prefix}.lora_B.weight"] = (
-            torch.randn(out_f, rank, generator=generator) * 0.5 / math.sqrt(rank)
-        )
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_f, rank, generator=generator) * 0.5 / math.sqrt(rank)
     save_file(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
     (path / "adapter_config.json").write_text(
         json.dumps(

@@ -60,9 +60,7 @@ class CachedRunner:
             self.adapters.release(seq.lora)
 
     @torch.inference_mode()
-    def step(
-        self, feeds: list[tuple[SequenceHandle, list[int]]], all_logits: bool = False
-    ) -> list[torch.Tensor]:
+    def step(self, feeds: list[tuple[SequenceHandle, list[int]]], all_logits: bool = False) -> list[torch.Tensor]:
         """Append tokens to several sequences in one forward pass.
 
         Returns per sequence the fp32 logits of its last new token [V], or of every new token [n, V].
@@ -72,9 +70,7 @@ class CachedRunner:
             need = self.kv.pages_needed(seq.length + len(tokens)) - len(seq.pages)
             if need > 0:
                 seq.pages += self.kv.allocate(need)
-            chunks.append(
-                SequenceChunk(list(tokens), seq.length, seq.slot, seq.pages, lora_slot=seq.lora_slot)
-            )
+            chunks.append(SequenceChunk(list(tokens), seq.length, seq.slot, seq.pages, lora_slot=seq.lora_slot))
         batch = ForwardBatch.build(chunks, self.kv.page_size, self.model.device)
         hidden = self.model(batch, self.kv, self.states)
         for seq, tokens in feeds:

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hylora.demo import write_tokenizer
+
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(min(4, os.cpu_count() or 1))
 
@@ -51,9 +53,7 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
             elif name.endswith("dt_bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
             elif "norm" in name:
-                p.copy_(
-                    torch.randn(p.shape, generator=g) * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0)
-                )
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
 
@@ -65,6 +65,7 @@ def write_causal(path: Path, seed: int = 0, **overrides):
     model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text_config(**overrides))).eval()
     randomise(model, seed)
     model.save_pretrained(path)
+    write_tokenizer(path, model.config.vocab_size)
     return model
 
 
@@ -76,6 +77,7 @@ def write_vl(path: Path, seed: int = 0, **overrides):
     model = Qwen3_5ForConditionalGeneration(cfg).eval()
     randomise(model, seed)
     model.save_pretrained(path)
+    write_tokenizer(path, cfg.text_config.vocab_size)
     return model
 
 

@@ -24,9 +24,7 @@ ADAPTER_SPECS = {
         alpha_pattern={"o_proj": 3},
     ),
     "all_linear": dict(r=6, lora_alpha=6, target_modules="all-linear"),
-    "regex": dict(
-        r=3, lora_alpha=5, target_modules=r".*layers\.[13]\..*(in_proj_qkv|in_proj_ba?|up_proj|o_proj)"
-    ),
+    "regex": dict(r=3, lora_alpha=5, target_modules=r".*layers\.[13]\..*(in_proj_qkv|in_proj_ba?|up_proj|o_proj)"),
 }
 
 

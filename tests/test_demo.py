@@ -79,9 +79,7 @@ def test_hylora_applies_demo_adapters_as_peft_does(demo_dir, name):
     from hylora.generate import CachedRunner
     from hylora.lora.registry import AdapterRegistry
 
-    peft = PeftModel.from_pretrained(
-        Qwen3_5ForCausalLM.from_pretrained(demo_dir), demo_dir / "adapters" / name
-    )
+    peft = PeftModel.from_pretrained(Qwen3_5ForCausalLM.from_pretrained(demo_dir), demo_dir / "adapters" / name)
     model = load_model(demo_dir, progress=False)
     registry = AdapterRegistry(model, max_loras=1, max_lora_rank=16)
     registry.load(name, demo_dir / "adapters" / name)

@@ -36,9 +36,7 @@ def test_chunked_prefill_at_arbitrary_points(model, cuts):
     runner = CachedRunner(model, num_slots=1, num_pages=64, page_size=16)
     seq = runner.add()
     bounds = [0, *cuts, len(ids)]
-    pieces = [
-        runner.step([(seq, ids[a:b])], all_logits=True)[0] for a, b in zip(bounds, bounds[1:], strict=False)
-    ]
+    pieces = [runner.step([(seq, ids[a:b])], all_logits=True)[0] for a, b in zip(bounds, bounds[1:], strict=False)]
     assert (torch.cat(pieces) - full).abs().max().item() <= ATOL
 
 

@@ -29,8 +29,7 @@ def rewrite(src, dst, edit_tensors=None, edit_config=None):
 
 def to_vl_layout(tensors):
     return {
-        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v
-        for k, v in tensors.items()
+        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in tensors.items()
     } | {"model.visual.patch_embed.proj.weight": torch.zeros(4, 3)}
 
 
@@ -74,16 +73,12 @@ def test_missing_tensor_is_named(causal_ckpt, tmp_path):
 def test_misshaped_tensor_is_named(causal_ckpt, tmp_path):
     key = "model.layers.3.self_attn.q_proj.weight"
     bad = rewrite(causal_ckpt[0], tmp_path / "m", lambda t: t | {key: t[key][:-1]})
-    with pytest.raises(
-        CheckpointError, match=r"'model.layers.3.self_attn.q_proj.weight' has shape \[255, 64\]"
-    ):
+    with pytest.raises(CheckpointError, match=r"'model.layers.3.self_attn.q_proj.weight' has shape \[255, 64\]"):
         load_model(bad, progress=False)
 
 
 def test_unexpected_tensor_is_named(causal_ckpt, tmp_path):
-    bad = rewrite(
-        causal_ckpt[0], tmp_path / "m", lambda t: t | {"model.layers.0.extra.weight": torch.ones(2)}
-    )
+    bad = rewrite(causal_ckpt[0], tmp_path / "m", lambda t: t | {"model.layers.0.extra.weight": torch.ones(2)})
     with pytest.raises(CheckpointError, match="unexpected tensors 'model.layers.0.extra.weight'"):
         load_model(bad, progress=False)
 

@@ -94,9 +94,7 @@ def test_mixed_batch_equals_each_request_alone(setup):
     firsts = [(s, h[0]) for s, h in zip(seqs, halves, strict=True) if h[0]]
     for (s, _), lg in zip(firsts, runner.step(firsts, all_logits=True), strict=True):
         got[seqs.index(s)].append(lg)
-    for i, lg in enumerate(
-        runner.step([(s, h[1]) for s, h in zip(seqs, halves, strict=True)], all_logits=True)
-    ):
+    for i, lg in enumerate(runner.step([(s, h[1]) for s, h in zip(seqs, halves, strict=True)], all_logits=True)):
         got[i].append(lg)
     for t in range(6):
         for i, lg in enumerate(runner.step([(s, [decode[i][t]]) for i, s in enumerate(seqs)])):

@@ -37,14 +37,10 @@ def twin_checkpoints(causal_ckpt, tmp_path_factory):
     vl.lm_head.load_state_dict(causal.lm_head.state_dict())
     vl.save_pretrained(root / "vl")
 
-    causal_peft = peft_adapter(
-        causal, root / "from_causal", seed=5, r=4, lora_alpha=8, target_modules=TARGETS
-    )
+    causal_peft = peft_adapter(causal, root / "from_causal", seed=5, r=4, lora_alpha=8, target_modules=TARGETS)
     from peft import LoraConfig, get_peft_model
 
-    vl_peft = get_peft_model(
-        vl, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
-    )
+    vl_peft = get_peft_model(vl, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
     src = dict(causal_peft.named_parameters())
     with torch.no_grad():
         for name, p in vl_peft.named_parameters():

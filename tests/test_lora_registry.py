@@ -55,9 +55,7 @@ def test_reload_and_unload_during_requests_keep_running_outputs(model, adapter_d
     with pytest.raises(UnknownAdapter, match="no adapter named 'other'.*loaded: task"):
         runner.add("other")
     newcomer = runner.add("task")
-    second, _, new_logits = runner.step(
-        [(running, more), (doomed, more), (newcomer, prompt + more)], all_logits=True
-    )
+    second, _, new_logits = runner.step([(running, more), (doomed, more), (newcomer, prompt + more)], all_logits=True)
 
     assert (torch.cat([first, second]) - expect_a).abs().max().item() <= ATOL
     assert (new_logits - expect_b).abs().max().item() <= ATOL

@@ -30,6 +30,7 @@ class PagedKVCache:
         self.num_pages = num_pages
         self.page_size = page_size
         self._free = list(range(num_pages - 1, -1, -1))
+        self._allocated: set[int] = set()
 
     @property
     def num_free(self) -> int:
@@ -42,17 +43,23 @@ class PagedKVCache:
         if n > len(self._free):
             raise OutOfPages(f"need {n} KV pages, {len(self._free)} of {self.num_pages} free")
         pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            sl = slice(p * self.page_size, (p + 1) * self.page_size)
-            self.k[:, sl].zero_()
-            self.v[:, sl].zero_()
+        self._allocated.update(pages)
+        self.scrub(pages)
         return pages
 
     def free(self, pages: list[int]) -> None:
         for p in pages:
-            if p in self._free or not 0 <= p < self.num_pages:
+            if p not in self._allocated:
                 raise ValueError(f"page {p} is not allocated")
+        self._allocated.difference_update(pages)
         self._free.extend(pages)
+
+    def scrub(self, pages: list[int]) -> None:
+        """Zero the K/V rows of `pages` in every layer."""
+        for p in pages:
+            sl = slice(p * self.page_size, (p + 1) * self.page_size)
+            self.k[:, sl].zero_()
+            self.v[:, sl].zero_()
 
     def bytes_per_page(self) -> int:
         return 2 * self.k[:, : self.page_size].numel() * self.k.element_size()

@@ -39,6 +39,7 @@ class StatePool:
         )
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
+        self._allocated: set[int] = set()
 
     @property
     def num_free(self) -> int:
@@ -48,12 +49,14 @@ class StatePool:
         if not self._free:
             raise OutOfSlots(f"all {self.num_slots} GDN state slots are in use")
         slot = self._free.pop()
+        self._allocated.add(slot)
         self.reset(slot)
         return slot
 
     def free(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.num_slots:
+        if slot not in self._allocated:
             raise ValueError(f"slot {slot} is not allocated")
+        self._allocated.remove(slot)
         self._free.append(slot)
 
     def reset(self, slot: int) -> None:

@@ -93,8 +93,7 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None)
         layer = int(layer_s)
         if layer >= config.num_layers:
             raise AdapterError(
-                f"adapter {name!r}: {module_path} is layer {layer}, the base model has "
-                f"{config.num_layers} layers"
+                f"adapter {name!r}: {module_path} is layer {layer}, the base model has {config.num_layers} layers"
             )
         if sub not in layer_sublayers(config, layer):
             kind = config.layer_types[layer]
@@ -102,9 +101,7 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None)
         if module not in LORA_TARGETS[sub]:
             raise AdapterError(f"adapter {name!r}: {module_path}: no projection {module!r} in {sub}")
         if set(ab) != {"lora_A", "lora_B"}:
-            raise AdapterError(
-                f"adapter {name!r}: {module_path} has {sorted(ab)} but needs lora_A and lora_B"
-            )
+            raise AdapterError(f"adapter {name!r}: {module_path} has {sorted(ab)} but needs lora_A and lora_B")
         a, b = ab["lora_A"].float(), ab["lora_B"].float()
         out_f, in_f = shapes[(sub, module)]
         r = a.shape[0]
@@ -116,9 +113,7 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None)
             )
         rank, alpha = _rank_alpha(cfg, module_path)
         if r != rank:
-            raise AdapterError(
-                f"adapter {name!r}: {module_path} has rank {r}, adapter_config.json says {rank}"
-            )
+            raise AdapterError(f"adapter {name!r}: {module_path} has rank {r}, adapter_config.json says {rank}")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"adapter {name!r}: {module_path} contains NaN or Inf values")
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
@@ -202,9 +197,7 @@ def _refuse_known_unsupported(key: str) -> None:
 def _rank_alpha(cfg: dict[str, Any], module_path: str) -> tuple[int, float]:
     """Per-module rank and alpha as PEFT resolves them (rank_pattern / alpha_pattern)."""
     rank = _pattern_value(cfg.get("rank_pattern") or {}, module_path, int(cfg["r"]))
-    alpha = _pattern_value(
-        cfg.get("alpha_pattern") or {}, module_path, float(cfg.get("lora_alpha", cfg["r"]))
-    )
+    alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module_path, float(cfg.get("lora_alpha", cfg["r"])))
     return int(rank), float(alpha)
 
 
@@ -215,9 +208,7 @@ def _pattern_value(patterns: dict[str, Any], module_path: str, default: Any) -> 
     return default
 
 
-def _check_targets(
-    name: str, cfg: dict[str, Any], in_file: set[str], config: ModelConfig, prefix: str
-) -> None:
+def _check_targets(name: str, cfg: dict[str, Any], in_file: set[str], config: ModelConfig, prefix: str) -> None:
     """The modules adapter_config.json targets must be exactly the ones the weights file holds."""
     candidates = [
         f"{prefix}layers.{i}.{sub}.{module}"
@@ -235,8 +226,7 @@ def _check_targets(
     extra = sorted(in_file - targeted, key=_natural)
     if extra:
         raise AdapterError(
-            f"adapter {name!r}: {WEIGHTS_FILE} holds modules that adapter_config.json does not target: "
-            f"{_names(extra)}"
+            f"adapter {name!r}: {WEIGHTS_FILE} holds modules that adapter_config.json does not target: {_names(extra)}"
         )
 
 

@@ -18,9 +18,7 @@ from hylora.lora.adapter import LoRAWeight, read_adapter
 from hylora.model.loader import TEXT_PREFIXES, weight_files
 
 
-def merge_adapter(
-    model_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, progress: bool = True
-) -> Path:
+def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if out_dir.resolve() == model_dir.resolve():
         raise ValueError("the output directory must differ from the model directory")

@@ -81,9 +81,7 @@ class AdapterRegistry:
         self._slot_lru: OrderedDict[int, None] = OrderedDict()  # least recently used slot first
         self._cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # id(version) → tensors, LRU
         self._versions = 0
-        self._linears: dict[str, Linear] = {
-            name: m for name, m in model.named_modules() if isinstance(m, Linear)
-        }
+        self._linears: dict[str, Linear] = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
         for linear in self._linears.values():
             linear.lora = self._new_stack(linear)
 
@@ -181,14 +179,8 @@ class AdapterRegistry:
     def _new_stack(self, linear: Linear) -> LoRAStack:
         dev, dtype, r = linear.weight.device, linear.weight.dtype, self.max_lora_rank
         return LoRAStack(
-            a=[
-                torch.zeros(self.max_loras, r, linear.in_features, device=dev, dtype=dtype)
-                for _ in linear.slices
-            ],
-            b=[
-                torch.zeros(self.max_loras, rows, r, device=dev, dtype=dtype)
-                for rows in linear.slices.values()
-            ],
+            a=[torch.zeros(self.max_loras, r, linear.in_features, device=dev, dtype=dtype) for _ in linear.slices],
+            b=[torch.zeros(self.max_loras, rows, r, device=dev, dtype=dtype) for rows in linear.slices.values()],
             offsets=linear.slice_offsets,
             present=[[False] * len(linear.slices) for _ in range(self.max_loras)],
         )
@@ -225,11 +217,7 @@ class AdapterRegistry:
         slot = next((i for i, v in enumerate(self._slots) if v is None), None)
         if slot is None:
             slot = next(
-                (
-                    s
-                    for s in self._slot_lru
-                    if (v := self._slots[s]) is not None and v.leases == 0 and not v.pinned
-                ),
+                (s for s in self._slot_lru if (v := self._slots[s]) is not None and v.leases == 0 and not v.pinned),
                 None,
             )
             if slot is None:

@@ -21,9 +21,7 @@ class GatedAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         # one GEMM for [q_proj | k_proj | v_proj]; q_proj rows per head: [query | gate]
         self.q_rows, self.kv_rows = self.heads * self.head_dim * 2, self.kv_heads * self.head_dim
-        self.qkv_proj = Linear(
-            c.hidden_size, {"q_proj": self.q_rows, "k_proj": self.kv_rows, "v_proj": self.kv_rows}
-        )
+        self.qkv_proj = Linear(c.hidden_size, {"q_proj": self.q_rows, "k_proj": self.kv_rows, "v_proj": self.kv_rows})
         self.o_proj = Linear(self.heads * self.head_dim, {"o_proj": c.hidden_size})
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)

@@ -32,9 +32,7 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
         self.key_dim, self.value_dim, self.conv_dim = c.linear_key_dim, c.linear_value_dim, c.linear_conv_dim
         # fused GEMMs (model/packing.py): [qkv | z] and [b | a]
-        self.in_proj_qkvz = Linear(
-            c.hidden_size, {"in_proj_qkv": c.linear_conv_dim, "in_proj_z": self.value_dim}
-        )
+        self.in_proj_qkvz = Linear(c.hidden_size, {"in_proj_qkv": c.linear_conv_dim, "in_proj_z": self.value_dim})
         self.in_proj_ba = Linear(c.hidden_size, {"in_proj_b": self.hv, "in_proj_a": self.hv})
         self.conv1d = DepthwiseConv(c.linear_conv_dim, c.linear_conv_kernel_dim)
         self.dt_bias = _param(self.hv)
@@ -62,9 +60,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
-        o, recurrent = ops.varlen_gated_delta_rule(
-            q, k, v, g, beta, states.recurrent[layer, slots], batch.seq_lens
-        )
+        o, recurrent = ops.varlen_gated_delta_rule(q, k, v, g, beta, states.recurrent[layer, slots], batch.seq_lens)
         states.recurrent[layer, slots] = recurrent
         o = self.norm(o, z.reshape(T, self.hv, self.dv))
         return self.out_proj(o.reshape(T, self.value_dim), batch.lora)

@@ -43,9 +43,7 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
         return {key: model_dir / name for key, name in weight_map.items()}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        pickles = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
-            p.name for p in model_dir.glob("*.pt")
-        )
+        pickles = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
         hint = (
             f" (found {', '.join(pickles)}: pickle weights are not loaded; convert them to safetensors)"
             if pickles
@@ -147,9 +145,7 @@ def load_model(
                         f"the config expects {list(expected)}"
                     )
                 if dest_name not in filled:
-                    filled[dest_name] = torch.empty(
-                        dest_shape, dtype=_param_dtype(dest_name, dtype), device=device
-                    )
+                    filled[dest_name] = torch.empty(dest_shape, dtype=_param_dtype(dest_name, dtype), device=device)
                 filled[dest_name][start : start + rows].copy_(tensor)
                 bar.update()
     bar.close()

@@ -15,9 +15,7 @@ from hylora.config import ModelConfig
 class MRotaryEmbedding:
     def __init__(self, config: ModelConfig, device: torch.device | str):
         dim = config.rotary_dim
-        self.inv_freq = 1.0 / (
-            config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
-        )
+        self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
         axis = torch.zeros(dim // 2, dtype=torch.long)
         i = torch.arange(dim // 2)
         axis[(i % 3 == 1) & (i < 3 * config.mrope_section[1])] = 1

@@ -33,9 +33,7 @@ def paged_attention(
         v = v_cache[slots].transpose(0, 1)
         qi = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
         # query j (position ctx + j) sees keys 0..ctx + j
-        mask = (
-            torch.arange(total, device=q.device)[None, :] <= (ctx + torch.arange(n, device=q.device))[:, None]
-        )
+        mask = torch.arange(total, device=q.device)[None, :] <= (ctx + torch.arange(n, device=q.device))[:, None]
         o = F.scaled_dot_product_attention(
             qi.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=hq != hkv
         )

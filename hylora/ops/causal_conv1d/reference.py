@@ -22,9 +22,7 @@ def causal_conv1d_varlen(
     new_states = torch.empty_like(conv_states)
     start = 0
     for i, n in enumerate(seq_lens):
-        window = torch.cat(
-            [conv_states[i], x[start : start + n].T.to(conv_states.dtype)], dim=1
-        )  # [C, K-1+n]
+        window = torch.cat([conv_states[i], x[start : start + n].T.to(conv_states.dtype)], dim=1)  # [C, K-1+n]
         y = F.conv1d(window[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]  # [C, n]
         out[start : start + n] = F.silu(y).T.to(x.dtype)
         new_states[i] = window[:, window.shape[1] - (K - 1) :]

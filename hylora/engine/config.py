@@ -1,0 +1,40 @@
+"""Engine configuration: every knob in one place; environment overrides use the HYLORA_ prefix."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int = 8192  # prompt + generated tokens per request
+    max_num_seqs: int = 32  # running sequences (each holds one GDN state slot)
+    max_num_batched_tokens: int = 2048  # tokens per step: long prompts are chunked to fit
+    page_size: int = 16  # KV tokens per page
+    num_pages: int | None = None  # None: from the memory budget (GPU) or max_num_seqs * max_model_len (CPU)
+    gpu_memory_utilization: float = 0.90  # fraction of the GPU hylora may use
+    max_loras: int = 4  # device slots for adapters = distinct adapters in flight
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None
+    dtype: str = "auto"
+    device: str | None = None  # None: cuda if available else cpu
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # HYLORA_MAX_NUM_SEQS=64 overrides max_num_seqs, etc.
+            env = os.environ.get(f"HYLORA_{f.name.upper()}")
+            if env is not None:
+                current = getattr(self, f.name)
+                kind = type(current) if current is not None else (int if f.name == "num_pages" else str)
+                setattr(self, f.name, kind(env))
+        checks = [
+            (self.max_model_len >= 1, "max_model_len must be >= 1"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (self.page_size >= 1, "page_size must be >= 1"),
+            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
+            (self.max_loras >= 1 and self.max_lora_rank >= 1, "max_loras and max_lora_rank must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

@@ -1,0 +1,94 @@
+"""Sizing the KV pages and GDN state slots: measured on GPU, explicit on CPU."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from hylora.cache import PagedKVCache, StatePool
+from hylora.engine.config import EngineConfig
+from hylora.model.decoder import HybridDecoder
+from hylora.model.forward_batch import ForwardBatch, SequenceChunk
+
+log = logging.getLogger(__name__)
+GiB = 1 << 30
+
+
+@dataclass
+class CachePlan:
+    num_pages: int
+    num_slots: int
+
+
+def plan_caches(model: HybridDecoder, config: EngineConfig) -> CachePlan:
+    slots = config.max_num_seqs
+    per_seq_pages = -(-config.max_model_len // config.page_size)
+    if config.num_pages is not None:
+        return CachePlan(num_pages=config.num_pages, num_slots=slots)
+    if model.device.type != "cuda":
+        return CachePlan(num_pages=slots * per_seq_pages, num_slots=slots)
+
+    # GPU: what is left of the budget after weights, LoRA slots and one profiled step.
+    dev = model.device
+    torch.cuda.synchronize(dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    used_before = total - free
+    activation_peak = _profile_step(model, config)
+    budget = total * config.gpu_memory_utilization - used_before - activation_peak
+    state_bytes = _state_bytes_per_slot(model)
+    page_bytes = _page_bytes(model, config.page_size)
+    if budget < slots * state_bytes + per_seq_pages * page_bytes:
+        raise MemoryError(
+            f"after weights ({used_before / GiB:.1f} GiB in use) and activations ({activation_peak / GiB:.1f} "
+            f"GiB) the budget ({config.gpu_memory_utilization:.0%} of {total / GiB:.1f} GiB) leaves no room for "
+            f"{slots} GDN state slots and one {config.max_model_len}-token sequence; lower --max-num-seqs, "
+            "--max-model-len or --max-num-batched-tokens, or raise --gpu-memory-utilization"
+        )
+    num_pages = int((budget - slots * state_bytes) // page_bytes)
+    log.info(
+        "memory: %.1f GiB in use before caches, %.2f GiB activations, GDN state %d slots x %.1f MiB = %.2f GiB, "
+        "KV %d pages x %d tokens = %.2f GiB",
+        used_before / GiB,
+        activation_peak / GiB,
+        slots,
+        state_bytes / 2**20,
+        slots * state_bytes / GiB,
+        num_pages,
+        config.page_size,
+        num_pages * page_bytes / GiB,
+    )
+    return CachePlan(num_pages=num_pages, num_slots=slots)
+
+
+def _state_bytes_per_slot(model: HybridDecoder) -> int:
+    c = model.config
+    conv = c.linear_conv_dim * (c.linear_conv_kernel_dim - 1) * model.dtype.itemsize
+    recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    return len(c.gdn_layers) * (conv + recurrent)
+
+
+def _page_bytes(model: HybridDecoder, page_size: int) -> int:
+    c = model.config
+    return 2 * len(c.attention_layers) * page_size * c.num_key_value_heads * c.head_dim * model.dtype.itemsize
+
+
+@torch.inference_mode()
+def _profile_step(model: HybridDecoder, config: EngineConfig) -> int:
+    """Peak extra memory of one forward at the full token budget."""
+    n = min(config.max_num_batched_tokens, config.max_model_len)
+    kv = PagedKVCache(model.config, -(-n // config.page_size), config.page_size, model.dtype, model.device)
+    states = StatePool(model.config, 1, model.dtype, model.device)
+    batch = ForwardBatch.build(
+        [SequenceChunk([0] * n, 0, states.allocate(), kv.allocate(kv.num_pages))],
+        config.page_size,
+        model.device,
+    )
+    torch.cuda.reset_peak_memory_stats(model.device)
+    base = torch.cuda.memory_allocated(model.device)
+    model.logits(model(batch, kv, states)[-1:])
+    peak = torch.cuda.max_memory_allocated(model.device) - base
+    del kv, states, batch
+    torch.cuda.empty_cache()
+    return int(peak)

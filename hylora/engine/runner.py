@@ -1,0 +1,98 @@
+"""Runs one scheduled step: builds the flat batch, calls the model, checks every request's numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hylora.cache import PagedKVCache, StatePool
+from hylora.engine.scheduler import ScheduledChunk
+from hylora.model.decoder import HybridDecoder
+from hylora.model.forward_batch import ForwardBatch, SequenceChunk
+
+
+@dataclass
+class ChunkResult:
+    finite: bool  # every hidden state and logit of this request in this step is finite
+    sample_logits: torch.Tensor | None = None  # [V] fp32, when the chunk samples a next token
+    prompt_logits: torch.Tensor | None = None  # [n, V] fp32 rows for prompt logprobs
+    prompt_positions: range = range(0)  # the prompt positions those rows belong to
+
+
+class ModelRunner:
+    def __init__(self, model: HybridDecoder, kv: PagedKVCache, states: StatePool):
+        self.model, self.kv, self.states = model, kv, states
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
+        seqs = []
+        for c in chunks:
+            r = c.request
+            assert r.state_slot is not None
+            seqs.append(
+                SequenceChunk(
+                    token_ids=r.all_ids[c.start : c.start + c.num_tokens],
+                    context_len=c.start,
+                    state_slot=r.state_slot,
+                    pages=r.pages,
+                    lora_slot=r.lora.slot if r.lora is not None else -1,
+                )
+            )
+        batch = ForwardBatch.build(seqs, self.kv.page_size, self.model.device)
+        hidden = self.model(batch, self.kv, self.states)  # [T, hidden]
+
+        ends = torch.tensor(batch.seq_lens).cumsum(0).tolist()
+        starts = [e - n for e, n in zip(ends, batch.seq_lens, strict=True)]
+        rows: list[int] = []  # rows of `hidden` that need logits
+        wanted: list[tuple[int | None, range, int]] = []  # per chunk: sample row, prompt positions, first row
+        for c, first in zip(chunks, starts, strict=True):
+            positions = _prompt_positions(c)
+            first_prompt_row = len(rows)
+            rows.extend(first + p - c.start for p in positions)
+            sample_row = None
+            if c.samples:
+                sample_row = len(rows)
+                rows.append(first + c.num_tokens - 1)
+            wanted.append((sample_row, positions, first_prompt_row))
+
+        finite_rows = torch.isfinite(hidden).all(dim=-1)
+        logits = self.model.logits(hidden[rows]) if rows else hidden.new_zeros(0, 0)
+        finite_logits = torch.isfinite(logits).all(dim=-1) if rows else finite_rows.new_ones(0)
+        finite_rows, finite_logits = finite_rows.cpu(), finite_logits.cpu()
+
+        results = []
+        for (sample_row, positions, first_prompt_row), start, n in zip(wanted, starts, batch.seq_lens, strict=True):
+            logit_rows = list(range(first_prompt_row, first_prompt_row + len(positions)))
+            if sample_row is not None:
+                logit_rows.append(sample_row)
+            finite = bool(finite_rows[start : start + n].all()) and bool(finite_logits[logit_rows].all())
+            results.append(
+                ChunkResult(
+                    finite=finite,
+                    sample_logits=logits[sample_row] if sample_row is not None else None,
+                    prompt_logits=logits[first_prompt_row : first_prompt_row + len(positions)] if positions else None,
+                    prompt_positions=positions,
+                )
+            )
+        return results
+
+    def poison(self, state_slot: int | None, pages: list[int]) -> None:
+        """Test hook: fill one request's GDN state and KV pages with NaN, as a faulty kernel would."""
+        if state_slot is not None:
+            self.states.recurrent[:, state_slot] = float("nan")
+            self.states.conv[:, state_slot] = float("nan")
+        for p in pages:
+            sl = slice(p * self.kv.page_size, (p + 1) * self.kv.page_size)
+            self.kv.k[:, sl] = float("nan")
+            self.kv.v[:, sl] = float("nan")
+
+
+def _prompt_positions(c: ScheduledChunk) -> range:
+    """Prompt positions in this chunk whose logits give a still-missing prompt logprob
+    (position p predicts prompt token p + 1)."""
+    r = c.request
+    if not r.wants_prompt_logprobs:
+        return range(0)
+    first_needed = max(len(r.prompt_logprobs), 1) - 1
+    return range(max(c.start, first_needed), min(c.start + c.num_tokens, len(r.prompt_ids) - 1))

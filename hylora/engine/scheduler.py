@@ -1,0 +1,143 @@
+"""Continuous batching: which requests run this step, and how many of their tokens.
+
+FCFS. Running requests go first (decode tokens, or the next chunk of a long prompt), then waiting
+ones while the per-step token budget, the running-sequence cap, GDN state slots, KV pages and LoRA
+slots allow. When a running request needs a page and none is free, the latest-arrived running
+request is preempted: its pages and slot are freed and it recomputes from the start later (its
+generated tokens are kept). Nothing crashes for lack of memory: requests queue.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from hylora.cache import PagedKVCache, StatePool
+from hylora.engine.config import EngineConfig
+from hylora.engine.request import Request, Status
+from hylora.lora.registry import AdapterRegistry, NoFreeLoRASlot, UnknownAdapter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledChunk:
+    """`num_tokens` tokens of `request`, starting at token `start`, run this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the end of the request's tokens: a next token is sampled from it."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # could not start (e.g. adapter gone)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: PagedKVCache, states: StatePool, adapters: AdapterRegistry | None):
+        self.config = config
+        self.kv, self.states, self.adapters = kv, states, adapters
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_uncomputed, budget)
+            while not self._ensure_pages(req, req.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                break
+            plan.chunks.append(ScheduledChunk(req, req.num_computed, n))
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and not plan.preempted and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.adapter is not None and req.lora is None:
+                try:
+                    req.lora = self.adapters.acquire(req.adapter)  # type: ignore[union-attr]
+                except NoFreeLoRASlot:
+                    break  # every LoRA slot serves running requests: wait for one to finish
+                except UnknownAdapter as e:  # unloaded after the request was accepted
+                    self.waiting.popleft()
+                    req.error = str(e)
+                    plan.failed.append(req)
+                    continue
+            if req.state_slot is None:
+                if self.states.num_free == 0:
+                    break
+                req.state_slot = self.states.allocate()
+            n = min(req.num_uncomputed, budget)
+            if not self._ensure_pages(req, req.num_computed + n):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            plan.chunks.append(ScheduledChunk(req, req.num_computed, n))
+            budget -= n
+        return plan
+
+    def finish(self, req: Request, scrub: bool = False) -> None:
+        """Take `req` out of the queues and free everything it holds."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._free_cache(req, scrub)
+        if req.lora is not None and self.adapters is not None:
+            self.adapters.release(req.lora)
+            req.lora = None
+        req.status = Status.FINISHED
+
+    def _ensure_pages(self, req: Request, num_tokens: int) -> bool:
+        need = self.kv.pages_needed(num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        if need > self.kv.num_free:
+            return False
+        req.pages += self.kv.allocate(need)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        log.info("preempting %s (KV pages exhausted); it will recompute %d tokens", req.request_id, req.num_tokens)
+        self.running.remove(req)
+        self._free_cache(req, scrub=False)
+        req.num_computed = 0
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+
+    def _free_cache(self, req: Request, scrub: bool) -> None:
+        if scrub:  # a faulted request may have written NaN: clear before anyone can be handed them
+            self.kv.scrub(req.pages)
+            if req.state_slot is not None:
+                self.states.reset(req.state_slot)
+        self.kv.free(req.pages)
+        req.pages = []
+        if req.state_slot is not None:
+            self.states.free(req.state_slot)
+            req.state_slot = None

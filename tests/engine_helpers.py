@@ -1,0 +1,44 @@
+"""Build engines on the tiny test checkpoint with three PEFT adapters; drive them step by step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hylora.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+
+ADAPTERS = ("gdn_attn", "rs_mlp", "all_linear")
+
+
+def make_engine(ckpt: Path, adapter_root: Path | None = None, **config) -> LLMEngine:
+    config.setdefault("device", "cpu")
+    config.setdefault("max_lora_rank", 16)
+    lora = {name: adapter_root / name for name in ADAPTERS} if adapter_root else None
+    return LLMEngine(ckpt, EngineConfig(**config), lora_modules=lora, progress=False)
+
+
+def run(engine: LLMEngine, arrivals: dict[int, list[tuple]], max_steps: int = 100_000) -> dict[str, RequestOutput]:
+    """arrivals: step → [(request_id, prompt ids, SamplingParams, adapter)]. Returns final outputs."""
+    done: dict[str, RequestOutput] = {}
+    expected = sum(len(v) for v in arrivals.values())
+    for step in range(max_steps):
+        for rid, prompt, params, adapter in arrivals.get(step, []):
+            engine.add_request(rid, prompt, params, adapter)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if len(done) >= expected and not engine.has_unfinished():
+            return done
+    raise AssertionError(f"not finished after {max_steps} steps")
+
+
+def run_alone(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, adapter=None) -> RequestOutput:
+    return run(engine, {0: [(rid, prompt, params, adapter)]})[rid]
+
+
+def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=2, ignore_eos=True, **kw)
+
+
+def max_logprob_diff(a: RequestOutput, b: RequestOutput) -> float:
+    assert a.logprobs is not None and b.logprobs is not None
+    return max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True))

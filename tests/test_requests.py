@@ -1,0 +1,134 @@
+"""Requests end where they should (stop strings, stop ids, length), stream valid text, and
+bad requests get a clear error without disturbing anything."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hylora.engine import RequestError, SamplingParams
+from hylora.engine.async_engine import AsyncEngine
+from hylora.engine.detokenizer import TextStream
+from hylora.lora.registry import UnknownAdapter
+from hylora.tokenizer import load_tokenizer
+from tests.engine_helpers import make_engine, run, run_alone
+from tests.helpers import random_ids
+
+
+@pytest.fixture(scope="module")
+def engine(causal_ckpt):
+    return make_engine(causal_ckpt[0], max_model_len=256, max_num_batched_tokens=64)
+
+
+def test_stop_strings_stop_ids_and_length(engine):
+    prompt = random_ids(30, 320, seed=1)
+    free = run_alone(engine, "free", prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    assert free.finish_reason == "length" and len(free.token_ids) == 20
+    text = free.text
+    middle = len(text) // 2
+    stop = next(
+        text[i : i + 2] for i in range(middle, len(text)) if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2]
+    )
+    cut = run_alone(engine, "cut", prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]))
+    assert cut.finish_reason == "stop" and cut.text == text[: text.find(stop)]
+    kept = run_alone(
+        engine,
+        "kept",
+        prompt,
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+    )
+    assert kept.text == text[: text.find(stop) + len(stop)]
+    third = free.token_ids[2]
+    by_id = run_alone(
+        engine,
+        "id",
+        prompt,
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[third]),
+    )
+    assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[: free.token_ids.index(third) + 1]
+
+
+def test_streamed_text_is_valid_utf8_and_adds_up(causal_ckpt):
+    tok = load_tokenizer(causal_ckpt[0])
+    text = "Pigments: 孔雀石 and ünïcode — done"
+    ids = tok.encode(text, add_special_tokens=False)
+    stream = TextStream(tok, [], stop=[])
+    pieces = []
+    for t in ids:
+        stream.append(t)
+        pieces.append(stream.take(finished=False))
+    pieces.append(stream.take(finished=True))
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+def test_stream_never_emits_part_of_a_stop_string(causal_ckpt):
+    tok = load_tokenizer(causal_ckpt[0])
+    ids = tok.encode("abc STOP def", add_special_tokens=False)
+    stream = TextStream(tok, [], stop=["STOP"])
+    emitted = ""
+    for t in ids:
+        hit = stream.append(t)
+        emitted += stream.take(finished=hit is not None)
+        if hit:
+            break
+    assert emitted == "abc "
+
+
+def test_bad_requests_get_clear_errors_and_change_nothing(engine):
+    free_pages = engine.kv.num_free
+    with pytest.raises(
+        RequestError,
+        match="maximum context length is 256 tokens; the request has 250 prompt tokens and asks for up to 16 more",
+    ):
+        engine.add_request("long", random_ids(250, 320, seed=1), SamplingParams())
+    with pytest.raises(RequestError, match="prompt is empty"):
+        engine.add_request("empty", [], SamplingParams())
+    with pytest.raises(RequestError, match=r"token ids must be in \[0, 320\)"):
+        engine.add_request("oov", [5, 999], SamplingParams())
+    with pytest.raises(UnknownAdapter, match="no adapter named 'nope'"):
+        engine.add_request("x", [1, 2], SamplingParams(), adapter="nope")
+    engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(RequestError, match="already in use"):
+        engine.add_request("dup", [1, 2], SamplingParams())
+    run(engine, {})
+    assert engine.kv.num_free == free_pages and not engine.requests
+
+
+def test_async_streams_and_cancellation(causal_ckpt):
+    engine = make_engine(causal_ckpt[0], max_model_len=512, max_num_batched_tokens=32)
+    pages = engine.kv.num_free
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt = random_ids(40, 320, seed=2)
+    expected = run_alone(engine, "ref", prompt, params)
+
+    async def main():
+        aengine = AsyncEngine(engine).start()
+
+        async def collect(rid):
+            pieces, last = [], None
+            async for out in aengine.generate(rid, prompt, params):
+                pieces.append(out.new_text)
+                last = out
+            return "".join(pieces), last
+
+        results = await asyncio.gather(*(collect(f"s{i}") for i in range(4)))
+        for text, last in results:
+            assert last.finished and last.token_ids == expected.token_ids and text == expected.text
+
+        async def leave_early():
+            async for out in aengine.generate("early", random_ids(300, 320, seed=3), params):
+                return out  # the client goes away after the first output
+
+        await leave_early()
+        for _ in range(100):
+            if await aengine.call(lambda: not engine.has_unfinished()):
+                break
+            await asyncio.sleep(0.01)
+        assert await aengine.call(lambda: engine.kv.num_free) == pages
+        with pytest.raises(RequestError, match="maximum context length"):
+            async for _ in aengine.generate("too-long", random_ids(600, 320, seed=4), params):
+                pass
+        await aengine.shutdown(grace_seconds=1)
+
+    asyncio.run(main())
