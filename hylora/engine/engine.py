@@ -20,6 +20,7 @@ from hylora.engine.runner import ModelRunner
 from hylora.engine.sampler import prompt_logprobs, sample
 from hylora.engine.scheduler import Scheduler
 from hylora.lora.registry import AdapterRegistry
+from hylora.model.decoder import HybridDecoder
 from hylora.model.loader import load_model
 from hylora.tokenizer import load_tokenizer
 
@@ -54,12 +55,15 @@ class LLMEngine:
         config: EngineConfig | None = None,
         lora_modules: dict[str, str | Path] | None = None,
         progress: bool = True,
+        model: HybridDecoder | None = None,
     ):
+        """Serve the checkpoint in `model_dir`, or `model` (already built, e.g. random weights for a
+        benchmark) with the tokenizer of `model_dir`."""
         self.config = config = config or EngineConfig()
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
         self.model_dir = Path(model_dir)
-        self.model = load_model(model_dir, dtype=dtype, device=device, progress=progress)
+        self.model = model or load_model(model_dir, dtype=dtype, device=device, progress=progress)
         self.tokenizer = load_tokenizer(model_dir)
         self.adapters = AdapterRegistry(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         for name, path in (lora_modules or {}).items():

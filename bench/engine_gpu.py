@@ -1,0 +1,266 @@
+"""GPU check and baseline for the serving engine (plain-torch kernels).
+
+Part 1 (correctness): the demo model with its three adapters, served in bf16 (and fp32) on CUDA,
+against the same engine in fp32 on the CPU: teacher-forced logprobs of prompt + generated tokens.
+Part 2 (speed): random weights of the Qwen3.6-27B text shape built on the GPU, 8 random rank-16
+adapters on every linear, DESIGN.md's workload (32 requests x 512-token prompts + 64 new tokens),
+base only vs. mixing the 8 adapters. Prints a table; `--out FILE` also writes JSON.
+
+    python bench/engine_gpu.py [--skip-27b] [--shape small] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hylora.config import ModelConfig  # noqa: E402
+from hylora.demo import DEMO_ADAPTERS, write_demo  # noqa: E402
+from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from hylora.model.decoder import HybridDecoder  # noqa: E402
+from hylora.model.packing import LORA_TARGETS, layer_sublayers, projection_shapes  # noqa: E402
+
+QWEN36_27B = dict(
+    model_type="qwen3_5_text",
+    vocab_size=248320,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=64,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=48,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=4,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+)
+SMALL = dict(
+    QWEN36_27B,
+    vocab_size=2048,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    head_dim=128,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    rope_parameters=dict(QWEN36_27B["rope_parameters"], mrope_section=[6, 5, 5]),
+)
+
+
+def teacher_forced(engine: LLMEngine, ids: list[int], adapter: str | None) -> list[float]:
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
+    rid = f"tf{time.monotonic_ns()}"
+    engine.add_request(rid, ids, params, adapter)
+    while True:
+        for out in engine.step():
+            if out.finished:
+                return [p.logprob for p in out.prompt_logprobs[1:]]
+
+
+def correctness(workdir: Path) -> list[dict]:
+    demo = write_demo(workdir / "demo")
+    lora = {n: demo / "adapters" / n for n in DEMO_ADAPTERS}
+
+    def engine(device: str, dtype: str) -> LLMEngine:
+        cfg = EngineConfig(
+            device=device, dtype=dtype, max_model_len=4096, max_num_batched_tokens=1024, max_num_seqs=2, num_pages=600
+        )
+        return LLMEngine(demo, cfg, lora, progress=False)
+
+    engines = {
+        "cpu-fp32": engine("cpu", "float32"),
+        "cuda-fp32": engine("cuda", "float32"),
+        "cuda-bf16": engine("cuda", "bfloat16"),
+    }
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    vocab = engines["cpu-fp32"].model.config.vocab_size
+    for n in (1, 64, 129, 513, 2000, 3000):
+        for adapter in (None, *DEMO_ADAPTERS):
+            prompt = torch.randint(0, vocab - 8, (n,), generator=g).tolist()
+            gen = engines["cpu-fp32"]
+            gen.add_request("gen", prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), adapter)
+            out = None
+            while out is None:
+                out = next((o for o in gen.step() if o.finished), None)
+            ids = prompt + out.token_ids
+            ref = torch.tensor(teacher_forced(engines["cpu-fp32"], ids, adapter), dtype=torch.float64)
+            row = {"tokens": len(ids), "adapter": adapter or "base"}
+            for name in ("cuda-fp32", "cuda-bf16"):
+                got = torch.tensor(teacher_forced(engines[name], ids, adapter), dtype=torch.float64)
+                row[f"{name} max|dlogp|"] = float((got - ref).abs().max()) if got.numel() else 0.0
+                row[f"{name} finite"] = bool(torch.isfinite(got).all())
+            rows.append(row)
+    return rows
+
+
+def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype) -> HybridDecoder:
+    with torch.device("meta"):
+        model = HybridDecoder(cfg)
+    g = torch.Generator(device=device).manual_seed(0)
+    for name, p in list(model.named_parameters()):
+        if name.endswith("A_log"):
+            t = torch.empty(p.shape, device=device).uniform_(0.01, 16, generator=g).log()
+        elif name.endswith("dt_bias"):
+            t = torch.ones(p.shape, device=device)
+        elif "norm" in name:
+            t = torch.zeros(p.shape, device=device, dtype=dtype) + (1.0 if "linear_attn.norm" in name else 0.0)
+        else:
+            std = 0.02 if p.ndim < 2 or "embed" in name or "lm_head" in name else 1.0 / math.sqrt(p.shape[-1])
+            t = (torch.randn(p.shape, device=device, dtype=dtype, generator=g) * std).to(dtype)
+        module, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module), attr, torch.nn.Parameter(t, requires_grad=False))
+    return model.eval()
+
+
+def write_random_adapter(path: Path, cfg: ModelConfig, rank: int, seed: int) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    shapes = projection_shapes(cfg)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for sub in layer_sublayers(cfg, layer):
+            for module in LORA_TARGETS[sub]:
+                out_f, in_f = shapes[(sub, module)]
+                key = f"base_model.model.model.layers.{layer}.{sub}.{module}"
+                tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, in_f, generator=g) / math.sqrt(in_f)).bfloat16()
+                tensors[f"{key}.lora_B.weight"] = (torch.randn(out_f, rank, generator=g) * 0.01).bfloat16()
+    save_file(tensors, path / "adapter_model.safetensors")
+    (path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": "all-linear", "bias": "none"})
+    )
+
+
+def throughput(workdir: Path, shape: dict, n_adapters: int = 8) -> list[dict]:
+    cfg = ModelConfig.from_hf(shape)
+    demo = workdir / "demo"
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model = random_model(cfg, "cuda", torch.bfloat16)
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    t0 = time.perf_counter()
+    adapters = {}
+    for i in range(n_adapters):
+        write_random_adapter(workdir / f"a{i}", cfg, rank=16, seed=i)
+        adapters[f"a{i}"] = workdir / f"a{i}"
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine = LLMEngine(
+        demo,
+        EngineConfig(
+            max_model_len=1024,
+            max_num_seqs=32,
+            max_num_batched_tokens=2048,
+            max_loras=n_adapters,
+            max_lora_rank=16,
+            dtype="bfloat16",
+        ),
+        adapters,
+        progress=False,
+        model=model,
+    )
+    setup_s = time.perf_counter() - t0
+    print(
+        f"27B-shape model built in {build_s:.1f}s ({weight_bytes / 1e9:.1f} GB), adapters written in "
+        f"{write_s:.1f}s, engine set up (adapter load + cache plan) in {setup_s:.1f}s; "
+        f"KV pages {engine.kv.num_pages}, state slots {engine.states.num_slots}",
+        flush=True,
+    )
+    rows = []
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1000, (512,), generator=g).tolist() for _ in range(32)]
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    for label, adapter_of in [
+        ("base", lambda i: None),
+        (f"{n_adapters} adapters mixed", lambda i: f"a{i % n_adapters}"),
+    ]:
+        # warm-up: one short request per adapter used
+        for i in range(n_adapters if "mixed" in label else 1):
+            engine.add_request(f"w{label}{i}", prompts[0][:16], SamplingParams(max_tokens=2), adapter_of(i))
+        while engine.has_unfinished():
+            engine.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{label}{i}", p, params, adapter_of(i))
+        first_token_at, decode_steps, decode_time, finite = None, 0, 0.0, True
+        while engine.has_unfinished():
+            s0 = time.perf_counter()
+            outs = engine.step()
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - s0
+            if first_token_at is None and sum(1 for o in outs if o.token_ids) == 32:
+                first_token_at = time.perf_counter() - t0
+            elif first_token_at is not None:
+                decode_steps += 1
+                decode_time += dt
+            finite &= all(o.error is None for o in outs)
+        wall = time.perf_counter() - t0
+        rows.append(
+            {
+                "run": label,
+                "wall_s": wall,
+                "out_tok_s": 32 * 64 / wall,
+                "prefill_s": first_token_at,
+                "decode_step_ms": 1e3 * decode_time / max(decode_steps, 1),
+                "decode_roofline_ms": 1e3 * weight_bytes / 4.3e12,
+                "no_errors": finite,
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-27b", action="store_true")
+    ap.add_argument("--shape", choices=["27b", "small"], default="27b")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        t0 = time.perf_counter()
+        rows = correctness(work)
+        print(f"correctness part took {time.perf_counter() - t0:.1f}s")
+        keys = list(rows[0])
+        print(" | ".join(keys))
+        for r in rows:
+            print(" | ".join(f"{r[k]:.2e}" if isinstance(r[k], float) else str(r[k]) for k in keys), flush=True)
+        torch.cuda.empty_cache()
+        speed = [] if args.skip_27b else throughput(work, QWEN36_27B if args.shape == "27b" else SMALL)
+    if speed:
+        print("run | wall s | output tok/s | prefill s | decode step ms | weight-read floor ms")
+        for r in speed:
+            print(
+                f"{r['run']} | {r['wall_s']:.1f} | {r['out_tok_s']:.1f} | {r['prefill_s']:.2f} | "
+                f"{r['decode_step_ms']:.1f} | {r['decode_roofline_ms']:.1f}"
+            )
+    if args.out:
+        Path(args.out).write_text(json.dumps({"correctness": rows, "throughput": speed}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
