@@ -2,6 +2,8 @@
 
 The conv state of a sequence holds its last K-1 inputs (zeros before the first token), so a
 prefill split into chunks, or a decode step, sees exactly the inputs one full pass would.
+Computed as K shifted multiply-adds accumulated in fp32 (no cuDNN: its fp32 convolutions default
+to TF32 on GPUs). Single-token sequences (decode) are done together.
 """
 
 from __future__ import annotations
@@ -17,14 +19,31 @@ def causal_conv1d_varlen(
     seq_lens: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (silu(conv(x)) [T, C], new conv states [N, C, K-1])."""
-    K = weight.shape[1]
     out = torch.empty_like(x)
     new_states = torch.empty_like(conv_states)
-    start = 0
+    w = weight.float()
+    starts = [0]
+    for n in seq_lens:
+        starts.append(starts[-1] + n)
+    single = [i for i, n in enumerate(seq_lens) if n == 1]
+    if single:
+        seq = torch.tensor(single, device=x.device)
+        rows = torch.tensor([starts[i] for i in single], device=x.device)
+        window = torch.cat([conv_states[seq], x[rows, :, None].to(conv_states.dtype)], dim=2)  # [B, C, K]
+        out[rows] = F.silu((window.float() * w).sum(-1)).to(x.dtype)
+        new_states[seq] = window[:, :, 1:]
     for i, n in enumerate(seq_lens):
-        window = torch.cat([conv_states[i], x[start : start + n].T.to(conv_states.dtype)], dim=1)  # [C, K-1+n]
-        y = F.conv1d(window[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]  # [C, n]
-        out[start : start + n] = F.silu(y).T.to(x.dtype)
-        new_states[i] = window[:, window.shape[1] - (K - 1) :]
-        start += n
+        if n == 1:
+            continue
+        window = torch.cat([conv_states[i], x[starts[i] : starts[i + 1]].T.to(conv_states.dtype)], dim=1)  # [C, K-1+n]
+        out[starts[i] : starts[i + 1]] = F.silu(_shifted_sum(window.float(), w, n)).T.to(x.dtype)
+        new_states[i] = window[:, window.shape[1] - (weight.shape[1] - 1) :]
     return out, new_states
+
+
+def _shifted_sum(window: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+    """y[:, t] = sum_j w[:, j] * window[:, t + j] for t < n."""
+    y = window[:, :n] * w[:, :1]
+    for j in range(1, w.shape[1]):
+        y = y + window[:, j : j + n] * w[:, j : j + 1]
+    return y
