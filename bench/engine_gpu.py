@@ -1,7 +1,9 @@
 """GPU check and baseline for the serving engine (plain-torch kernels).
 
-Part 1 (correctness): the demo model with its three adapters, served in bf16 (and fp32) on CUDA,
-against the same engine in fp32 on the CPU: teacher-forced logprobs of prompt + generated tokens.
+Part 1 (correctness): the demo model with its three adapters. The CPU fp32 engine generates 16
+tokens after each prompt; then the logits of prompt + generated tokens from hylora on CUDA (fp32
+and bf16) and from transformers + PEFT in bf16 on CUDA (the bf16 yardstick) are compared with
+hylora's CPU fp32 logits: relative error per position (max, mean), top-1 agreement, finiteness.
 Part 2 (speed): random weights of the Qwen3.6-27B text shape built on the GPU, 8 random rank-16
 adapters on every linear, DESIGN.md's workload (32 requests x 512-token prompts + 64 new tokens),
 base only vs. mixing the 8 adapters. Prints a table; `--out FILE` also writes JSON.
@@ -27,7 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import DEMO_ADAPTERS, write_demo  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from hylora.generate import CachedRunner  # noqa: E402
+from hylora.lora.registry import AdapterRegistry  # noqa: E402
 from hylora.model.decoder import HybridDecoder  # noqa: E402
+from hylora.model.loader import load_model  # noqa: E402
 from hylora.model.packing import LORA_TARGETS, layer_sublayers, projection_shapes  # noqa: E402
 
 QWEN36_27B = dict(
@@ -67,51 +72,89 @@ SMALL = dict(
 )
 
 
-def teacher_forced(engine: LLMEngine, ids: list[int], adapter: str | None) -> list[float]:
-    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
-    rid = f"tf{time.monotonic_ns()}"
-    engine.add_request(rid, ids, params, adapter)
-    while True:
-        for out in engine.step():
-            if out.finished:
-                return [p.logprob for p in out.prompt_logprobs[1:]]
+def logits_of(model: HybridDecoder, registry: AdapterRegistry, ids: list[int], adapter: str | None) -> torch.Tensor:
+    runner = CachedRunner(model, num_slots=1, num_pages=len(ids) // 16 + 2, adapters=registry)
+    seq = runner.add(adapter)
+    try:
+        return runner.step([(seq, ids)], all_logits=True)[0].double().cpu()
+    finally:
+        runner.release(seq)
 
 
 def correctness(workdir: Path) -> list[dict]:
+    """Logits of prompt + 16 generated tokens: CUDA fp32 / bf16 and transformers(+PEFT) bf16 vs CPU fp32."""
     demo = write_demo(workdir / "demo")
     lora = {n: demo / "adapters" / n for n in DEMO_ADAPTERS}
-
-    def engine(device: str, dtype: str) -> LLMEngine:
-        cfg = EngineConfig(
-            device=device, dtype=dtype, max_model_len=4096, max_num_batched_tokens=1024, max_num_seqs=2, num_pages=600
-        )
-        return LLMEngine(demo, cfg, lora, progress=False)
-
-    engines = {
-        "cpu-fp32": engine("cpu", "float32"),
-        "cuda-fp32": engine("cuda", "float32"),
-        "cuda-bf16": engine("cuda", "bfloat16"),
+    variants = {
+        "cpu-fp32": ("cpu", torch.float32),
+        "cuda-fp32": ("cuda", torch.float32),
+        "cuda-bf16": ("cuda", torch.bfloat16),
     }
+    models = {}
+    for name, (device, dtype) in variants.items():
+        model = load_model(demo, dtype=dtype, device=device, progress=False)
+        registry = AdapterRegistry(model, max_loras=len(lora), max_lora_rank=16)
+        for a, path in lora.items():
+            registry.load(a, path)
+        models[name] = (model, registry)
+    generator = LLMEngine(
+        demo,
+        EngineConfig(device="cpu", dtype="float32", max_model_len=4096, max_num_seqs=2, num_pages=600),
+        lora,
+        progress=False,
+    )
+    hf = _transformers_bf16(demo, lora)
     rows = []
     g = torch.Generator().manual_seed(0)
-    vocab = engines["cpu-fp32"].model.config.vocab_size
+    vocab = generator.model.config.vocab_size
     for n in (1, 64, 129, 513, 2000, 3000):
         for adapter in (None, *DEMO_ADAPTERS):
             prompt = torch.randint(0, vocab - 8, (n,), generator=g).tolist()
-            gen = engines["cpu-fp32"]
-            gen.add_request("gen", prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), adapter)
+            generator.add_request("gen", prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), adapter)
             out = None
             while out is None:
-                out = next((o for o in gen.step() if o.finished), None)
+                out = next((o for o in generator.step() if o.finished), None)
             ids = prompt + out.token_ids
-            ref = torch.tensor(teacher_forced(engines["cpu-fp32"], ids, adapter), dtype=torch.float64)
+            ref = logits_of(*models["cpu-fp32"], ids, adapter)
             row = {"tokens": len(ids), "adapter": adapter or "base"}
-            for name in ("cuda-fp32", "cuda-bf16"):
-                got = torch.tensor(teacher_forced(engines[name], ids, adapter), dtype=torch.float64)
-                row[f"{name} max|dlogp|"] = float((got - ref).abs().max()) if got.numel() else 0.0
+            results = {name: logits_of(*models[name], ids, adapter) for name in ("cuda-fp32", "cuda-bf16")}
+            if hf is not None:
+                results["transformers-bf16"] = hf(ids, adapter)
+            for name, got in results.items():
+                rel = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+                row[f"{name} rel max"] = float(rel.max())
+                row[f"{name} rel mean"] = float(rel.mean())
+                row[f"{name} top1"] = float((got.argmax(-1) == ref.argmax(-1)).double().mean())
                 row[f"{name} finite"] = bool(torch.isfinite(got).all())
             rows.append(row)
     return rows
+
+
+def _transformers_bf16(demo: Path, lora: dict[str, Path]):
+    """transformers + PEFT in bf16 on the GPU, for the bf16 yardstick; None where unavailable."""
+    try:
+        from peft import PeftModel
+        from transformers import Qwen3_5ForCausalLM
+    except ImportError as e:
+        print(f"transformers/PEFT comparison skipped: {e}")
+        return None
+    base = Qwen3_5ForCausalLM.from_pretrained(demo, dtype=torch.bfloat16).cuda().eval()
+    names = list(lora)
+    peft = PeftModel.from_pretrained(base, lora[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        peft.load_adapter(lora[name], adapter_name=name)
+    peft.eval()
+
+    @torch.no_grad()
+    def run(ids: list[int], adapter: str | None) -> torch.Tensor:
+        x = torch.tensor([ids], device="cuda")
+        if adapter is None:
+            with peft.disable_adapter():
+                return peft(x).logits[0].double().cpu()
+        peft.set_adapter(adapter)
+        return peft(x).logits[0].double().cpu()
+
+    return run
 
 
 def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype) -> HybridDecoder:
@@ -245,10 +288,14 @@ def main() -> None:
         t0 = time.perf_counter()
         rows = correctness(work)
         print(f"correctness part took {time.perf_counter() - t0:.1f}s")
-        keys = list(rows[0])
-        print(" | ".join(keys))
+        names = sorted({k.rsplit(" ", 2)[0] for k in rows[0] if k.endswith("rel max")})
+        print("tokens | adapter | " + " | ".join(f"{n}: rel max / rel mean / top-1 / finite" for n in names))
         for r in rows:
-            print(" | ".join(f"{r[k]:.2e}" if isinstance(r[k], float) else str(r[k]) for k in keys), flush=True)
+            cells = [
+                f"{r[n + ' rel max']:.1e} / {r[n + ' rel mean']:.1e} / {r[n + ' top1']:.3f} / {r[n + ' finite']}"
+                for n in names
+            ]
+            print(f"{r['tokens']} | {r['adapter']} | " + " | ".join(cells), flush=True)
         torch.cuda.empty_cache()
         speed = [] if args.skip_27b else throughput(work, QWEN36_27B if args.shape == "27b" else SMALL)
     if speed:

@@ -1,4 +1,4 @@
-"""`hylora` command line: demo-model, generate, merge."""
+"""`hylora` command line: serve, generate, merge, demo-model."""
 
 from __future__ import annotations
 
@@ -67,6 +67,12 @@ def cmd_merge(args: argparse.Namespace) -> None:
     print(f"wrote {args.model_dir} + {args.adapter_dir} merged to {out}")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from hylora.server.serve import serve
+
+    serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hylora", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--lora", metavar="ADAPTER_DIR", help="apply this PEFT LoRA adapter dynamically")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    from hylora.server.serve import add_serve_args
+
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("merge", help="fold a LoRA adapter into the base weights (a complete model directory)")
     p.add_argument("model_dir")

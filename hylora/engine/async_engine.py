@@ -40,11 +40,16 @@ class AsyncEngine:
         return self
 
     # --- requests --------------------------------------------------------------------------
-    async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None = None
+    async def submit(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+        inject_fault: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs. Errors in the request (too long, unknown adapter, bad ids)
-        raise before the first output; leaving the iteration early aborts the request."""
+        """Admit a request and return its output stream. Errors in the request (too long, unknown
+        adapter, bad ids) raise here, before any output; leaving the stream early aborts it."""
         if not self._accepting:
             raise EngineDead("the server is shutting down")
         loop = asyncio.get_running_loop()
@@ -53,8 +58,19 @@ class AsyncEngine:
         def add() -> None:
             self.engine.add_request(request_id, prompt, params, adapter)
             self._streams[request_id] = (loop, outputs)
+            if inject_fault:  # test hook (see LLMEngine.inject_fault)
+                self.engine.inject_fault(request_id)
 
         await self.call(add)
+        return self._outputs(request_id, outputs)
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        async for out in await self.submit(request_id, prompt, params, adapter):
+            yield out
+
+    async def _outputs(self, request_id: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -68,6 +84,10 @@ class AsyncEngine:
         finally:
             if not finished:  # the caller went away (client disconnect, cancellation)
                 self.abort(request_id)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self.engine.abort(request_id))

@@ -1,0 +1,99 @@
+"""Prometheus metrics: request outcomes and latency per adapter, and the engine's resources,
+including adapter residency (what an adapter-aware router needs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "hylora_requests",
+            "Finished requests by outcome (stop, length, abort, error) and adapter ('' = base)",
+            ["status", "adapter"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "hylora_rejected_requests", "Requests refused before running, by HTTP status", ["code"], registry=r
+        )
+        self.prompt_tokens = Counter("hylora_prompt_tokens", "Prompt tokens processed", ["adapter"], registry=r)
+        self.generation_tokens = Counter("hylora_generation_tokens", "Tokens generated", ["adapter"], registry=r)
+        self.ttft = Histogram(
+            "hylora_time_to_first_token_seconds",
+            "Arrival to first generated token",
+            ["adapter"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "hylora_inter_token_latency_seconds",
+            "Time between generated tokens",
+            ["adapter"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        g = {
+            "queue": ("hylora_waiting_requests", "Requests waiting to be scheduled"),
+            "running": ("hylora_running_requests", "Requests running"),
+            "kv_used": ("hylora_kv_pages_used", "KV-cache pages in use"),
+            "kv_total": ("hylora_kv_pages_total", "KV-cache pages"),
+            "slots_used": ("hylora_state_slots_used", "GDN state slots in use"),
+            "slots_total": ("hylora_state_slots_total", "GDN state slots"),
+            "lora_slots_used": ("hylora_lora_slots_used", "Device LoRA slots holding an adapter"),
+            "lora_slots_total": ("hylora_lora_slots_total", "Device LoRA slots (max_loras)"),
+            "adapters_loaded": ("hylora_adapters_loaded", "Adapters registered by name"),
+            "adapters_on_cpu": ("hylora_adapters_on_cpu", "Adapters in the CPU cache"),
+        }
+        self.gauges = {key: Gauge(name, doc, registry=r) for key, (name, doc) in g.items()}
+        self.adapter_on_device = Gauge(
+            "hylora_adapter_on_device", "1 if the adapter holds a device slot", ["adapter"], registry=r
+        )
+        self.adapter_running = Gauge(
+            "hylora_adapter_running_requests", "Running requests per adapter", ["adapter"], registry=r
+        )
+        self.adapter_waiting = Gauge(
+            "hylora_adapter_waiting_requests", "Waiting requests per adapter", ["adapter"], registry=r
+        )
+
+    def render(self, snapshot: dict[str, Any]) -> bytes:
+        for key, gauge in self.gauges.items():
+            gauge.set(snapshot[key])
+        for gauge, values in (
+            (self.adapter_on_device, snapshot["on_device"]),
+            (self.adapter_running, snapshot["running_by_adapter"]),
+            (self.adapter_waiting, snapshot["waiting_by_adapter"]),
+        ):
+            gauge.clear()
+            for adapter, value in values.items():
+                gauge.labels(adapter=adapter).set(value)
+        return generate_latest(self.registry)
+
+
+def engine_snapshot(engine) -> dict[str, Any]:
+    """Read on the engine thread (AsyncEngine.call) so the numbers are consistent."""
+    sched, stats = engine.scheduler, engine.adapters.stats()
+    running, waiting = {}, {}
+    for table, reqs in ((running, sched.running), (waiting, sched.waiting)):
+        for r in reqs:
+            table[r.adapter or ""] = table.get(r.adapter or "", 0) + 1
+    return {
+        "queue": len(sched.waiting),
+        "running": len(sched.running),
+        "kv_used": engine.kv.num_pages - engine.kv.num_free,
+        "kv_total": engine.kv.num_pages,
+        "slots_used": engine.states.num_slots - engine.states.num_free,
+        "slots_total": engine.states.num_slots,
+        "lora_slots_used": stats["slots_used"],
+        "lora_slots_total": stats["slots_total"],
+        "adapters_loaded": len(stats["loaded"]),
+        "adapters_on_cpu": stats["on_cpu"],
+        "on_device": {name: int(name in stats["on_device"]) for name in stats["loaded"]},
+        "running_by_adapter": running,
+        "waiting_by_adapter": waiting,
+    }

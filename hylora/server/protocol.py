@@ -1,0 +1,148 @@
+"""OpenAI-compatible request bodies. Unknown fields are accepted (clients send extras) and logged;
+known fields with values hylora cannot honour are refused with a message."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hylora.engine.request import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class Unsupported(ValueError):
+    """A known request field with a value hylora does not implement."""
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def warn_unknown(self, route: str) -> None:
+        if self.model_extra:
+            log.warning("%s: ignoring unknown fields %s", route, sorted(self.model_extra))
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    task: str | None = None  # hylora: route by task instead of model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise Unsupported("logit_bias is not supported")
+        if self.best_of not in (None, self.n):
+            raise Unsupported("best_of is not supported (use n)")
+        if not 1 <= self.n <= 16:
+            raise Unsupported("n must be between 1 and 16")
+
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, seed_offset: int = 0
+    ) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=None if self.seed is None else self.seed + seed_offset,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            kind = part.get("type")
+            if kind != "text":
+                raise Unsupported(
+                    f"message content of type {kind!r} is not supported (text only; vision is not served yet)"
+                )
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise Unsupported(f"response_format {self.response_format.get('type')!r} is not supported (only 'text')")
+        if self.tools:
+            raise Unsupported("tools / function calling is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise Unsupported("top_logprobs needs logprobs=true")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise Unsupported("suffix is not supported")
+        batched = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list))
+        if batched and len(self.prompt) != 1:
+            raise Unsupported("batched prompts are not supported; send one prompt per request (or use n)")
+
+    def single_prompt(self) -> str | list[int]:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            return self.prompt[0]  # type: ignore[return-value]
+        return self.prompt  # type: ignore[return-value]
+
+
+class LoadLoRARequest(_Body):
+    lora_name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    lora_path: str
+
+
+class UnloadLoRARequest(_Body):
+    lora_name: str

@@ -1,0 +1,420 @@
+"""The OpenAI-compatible server, started for real on 127.0.0.1 and driven by the openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from hylora.demo import DEMO_ADAPTERS, ensure_demo
+from hylora.engine import LLM, SamplingParams
+from hylora.tokenizer import chat_prompt
+from tests.server_helpers import metric, running_server
+
+PROMPTS = [
+    "Describe the relic.",
+    "Where is the entrance?",
+    "What pigments are on the east wall?",
+    "How many chambers are there?",
+    "Describe the object, its material and condition.",
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hylora-cache")
+    ensure_demo(path / "demo")
+    return path
+
+
+@pytest.fixture(scope="module")
+def demo(cache_dir):
+    return cache_dir / "demo"
+
+
+@pytest.fixture(scope="module")
+def adapter_root(tmp_path_factory, demo):
+    """A root with a good adapter, a symlink that escapes it and a pickle-only adapter."""
+    root = tmp_path_factory.mktemp("adapter-root")
+    shutil.copytree(demo / "adapters" / "relic", root / "copy_of_relic")
+    shutil.copytree(demo / "adapters" / "tomb", root / "copy_of_tomb")
+    outside = tmp_path_factory.mktemp("outside")
+    shutil.copytree(demo / "adapters" / "mural", outside / "mural")
+    (root / "escape").symlink_to(outside / "mural")
+    (root / "pickled").mkdir()
+    shutil.copy(demo / "adapters" / "mural" / "adapter_config.json", root / "pickled")
+    (root / "pickled" / "adapter_model.bin").write_bytes(b"not really a pickle")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(cache_dir, adapter_root, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    args = [
+        "--demo",
+        "--max-num-seqs",
+        "64",
+        "--max-model-len",
+        "512",
+        "--adapter-root",
+        str(adapter_root),
+        "--max-body-bytes",
+        "200000",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+    ]
+    with running_server(args, cache_dir, log, env={"HYLORA_ENABLE_FAULT_INJECTION": "1"}) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def offline(demo):
+    lora = {n: demo / "adapters" / n for n in DEMO_ADAPTERS}
+    return LLM(demo, lora_modules=lora, max_model_len=512, max_num_seqs=64, device="cpu", dtype="float32")
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def offline_chat(offline, text, adapter, **params):
+    ids = chat_prompt(offline.tokenizer, [{"role": "user", "content": text}])
+    return offline.generate(ids, SamplingParams(**params), lora=adapter)[0]
+
+
+# --- the openai client ---------------------------------------------------------------------
+
+
+def test_chat_plain_and_streaming_equal_offline(client, offline):
+    for adapter in ["relic", None]:
+        expected = offline_chat(offline, PROMPTS[0], adapter, max_tokens=12, temperature=0)
+        model = adapter or "hylora-demo"
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=12, temperature=0
+        )
+        assert reply.choices[0].message.content == expected.text
+        assert reply.usage.completion_tokens == len(expected.token_ids)
+        assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
+        stream = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces, finish, usage = [], None, None
+        for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                pieces.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+        assert "".join(pieces) == expected.text and finish == "length"
+        assert usage.completion_tokens == 12
+
+
+def test_seeded_sampling_equals_offline(client, offline):
+    expected = offline_chat(offline, PROMPTS[1], "tomb", max_tokens=10, temperature=0.8, seed=7)
+    reply = client.chat.completions.create(
+        model="tomb", messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=10, temperature=0.8, seed=7
+    )
+    assert reply.choices[0].message.content == expected.text
+
+
+def test_chat_logprobs_and_n(client):
+    reply = client.chat.completions.create(
+        model="mural",
+        messages=[{"role": "user", "content": PROMPTS[2]}],
+        max_tokens=5,
+        temperature=0.9,
+        seed=3,
+        n=3,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    for choice in reply.choices:
+        content = choice.logprobs.content
+        assert len(content) == 5 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert reply.usage.completion_tokens == 15
+
+
+def test_completions_echo_logprobs_give_prompt_logprobs(client, offline):
+    prompt = "The mural on the east wall shows"
+    ids = offline.tokenizer.encode(prompt, add_special_tokens=False)
+    expected = offline.generate(
+        ids, SamplingParams(max_tokens=4, temperature=0, logprobs=1, prompt_logprobs=1), lora="mural"
+    )[0]
+    reply = client.completions.create(model="mural", prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    choice = reply.choices[0]
+    assert choice.text == prompt + expected.text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 4 and lp.token_logprobs[0] is None
+    want = [p.logprob for p in expected.prompt_logprobs[1:]] + [p.logprob for p in expected.logprobs]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    by_ids = client.completions.create(model="mural", prompt=ids, max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == expected.text
+
+
+def test_models_list(client):
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) >= {"hylora-demo", "relic", "tomb", "mural"}
+    assert models["hylora-demo"].parent is None and models["relic"].parent == "hylora-demo"
+
+
+def test_task_routing_by_header_and_body(server, offline):
+    expected = offline_chat(offline, PROMPTS[3], "tomb", max_tokens=6, temperature=0)
+    body = {"messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 6, "temperature": 0}
+    by_header = httpx.post(f"{server}/v1/chat/completions", json=body, headers={"X-Task": "tomb"}, timeout=60)
+    by_body = httpx.post(f"{server}/v1/chat/completions", json=body | {"task": "tomb"}, timeout=60)
+    for r in (by_header, by_body):
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected.text
+    unknown = httpx.post(f"{server}/v1/chat/completions", json=body | {"task": "pottery"}, timeout=60)
+    assert unknown.status_code == 404 and "tasks: mural, relic, tomb" in unknown.json()["error"]["message"]
+    conflict = httpx.post(f"{server}/v1/chat/completions", json=body | {"task": "tomb", "model": "relic"}, timeout=60)
+    assert conflict.status_code == 400 and "conflicts" in conflict.json()["error"]["message"]
+
+
+def test_error_cases(client, server):
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.NotFoundError, match="models: hylora-demo, mural, relic, tomb"):
+        client.chat.completions.create(model="pottery", messages=messages)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 512 tokens, but the prompt has"):
+        client.completions.create(model="relic", prompt=list(range(3, 603)), max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="the prompt has .* tokens and max_tokens asks for 600 more"):
+        client.chat.completions.create(model="relic", messages=messages, max_tokens=600)
+    with pytest.raises(openai.BadRequestError, match="temperature must be >= 0"):
+        client.chat.completions.create(model="relic", messages=messages, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="response_format 'json_object' is not supported"):
+        client.chat.completions.create(model="relic", messages=messages, response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        client.chat.completions.create(
+            model="relic",
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],
+        )
+    # unknown fields are ignored, as OpenAI clients send extras
+    ok = client.chat.completions.create(
+        model="relic", messages=messages, max_tokens=2, extra_body={"some_vendor_field": 1}, user="someone"
+    )
+    assert ok.choices[0].finish_reason == "length"
+    bad_json = httpx.post(
+        f"{server}/v1/chat/completions", content=b"{not json", timeout=30, headers={"Content-Type": "application/json"}
+    )
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "invalid_request_error"
+    missing = httpx.post(f"{server}/v1/chat/completions", json={"model": "relic"}, timeout=30)
+    assert missing.status_code == 400 and "messages" in missing.json()["error"]["message"]
+    huge = httpx.post(
+        f"{server}/v1/chat/completions",
+        timeout=30,
+        json={"model": "relic", "messages": [{"role": "user", "content": "x" * 300_000}]},
+    )
+    assert huge.status_code == 413
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+
+# --- adapters over HTTP --------------------------------------------------------------------
+
+
+def test_load_use_unload_reload_adapter_over_http(server, offline):
+    expected_relic = offline_chat(offline, PROMPTS[0], "relic", max_tokens=8, temperature=0)
+    expected_tomb = offline_chat(offline, PROMPTS[0], "tomb", max_tokens=8, temperature=0)
+    body = {"model": "field", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 8, "temperature": 0}
+
+    def ask():
+        return httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+
+    def load(path):
+        return httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "field", "lora_path": path}, timeout=60)
+
+    assert ask().status_code == 404
+    assert load("copy_of_relic").status_code == 200
+    assert ask().json()["choices"][0]["message"]["content"] == expected_relic.text
+    assert "field" in {m["id"] for m in httpx.get(f"{server}/v1/models", timeout=10).json()["data"]}
+    assert load("copy_of_tomb").status_code == 200  # reload under the same name
+    assert ask().json()["choices"][0]["message"]["content"] == expected_tomb.text
+    r = httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "field"}, timeout=30)
+    assert r.status_code == 200 and ask().status_code == 404
+
+
+@pytest.mark.parametrize(
+    "path, status, message",
+    [
+        ("../outside", 403, "outside the adapter root"),
+        ("/etc", 403, "outside the adapter root"),
+        ("escape", 403, "outside the adapter root"),
+        ("pickled", 400, "only pickle weights"),
+        ("nope", 404, "not a directory"),
+    ],
+)
+def test_adapter_loading_refusals(server, path, status, message):
+    r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path}, timeout=30)
+    assert r.status_code == status and message in r.json()["error"]["message"]
+
+
+# --- load, disconnects, faults ---------------------------------------------------------------
+
+
+def test_load_64_concurrent_streaming_clients(server, offline):
+    routes = [("relic", None), ("tomb", "tomb"), ("mural", None), (None, None)]  # (model, task header)
+    prompts = [f"{p} Request {i}." for i in range(10) for p in PROMPTS]  # 50 prompts x 4 routes = 200 combos
+    jobs = [(prompts[i % len(prompts)], routes[(i // len(prompts)) % 4]) for i in range(320)]
+    expected = {}
+    for model, _ in routes:
+        outs = offline.generate(
+            [chat_prompt(offline.tokenizer, [{"role": "user", "content": p}]) for p in prompts],
+            SamplingParams(max_tokens=8, temperature=0),
+            lora=model if model != "hylora-demo" else None,
+        )
+        for p, o in zip(prompts, outs, strict=True):
+            expected[(p, model)] = o.text
+
+    async def one(http: httpx.AsyncClient, prompt, model, task):
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "temperature": 0, "stream": True}
+        if model:
+            body["model"] = model
+        headers = {"X-Task": task} if task else {}
+        text, done = "", False
+        async with http.stream("POST", f"{server}/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    for choice in json.loads(line[6:])["choices"]:
+                        text += choice["delta"].get("content", "")
+        assert done
+        return text
+
+    async def main():
+        queue = list(enumerate(jobs))
+        results = {}
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+
+            async def client_loop():
+                while queue:
+                    i, (prompt, (model, task)) = queue.pop()
+                    results[i] = await one(http, prompt, model, task)
+
+            await asyncio.gather(*(client_loop() for _ in range(64)))
+        return results
+
+    start = time.monotonic()
+    results = asyncio.run(main())
+    assert len(results) == len(jobs)
+    for i, (prompt, (model, task)) in enumerate(jobs):
+        assert results[i] == expected[(prompt, model or task)], (i, prompt, model, task)
+    print(f"320 streamed requests from 64 clients in {time.monotonic() - start:.1f}s")
+    assert metric(server, "hylora_running_requests") == 0
+
+
+def test_client_disconnect_aborts_and_frees(server):
+    body = {
+        "model": "relic",
+        "messages": [{"role": "user", "content": "Describe."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    before = (
+        metric(server, "hylora_requests_total", 'adapter="relic",status="abort"')
+        if _has(server, 'hylora_requests_total{adapter="relic",status="abort"}')
+        else 0.0
+    )
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and "content" in line:
+                break  # go away mid-stream
+    for _ in range(100):
+        if metric(server, "hylora_running_requests") == 0 and metric(server, "hylora_kv_pages_used") == 0:
+            break
+        time.sleep(0.1)
+    assert metric(server, "hylora_running_requests") == 0 and metric(server, "hylora_kv_pages_used") == 0
+    assert metric(server, "hylora_requests_total", 'adapter="relic",status="abort"') == before + 1
+
+
+def test_numerical_fault_fails_one_request_and_the_next_is_unaffected(client, server, offline):
+    expected = offline_chat(offline, PROMPTS[4], "mural", max_tokens=8, temperature=0)
+    with pytest.raises(openai.InternalServerError, match="numerical fault.*'mural'"):
+        client.chat.completions.create(
+            model="mural",
+            messages=[{"role": "user", "content": PROMPTS[4]}],
+            max_tokens=8,
+            temperature=0,
+            extra_body={"hylora_inject_fault": True},
+        )
+    reply = client.chat.completions.create(
+        model="mural", messages=[{"role": "user", "content": PROMPTS[4]}], max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].message.content == expected.text
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+
+def test_metrics_expose_adapter_residency(server):
+    text = httpx.get(f"{server}/metrics", timeout=10).text
+    for name in [
+        "hylora_requests_total",
+        "hylora_prompt_tokens_total",
+        "hylora_generation_tokens_total",
+        "hylora_time_to_first_token_seconds_bucket",
+        "hylora_inter_token_latency_seconds_bucket",
+        "hylora_waiting_requests",
+        "hylora_kv_pages_total",
+        "hylora_state_slots_total",
+        "hylora_lora_slots_total",
+        "hylora_adapters_on_cpu",
+        'hylora_adapter_on_device{adapter="relic"}',
+    ]:
+        assert name in text, name
+
+
+def _has(server, key):
+    return key in httpx.get(f"{server}/metrics", timeout=10).text
+
+
+# --- other server configurations -------------------------------------------------------------
+
+
+def test_api_key_and_loading_off_without_root(cache_dir, tmp_path):
+    with running_server(
+        ["--demo", "--api-key", "sekret", "--max-model-len", "256", "--device", "cpu"], cache_dir, tmp_path / "log"
+    ) as url:
+        body = {"model": "relic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 401
+        wrong = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="sekret", max_retries=0)
+        assert client.chat.completions.create(**body).choices[0].finish_reason == "length"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+        r = httpx.post(
+            f"{url}/v1/load_lora_adapter",
+            json={"lora_name": "x", "lora_path": "/tmp"},
+            headers={"Authorization": "Bearer sekret"},
+            timeout=30,
+        )
+        assert r.status_code == 403 and "--adapter-root" in r.json()["error"]["message"]
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # health needs no key
+
+
+def test_readme_curl_example(cache_dir, tmp_path):
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    curl = text[text.index("curl http://127.0.0.1:8000") :].split("\n```")[0]
+    with running_server(["--demo", "--device", "cpu"], cache_dir, tmp_path / "log") as url:
+        out = subprocess.run(
+            ["bash", "-c", curl.replace("http://127.0.0.1:8000", url)], capture_output=True, text=True, timeout=120
+        )
+        reply = json.loads(out.stdout)
+        assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["content"]
