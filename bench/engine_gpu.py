@@ -273,7 +273,41 @@ def throughput(workdir: Path, shape: dict, n_adapters: int = 8) -> list[dict]:
             }
         )
         print(rows[-1], flush=True)
+    rows.append(fault_check(engine, n_adapters))
+    print(rows[-1], flush=True)
     return rows
+
+
+def fault_check(engine: LLMEngine, n_adapters: int) -> dict:
+    """NaN injected into one request of a mixed batch: only it fails; a later request is bit-identical."""
+
+    def run(requests: list[tuple[str, list[int], str | None]], fault: str | None = None) -> dict:
+        for rid, ids, adapter in requests:
+            engine.add_request(
+                rid, ids, SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True), adapter
+            )
+        if fault:
+            engine.inject_fault(fault)
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return done
+
+    probe = ("probe", list(range(100, 164)), "a1")
+    before = run([probe])["probe"]
+    batch = [(f"f{i}", list(range(10 + i, 300 + i)), f"a{i % n_adapters}") for i in range(8)]
+    faulted = run(batch, fault="f3")
+    after = run([("probe2", probe[1], probe[2])])["probe2"]
+    others_ok = all(o.error is None for rid, o in faulted.items() if rid != "f3")
+    return {
+        "run": "fault isolation",
+        "faulted_request_failed": faulted["f3"].finish_reason == "error",
+        "others_ok": others_ok,
+        "later_request_bit_identical": [x.logprob for x in after.logprobs] == [x.logprob for x in before.logprobs]
+        and after.token_ids == before.token_ids,
+    }
 
 
 def main() -> None:
@@ -301,6 +335,9 @@ def main() -> None:
     if speed:
         print("run | wall s | output tok/s | prefill s | decode step ms | weight-read floor ms")
         for r in speed:
+            if "wall_s" not in r:
+                print(r)
+                continue
             print(
                 f"{r['run']} | {r['wall_s']:.1f} | {r['out_tok_s']:.1f} | {r['prefill_s']:.2f} | "
                 f"{r['decode_step_ms']:.1f} | {r['decode_roofline_ms']:.1f}"

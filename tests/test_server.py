@@ -418,3 +418,55 @@ def test_readme_curl_example(cache_dir, tmp_path):
         )
         reply = json.loads(out.stdout)
         assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["content"]
+
+
+def test_graceful_shutdown_finishes_in_flight_stream(cache_dir, tmp_path):
+    import signal
+    import subprocess as sp
+    import sys
+
+    from tests.server_helpers import free_port
+
+    port = free_port()
+    log = open(tmp_path / "log", "w")  # noqa: SIM115 (closed below)
+    proc = sp.Popen(
+        [sys.executable, "-m", "hylora", "serve", "--demo", "--device", "cpu", "--port", str(port)],
+        stdout=log,
+        stderr=sp.STDOUT,
+        env={**__import__("os").environ, "HYLORA_CACHE_DIR": str(cache_dir)},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {
+            "model": "relic",
+            "messages": [{"role": "user", "content": "Describe."}],
+            "max_tokens": 60,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        lines = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                lines.append(line)
+                if len(lines) == 3:
+                    proc.send_signal(signal.SIGTERM)
+        assert lines[-1] == "data: [DONE]"
+        finishes = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in lines if x.startswith("data: {")]
+        assert finishes[-1] in ("length", "abort")
+        # uvicorn re-raises SIGTERM once its graceful shutdown is done, so -15 is a clean exit here
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        log.flush()
+        assert "Application shutdown complete" in (tmp_path / "log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
