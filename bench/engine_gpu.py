@@ -236,7 +236,7 @@ def throughput(workdir: Path, shape: dict, n_adapters: int = 8) -> list[dict]:
     prompts = [torch.randint(0, 1000, (512,), generator=g).tolist() for _ in range(32)]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     for label, adapter_of in [
-        ("base", lambda i: None),
+        ("base (= merged weights)", lambda i: None),
         (f"{n_adapters} adapters mixed", lambda i: f"a{i % n_adapters}"),
     ]:
         # warm-up: one short request per adapter used
