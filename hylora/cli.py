@@ -7,16 +7,12 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
-from hylora.config import parse_dtype
-
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", nargs="?", help="Hugging Face model directory (config.json + safetensors)")
     p.add_argument("--demo", action="store_true", help="use the embedded demo model (written on first use)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
@@ -35,29 +31,28 @@ def cmd_demo_model(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from hylora.generate import greedy_generate
-    from hylora.model.loader import load_model
-    from hylora.tokenizer import chat_prompt, load_tokenizer
+    from hylora.engine import LLM, SamplingParams
+    from hylora.tokenizer import chat_prompt
 
     model_dir = _model_dir(args)
-    dtype = None if args.dtype == "auto" else parse_dtype(args.dtype)
-    model = load_model(model_dir, dtype=dtype, device=args.device)
-    tokenizer = load_tokenizer(model_dir)
+    lora = {Path(args.lora).name: args.lora} if args.lora else None
+    llm = LLM(
+        model_dir,
+        lora_modules=lora,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=1,
+        max_model_len=args.max_model_len,
+        max_lora_rank=256,
+    )
+    tokenizer = llm.tokenizer
     if args.raw:
         ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     else:
         ids = chat_prompt(tokenizer, [{"role": "user", "content": args.prompt}])
-    stop = tuple(model.config.eos_token_ids) or (
-        (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-    )
-    adapters, lora = None, None
-    if args.lora:
-        from hylora.lora.registry import AdapterRegistry
-
-        adapters = AdapterRegistry(model, max_loras=1, max_lora_rank=256)
-        lora = adapters.load(Path(args.lora).name, args.lora).name
-    out = greedy_generate(model, [ids], args.max_tokens, stop_ids=stop, adapters=adapters, lora=lora)[0]
-    print(tokenizer.decode(out, skip_special_tokens=True))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    out = llm.generate(ids, params, lora=next(iter(lora)) if lora else None)[0]
+    print(out.text)
 
 
 def cmd_merge(args: argparse.Namespace) -> None:
@@ -85,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--lora", metavar="ADAPTER_DIR", help="apply this PEFT LoRA adapter dynamically")
     p.set_defaults(func=cmd_generate)

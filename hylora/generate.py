@@ -1,8 +1,8 @@
-"""Offline stepping and greedy generation on top of the decoder and its caches.
+"""A minimal stepper over the decoder and its caches, for tests and experiments.
 
 `CachedRunner` owns a state pool and a paged KV cache, hands each sequence a slot and pages, and
-runs one flat varlen step for any mix of prefill chunks and decode tokens. The serving engine's
-scheduler replaces the batching policy; the cache handling stays the same.
+runs one flat varlen step for any mix of prefill chunks and decode tokens, returning logits. The
+serving engine (hylora/engine) adds scheduling, sampling and fault handling on the same caches.
 """
 
 from __future__ import annotations
@@ -78,35 +78,3 @@ class CachedRunner:
         if all_logits:
             return list(self.model.logits(hidden).split(batch.seq_lens))
         return list(self.model.logits(hidden[batch.last_token_index]))
-
-
-def greedy_generate(
-    model: HybridDecoder,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    stop_ids: tuple[int, ...] = (),
-    adapters: AdapterRegistry | None = None,
-    lora: str | None = None,
-) -> list[list[int]]:
-    """Greedy decoding of several prompts batched together (all on adapter `lora`, or the base);
-    returns the generated ids per prompt."""
-    max_len = max(len(p) for p in prompts) + max_new_tokens
-    runner = CachedRunner(
-        model,
-        num_slots=len(prompts),
-        num_pages=len(prompts) * (max_len // 16 + 1),
-        page_size=16,
-        adapters=adapters,
-    )
-    seqs = [runner.add(lora) for _ in prompts]
-    logits = runner.step(list(zip(seqs, prompts, strict=True)))
-    outputs: list[list[int]] = [[] for _ in prompts]
-    active = list(range(len(prompts)))
-    for _ in range(max_new_tokens):
-        for i, lg in zip(active, logits, strict=True):
-            outputs[i].append(int(lg.argmax()))
-        active = [i for i in active if outputs[i][-1] not in stop_ids and len(outputs[i]) < max_new_tokens]
-        if not active:
-            break
-        logits = runner.step([(seqs[i], [outputs[i][-1]]) for i in active])
-    return outputs
