@@ -92,3 +92,15 @@ def causal_ckpt(tmp_path_factory):
 def vl_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("vl")
     return path, write_vl(path, seed=1)
+
+
+@pytest.fixture(scope="session")
+def engine_adapter_root(causal_ckpt, tmp_path_factory):
+    """PEFT adapters gdn_attn, rs_mlp, all_linear on the causal test checkpoint (for engine tests)."""
+    from tests.engine_helpers import ADAPTERS
+    from tests.lora_helpers import ADAPTER_SPECS, peft_adapter
+
+    root = tmp_path_factory.mktemp("engine_adapters")
+    for i, name in enumerate(ADAPTERS):
+        peft_adapter(causal_ckpt[1], root / name, seed=60 + i, **ADAPTER_SPECS[name])
+    return root

@@ -7,17 +7,13 @@ import pytest
 from hylora.engine import SamplingParams
 from tests.engine_helpers import ADAPTERS, greedy, make_engine, max_logprob_diff, run, run_alone
 from tests.helpers import random_ids
-from tests.lora_helpers import ADAPTER_SPECS, peft_adapter
 
 ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def adapter_root(causal_ckpt, tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine_adapters")
-    for i, name in enumerate(ADAPTERS):
-        peft_adapter(causal_ckpt[1], root / name, seed=60 + i, **ADAPTER_SPECS[name])
-    return root
+def adapter_root(engine_adapter_root):
+    return engine_adapter_root
 
 
 @pytest.fixture(scope="module")

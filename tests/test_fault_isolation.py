@@ -5,17 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine_helpers import ADAPTERS, greedy, make_engine, run, run_alone
+from tests.engine_helpers import greedy, make_engine, run, run_alone
 from tests.helpers import random_ids
-from tests.lora_helpers import ADAPTER_SPECS, peft_adapter
 
 
 @pytest.fixture(scope="module")
-def adapter_root(causal_ckpt, tmp_path_factory):
-    root = tmp_path_factory.mktemp("fault_adapters")
-    for i, name in enumerate(ADAPTERS):
-        peft_adapter(causal_ckpt[1], root / name, seed=80 + i, **ADAPTER_SPECS[name])
-    return root
+def adapter_root(engine_adapter_root):
+    return engine_adapter_root
 
 
 def engine(causal_ckpt, adapter_root):

@@ -132,3 +132,30 @@ def test_async_streams_and_cancellation(causal_ckpt):
         await aengine.shutdown(grace_seconds=1)
 
     asyncio.run(main())
+
+
+def test_internal_error_ends_requests_in_flight_and_engine_keeps_serving(causal_ckpt):
+    """A bug in a step (not a numerical fault) fails the requests in flight with an error; the
+    async engine then serves the next request normally."""
+    engine = make_engine(causal_ckpt[0], max_model_len=256)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = run_alone(engine, "ref", random_ids(20, 320, seed=9), params)
+
+    async def main():
+        aengine = AsyncEngine(engine).start()
+        real_execute = engine.runner.execute
+
+        def broken(chunks):
+            engine.runner.execute = real_execute  # fail once
+            raise RuntimeError("simulated bug")
+
+        engine.runner.execute = broken
+        with pytest.raises(RuntimeError, match="internal engine error: simulated bug"):
+            async for _ in aengine.generate("victim", random_ids(20, 320, seed=9), params):
+                pass
+        outs = [o async for o in aengine.generate("next", random_ids(20, 320, seed=9), params)]
+        assert outs[-1].token_ids == expected.token_ids
+        assert engine.kv.num_free == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
+        await aengine.shutdown(grace_seconds=1)
+
+    asyncio.run(main())

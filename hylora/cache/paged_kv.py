@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hylora.cache.allocator import IndexAllocator
 from hylora.config import ModelConfig
 
 
@@ -29,30 +30,24 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free = list(range(num_pages - 1, -1, -1))
-        self._allocated: set[int] = set()
+        self._pages = IndexAllocator(num_pages, "page")
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._pages.num_free
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPages(f"need {n} KV pages, {len(self._free)} of {self.num_pages} free")
-        pages = [self._free.pop() for _ in range(n)]
-        self._allocated.update(pages)
+        if n > self.num_free:
+            raise OutOfPages(f"need {n} KV pages, {self.num_free} of {self.num_pages} free")
+        pages = self._pages.take(n)
         self.scrub(pages)
         return pages
 
     def free(self, pages: list[int]) -> None:
-        for p in pages:
-            if p not in self._allocated:
-                raise ValueError(f"page {p} is not allocated")
-        self._allocated.difference_update(pages)
-        self._free.extend(pages)
+        self._pages.give_back(pages)
 
     def scrub(self, pages: list[int]) -> None:
         """Zero the K/V rows of `pages` in every layer."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hylora.cache.allocator import IndexAllocator
 from hylora.config import ModelConfig
 
 
@@ -38,26 +39,21 @@ class StatePool:
             device=device,
         )
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._allocated: set[int] = set()
+        self._slots = IndexAllocator(num_slots, "slot")
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._slots.num_free
 
     def allocate(self) -> int:
-        if not self._free:
+        if not self.num_free:
             raise OutOfSlots(f"all {self.num_slots} GDN state slots are in use")
-        slot = self._free.pop()
-        self._allocated.add(slot)
+        (slot,) = self._slots.take(1)
         self.reset(slot)
         return slot
 
     def free(self, slot: int) -> None:
-        if slot not in self._allocated:
-            raise ValueError(f"slot {slot} is not allocated")
-        self._allocated.remove(slot)
-        self._free.append(slot)
+        self._slots.give_back([slot])
 
     def reset(self, slot: int) -> None:
         self.conv[:, slot].zero_()

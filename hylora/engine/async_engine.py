@@ -7,7 +7,6 @@ between steps, so the engine itself stays single-threaded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
@@ -156,12 +155,8 @@ class AsyncEngine:
             loop.call_soon_threadsafe(q.put_nowait, item)
 
     def _fail_all(self, error: Exception) -> None:
-        for rid in list(self.engine.requests):
-            with contextlib.suppress(Exception):  # the engine is in a bad state; bookkeeping is reset below
-                self.engine.abort(rid)
+        for rid in self.engine.discard_all():
             self._deliver(rid, RuntimeError(f"internal engine error: {error}"), last=True)
-        self.engine.requests.clear()
-        self.engine._pending.clear()
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

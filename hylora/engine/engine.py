@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -124,6 +125,19 @@ class LLMEngine:
         self._finish(req, "abort")
         self._pending.append(self._output(req))
         return True
+
+    def discard_all(self) -> list[str]:
+        """After an internal error: end every request, free what it holds, drop pending outputs.
+        Returns the ids that were in flight."""
+        ids = list(self.requests)
+        for rid in ids:
+            with contextlib.suppress(Exception):  # free what can be freed; the bookkeeping is reset below
+                self._finish(self.requests[rid], "error", error="internal engine error")
+        self.requests.clear()
+        self._streams.clear()
+        self._emitted.clear()
+        self._pending.clear()
+        return ids
 
     def inject_fault(self, request_id: str) -> None:
         """Test hook: the next step that runs this request first fills its GDN state and KV pages

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hylora.ops.varlen import seq_starts, single_token_seqs
+
 
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D] new tokens' queries (rotary applied)
@@ -22,10 +24,8 @@ def paged_attention(
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     hq, hkv = q.shape[1], k_cache.shape[1]
-    starts = [0]
-    for n in seq_lens:
-        starts.append(starts[-1] + n)
-    single = [i for i, n in enumerate(seq_lens) if n == 1]
+    starts = seq_starts(seq_lens)
+    single = single_token_seqs(seq_lens)
     if single:
         rows = torch.tensor([starts[i] for i in single], device=q.device)
         out[rows] = _decode(

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hylora.ops.varlen import seq_starts, single_token_seqs
+
 
 def causal_conv1d_varlen(
     x: torch.Tensor,  # [T, C]
@@ -22,10 +24,8 @@ def causal_conv1d_varlen(
     out = torch.empty_like(x)
     new_states = torch.empty_like(conv_states)
     w = weight.float()
-    starts = [0]
-    for n in seq_lens:
-        starts.append(starts[-1] + n)
-    single = [i for i, n in enumerate(seq_lens) if n == 1]
+    starts = seq_starts(seq_lens)
+    single = single_token_seqs(seq_lens)
     if single:
         seq = torch.tensor(single, device=x.device)
         rows = torch.tensor([starts[i] for i in single], device=x.device)

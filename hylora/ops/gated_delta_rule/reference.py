@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hylora.ops.varlen import seq_starts, single_token_seqs
+
 CHUNK_SIZE = 64
 
 
@@ -98,10 +100,8 @@ def varlen_gated_delta_rule(
     Returns (o [T, H, dv] in v's dtype, final states [N, H, dk, dv] fp32)."""
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     final = torch.empty(initial_states.shape, dtype=torch.float32, device=v.device)
-    starts = [0]
-    for n in seq_lens:
-        starts.append(starts[-1] + n)
-    single = [i for i, n in enumerate(seq_lens) if n == 1]
+    starts = seq_starts(seq_lens)
+    single = single_token_seqs(seq_lens)
     if single:
         idx = torch.tensor([starts[i] for i in single], device=v.device)
         seq = torch.tensor(single, device=v.device)

@@ -1,0 +1,16 @@
+"""Bookkeeping shared by the varlen ops: where each sequence's tokens start, which are decodes."""
+
+from __future__ import annotations
+
+
+def seq_starts(seq_lens: list[int]) -> list[int]:
+    """[N + 1] offsets of each sequence's tokens in the flat batch (cu_seqlens)."""
+    starts = [0]
+    for n in seq_lens:
+        starts.append(starts[-1] + n)
+    return starts
+
+
+def single_token_seqs(seq_lens: list[int]) -> list[int]:
+    """Sequences with exactly one new token (decode steps): the ops handle these all at once."""
+    return [i for i, n in enumerate(seq_lens) if n == 1]
