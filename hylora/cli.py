@@ -106,6 +106,6 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as e:  # config / checkpoint / usage errors: message, no traceback
+    except (ValueError, FileNotFoundError, LookupError) as e:  # config / checkpoint / usage errors: a message
         print(f"hylora: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

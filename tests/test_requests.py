@@ -121,7 +121,7 @@ def test_async_streams_and_cancellation(causal_ckpt):
                 return out  # the client goes away after the first output
 
         await leave_early()
-        for _ in range(100):
+        for _ in range(500):
             if await aengine.call(lambda: not engine.has_unfinished()):
                 break
             await asyncio.sleep(0.01)

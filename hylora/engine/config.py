@@ -21,9 +21,9 @@ class EngineConfig:
     device: str | None = None  # None: cuda if available else cpu
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # HYLORA_MAX_NUM_SEQS=64 overrides max_num_seqs, etc.
+        for f in fields(self):  # HYLORA_MAX_NUM_SEQS=64 replaces the default of max_num_seqs, etc.
             env = os.environ.get(f"HYLORA_{f.name.upper()}")
-            if env is not None:
+            if env is not None and getattr(self, f.name) == f.default:  # explicit values win
                 current = getattr(self, f.name)
                 kind = type(current) if current is not None else (int if f.name == "num_pages" else str)
                 setattr(self, f.name, kind(env))
