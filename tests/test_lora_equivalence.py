@@ -45,7 +45,9 @@ def run_alone(model, registry, adapter, ids):
 
 @pytest.mark.parametrize("n", LENGTHS, ids=lambda n: f"len{n}")
 @pytest.mark.parametrize("name", list(ADAPTER_SPECS))
-def test_dynamic_equals_peft_equals_merged(setup, name, n):
+def test_dynamic_equals_peft_equals_merged(setup, name, n, monkeypatch):
+    if n in (129, 2048):  # also through the masked path the GPU uses
+        monkeypatch.setenv("HYLORA_LORA_BACKEND", "masked")
     model, registry, peft, merged, ref = setup
     ids = random_ids(n, model.config.vocab_size, seed=n + 1)
     ours = run_alone(model, registry, name, ids)
@@ -69,9 +71,11 @@ def test_merged_directory_is_complete(setup, causal_ckpt, tmp_path):
     assert (merged - run_alone(model, registry, "gdn_attn", ids)).abs().max().item() <= ATOL
 
 
-def test_mixed_batch_equals_each_request_alone(setup):
+@pytest.mark.parametrize("backend", ["grouped", "masked"])
+def test_mixed_batch_equals_each_request_alone(setup, backend, monkeypatch):
     """Three adapters (different ranks / targets, one rsLoRA) and base requests in one batch,
     prefill (with chunks) and decode together."""
+    monkeypatch.setenv("HYLORA_LORA_BACKEND", backend)
     model, registry, *_ = setup
     plan = [
         ("gdn_attn", 130),

@@ -180,7 +180,7 @@ class AdapterRegistry:
         dev, dtype, r = linear.weight.device, linear.weight.dtype, self.max_lora_rank
         return LoRAStack(
             a=[torch.zeros(self.max_loras, r, linear.in_features, device=dev, dtype=dtype) for _ in linear.slices],
-            b=[torch.zeros(self.max_loras, rows, r, device=dev, dtype=dtype) for rows in linear.slices.values()],
+            b=[torch.zeros(self.max_loras, r, rows, device=dev, dtype=dtype) for rows in linear.slices.values()],
             offsets=linear.slice_offsets,
             present=[[False] * len(linear.slices) for _ in range(self.max_loras)],
         )
@@ -234,7 +234,7 @@ class AdapterRegistry:
             stack.a[index][slot].zero_()  # the slot was cleared on eviction; zero the padding anyway
             stack.b[index][slot].zero_()
             stack.a[index][slot, :r] = w.a.to(stack.a[index].dtype)
-            stack.b[index][slot, :, :r] = (w.b * w.scale).to(stack.b[index].dtype)
+            stack.b[index][slot, :r] = (w.b * w.scale).T.to(stack.b[index].dtype)
             stack.present[slot][index] = True
         self._slots[slot] = version
         version.slot = slot
