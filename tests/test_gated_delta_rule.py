@@ -43,16 +43,26 @@ def test_chunk_size_does_not_change_result(chunk):
     torch.testing.assert_close(s, s64, atol=1e-5, rtol=1e-4)
 
 
-def test_varlen_mixes_decode_and_prefill():
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_varlen_mixes_decode_and_prefill(group):
+    """Raw q/k with Hk heads, Hv = group * Hk value heads: normalised, expanded and scaled inside."""
     lens = [1, 65, 1, 3, 128, 1]
-    H, dk, dv = 2, 8, 4
-    per_seq = [inputs(n, H, dk, dv, seed=i) for i, n in enumerate(lens)]
+    hk, dk, dv = 2, 8, 4
+    hv, scale = hk * group, dk**-0.5
+    g = torch.Generator().manual_seed(group)
+    per_seq = []
+    for i, n in enumerate(lens):
+        _, _, v, decay, beta, state = inputs(n, hv, dk, dv, seed=i)
+        raw_q, raw_k = torch.randn(n, hk, dk, generator=g) * 3, torch.randn(n, hk, dk, generator=g)
+        per_seq.append((raw_q, raw_k, v, decay, beta, state))
     flat = [torch.cat([p[j] for p in per_seq]) for j in range(5)]
     states = torch.stack([p[5] for p in per_seq])
-    o, s = varlen_gated_delta_rule(*flat, states, lens)
+    o, s = varlen_gated_delta_rule(*flat, states, lens, scale)
     start = 0
     for i, (n, p) in enumerate(zip(lens, per_seq, strict=True)):
-        o_ref, s_ref = recurrent_gated_delta_rule(*(x[None] for x in p[:5]), p[5][None])
+        q = (F.normalize(p[0], dim=-1, eps=0) * scale).repeat_interleave(group, dim=1)
+        k = F.normalize(p[1], dim=-1, eps=0).repeat_interleave(group, dim=1)
+        o_ref, s_ref = recurrent_gated_delta_rule(q[None], k[None], *(x[None] for x in p[2:5]), p[5][None])
         torch.testing.assert_close(o[start : start + n], o_ref[0], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(s[i], s_ref[0], atol=1e-5, rtol=1e-4)
         start += n

@@ -23,6 +23,7 @@ from hylora.engine.scheduler import Scheduler
 from hylora.lora.registry import AdapterRegistry
 from hylora.model.decoder import HybridDecoder
 from hylora.model.loader import load_model
+from hylora.ops.kernel_check import select_gdn_kernel
 from hylora.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class LLMEngine:
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
         self.model_dir = Path(model_dir)
         self.model = model or load_model(model_dir, dtype=dtype, device=device, progress=progress)
+        self.kernels = {"gated_delta_rule": select_gdn_kernel(self.model)}
+        log.info("kernels: %s", self.kernels)
         self.tokenizer = load_tokenizer(model_dir)
         self.adapters = AdapterRegistry(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         for name, path in (lora_modules or {}).items():

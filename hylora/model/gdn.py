@@ -19,10 +19,6 @@ class DepthwiseConv(nn.Module):
         self.weight = _param(channels, 1, kernel)  # checkpoint layout of nn.Conv1d(groups=channels)
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
 class GatedDeltaNet(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -39,6 +35,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = _param(self.hv)
         self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, {"out_proj": c.hidden_size})
+        # the gated-delta-rule kernel: the torch reference unless ops.kernel_check picked a fast one
+        self.delta_rule = ops.varlen_gated_delta_rule
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states: StatePool) -> torch.Tensor:
         T = x.shape[0]
@@ -52,15 +50,13 @@ class GatedDeltaNet(nn.Module):
         )
         states.conv[layer, slots] = conv_state
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        group = self.hv // self.hk  # value head i reads key head i // group
-        q = l2norm(q.reshape(T, self.hk, self.dk).float()).repeat_interleave(group, dim=1) * self.dk**-0.5
-        k = l2norm(k.reshape(T, self.hk, self.dk).float()).repeat_interleave(group, dim=1)
+        q, k = q.reshape(T, self.hk, self.dk), k.reshape(T, self.hk, self.dk)
         v = v.reshape(T, self.hv, self.dv)
 
         beta = b.sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
-        o, recurrent = ops.varlen_gated_delta_rule(q, k, v, g, beta, states.recurrent[layer, slots], batch.seq_lens)
+        o, recurrent = self.delta_rule(q, k, v, g, beta, states.recurrent[layer, slots], batch.seq_lens, self.dk**-0.5)
         states.recurrent[layer, slots] = recurrent
         o = self.norm(o, z.reshape(T, self.hv, self.dv))
         return self.out_proj(o.reshape(T, self.value_dim), batch.lora)

@@ -4,8 +4,9 @@ Per value head, with state S [dk, dv], for each token t:
     S <- S * exp(g_t)
     S <- S + k_t ⊗ beta_t (v_t - S^T k_t)
     o_t = S^T q_t
-q and k arrive already L2-normalised and expanded to the value heads; q is scaled by the caller.
-All arithmetic is fp32; outputs are returned in v's dtype, states in fp32.
+`chunk_` and `recurrent_` take q and k already L2-normalised, expanded to the value heads and (q)
+scaled; `varlen_gated_delta_rule` takes raw q and k and does that itself, like fla's kernels with
+`use_qk_l2norm_in_kernel=True`. All arithmetic is fp32; outputs in v's dtype, states fp32.
 
 Varlen layout (as fla): flat tokens [T, H, d] with cu_seqlens [N+1] and one state per sequence
 [N, H, dk, dv].
@@ -87,17 +88,22 @@ def chunk_gated_delta_rule(
 
 
 def varlen_gated_delta_rule(
-    q: torch.Tensor,  # [T, H, dk]
-    k: torch.Tensor,
-    v: torch.Tensor,  # [T, H, dv]
-    g: torch.Tensor,  # [T, H]
-    beta: torch.Tensor,
-    initial_states: torch.Tensor,  # [N, H, dk, dv]
+    q: torch.Tensor,  # [T, Hk, dk] raw (not normalised)
+    k: torch.Tensor,  # [T, Hk, dk] raw
+    v: torch.Tensor,  # [T, Hv, dv]
+    g: torch.Tensor,  # [T, Hv]
+    beta: torch.Tensor,  # [T, Hv]
+    initial_states: torch.Tensor,  # [N, Hv, dk, dv]
     seq_lens: list[int],
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Several sequences in one flat batch. Single-token sequences (decode) are stepped together
-    by the recurrence; longer ones (prefill chunks) go through the chunked form one by one.
-    Returns (o [T, H, dv] in v's dtype, final states [N, H, dk, dv] fp32)."""
+    """Several sequences in one flat batch. q and k are L2-normalised here (fp32) and value head i
+    reads key head i // (Hv / Hk); q is multiplied by `scale`. Single-token sequences (decode) are
+    stepped together by the recurrence; longer ones go through the chunked form one by one.
+    Returns (o [T, Hv, dv] in v's dtype, final states [N, Hv, dk, dv] fp32)."""
+    group = v.shape[1] // q.shape[1]
+    q = (l2norm(q.float()) * scale).repeat_interleave(group, dim=1)
+    k = l2norm(k.float()).repeat_interleave(group, dim=1)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     final = torch.empty(initial_states.shape, dtype=torch.float32, device=v.device)
     starts = seq_starts(seq_lens)
@@ -119,3 +125,7 @@ def varlen_gated_delta_rule(
             continue
         out[sl], final[i] = chunk_gated_delta_rule(q[sl], k[sl], v[sl], g[sl], beta[sl], initial_states[i])
     return out.to(v.dtype), final
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

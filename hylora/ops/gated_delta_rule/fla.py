@@ -1,0 +1,64 @@
+"""The gated delta rule through fla's Triton kernels (CUDA only), with the reference's signature.
+
+Keyword arguments only: fla 0.6 inserted `gk, gv` before `beta` in
+`fused_recurrent_gated_delta_rule`, so a positional call silently passes beta as gk.
+fla handles grouped value heads (value head i reads key head i // (Hv / Hk)) and q/k L2-norm itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hylora.ops.varlen import seq_starts
+
+
+def is_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except Exception:  # not installed, or no Triton for this platform
+        return False
+    return True
+
+
+def varlen_gated_delta_rule(
+    q: torch.Tensor,  # [T, Hk, dk] raw
+    k: torch.Tensor,  # [T, Hk, dk] raw
+    v: torch.Tensor,  # [T, Hv, dv]
+    g: torch.Tensor,  # [T, Hv] log decay
+    beta: torch.Tensor,  # [T, Hv]
+    initial_states: torch.Tensor,  # [N, Hv, dk, dv] fp32
+    seq_lens: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    q, k, beta = q.to(v.dtype), k.to(v.dtype), beta.to(v.dtype)
+    if all(n == 1 for n in seq_lens):  # decode: one token per sequence, as a batch of length-1 sequences
+        o, final = fused_recurrent_gated_delta_rule(
+            q=q[:, None],
+            k=k[:, None],
+            v=v[:, None],
+            g=g[:, None].float(),
+            beta=beta[:, None],
+            scale=scale,
+            initial_state=initial_states.float(),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        return o[:, 0], final.float()
+    cu_seqlens = torch.tensor(seq_starts(seq_lens), dtype=torch.long, device=v.device)
+    o, final = chunk_gated_delta_rule(
+        q=q[None],
+        k=k[None],
+        v=v[None],
+        g=g[None].float(),
+        beta=beta[None],
+        scale=scale,
+        initial_state=initial_states.float(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens,
+    )
+    return o[0], final.float()

@@ -1,0 +1,68 @@
+"""Choose fast kernels only after they agree with the torch reference on this model's shapes.
+
+Run once at engine start on CUDA: fla's gated delta rule is compared with the reference on
+random inputs of the model's head sizes, at lengths straddling fla's 64-token chunks, a
+decode-only batch and a mixed batch. On any mismatch or non-finite value the reference stays.
+`HYLORA_GDN_BACKEND=reference|fla|auto` (auto: fla when it passes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+from hylora.model.decoder import HybridDecoder
+from hylora.ops.gated_delta_rule import fla
+from hylora.ops.gated_delta_rule.reference import varlen_gated_delta_rule as reference
+
+log = logging.getLogger(__name__)
+BATCHES = ([1, 1, 1, 1, 1], [1, 63, 64, 65, 129, 1], [257], [2, 1, 511])
+TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
+def select_gdn_kernel(model: HybridDecoder) -> str:
+    """Install the fastest gated-delta-rule kernel that passes; returns what was chosen, for the log."""
+    choice = os.environ.get("HYLORA_GDN_BACKEND", "auto")
+    if model.device.type != "cuda" or choice == "reference":
+        return "reference"
+    if not fla.is_available():
+        if choice == "fla":
+            raise RuntimeError("HYLORA_GDN_BACKEND=fla but fla (fla-core) is not importable")
+        return "reference (fla not installed)"
+    error = max(_relative_error(model, lens) for lens in BATCHES)
+    tolerance = TOLERANCE[model.dtype]
+    if not error <= tolerance:  # also catches NaN
+        message = f"fla's gated delta rule disagrees with the reference (rel. error {error:.2e} > {tolerance:.0e})"
+        if choice == "fla":
+            raise RuntimeError(message)
+        log.error("%s; serving with the reference kernel", message)
+        return f"reference ({message})"
+    for layer in model.layers:
+        if layer.is_linear:
+            layer.linear_attn.delta_rule = fla.varlen_gated_delta_rule
+    return f"fla (max rel. error {error:.1e} vs the reference)"
+
+
+@torch.inference_mode()
+def _relative_error(model: HybridDecoder, seq_lens: list[int]) -> float:
+    c, dev, dtype = model.config, model.device, model.dtype
+    g = torch.Generator(device=dev).manual_seed(sum(seq_lens))
+    T, N = sum(seq_lens), len(seq_lens)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=dev)
+
+    q = rand(T, c.linear_num_key_heads, c.linear_key_head_dim).to(dtype)
+    k = rand(T, c.linear_num_key_heads, c.linear_key_head_dim).to(dtype)
+    v = rand(T, c.linear_num_value_heads, c.linear_value_head_dim).to(dtype)
+    decay = -F.softplus(rand(T, c.linear_num_value_heads)) * 0.5
+    beta = torch.sigmoid(rand(T, c.linear_num_value_heads)).to(dtype)
+    states = rand(N, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim) * 0.1
+    scale = c.linear_key_head_dim**-0.5
+    o_ref, s_ref = reference(q, k, v, decay, beta, states, seq_lens, scale)
+    o, s = fla.varlen_gated_delta_rule(q, k, v, decay, beta, states.clone(), seq_lens, scale)
+    errors = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in ((o, o_ref), (s, s_ref))]
+    return max(errors) if all(torch.isfinite(x).all() for x in (o, s)) else float("inf")
