@@ -25,7 +25,7 @@ class _Body(BaseModel):
             log.warning("%s: ignoring unknown fields %s", route, sorted(self.model_extra))
 
 
-class _Sampling(_Body):
+class SamplingRequest(_Body):
     model: str | None = None
     task: str | None = None  # hylora: route by task instead of model
     max_tokens: int | None = None
@@ -96,7 +96,7 @@ class ChatMessage(_Body):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -119,7 +119,7 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None

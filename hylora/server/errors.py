@@ -1,0 +1,81 @@
+"""OpenAI-style errors, the exception handlers that produce them, and the request-body limit."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hylora.server.metrics import ServerMetrics
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code = status, message, kind, code
+
+
+def error_response(
+    status: int, message: str, kind: str = "invalid_request_error", code: str | None = None
+) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
+
+
+def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        metrics.rejected.labels(code=str(e.status)).inc()
+        return error_response(e.status, e.message, e.kind, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        metrics.rejected.labels(code="400").inc()
+        problems = []
+        for err in e.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        return error_response(400, "invalid request: " + "; ".join(problems))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(e.status_code, str(e.detail))
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies above `limit` bytes with 413 (Content-Length or streamed)."""
+
+    def __init__(self, app, limit: int, metrics: ServerMetrics):
+        self.app, self.limit, self.metrics = app, limit, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope, receive, send):
+        self.metrics.rejected.labels(code="413").inc()
+        response = error_response(413, f"request body larger than {self.limit} bytes")
+        await response(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
