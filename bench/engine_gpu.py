@@ -1,14 +1,17 @@
-"""GPU check and baseline for the serving engine (plain-torch kernels).
+"""GPU check and baseline for the serving engine.
 
 Part 1 (correctness): the demo model with its three adapters. The CPU fp32 engine generates 16
 tokens after each prompt; then the logits of prompt + generated tokens from hylora on CUDA (fp32
 and bf16) and from transformers + PEFT in bf16 on CUDA (the bf16 yardstick) are compared with
 hylora's CPU fp32 logits: relative error per position (max, mean), top-1 agreement, finiteness.
-Part 2 (speed): random weights of the Qwen3.6-27B text shape built on the GPU, 8 random rank-16
-adapters on every linear, DESIGN.md's workload (32 requests x 512-token prompts + 64 new tokens),
-base only vs. mixing the 8 adapters. Prints a table; `--out FILE` also writes JSON.
+Part 2 (speed): random weights of the Qwen3.6-27B text shape built on the GPU, written as a
+sharded VL-layout checkpoint (to /dev/shm or /tmp when there is room) and loaded back with
+`load_model`; 8 random rank-16 adapters on every linear; DESIGN.md's workload (32 requests x
+512-token prompts + 64 new tokens), base only vs. mixing the 8 adapters; then a fault-isolation
+check. Prints a table; `--out FILE` also writes JSON.
 
-    python bench/engine_gpu.py [--skip-27b] [--shape small] [--out results.json]
+    python bench/engine_gpu.py [--skip-correctness] [--skip-27b] [--compare-in-memory] [--shape small]
+                               [--out results.json]
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -32,7 +36,7 @@ from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from hylora.generate import CachedRunner  # noqa: E402
 from hylora.lora.registry import AdapterRegistry  # noqa: E402
 from hylora.model.decoder import HybridDecoder  # noqa: E402
-from hylora.model.loader import load_model  # noqa: E402
+from hylora.model.loader import checkpoint_layout, load_model  # noqa: E402
 from hylora.model.packing import LORA_TARGETS, layer_sublayers, projection_shapes  # noqa: E402
 from hylora.ops.kernel_check import select_gdn_kernel  # noqa: E402
 
@@ -196,7 +200,47 @@ def write_random_adapter(path: Path, cfg: ModelConfig, rank: int, seed: int) -> 
     )
 
 
-def throughput(workdir: Path, shape: dict, n_adapters: int = 8) -> list[dict]:
+def write_checkpoint(model: HybridDecoder, shape: dict, demo: Path, path: Path, shard_bytes: int = 5 << 30) -> None:
+    """The model as a Hugging Face VL-wrapper checkpoint: `model.language_model.` keys in ~5 GB
+    safetensors shards with an index, one vision tensor (to be skipped), the demo's tokenizer."""
+    path.mkdir(parents=True, exist_ok=True)
+    weight_map, shard, size, n = {}, {}, 0, 0
+
+    def flush() -> None:
+        nonlocal shard, size, n
+        n += 1
+        name = f"model-{n:05d}.safetensors"
+        save_file(shard, path / name, metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+        shard, size = {}, 0
+
+    layout = checkpoint_layout(model)
+    params = dict(model.named_parameters())
+    for name, (dest, start, rows) in layout.items():
+        key = name if name == "lm_head.weight" else "model.language_model." + name
+        shard[key] = params[dest][start : start + rows].detach().cpu().contiguous()
+        size += shard[key].numel() * shard[key].element_size()
+        if size >= shard_bytes:
+            flush()
+    shard["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 16, 16, dtype=torch.bfloat16)
+    flush()
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    text = {k: v for k, v in shape.items() if k != "model_type"} | {"model_type": "qwen3_5_text"}
+    (path / "config.json").write_text(
+        json.dumps({"model_type": "qwen3_5", "dtype": "bfloat16", "text_config": text, "vision_config": {"depth": 27}})
+    )
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (path / f).write_bytes((demo / f).read_bytes())
+
+
+def _roomy_dir(need_bytes: int) -> Path | None:
+    for root in ("/dev/shm", "/tmp"):
+        if Path(root).is_dir() and shutil.disk_usage(root).free > need_bytes:
+            return Path(tempfile.mkdtemp(dir=root))
+    return None
+
+
+def throughput(workdir: Path, shape: dict, n_adapters: int = 8, compare_in_memory: bool = False) -> list[dict]:
     cfg = ModelConfig.from_hf(shape)
     demo = workdir / "demo"
     torch.cuda.synchronize()
@@ -205,6 +249,38 @@ def throughput(workdir: Path, shape: dict, n_adapters: int = 8) -> list[dict]:
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if compare_in_memory:  # the same workload on the in-memory model, to compare with the loaded one
+        quick = LLMEngine(
+            demo,
+            EngineConfig(
+                max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=2048, dtype="bfloat16", num_pages=4096
+            ),
+            progress=False,
+            model=model,
+        )
+        print(
+            f"in-memory model, kernels {quick.kernels}: {_run_workload(quick, 'base', lambda i: None, 1)}", flush=True
+        )
+        del quick
+        torch.cuda.empty_cache()
+    ckpt = _roomy_dir(weight_bytes + (8 << 30))
+    if ckpt is None:
+        print("no room for a checkpoint on this machine: serving the in-memory model", flush=True)
+    else:  # write it, free the GPU copy, load it back through the loader
+        t0 = time.perf_counter()
+        write_checkpoint(model, shape, demo, ckpt)
+        write_s = time.perf_counter() - t0
+        del model
+        torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        model = load_model(ckpt, dtype=torch.bfloat16, device="cuda", progress=False)
+        torch.cuda.synchronize()
+        load_s = time.perf_counter() - t0
+        print(
+            f"checkpoint: wrote {weight_bytes / 1e9:.1f} GB in {write_s:.1f}s to {ckpt}; load_model took "
+            f"{load_s:.1f}s ({weight_bytes / 1e9 / load_s:.1f} GB/s)",
+            flush=True,
+        )
     t0 = time.perf_counter()
     adapters = {}
     for i in range(n_adapters):
@@ -227,6 +303,7 @@ def throughput(workdir: Path, shape: dict, n_adapters: int = 8) -> list[dict]:
         model=model,
     )
     setup_s = time.perf_counter() - t0
+    print(f"kernels: {engine.kernels}; LoRA apply: masked (CUDA)", flush=True)
     print(
         f"27B-shape model built in {build_s:.1f}s ({weight_bytes / 1e9:.1f} GB), adapters written in "
         f"{write_s:.1f}s, engine set up (adapter load + cache plan) in {setup_s:.1f}s; "
@@ -234,50 +311,53 @@ def throughput(workdir: Path, shape: dict, n_adapters: int = 8) -> list[dict]:
         flush=True,
     )
     rows = []
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 1000, (512,), generator=g).tolist() for _ in range(32)]
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    for label, adapter_of in [
-        ("base (= merged weights)", lambda i: None),
-        (f"{n_adapters} adapters mixed", lambda i: f"a{i % n_adapters}"),
+    for label, adapter_of, warm in [
+        ("base (= merged weights)", lambda i: None, 1),
+        (f"{n_adapters} adapters mixed", lambda i: f"a{i % n_adapters}", n_adapters),
     ]:
-        # warm-up: one short request per adapter used
-        for i in range(n_adapters if "mixed" in label else 1):
-            engine.add_request(f"w{label}{i}", prompts[0][:16], SamplingParams(max_tokens=2), adapter_of(i))
-        while engine.has_unfinished():
-            engine.step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for i, p in enumerate(prompts):
-            engine.add_request(f"{label}{i}", p, params, adapter_of(i))
-        first_token_at, decode_steps, decode_time, finite = None, 0, 0.0, True
-        while engine.has_unfinished():
-            s0 = time.perf_counter()
-            outs = engine.step()
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - s0
-            if first_token_at is None and sum(1 for o in outs if o.token_ids) == 32:
-                first_token_at = time.perf_counter() - t0
-            elif first_token_at is not None:
-                decode_steps += 1
-                decode_time += dt
-            finite &= all(o.error is None for o in outs)
-        wall = time.perf_counter() - t0
         rows.append(
-            {
-                "run": label,
-                "wall_s": wall,
-                "out_tok_s": 32 * 64 / wall,
-                "prefill_s": first_token_at,
-                "decode_step_ms": 1e3 * decode_time / max(decode_steps, 1),
-                "decode_roofline_ms": 1e3 * weight_bytes / 4.3e12,
-                "no_errors": finite,
-            }
+            _run_workload(engine, label, adapter_of, warm) | {"decode_roofline_ms": 1e3 * weight_bytes / 4.3e12}
         )
         print(rows[-1], flush=True)
     rows.append(fault_check(engine, n_adapters))
     print(rows[-1], flush=True)
     return rows
+
+
+def _run_workload(engine: LLMEngine, label: str, adapter_of, warm: int) -> dict:
+    """DESIGN.md's workload: 32 requests x 512 random prompt tokens + 64 greedy tokens, all at once."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1000, (512,), generator=g).tolist() for _ in range(32)]
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    for i in range(warm):  # one short request per adapter used
+        engine.add_request(f"w{label}{i}", prompts[0][:16], SamplingParams(max_tokens=2), adapter_of(i))
+    while engine.has_unfinished():
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{label}{i}", p, params, adapter_of(i))
+    first_token_at, decode_steps, decode_time, finite = None, 0, 0.0, True
+    while engine.has_unfinished():
+        s0 = time.perf_counter()
+        outs = engine.step()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - s0
+        if first_token_at is None and sum(1 for o in outs if o.token_ids) == 32:
+            first_token_at = time.perf_counter() - t0
+        elif first_token_at is not None:
+            decode_steps += 1
+            decode_time += dt
+        finite &= all(o.error is None for o in outs)
+    wall = time.perf_counter() - t0
+    return {
+        "run": label,
+        "wall_s": wall,
+        "out_tok_s": 32 * 64 / wall,
+        "prefill_s": first_token_at,
+        "decode_step_ms": 1e3 * decode_time / max(decode_steps, 1),
+        "no_errors": finite,
+    }
 
 
 def fault_check(engine: LLMEngine, n_adapters: int) -> dict:
@@ -316,6 +396,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-27b", action="store_true")
     ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument(
+        "--compare-in-memory",
+        action="store_true",
+        help="also time the base workload on the in-memory model before writing the checkpoint",
+    )
     ap.add_argument("--shape", choices=["27b", "small"], default="27b")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -336,7 +421,13 @@ def main() -> None:
             ]
             print(f"{r['tokens']} | {r['adapter']} | " + " | ".join(cells), flush=True)
         torch.cuda.empty_cache()
-        speed = [] if args.skip_27b else throughput(work, QWEN36_27B if args.shape == "27b" else SMALL)
+        speed = (
+            []
+            if args.skip_27b
+            else throughput(
+                work, QWEN36_27B if args.shape == "27b" else SMALL, compare_in_memory=args.compare_in_memory
+            )
+        )
     if speed:
         print("run | wall s | output tok/s | prefill s | decode step ms | weight-read floor ms")
         for r in speed:
