@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -19,8 +20,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class ServerHandle:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+
 @contextmanager
 def running_server(args: list[str], cache_dir: Path, log_path: Path, env: dict | None = None, timeout: float = 180):
+    """Yields a ServerHandle once /health answers; terminates the server afterwards."""
     port = free_port()
     full_env = os.environ | {"HYLORA_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"} | (env or {})
     with open(log_path, "w") as log:
@@ -44,7 +53,7 @@ def running_server(args: list[str], cache_dir: Path, log_path: Path, env: dict |
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"server did not start:\n{log_path.read_text()[-3000:]}")
                 time.sleep(0.3)
-            yield url
+            yield ServerHandle(url, proc, log_path)
         finally:
             proc.terminate()
             try:

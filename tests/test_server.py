@@ -72,8 +72,8 @@ def server(cache_dir, adapter_root, tmp_path_factory):
         "--device",
         "cpu",
     ]
-    with running_server(args, cache_dir, log, env={"HYLORA_ENABLE_FAULT_INJECTION": "1"}) as url:
-        yield url
+    with running_server(args, cache_dir, log, env={"HYLORA_ENABLE_FAULT_INJECTION": "1"}) as handle:
+        yield handle.url
 
 
 @pytest.fixture(scope="module")
@@ -390,7 +390,8 @@ def _has(server, key):
 def test_api_key_and_loading_off_without_root(cache_dir, tmp_path):
     with running_server(
         ["--demo", "--api-key", "sekret", "--max-model-len", "256", "--device", "cpu"], cache_dir, tmp_path / "log"
-    ) as url:
+    ) as handle:
+        url = handle.url
         body = {"model": "relic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 401
         wrong = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"})
@@ -412,7 +413,8 @@ def test_api_key_and_loading_off_without_root(cache_dir, tmp_path):
 def test_readme_curl_example(cache_dir, tmp_path):
     text = (Path(__file__).parents[1] / "README.md").read_text()
     curl = text[text.index("curl http://127.0.0.1:8000") :].split("\n```")[0]
-    with running_server(["--demo", "--device", "cpu"], cache_dir, tmp_path / "log") as url:
+    with running_server(["--demo", "--device", "cpu"], cache_dir, tmp_path / "log") as handle:
+        url = handle.url
         out = subprocess.run(
             ["bash", "-c", curl.replace("http://127.0.0.1:8000", url)], capture_output=True, text=True, timeout=120
         )
@@ -422,27 +424,8 @@ def test_readme_curl_example(cache_dir, tmp_path):
 
 def test_graceful_shutdown_finishes_in_flight_stream(cache_dir, tmp_path):
     import signal
-    import subprocess as sp
-    import sys
 
-    from tests.server_helpers import free_port
-
-    port = free_port()
-    log = open(tmp_path / "log", "w")  # noqa: SIM115 (closed below)
-    proc = sp.Popen(
-        [sys.executable, "-m", "hylora", "serve", "--demo", "--device", "cpu", "--port", str(port)],
-        stdout=log,
-        stderr=sp.STDOUT,
-        env={**__import__("os").environ, "HYLORA_CACHE_DIR": str(cache_dir)},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with running_server(["--demo", "--device", "cpu"], cache_dir, tmp_path / "log") as server:
         body = {
             "model": "relic",
             "messages": [{"role": "user", "content": "Describe."}],
@@ -452,21 +435,16 @@ def test_graceful_shutdown_finishes_in_flight_stream(cache_dir, tmp_path):
             "ignore_eos": True,
         }
         lines = []
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
                 if not line:
                     continue
                 lines.append(line)
                 if len(lines) == 3:
-                    proc.send_signal(signal.SIGTERM)
+                    server.proc.send_signal(signal.SIGTERM)
         assert lines[-1] == "data: [DONE]"
         finishes = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in lines if x.startswith("data: {")]
         assert finishes[-1] in ("length", "abort")
         # uvicorn re-raises SIGTERM once its graceful shutdown is done, so -15 is a clean exit here
-        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
-        log.flush()
-        assert "Application shutdown complete" in (tmp_path / "log").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
+        assert server.proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert "Application shutdown complete" in server.log_path.read_text()
