@@ -49,6 +49,14 @@ def test_stop_strings_stop_ids_and_length(engine):
     assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[: free.token_ids.index(third) + 1]
 
 
+def test_request_larger_than_the_whole_kv_cache_is_refused(causal_ckpt):
+    small = make_engine(causal_ckpt[0], max_model_len=256, num_pages=4, page_size=16)
+    with pytest.raises(RequestError, match="needs up to 5 KV pages .* the whole cache has 4"):
+        small.add_request("big", random_ids(50, 320, seed=1), SamplingParams(max_tokens=30))
+    out = run_alone(small, "fits", random_ids(40, 320, seed=1), SamplingParams(max_tokens=20, ignore_eos=True))
+    assert out.finish_reason == "length" and len(out.token_ids) == 20
+
+
 def test_streamed_text_is_valid_utf8_and_adds_up(causal_ckpt):
     tok = load_tokenizer(causal_ckpt[0])
     text = "Pigments: 孔雀石 and ünïcode — done"

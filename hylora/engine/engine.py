@@ -109,6 +109,12 @@ class LLMEngine:
                 f"tokens and asks for up to {params.max_tokens} more ({len(ids) + params.max_tokens}); "
                 "shorten the prompt or lower max_tokens"
             )
+        pages = self.kv.pages_needed(len(ids) + params.max_tokens)
+        if pages > self.kv.num_pages:  # could never be scheduled, even alone
+            raise RequestError(
+                f"the request needs up to {pages} KV pages ({len(ids)} prompt + {params.max_tokens} new tokens) "
+                f"but the whole cache has {self.kv.num_pages}; lower max_tokens or start with more --num-pages"
+            )
         if adapter is not None:
             self.adapters.get(adapter)  # UnknownAdapter names what is loaded
         req = Request(request_id=request_id, prompt_ids=ids, params=params, adapter=adapter)
