@@ -240,7 +240,9 @@ def _roomy_dir(need_bytes: int) -> Path | None:
     return None
 
 
-def throughput(workdir: Path, shape: dict, n_adapters: int = 8, compare_in_memory: bool = False) -> list[dict]:
+def throughput(
+    workdir: Path, shape: dict, n_adapters: int = 8, compare_in_memory: bool = False, checkpoint: bool = True
+) -> list[dict]:
     cfg = ModelConfig.from_hf(shape)
     demo = workdir / "demo"
     torch.cuda.synchronize()
@@ -263,9 +265,9 @@ def throughput(workdir: Path, shape: dict, n_adapters: int = 8, compare_in_memor
         )
         del quick
         torch.cuda.empty_cache()
-    ckpt = _roomy_dir(weight_bytes + (8 << 30))
+    ckpt = _roomy_dir(weight_bytes + (8 << 30)) if checkpoint else None
     if ckpt is None:
-        print("no room for a checkpoint on this machine: serving the in-memory model", flush=True)
+        print("serving the in-memory model" + ("" if not checkpoint else " (no room for a checkpoint)"), flush=True)
     else:  # write it, free the GPU copy, load it back through the loader
         t0 = time.perf_counter()
         write_checkpoint(model, shape, demo, ckpt)
@@ -360,6 +362,50 @@ def _run_workload(engine: LLMEngine, label: str, adapter_of, warm: int) -> dict:
     }
 
 
+def transformers_throughput(shape: dict, n_adapters: int) -> list[dict]:
+    """The same workload through transformers (+ PEFT with one adapter per request, mixed in one
+    batch via `adapter_names`), random weights of the same shape, in this process."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(**{k: v for k, v in shape.items() if k not in ("model_type", "full_attention_interval")})
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 directly: an fp32 27B model would not fit
+    try:
+        with torch.device("cuda"):
+            model = Qwen3_5ForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randint(0, 1000, (512,), generator=g) for _ in range(32)]).cuda()
+    rows = []
+
+    def timed(label: str, m, **kw) -> None:
+        with torch.no_grad():
+            m.generate(ids[:2, :16], max_new_tokens=2, do_sample=False, **{k: v[:2] for k, v in kw.items()})
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = m.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False, **kw)
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        assert out.shape[1] == 512 + 64
+        rows.append({"run": label, "wall_s": wall, "out_tok_s": 32 * 64 / wall})
+        print(rows[-1], flush=True)
+
+    timed("transformers base", model)
+    lora = LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    peft = get_peft_model(model, lora, adapter_name="a0")
+    for i in range(1, n_adapters):
+        peft.add_adapter(f"a{i}", lora)
+    peft.eval()
+    timed(
+        f"transformers + PEFT, {n_adapters} adapters mixed",
+        peft,
+        adapter_names=[f"a{i % n_adapters}" for i in range(32)],
+    )
+    return rows
+
+
 def fault_check(engine: LLMEngine, n_adapters: int) -> dict:
     """NaN injected into one request of a mixed batch: only it fails; a later request is bit-identical."""
 
@@ -401,6 +447,12 @@ def main() -> None:
         action="store_true",
         help="also time the base workload on the in-memory model before writing the checkpoint",
     )
+    ap.add_argument("--no-checkpoint", action="store_true", help="serve the in-memory model (skip write + load)")
+    ap.add_argument(
+        "--with-transformers",
+        action="store_true",
+        help="then run the same workload through transformers and transformers + PEFT",
+    )
     ap.add_argument("--shape", choices=["27b", "small"], default="27b")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -421,23 +473,24 @@ def main() -> None:
             ]
             print(f"{r['tokens']} | {r['adapter']} | " + " | ".join(cells), flush=True)
         torch.cuda.empty_cache()
-        speed = (
-            []
-            if args.skip_27b
-            else throughput(
-                work, QWEN36_27B if args.shape == "27b" else SMALL, compare_in_memory=args.compare_in_memory
-            )
-        )
+        shape = QWEN36_27B if args.shape == "27b" else SMALL
+        speed = []
+        if not args.skip_27b:
+            speed = throughput(work, shape, compare_in_memory=args.compare_in_memory, checkpoint=not args.no_checkpoint)
+        if args.with_transformers:
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+            speed += transformers_throughput(shape, 8)
     if speed:
         print("run | wall s | output tok/s | prefill s | decode step ms | weight-read floor ms")
         for r in speed:
             if "wall_s" not in r:
                 print(r)
                 continue
-            print(
-                f"{r['run']} | {r['wall_s']:.1f} | {r['out_tok_s']:.1f} | {r['prefill_s']:.2f} | "
-                f"{r['decode_step_ms']:.1f} | {r['decode_roofline_ms']:.1f}"
-            )
+            cells = [f"{r[k]:.2f}" if k in r else "-" for k in ("prefill_s", "decode_step_ms", "decode_roofline_ms")]
+            print(f"{r['run']} | {r['wall_s']:.1f} | {r['out_tok_s']:.1f} | " + " | ".join(cells))
     if args.out:
         Path(args.out).write_text(json.dumps({"correctness": rows, "throughput": speed}, indent=2))
 
