@@ -20,3 +20,10 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> lis
         raise ValueError("this model directory has no chat template; send a plain completion prompt instead")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """An upper bound on the characters one token covers (the longest vocabulary entry), so that
+    `chars > max_model_len * max_token_chars` proves a text too long without tokenising it."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max((len(t) for t in tokens if t), default=1)

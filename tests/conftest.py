@@ -104,3 +104,28 @@ def engine_adapter_root(causal_ckpt, tmp_path_factory):
     for i, name in enumerate(ADAPTERS):
         peft_adapter(causal_ckpt[1], root / name, seed=60 + i, **ADAPTER_SPECS[name])
     return root
+
+
+@pytest.fixture(scope="session")
+def vl_media_ckpt(tmp_path_factory):
+    """(model_dir, transformers Qwen3_5ForConditionalGeneration): a 2-block tower and media token ids
+    inside the vocabulary, for image / video tests (tests/vl_helpers.py)."""
+    from tests.vl_helpers import write_vl_media
+
+    path = tmp_path_factory.mktemp("vl_media")
+    return path, write_vl_media(path, seed=2)
+
+
+@pytest.fixture(scope="session")
+def demo_cache_dir(tmp_path_factory):
+    """A HYLORA_CACHE_DIR holding the embedded demo (for servers started with --demo)."""
+    from hylora.demo import ensure_demo
+
+    path = tmp_path_factory.mktemp("hylora-cache")
+    ensure_demo(path / "demo")
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_dir(demo_cache_dir):
+    return demo_cache_dir / "demo"

@@ -8,8 +8,9 @@ import asyncio
 import pytest
 
 from hylora.engine import RequestError, SamplingParams
-from hylora.engine.async_engine import AsyncEngine
+from hylora.engine.async_engine import AsyncEngine, EngineDead
 from hylora.engine.detokenizer import TextStream
+from hylora.engine.request import FailureKind
 from hylora.lora.registry import UnknownAdapter
 from hylora.tokenizer import load_tokenizer
 from tests.engine_helpers import make_engine, run, run_alone
@@ -142,28 +143,72 @@ def test_async_streams_and_cancellation(causal_ckpt):
     asyncio.run(main())
 
 
-def test_internal_error_ends_requests_in_flight_and_engine_keeps_serving(causal_ckpt):
-    """A bug in a step (not a numerical fault) fails the requests in flight with an error; the
-    async engine then serves the next request normally."""
+def test_forward_error_fails_only_the_request_that_caused_it(causal_ckpt):
+    """A forward that raises with a batch in it: the batch recomputes one request at a time, the
+    request that raises alone fails, its neighbours finish exactly as they would alone."""
+    engine = make_engine(causal_ckpt[0], max_model_len=256, max_num_seqs=4)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = {name: random_ids(20 + 7 * i, 320, seed=20 + i) for i, name in enumerate(["a", "b", "bad"])}
+    alone = {name: run_alone(engine, f"ref-{name}", prompts[name], params) for name in ("a", "b")}
+    engine.add_request("a", prompts["a"], params)
+    engine.step()  # "a" is running when the offender arrives
+    for name in ("bad", "b"):
+        engine.add_request(name, prompts[name], params)
+    engine.inject_fault("bad", "raise")
+    out = run(engine, {})
+    assert out["bad"].finish_reason == "error" and out["bad"].failure is FailureKind.INTERNAL
+    assert "injected fault in the forward of request 'bad'" in out["bad"].error
+    for name in ("a", "b"):
+        assert out[name].finish_reason == "length" and out[name].token_ids == alone[name].token_ids, name
+    assert engine.kv.num_free == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
+
+
+def test_bug_outside_any_request_ends_those_in_flight_and_engine_keeps_serving(causal_ckpt):
+    """A bug in the step itself (not in one request's work) ends the requests in flight with an
+    error output (never a silent end); the async engine then serves the next request normally."""
     engine = make_engine(causal_ckpt[0], max_model_len=256)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     expected = run_alone(engine, "ref", random_ids(20, 320, seed=9), params)
 
     async def main():
         aengine = AsyncEngine(engine).start()
-        real_execute = engine.runner.execute
+        real_schedule = engine.scheduler.schedule
 
-        def broken(chunks):
-            engine.runner.execute = real_execute  # fail once
+        def broken():
+            engine.scheduler.schedule = real_schedule  # fail once
             raise RuntimeError("simulated bug")
 
-        engine.runner.execute = broken
-        with pytest.raises(RuntimeError, match="internal engine error: simulated bug"):
-            async for _ in aengine.generate("victim", random_ids(20, 320, seed=9), params):
-                pass
+        engine.scheduler.schedule = broken
+        outs = [o async for o in aengine.generate("victim", random_ids(20, 320, seed=9), params)]
+        assert outs[-1].finish_reason == "error" and "internal engine error" in outs[-1].error
+        assert outs[-1].failure is FailureKind.INTERNAL
         outs = [o async for o in aengine.generate("next", random_ids(20, 320, seed=9), params)]
         assert outs[-1].token_ids == expected.token_ids
         assert engine.kv.num_free == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
         await aengine.shutdown(grace_seconds=1)
+
+    asyncio.run(main())
+
+
+def test_device_fault_ends_everything_and_stops_the_engine(causal_ckpt):
+    engine = make_engine(causal_ckpt[0], max_model_len=256)
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    fatal = []
+
+    async def main():
+        aengine = AsyncEngine(engine, on_fatal=fatal.append).start()
+        neighbour = await aengine.submit("n", random_ids(20, 320, seed=1), params)
+        faulty = await aengine.submit("f", random_ids(20, 320, seed=2), params, inject_fault="device")
+        ends = [[o async for o in s][-1] for s in (neighbour, faulty)]
+        for out in ends:
+            assert out.finish_reason == "error" and out.failure is FailureKind.DEVICE_FAULT
+            assert "device fault" in out.error and "restart" in out.error
+        for _ in range(100):  # on_fatal comes from the engine thread right after the last output
+            if fatal:
+                break
+            await asyncio.sleep(0.02)
+        assert fatal and not aengine.alive
+        with pytest.raises(EngineDead):
+            await aengine.submit("late", [1, 2], params)
 
     asyncio.run(main())

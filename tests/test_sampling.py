@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hylora.engine.request import Request, SamplingParams
-from hylora.engine.sampler import _filtered_probs, apply_penalties, sample
+from hylora.engine.sampler import SamplingError, _filtered_probs, apply_penalties, sample
 
 
 def req(params: SamplingParams, prompt=(1, 2), output=()) -> Request:
@@ -58,16 +58,47 @@ def test_logprobs_are_of_the_raw_distribution():
     "kwargs, message",
     [
         (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
-        (dict(temperature=-1), "temperature must be >= 0"),
-        (dict(top_p=0), "top_p must be in \\(0, 1\\]"),
+        (dict(temperature=-1), "temperature must be a number in \\[0, 2\\]"),
+        (dict(temperature=float("nan")), "temperature must be a number"),
+        (dict(temperature=3.0), "temperature must be a number in \\[0, 2\\]"),
+        (dict(top_p=0), "top_p must be a number in \\(0, 1\\]"),
+        (dict(top_p=float("nan")), "top_p must be a number"),
         (dict(top_k=-5), "top_k must be"),
-        (dict(min_p=2), "min_p must be in"),
-        (dict(presence_penalty=3), "presence_penalty must be in \\[-2, 2\\]"),
-        (dict(repetition_penalty=0), "repetition_penalty must be > 0"),
+        (dict(top_k=2.5), "top_k must be"),
+        (dict(min_p=2), "min_p must be a number in"),
+        (dict(presence_penalty=3), "presence_penalty must be a number in \\[-2, 2\\]"),
+        (dict(frequency_penalty=float("inf")), "frequency_penalty must be a number"),
+        (dict(repetition_penalty=0), "repetition_penalty must be a number in \\(0"),
+        (dict(seed=2**64), "seed must be an integer in \\[-2\\^63, 2\\^63 - 1\\]"),
+        (dict(seed=-(2**63) - 1), "seed must be an integer"),
         (dict(logprobs=50), "logprobs must be between 0 and 20"),
         (dict(stop=[""]), "stop strings must not be empty"),
+        (dict(stop=["x"] * 65), "at most 64 stop strings"),
+        (dict(stop=["x" * 513]), "at most 512 characters"),
+        (dict(stop_token_ids=[1.5]), "stop_token_ids must be a list"),
     ],
 )
 def test_bad_sampling_values_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_tiny_temperatures_are_greedy_or_floored_and_edge_seeds_work():
+    assert SamplingParams(temperature=1e-30).greedy
+    assert SamplingParams(temperature=1e-3).temperature == 0.01  # as vLLM: logits / T must stay finite
+    assert SamplingParams(seed=-1).seed is None
+    logits = torch.randn(1, 50) * 30
+    for seed in (2**63 - 1, -(2**63), 0):
+        ((token, _),) = sample(logits, [req(SamplingParams(temperature=0.01, seed=seed))])
+        assert 0 <= token < 50
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone():
+    logits = torch.zeros(2, 4)
+    logits[0] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    bad = req(SamplingParams(temperature=1.0, seed=1))
+    bad.params.temperature = float("nan")  # what validation forbids, as if a bug let it through
+    good = req(SamplingParams(temperature=0.0))
+    first, second = sample(logits, [good, bad])
+    assert first == (3, None)
+    assert isinstance(second, SamplingError) and "no token has a finite, positive probability" in str(second)

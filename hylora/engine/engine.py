@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,11 +16,11 @@ from hylora.config import parse_dtype
 from hylora.engine.config import EngineConfig
 from hylora.engine.detokenizer import TextStream
 from hylora.engine.memory import plan_caches
-from hylora.engine.request import Request, SamplingParams, TokenLogprob
+from hylora.engine.request import FailureKind, Request, SamplingParams, TokenLogprob
 from hylora.engine.runner import ModelRunner
-from hylora.engine.sampler import prompt_logprobs, sample
-from hylora.engine.scheduler import Scheduler
-from hylora.lora.registry import AdapterRegistry
+from hylora.engine.sampler import SamplingError, prompt_logprobs, sample
+from hylora.engine.scheduler import ScheduledChunk, Scheduler
+from hylora.lora.registry import AdapterRegistry, PreparedAdapter
 from hylora.model.decoder import HybridDecoder
 from hylora.model.loader import load_model
 from hylora.ops.kernel_check import select_gdn_kernel
@@ -31,23 +31,60 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RequestOutput:
+    """What one step changed for one request. While it runs an output carries only what is new
+    (streams send deltas, never cumulative copies); the final output (`finished`) also carries
+    everything: all tokens, the whole text and the logprobs."""
+
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]  # every generated token so far
     new_token_ids: list[int]  # generated since the previous output of this request
-    text: str  # generated text so far (stop strings removed unless asked to keep them)
     new_text: str
     finished: bool
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
+    failure: FailureKind | None = None  # why it failed, when finish_reason is "error"
     adapter: str | None = None
+    new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, when asked for
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    # final output only
+    token_ids: list[int] = field(default_factory=list)  # every generated token
+    text: str = ""  # generated text (stop strings removed unless asked to keep them)
     logprobs: list[TokenLogprob] | None = None  # per generated token, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first entry None, when asked for
-    num_preemptions: int = 0
+
+
+    def merged(self, later: RequestOutput) -> RequestOutput:
+        """This output followed by `later` as one (a reader that fell behind gets one delta)."""
+        new_logprobs = None
+        if self.new_logprobs is not None or later.new_logprobs is not None:
+            new_logprobs = (self.new_logprobs or []) + (later.new_logprobs or [])
+        return dataclasses.replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text,
+            new_logprobs=new_logprobs,
+        )
 
 
 class RequestError(ValueError):
     """The request cannot be served as given; the message says what to change."""
+
+
+class DeviceFault(RuntimeError):
+    """The accelerator failed (e.g. an illegal memory access): every request in flight is lost and
+    the device state cannot be trusted; the process must restart."""
+
+
+def is_device_error(error: BaseException) -> bool:
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(s in text for s in ("CUDA error", "CUBLAS_STATUS", "cuDNN error"))
+
+
+MAX_SUSPECT_STEPS = 3  # a request in this many failed steps fails itself
 
 
 class LLMEngine:
@@ -81,7 +118,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, TextStream] = {}
         self._emitted: dict[str, int] = {}  # generated tokens already handed out per request
-        self._faults: set[str] = set()
+        self._faults: dict[str, str] = {}  # test hook: request id → fault kind
         self._pending: list[RequestOutput] = []  # outputs of requests ended outside step()
         self.step_count = 0
 
@@ -92,16 +129,18 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         adapter: str | None = None,
+        prepared: PreparedAdapter | None = None,
     ) -> Request:
+        """Queue a request. Bad input raises RequestError (UnknownAdapter / AdapterBroken for the
+        adapter) and changes nothing. `prepared` is the adapter already read off this thread
+        (AsyncEngine does that); without it the adapter is prepared here."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise RequestError("the prompt is empty")
+        ids = self._prompt_ids(prompt)
         vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be in [0, {vocab})")
         limit = self.config.max_model_len
         if len(ids) + params.max_tokens > limit:
             raise RequestError(
@@ -115,63 +154,84 @@ class LLMEngine:
                 f"the request needs up to {pages} KV pages ({len(ids)} prompt + {params.max_tokens} new tokens) "
                 f"but the whole cache has {self.kv.num_pages}; lower max_tokens or start with more --num-pages"
             )
-        if adapter is not None:
-            self.adapters.get(adapter)  # UnknownAdapter names what is loaded
+        if adapter is not None and (prepared is None or prepared.version.name != adapter):
+            prepared = self.adapters.prepare(adapter)  # UnknownAdapter names what is loaded
+        try:
+            stream = TextStream(
+                self.tokenizer, ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+            )
+        except Exception as e:
+            raise RequestError(f"cannot detokenise this prompt: {e}") from None
         req = Request(request_id=request_id, prompt_ids=ids, params=params, adapter=adapter)
+        req.prepared = prepared if adapter is not None else None
         self.requests[request_id] = req
-        self._streams[request_id] = TextStream(
-            self.tokenizer, ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
-        )
+        self._streams[request_id] = stream
         self._emitted[request_id] = 0
         self.scheduler.add(req)
         return req
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request at any point; everything it holds is freed. False if it is unknown/done."""
+    def abort(self, request_id: str, error: str | None = None, failure: FailureKind | None = None) -> bool:
+        """Stop a request at any point; everything it holds is freed. With `error` it ends as an
+        error (finish_reason "error"), else as "abort". False if it is unknown/done."""
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return False
-        self._finish(req, "abort")
+        if error is None:
+            self._finish(req, "abort")
+        else:
+            self._finish(req, "error", error=error, failure=failure or FailureKind.INTERNAL)
         self._pending.append(self._output(req))
         return True
 
-    def discard_all(self) -> list[str]:
-        """After an internal error: end every request, free what it holds, drop pending outputs.
-        Returns the ids that were in flight."""
-        ids = list(self.requests)
-        for rid in ids:
-            with contextlib.suppress(Exception):  # free what can be freed; the bookkeeping is reset below
-                self._finish(self.requests[rid], "error", error="internal engine error")
-        self.requests.clear()
-        self._streams.clear()
-        self._emitted.clear()
-        self._pending.clear()
-        return ids
+    def fail_all(self, error: str, failure: FailureKind) -> list[RequestOutput]:
+        """End every request with `error` and free what it holds (after an internal error, a device
+        fault, or at shutdown). Returns their final outputs."""
+        outputs, self._pending = self._pending, []
+        for rid in list(self.requests):
+            req = self.requests[rid]
+            try:
+                reason = "abort" if failure is FailureKind.SHUTTING_DOWN else "error"
+                self._finish(req, reason, error=error, failure=failure, scrub=True)
+                outputs.append(self._output(req))
+            except Exception:  # the bookkeeping itself is broken: forget the request
+                log.exception("could not end request %s cleanly", rid)
+                outputs.append(RequestOutput(rid, req.prompt_ids, [], "", True, "error", error, failure))
+                self.requests.pop(rid, None)
+                self._streams.pop(rid, None)
+                self._emitted.pop(rid, None)
+        return outputs
 
-    def inject_fault(self, request_id: str) -> None:
-        """Test hook: the next step that runs this request first fills its GDN state and KV pages
-        with NaN (what a faulty kernel would leave behind)."""
-        self._faults.add(request_id)
+    def inject_fault(self, request_id: str, kind: str = "nan") -> None:
+        """Test hook, for the next step that runs this request: "nan" first fills its GDN state and
+        KV pages with NaN (what a faulty kernel would leave behind); "raise" makes the forward raise
+        (a bug triggered by this request); "device" raises what a CUDA fault raises."""
+        if kind not in ("nan", "raise", "device"):
+            raise ValueError(f"unknown fault kind {kind!r}")
+        self._faults[request_id] = kind
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
 
     # --- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step. Whatever goes wrong for one request ends that request alone; only a
+        device fault (DeviceFault) escapes, since it may have corrupted every request's memory."""
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         self.step_count += 1
         for req in plan.failed:
-            self._finish(req, "error", error=req.error)
+            self._finish(req, "error", error=req.error, failure=req.failure)
             outputs.append(self._output(req))
         if not plan.chunks:
             return outputs
-        for c in plan.chunks:
-            if c.request.request_id in self._faults:
-                self._faults.discard(c.request.request_id)
-                self.runner.poison(c.request.state_slot, c.request.pages)
+        try:
+            results = self._execute(plan.chunks)
+        except Exception as e:
+            if is_device_error(e):
+                raise DeviceFault(f"device fault at engine step {self.step_count}: {e}") from e
+            outputs.extend(self._quarantine(plan.chunks, e))
+            return outputs
 
-        results = self.runner.execute(plan.chunks)
         to_sample: list[tuple[Request, torch.Tensor]] = []
         for c, res in zip(plan.chunks, results, strict=True):
             req = c.request
@@ -181,6 +241,7 @@ class LLMEngine:
                     req,
                     "error",
                     scrub=True,
+                    failure=FailureKind.NUMERICAL_FAULT,
                     error=(
                         f"numerical fault: non-finite values (NaN/Inf) in request {req.request_id!r}{where} at "
                         f"engine step {self.step_count}; the request was stopped and its cache scrubbed, other "
@@ -190,18 +251,74 @@ class LLMEngine:
                 outputs.append(self._output(req))
                 continue
             req.num_computed += c.num_tokens
-            if req.params.prompt_logprobs is not None:
-                self._add_prompt_logprobs(req, res.prompt_logits, res.prompt_positions)
+            try:
+                if req.params.prompt_logprobs is not None:
+                    self._add_prompt_logprobs(req, res.prompt_logits, res.prompt_positions)
+            except Exception as e:
+                outputs.append(self._fail(req, f"computing prompt logprobs failed: {e!r}", FailureKind.INTERNAL))
+                continue
             if res.sample_logits is not None:
                 to_sample.append((req, res.sample_logits))
         if to_sample:
             reqs = [r for r, _ in to_sample]
-            for req, (token, info) in zip(reqs, sample(torch.stack([lg for _, lg in to_sample]), reqs), strict=True):
-                self._append_token(req, token, info)
-                outputs.append(self._output(req))
+            for req, result in zip(reqs, sample(torch.stack([lg for _, lg in to_sample]), reqs), strict=True):
+                if isinstance(result, SamplingError):
+                    outputs.append(self._fail(req, f"sampling failed: {result}", FailureKind.INVALID_REQUEST))
+                    continue
+                try:
+                    self._append_token(req, *result)
+                    outputs.append(self._output(req))
+                except Exception as e:  # detokenisation or stop handling
+                    log.exception("request %s: handling its new token failed", req.request_id)
+                    outputs.append(self._fail(req, f"detokenising the output failed: {e!r}", FailureKind.INTERNAL))
         return outputs
 
     # --- internals -------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            try:
+                ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            except Exception as e:
+                raise RequestError(f"cannot tokenise the prompt: {e}") from None
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not (isinstance(t, int) and 0 <= t < vocab) for t in ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def _execute(self, chunks: list[ScheduledChunk]):
+        for c in chunks:
+            kind = self._faults.pop(c.request.request_id, None)
+            if kind == "nan":
+                self.runner.poison(c.request.state_slot, c.request.pages)
+            elif kind == "raise":
+                self._faults[c.request.request_id] = kind  # keeps raising while this request is in a step
+                raise RuntimeError(f"injected fault in the forward of request {c.request.request_id!r}")
+            elif kind == "device":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+        return self.runner.execute(chunks)
+
+    def _quarantine(self, chunks: list[ScheduledChunk], error: Exception) -> list[RequestOutput]:
+        """The forward raised. A request that was alone fails with the error; a batch goes back to the
+        queue and each of its requests recomputes alone, so the one that raises fails by itself."""
+        log.error("engine step %d failed with %d request(s) in it: %r", self.step_count, len(chunks), error)
+        outputs = []
+        for c in reversed(chunks):  # requeued at the head, in their original order
+            req = c.request
+            if len(chunks) == 1 or req.suspect_count + 1 >= MAX_SUSPECT_STEPS:
+                message = f"internal error while running this request (engine step {self.step_count}): {error!r}"
+                outputs.append(self._fail(req, message, FailureKind.INTERNAL))
+            else:
+                self.scheduler.requeue_suspect(req)
+        return outputs
+
+    def _fail(self, req: Request, error: str, failure: FailureKind) -> RequestOutput:
+        self._finish(req, "error", error=error, failure=failure, scrub=True)
+        return self._output(req)
+
     def _add_prompt_logprobs(self, req: Request, logits: torch.Tensor | None, positions: range) -> None:
         if not req.prompt_logprobs:
             req.prompt_logprobs.append(None)  # the first prompt token has no logprob
@@ -225,35 +342,52 @@ class LLMEngine:
         elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
             self._finish(req, "length")
 
-    def _finish(self, req: Request, reason: str, error: str | None = None, scrub: bool = False) -> None:
+    def _finish(
+        self,
+        req: Request,
+        reason: str,
+        error: str | None = None,
+        scrub: bool = False,
+        failure: FailureKind | None = None,
+    ) -> None:
         self.scheduler.finish(req, scrub=scrub)
         req.finish_reason = reason
         req.error = error or req.error
+        req.failure = failure or req.failure
+        req.prepared = None
         if error:
             log.warning("request %s failed: %s", req.request_id, error)
 
     def _output(self, req: Request) -> RequestOutput:
         rid = req.request_id
         stream = self._streams[rid]
-        new_text = stream.take(req.finished)
+        try:
+            new_text = stream.take(req.finished)
+        except Exception:  # a broken stream must not keep the request from ending
+            log.exception("request %s: taking its text failed", rid)
+            new_text = ""
         start = self._emitted[rid]
         self._emitted[rid] = len(req.output_ids)
+        wants_logprobs = req.params.logprobs is not None
         out = RequestOutput(
             request_id=rid,
             prompt_token_ids=req.prompt_ids,
-            token_ids=list(req.output_ids),
             new_token_ids=req.output_ids[start:],
-            text=stream.text if req.finished else stream.text[: stream.emitted],
             new_text=new_text,
             finished=req.finished,
             finish_reason=req.finish_reason,
             error=req.error,
+            failure=req.failure,
             adapter=req.adapter,
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
+            new_logprobs=req.logprobs[start:] if wants_logprobs else None,
+            num_output_tokens=len(req.output_ids),
             num_preemptions=req.num_preemptions,
         )
         if req.finished:
+            out.token_ids = list(req.output_ids)
+            out.text = stream.text
+            out.logprobs = list(req.logprobs) if wants_logprobs else None
+            out.prompt_logprobs = list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None
             del self.requests[rid], self._streams[rid], self._emitted[rid]
         return out
 

@@ -9,20 +9,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hylora.lora.registry import AdapterLease
+from hylora.lora.registry import AdapterLease, PreparedAdapter
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's rule)
+MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to this: logits / T must stay finite
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or < 1e-5) = greedy; (0, 0.01) is raised to 0.01
     top_k: int = 0  # 0 or -1 = off
     top_p: float = 1.0
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    seed: int | None = None
+    seed: int | None = None  # any 64-bit integer; -1 = none (as vLLM)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -32,39 +36,81 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     MAX_LOGPROBS = 20
+    MAX_TEMPERATURE = 2.0
+    # Stop strings are matched against the text of every new token: bound that cost.
+    MAX_STOP_STRINGS = 64
+    MAX_STOP_CHARS = 512
+    MAX_STOP_TOKEN_IDS = 1024
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        problems = []
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            problems.append(f"temperature must be >= 0, got {self.temperature}")
-        if not (self.top_k == -1 or self.top_k >= 0):
-            problems.append(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            problems.append(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                problems.append(f"{name} must be in [-2, 2], got {value}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= self.MAX_LOGPROBS:
-                problems.append(f"{name} must be between 0 and {self.MAX_LOGPROBS}, got {value}")
-        if any(not s for s in self.stop):
-            problems.append("stop strings must not be empty")
+        if self.seed == -1:
+            self.seed = None
+        problems = self._problems()
         if problems:
             raise ValueError("; ".join(problems))
+        if 0 < self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
+        elif GREEDY_BELOW <= self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+
+    def _problems(self) -> list[str]:
+        problems = []
+
+        def number(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            ok = ok and (lo < value if lo_open else lo <= value) and value <= hi  # type: ignore[operator]
+            if not ok:
+                problems.append(f"{name} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value!r}")
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        number("temperature", self.temperature, 0.0, self.MAX_TEMPERATURE)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            problems.append(f"top_k must be -1, 0 (off) or positive, got {self.top_k!r}")
+        number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        number("min_p", self.min_p, 0.0, 1.0)
+        number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        number("repetition_penalty", self.repetition_penalty, 0.0, 1e6, lo_open=True)
+        if self.seed is not None and not (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX):
+            problems.append(f"seed must be an integer in [-2^63, 2^63 - 1], got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= self.MAX_LOGPROBS):
+                problems.append(f"{name} must be between 0 and {self.MAX_LOGPROBS}, got {value!r}")
+        if not all(isinstance(s, str) for s in self.stop):
+            problems.append("stop must be a string or a list of strings")
+        elif any(not s for s in self.stop):
+            problems.append("stop strings must not be empty")
+        elif len(self.stop) > self.MAX_STOP_STRINGS or any(len(s) > self.MAX_STOP_CHARS for s in self.stop):
+            problems.append(
+                f"at most {self.MAX_STOP_STRINGS} stop strings of at most {self.MAX_STOP_CHARS} characters each"
+            )
+        if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS or not all(_is_int(t) for t in self.stop_token_ids):
+            problems.append(f"stop_token_ids must be a list of at most {self.MAX_STOP_TOKEN_IDS} integers")
+        return problems
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class FailureKind(enum.Enum):
+    """Why a request ended with an error; the server maps each to an HTTP status."""
+
+    INVALID_REQUEST = "invalid_request"  # the client sent something unusable (400)
+    ADAPTER_NOT_FOUND = "adapter_not_found"  # the adapter was unloaded before the request started (404)
+    ADAPTER_BROKEN = "adapter_broken"  # the adapter's files changed or vanished after loading (409)
+    NUMERICAL_FAULT = "numerical_fault"  # NaN/Inf in this request's hidden states or logits (500)
+    INTERNAL = "internal_error"  # a bug in hylora (500)
+    SHUTTING_DOWN = "shutting_down"  # the server stopped before the request finished (503)
+    DEVICE_FAULT = "device_fault"  # the GPU failed; every request in flight ends (503)
 
 
 class Status(enum.Enum):
@@ -91,12 +137,16 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
+    failure: FailureKind | None = None
     # cache state (owned by the scheduler)
     state_slot: int | None = None
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens of all_ids already in the caches
     lora: AdapterLease | None = None
+    prepared: PreparedAdapter | None = None  # the adapter's tensors, read off the engine thread
     num_preemptions: int = 0
+    # set after a step whose forward raised with this request in it: it runs alone until it passes
+    suspect_count: int = 0
     # sampling state
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)

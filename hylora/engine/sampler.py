@@ -14,23 +14,42 @@ import torch
 from hylora.engine.request import Request, TokenLogprob
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
-    """logits [N, V] fp32, one row per request → (token id, logprob info or None) per request."""
+class SamplingError(RuntimeError):
+    """This request's row cannot be sampled; it fails alone."""
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprob | None] | SamplingError]:
+    """logits [N, V] fp32 (finite), one row per request → (token id, logprob info or None) per
+    request, or the SamplingError that ends that request alone."""
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    processed = apply_penalties(logits.clone(), requests)
-    out = []
+    out: list[tuple[int, TokenLogprob | None] | SamplingError] = []
     for i, req in enumerate(requests):
-        p = req.params
-        if p.greedy:
-            token = int(processed[i].argmax())
-        else:
-            probs = _filtered_probs(processed[i] / p.temperature, p.top_k, p.top_p, p.min_p)
-            token = int(torch.multinomial(probs, 1, generator=_generator(req, logits.device)))
-        info = None
-        if p.logprobs is not None:
-            info = token_logprob(raw_logprobs[i], token, p.logprobs)
-        out.append((token, info))
+        try:
+            out.append(_sample_row(logits[i], raw_logprobs[i], req))
+        except Exception as e:
+            error = e if isinstance(e, SamplingError) else SamplingError(f"sampling failed: {e!r}")
+            out.append(error)
     return out
+
+
+def _sample_row(logits: torch.Tensor, raw_logprobs: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None]:
+    p = req.params
+    row = _penalise(logits.clone(), req)
+    if torch.isnan(row).any():
+        raise SamplingError("the logits became NaN after the repetition / frequency / presence penalties")
+    if p.greedy:
+        token = int(row.argmax())
+    else:
+        probs = _filtered_probs(row / p.temperature, p.top_k, p.top_p, p.min_p)
+        total = probs.sum()
+        if not (torch.isfinite(probs).all() and total > 0):
+            raise SamplingError(
+                "no token has a finite, positive probability after penalties, temperature "
+                f"{p.temperature:g}, top_k / top_p / min_p; relax them"
+            )
+        token = int(torch.multinomial(probs, 1, generator=_generator(req, logits.device)))
+    info = token_logprob(raw_logprobs, token, p.logprobs) if p.logprobs is not None else None
+    return token, info
 
 
 def token_logprob(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
@@ -49,18 +68,24 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[T
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     for i, req in enumerate(requests):
-        p = req.params
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(req.all_ids)), dtype=torch.long, device=logits.device)
-            row = logits[i, seen]
-            logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-        if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
-            ids = torch.tensor(req.output_ids, dtype=torch.long, device=logits.device)
-            counts = torch.zeros(logits.shape[1], device=logits.device).scatter_add_(
-                0, ids, torch.ones_like(ids, dtype=torch.float32)
-            )
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        _penalise(logits[i], req)
     return logits
+
+
+def _penalise(row: torch.Tensor, req: Request) -> torch.Tensor:
+    """Repetition (over prompt and output), frequency and presence (over output) penalties, in place."""
+    p = req.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.all_ids)), dtype=torch.long, device=row.device)
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
+        ids = torch.tensor(req.output_ids, dtype=torch.long, device=row.device)
+        counts = torch.zeros(row.shape[0], device=row.device).scatter_add_(
+            0, ids, torch.ones_like(ids, dtype=torch.float32)
+        )
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return row
 
 
 def _filtered_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

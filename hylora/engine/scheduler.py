@@ -5,6 +5,10 @@ ones while the per-step token budget, the running-sequence cap, GDN state slots,
 slots allow. When a running request needs a page and none is free, the latest-arrived running
 request is preempted: its pages and slot are freed and it recomputes from the start later (its
 generated tokens are kept). Nothing crashes for lack of memory: requests queue.
+
+A request that was in a step whose forward raised is a suspect (`requeue_suspect`): it goes back to
+the head of the queue and its next step runs it alone, so a request that breaks the forward fails
+by itself instead of taking its batch down with it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from dataclasses import dataclass, field
 
 from hylora.cache import PagedKVCache, StatePool
 from hylora.engine.config import EngineConfig
-from hylora.engine.request import Request, Status
+from hylora.engine.request import FailureKind, Request, Status
+from hylora.lora.adapter import AdapterError
 from hylora.lora.registry import AdapterRegistry, NoFreeLoRASlot, UnknownAdapter
 
 log = logging.getLogger(__name__)
@@ -39,7 +44,7 @@ class ScheduledChunk:
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)  # could not start (e.g. adapter gone)
+    failed: list[Request] = field(default_factory=list)  # could not start (adapter gone or broken); error set
 
 
 class Scheduler:
@@ -58,6 +63,9 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        suspect = self.waiting[0] if self.waiting and self.waiting[0].suspect_count else None
+        if suspect is not None and len(self.running) < self.config.max_num_seqs and self._admit(suspect, plan):
+            return plan  # a suspect runs alone
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -76,30 +84,44 @@ class Scheduler:
             i += 1
 
         while self.waiting and budget > 0 and not plan.preempted and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            if req.adapter is not None and req.lora is None:
-                try:
-                    req.lora = self.adapters.acquire(req.adapter)  # type: ignore[union-attr]
-                except NoFreeLoRASlot:
-                    break  # every LoRA slot serves running requests: wait for one to finish
-                except UnknownAdapter as e:  # unloaded after the request was accepted
-                    self.waiting.popleft()
-                    req.error = str(e)
-                    plan.failed.append(req)
-                    continue
-            if req.state_slot is None:
-                if self.states.num_free == 0:
-                    break
-                req.state_slot = self.states.allocate()
-            n = min(req.num_uncomputed, budget)
-            if not self._ensure_pages(req, req.num_computed + n):
+            if self.waiting[0].suspect_count or not self._admit(self.waiting[0], plan, budget):
                 break
-            self.waiting.popleft()
-            req.status = Status.RUNNING
-            self.running.append(req)
-            plan.chunks.append(ScheduledChunk(req, req.num_computed, n))
-            budget -= n
+            budget -= plan.chunks[-1].num_tokens
         return plan
+
+    def _admit(self, req: Request, plan: StepPlan, budget: int | None = None) -> bool:
+        """Start the waiting request at the head of the queue if its adapter, a state slot and its
+        first pages are available. A request that cannot start (adapter gone) goes to plan.failed
+        and counts as handled (True) so the queue moves on."""
+        budget = self.config.max_num_batched_tokens if budget is None else budget
+        if req.adapter is not None and req.lora is None:
+            try:
+                req.lora = self.adapters.acquire(req.prepared or req.adapter)  # type: ignore[union-attr]
+            except NoFreeLoRASlot:
+                return False  # every LoRA slot serves running requests: wait for one to finish
+            except Exception as e:  # unloaded while waiting, files broken, or a bug placing it
+                self.waiting.popleft()
+                req.error, req.failure = _adapter_failure(e)
+                plan.failed.append(req)
+                return True
+        if req.state_slot is None:
+            if self.states.num_free == 0:
+                return False
+            req.state_slot = self.states.allocate()
+        n = min(req.num_uncomputed, budget)
+        if not self._ensure_pages(req, req.num_computed + n):
+            return False
+        self.waiting.popleft()
+        req.status = Status.RUNNING
+        self.running.append(req)
+        plan.chunks.append(ScheduledChunk(req, req.num_computed, n))
+        return True
+
+    def requeue_suspect(self, req: Request) -> None:
+        """`req` was in a step whose forward raised: scrub what it wrote, and queue it to recompute
+        alone at the head of the queue."""
+        self._preempt(req, scrub=True)
+        req.suspect_count += 1
 
     def finish(self, req: Request, scrub: bool = False) -> None:
         """Take `req` out of the queues and free everything it holds."""
@@ -122,10 +144,11 @@ class Scheduler:
         req.pages += self.kv.allocate(need)
         return True
 
-    def _preempt(self, req: Request) -> None:
-        log.info("preempting %s (KV pages exhausted); it will recompute %d tokens", req.request_id, req.num_tokens)
-        self.running.remove(req)
-        self._free_cache(req, scrub=False)
+    def _preempt(self, req: Request, scrub: bool = False) -> None:
+        log.info("preempting %s; it will recompute %d tokens", req.request_id, req.num_tokens)
+        if req in self.running:
+            self.running.remove(req)
+        self._free_cache(req, scrub=scrub)
         req.num_computed = 0
         req.num_preemptions += 1
         req.status = Status.WAITING
@@ -141,3 +164,12 @@ class Scheduler:
         if req.state_slot is not None:
             self.states.free(req.state_slot)
             req.state_slot = None
+
+
+def _adapter_failure(e: Exception) -> tuple[str, FailureKind]:
+    if isinstance(e, UnknownAdapter):
+        return str(e), FailureKind.ADAPTER_NOT_FOUND
+    if isinstance(e, AdapterError):
+        return str(e), FailureKind.ADAPTER_BROKEN
+    log.exception("placing an adapter failed")
+    return f"internal error while placing the adapter: {e!r}", FailureKind.INTERNAL

@@ -8,23 +8,33 @@ would change nothing is refused.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import regex
 import torch
-from safetensors import safe_open
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors.torch import load as load_safetensors
 
 from hylora.config import ModelConfig
 from hylora.model.packing import LORA_TARGETS, layer_sublayers, projection_shapes
 
 WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+MAX_CONFIG_BYTES = 1 << 20
+MAX_PATTERN_CHARS = 4096
+# Every user-supplied pattern (target_modules, exclude_modules, rank/alpha_pattern, layers_pattern)
+# is matched with the `regex` engine under this total time budget per adapter, so a pathological
+# pattern costs at most this long instead of freezing a thread for minutes.
+PATTERN_BUDGET_S = 1.0
 # PEFT module path of a text-decoder projection, from Qwen3_5ForCausalLM or the VL wrapper
-MODULE_RE = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(linear_attn|self_attn|mlp)\.(\w+)$")
-KEY_RE = re.compile(r"^(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)\.weight$")
+MODULE_RE = regex.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(linear_attn|self_attn|mlp)\.(\w+)$")
+KEY_RE = regex.compile(r"^(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)\.weight$")
 
 
 class AdapterError(ValueError):
@@ -53,11 +63,86 @@ class LoRAAdapter:
         return sum(w.a.numel() + w.b.numel() for w in self.weights.values())
 
 
+class AdapterConfig(BaseModel):
+    """The fields of adapter_config.json that hylora reads, with strict JSON types."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    peft_type: str = "LORA"
+    r: int = Field(gt=0, le=65536)
+    lora_alpha: float | None = None
+    use_rslora: bool = False
+    use_dora: bool = False
+    bias: str = "none"
+    lora_bias: bool = False
+    modules_to_save: list[str] | None = None
+    target_parameters: list[str] | None = None
+    layer_replication: list[Any] | None = None
+    target_modules: str | list[str] | None = None
+    exclude_modules: str | list[str] | None = None
+    rank_pattern: dict[str, int] = Field(default_factory=dict)
+    alpha_pattern: dict[str, float] = Field(default_factory=dict)
+    layers_to_transform: int | list[int] | None = None
+    layers_pattern: str | list[str] | None = None
+
+    @property
+    def alpha(self) -> float:
+        return float(self.r if self.lora_alpha is None else self.lora_alpha)
+
+
+@dataclass
+class AdapterFiles:
+    """What an adapter directory holds, read once: the digest is of exactly the bytes parsed."""
+
+    path: Path
+    config: AdapterConfig
+    tensors: dict[str, torch.Tensor]
+    digest: str  # sha256 of the weights file
+
+
 def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None) -> LoRAAdapter:
-    path = Path(path)
+    return parse_adapter(read_adapter_files(Path(path)), config, name)
+
+
+def read_adapter_files(path: Path, max_weight_bytes: int | None = None) -> AdapterFiles:
+    """Read an adapter directory (file I/O only: call it off the engine thread and the event loop).
+    Every way a directory can be unreadable becomes an AdapterError."""
+    try:
+        if not path.is_dir():
+            raise AdapterError(f"{path}: not a directory (an adapter is a PEFT directory)")
+        cfg = _read_config(path)
+        weights = path / WEIGHTS_FILE
+        if not weights.is_file():
+            pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+            if pickles:
+                raise AdapterError(
+                    f"{path}: only pickle weights ({', '.join(pickles)}); hylora loads safetensors only "
+                    "(re-save with PEFT's save_pretrained(safe_serialization=True))"
+                )
+            raise AdapterError(f"{path}: no {WEIGHTS_FILE}")
+        size = weights.stat().st_size
+        if max_weight_bytes is not None and size > max_weight_bytes:
+            raise AdapterError(
+                f"{weights}: {size} bytes, more than any adapter of rank <= --max-lora-rank on this model "
+                f"can hold ({max_weight_bytes} bytes)"
+            )
+        data = weights.read_bytes()
+    except AdapterError:
+        raise
+    except (OSError, ValueError, RuntimeError) as e:  # symlink loops, NUL bytes, too-long names, permissions
+        raise AdapterError(f"cannot read adapter directory {str(path)[:300]!r}: {e}") from None
+    try:
+        tensors = load_safetensors(data)
+    except Exception as e:  # corrupt header, truncated file
+        raise AdapterError(f"{weights}: cannot read safetensors ({e})") from None
+    return AdapterFiles(path=path, config=cfg, tensors=tensors, digest=hashlib.sha256(data).hexdigest())
+
+
+def parse_adapter(files: AdapterFiles, config: ModelConfig, name: str | None = None) -> LoRAAdapter:
+    """Map every tensor onto this base model, or refuse the adapter (no I/O)."""
+    path, cfg, tensors = files.path, files.config, files.tensors
     name = name or path.name
-    cfg = _read_config(path)
-    tensors = _read_tensors(path)
+    patterns = _Patterns(name)
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     unmatched = []
@@ -102,23 +187,29 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None)
             raise AdapterError(f"adapter {name!r}: {module_path}: no projection {module!r} in {sub}")
         if set(ab) != {"lora_A", "lora_B"}:
             raise AdapterError(f"adapter {name!r}: {module_path} has {sorted(ab)} but needs lora_A and lora_B")
-        a, b = ab["lora_A"].float(), ab["lora_B"].float()
+        a, b = ab["lora_A"], ab["lora_B"]
         out_f, in_f = shapes[(sub, module)]
-        r = a.shape[0]
+        r = a.shape[0] if a.ndim == 2 else -1
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != in_f or b.shape != (out_f, r):
             raise AdapterError(
                 f"adapter {name!r}: {module_path} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; "
                 f"this base model needs lora_A [r, {in_f}] and lora_B [{out_f}, r] (was it trained on "
                 "another model size?)"
             )
-        rank, alpha = _rank_alpha(cfg, module_path)
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise AdapterError(f"adapter {name!r}: {module_path} has {a.dtype} / {b.dtype} weights; expected floats")
+        a, b = a.float(), b.float()
+        rank = int(patterns.value(cfg.rank_pattern, module_path, cfg.r))
+        alpha = float(patterns.value(cfg.alpha_pattern, module_path, cfg.alpha))
         if r != rank:
             raise AdapterError(f"adapter {name!r}: {module_path} has rank {r}, adapter_config.json says {rank}")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"adapter {name!r}: {module_path} contains NaN or Inf values")
-        scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        scale = alpha / math.sqrt(r) if cfg.use_rslora else alpha / r
+        if not math.isfinite(scale):
+            raise AdapterError(f"adapter {name!r}: {module_path} has a non-finite scale (lora_alpha {alpha})")
         weights[(layer, sub, module)] = LoRAWeight(a=a, b=b, scale=scale)
-    _check_targets(name, cfg, set(pairs), config, prefix=prefixes.pop())
+    _check_targets(name, cfg, set(pairs), config, prefixes.pop(), patterns)
 
     if all(not w.b.any() or not w.a.any() for w in weights.values()):
         raise AdapterError(
@@ -128,31 +219,52 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None)
     return LoRAAdapter(name=name, path=path, weights=weights)
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    if not path.is_dir():
-        raise AdapterError(f"{path}: not a directory (an adapter is a PEFT directory)")
-    cfg_path = path / "adapter_config.json"
+def max_adapter_bytes(config: ModelConfig, max_rank: int) -> int:
+    """An upper bound on the weights file of any servable adapter (every projection of every layer at
+    `max_rank`, fp32, plus room for the header): anything larger is refused before it is read."""
+    shapes = projection_shapes(config)
+    per_rank = sum(
+        sum(out + inp for out, inp in (shapes[(sub, m)] for m in LORA_TARGETS[sub]))
+        for layer in range(config.num_layers)
+        for sub in layer_sublayers(config, layer)
+    )
+    return per_rank * max_rank * 4 + (16 << 20)
+
+
+def _read_config(path: Path) -> AdapterConfig:
+    cfg_path = path / CONFIG_FILE
     if not cfg_path.is_file():
-        raise AdapterError(f"{path}: no adapter_config.json (is this a PEFT LoRA adapter directory?)")
+        raise AdapterError(f"{path}: no {CONFIG_FILE} (is this a PEFT LoRA adapter directory?)")
+    if cfg_path.stat().st_size > MAX_CONFIG_BYTES:
+        raise AdapterError(f"{cfg_path}: larger than {MAX_CONFIG_BYTES} bytes; not an adapter config")
     try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise AdapterError(f"{cfg_path}: not valid JSON ({e})") from None
+        raw = json.loads(cfg_path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise AdapterError(f"{cfg_path}: not UTF-8 text ({e})") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise AdapterError(f"{cfg_path}: not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
+    if "r" not in raw:
+        raise AdapterError(f"{path}: {CONFIG_FILE} has no 'r'")
+    try:
+        cfg = AdapterConfig.model_validate(raw)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors(include_url=False)[:8]
+        )
+        raise AdapterError(f"{cfg_path}: {problems}") from None
     refusals = [
+        (cfg.peft_type != "LORA", f"peft_type {cfg.peft_type!r} (only LORA is supported)"),
+        (cfg.use_dora, "DoRA (use_dora=true) is not supported; merge it or train plain LoRA"),
+        (cfg.bias != "none", f"LoRA bias {cfg.bias!r} is not supported (only 'none')"),
+        (cfg.lora_bias, "lora_bias=true is not supported"),
         (
-            cfg.get("peft_type", "LORA") != "LORA",
-            f"peft_type {cfg.get('peft_type')!r} (only LORA is supported)",
+            bool(cfg.modules_to_save),
+            f"modules_to_save {cfg.modules_to_save} (full trained copies of modules) is not supported",
         ),
-        (bool(cfg.get("use_dora")), "DoRA (use_dora=true) is not supported; merge it or train plain LoRA"),
-        (cfg.get("bias", "none") != "none", f"LoRA bias {cfg.get('bias')!r} is not supported (only 'none')"),
-        (bool(cfg.get("lora_bias")), "lora_bias=true is not supported"),
-        (
-            bool(cfg.get("modules_to_save")),
-            f"modules_to_save {cfg.get('modules_to_save')} (full trained copies of modules) is not supported",
-        ),
-        (bool(cfg.get("target_parameters")), "target_parameters is not supported"),
-        (bool(cfg.get("layer_replication")), "layer_replication is not supported"),
-        ("r" not in cfg, "adapter_config.json has no 'r'"),
+        (bool(cfg.target_parameters), "target_parameters is not supported"),
+        (bool(cfg.layer_replication), "layer_replication is not supported"),
     ]
     for refused, why in refusals:
         if refused:
@@ -160,21 +272,48 @@ def _read_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    weights = path / WEIGHTS_FILE
-    if not weights.is_file():
-        pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
-        if pickles:
+@dataclass
+class _Patterns:
+    """Matches adapter-supplied regexes with bounded cost: compile errors and pathological patterns
+    become AdapterErrors naming the pattern."""
+
+    adapter: str
+    deadline: float = field(default_factory=lambda: time.monotonic() + PATTERN_BUDGET_S)
+    _compiled: dict[str, Any] = field(default_factory=dict)
+
+    def fullmatch(self, pattern: str, text: str) -> bool:
+        return self._run(pattern, text, full=True) is not None
+
+    def match(self, pattern: str, text: str) -> Any:
+        return self._run(pattern, text, full=False)
+
+    def value(self, patterns: dict[str, Any], module_path: str, default: Any) -> Any:
+        """PEFT's rank_pattern / alpha_pattern lookup: the first key matching the module path."""
+        for pattern, value in patterns.items():
+            if self.match(rf"(.*\.)?({pattern})$", module_path) is not None:
+                return value
+        return default
+
+    def _run(self, pattern: str, text: str, full: bool) -> Any:
+        if pattern not in self._compiled:
+            if len(pattern) > MAX_PATTERN_CHARS:
+                raise AdapterError(f"adapter {self.adapter!r}: a pattern is longer than {MAX_PATTERN_CHARS} characters")
+            try:
+                self._compiled[pattern] = regex.compile(pattern)
+            except (regex.error, RecursionError, OverflowError, ValueError) as e:
+                raise AdapterError(f"adapter {self.adapter!r}: invalid pattern {pattern[:200]!r} ({e})") from None
+        left = self.deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            compiled = self._compiled[pattern]
+            found = compiled.fullmatch(text, timeout=left) if full else compiled.match(text, timeout=left)
+        except TimeoutError:
             raise AdapterError(
-                f"{path}: only pickle weights ({', '.join(pickles)}); hylora loads safetensors only "
-                "(re-save with PEFT's save_pretrained(safe_serialization=True))"
-            )
-        raise AdapterError(f"{path}: no {WEIGHTS_FILE}")
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    except Exception as e:  # corrupt header, truncated file
-        raise AdapterError(f"{weights}: cannot read safetensors ({e})") from None
+                f"adapter {self.adapter!r}: matching pattern {pattern[:200]!r} against this model's module names "
+                f"took longer than {PATTERN_BUDGET_S:g} s (catastrophic backtracking?); simplify the pattern"
+            ) from None
+        return found
 
 
 def _refuse_known_unsupported(key: str) -> None:
@@ -194,21 +333,9 @@ def _refuse_known_unsupported(key: str) -> None:
         raise AdapterError(f"LoRA bias is not supported: {key}")
 
 
-def _rank_alpha(cfg: dict[str, Any], module_path: str) -> tuple[int, float]:
-    """Per-module rank and alpha as PEFT resolves them (rank_pattern / alpha_pattern)."""
-    rank = _pattern_value(cfg.get("rank_pattern") or {}, module_path, int(cfg["r"]))
-    alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module_path, float(cfg.get("lora_alpha", cfg["r"])))
-    return int(rank), float(alpha)
-
-
-def _pattern_value(patterns: dict[str, Any], module_path: str, default: Any) -> Any:
-    for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", module_path):
-            return value
-    return default
-
-
-def _check_targets(name: str, cfg: dict[str, Any], in_file: set[str], config: ModelConfig, prefix: str) -> None:
+def _check_targets(
+    name: str, cfg: AdapterConfig, in_file: set[str], config: ModelConfig, prefix: str, patterns: _Patterns
+) -> None:
     """The modules adapter_config.json targets must be exactly the ones the weights file holds."""
     candidates = [
         f"{prefix}layers.{i}.{sub}.{module}"
@@ -216,54 +343,52 @@ def _check_targets(name: str, cfg: dict[str, Any], in_file: set[str], config: Mo
         for sub in layer_sublayers(config, i)
         for module in LORA_TARGETS[sub]
     ]
-    targeted = {c for c in candidates if _targets(cfg, c)}
+    targeted = {c for c in candidates if _targets(cfg, c, patterns)}
     missing = sorted(targeted - in_file, key=_natural)
     if missing:
         raise AdapterError(
-            f"adapter {name!r}: adapter_config.json targets {len(missing)} modules with no tensors in "
+            f"adapter {name!r}: {CONFIG_FILE} targets {len(missing)} modules with no tensors in "
             f"{WEIGHTS_FILE}: {_names(missing)}"
         )
     extra = sorted(in_file - targeted, key=_natural)
     if extra:
         raise AdapterError(
-            f"adapter {name!r}: {WEIGHTS_FILE} holds modules that adapter_config.json does not target: {_names(extra)}"
+            f"adapter {name!r}: {WEIGHTS_FILE} holds modules that {CONFIG_FILE} does not target: {_names(extra)}"
         )
 
 
-def _targets(cfg: dict[str, Any], key: str) -> bool:
+def _targets(cfg: AdapterConfig, key: str, patterns: _Patterns) -> bool:
     """PEFT's target matching: regex fullmatch, list entries (exact or dotted suffix), all-linear,
     exclude_modules, layers_to_transform (list targets only, as in PEFT)."""
-    exclude = cfg.get("exclude_modules")
+    exclude = cfg.exclude_modules
     if exclude and (
-        re.fullmatch(exclude, key)
+        patterns.fullmatch(exclude, key)
         if isinstance(exclude, str)
         else key in exclude or any(key.endswith(f".{e}") for e in exclude)
     ):
         return False
-    targets = cfg.get("target_modules")
+    targets = cfg.target_modules
     if targets is None:
         return False
     if isinstance(targets, str):
-        return targets == "all-linear" or re.fullmatch(targets, key) is not None
+        return targets == "all-linear" or patterns.fullmatch(targets, key)
     found = key in targets or any(key.endswith(f".{t}") for t in targets)
-    layers = cfg.get("layers_to_transform")
+    layers = cfg.layers_to_transform
     if found and layers is not None and layers != []:
         layers = [layers] if isinstance(layers, int) else layers
-        pattern = cfg.get("layers_pattern")
-        patterns = [pattern] if isinstance(pattern, str) else (pattern or [])
-        match = None
-        if not patterns:
-            match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
-        for p in patterns:
-            match = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key)
-            if match:
+        pattern = cfg.layers_pattern
+        names = [pattern] if isinstance(pattern, str) else (pattern or [])
+        match = patterns.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key) if not names else None
+        for p in names:
+            match = patterns.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key)
+            if match is not None:
                 break
         found = match is not None and int(match.group("idx")) in layers
     return found
 
 
 def _natural(key: str) -> list[Any]:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", key)]
+    return [int(t) if t.isdigit() else t for t in regex.split(r"(\d+)", key)]
 
 
 def _names(keys: list[str], limit: int = 8) -> str:

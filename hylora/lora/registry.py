@@ -5,11 +5,15 @@ Device side: every LoRA-capable linear gets a `LoRAStack` of `max_loras` slots p
 under the same name makes a new version for new requests while running ones keep theirs, and
 unload hides the name at once but frees the slot only when the last lease is released. So neither
 ever changes the weights under a running request.
+
+File I/O never happens on the engine thread: `prepare` (called from a worker thread) reads an
+adapter evicted from the CPU cache back from disk, and the request carries the tensors until
+`acquire` places them. A file that changed or vanished since loading marks the version broken:
+requests for it fail with a clear error until it is loaded again.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -17,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from hylora.lora.adapter import WEIGHTS_FILE, AdapterError, LoRAAdapter, read_adapter
+from hylora.lora.adapter import AdapterError, LoRAAdapter, max_adapter_bytes, parse_adapter, read_adapter_files
 from hylora.lora.apply import LoRAStack
 from hylora.model.decoder import HybridDecoder
 from hylora.model.layers import Linear
@@ -33,6 +37,10 @@ class NoFreeLoRASlot(RuntimeError):
     """Every device slot is held by running requests; retry when one finishes."""
 
 
+class AdapterBroken(AdapterError):
+    """The adapter's files changed or disappeared after it was loaded; load it again."""
+
+
 @dataclass(eq=False)
 class AdapterVersion:
     name: str
@@ -44,6 +52,16 @@ class AdapterVersion:
     leases: int = 0
     slot: int | None = None
     retired: bool = False  # replaced by a reload or unloaded
+    unloaded: bool = False  # removed by name: requests that have not started on it fail
+    broken: str | None = None  # why its files can no longer be read
+
+
+@dataclass
+class PreparedAdapter:
+    """An adapter version with its tensors in host memory, ready to be placed without I/O."""
+
+    version: AdapterVersion
+    adapter: LoRAAdapter
 
 
 @dataclass
@@ -81,6 +99,7 @@ class AdapterRegistry:
         self._slot_lru: OrderedDict[int, None] = OrderedDict()  # least recently used slot first
         self._cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # id(version) → tensors, LRU
         self._versions = 0
+        self._max_file_bytes = max_adapter_bytes(self.config, max_lora_rank)
         self._linears: dict[str, Linear] = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
         for linear in self._linears.values():
             linear.lora = self._new_stack(linear)
@@ -90,7 +109,8 @@ class AdapterRegistry:
         """Read and validate an adapter and register it under `name`. Loading a name that exists
         is a reload: new requests get the new version, running ones finish on the old."""
         path = Path(path)
-        adapter = read_adapter(path, self.config, name)
+        files = read_adapter_files(path, self._max_file_bytes)
+        adapter = parse_adapter(files, self.config, name)
         if adapter.max_rank > self.max_lora_rank:
             raise AdapterError(
                 f"adapter {name!r} has rank {adapter.max_rank}, above max_lora_rank {self.max_lora_rank}; "
@@ -102,7 +122,7 @@ class AdapterRegistry:
                 name=name,
                 version=self._versions,
                 path=path,
-                digest=_digest(path / WEIGHTS_FILE),
+                digest=files.digest,
                 max_rank=adapter.max_rank,
                 pinned=pin,
             )
@@ -119,6 +139,7 @@ class AdapterRegistry:
             version = self._current.pop(name, None)
             if version is None:
                 raise UnknownAdapter(f"no adapter named {name!r} is loaded")
+            version.unloaded = True
             self._retire(version)
 
     def pin(self, name: str, pinned: bool = True) -> None:
@@ -138,12 +159,43 @@ class AdapterRegistry:
             return sorted(self._current)
 
     # --- use by requests -------------------------------------------------------------------
-    def acquire(self, name: str) -> AdapterLease:
-        """Lease the current version of `name` for one request and make sure it is on the device."""
+    def prepare(self, name: str) -> PreparedAdapter:
+        """The current version of `name` with its tensors in host memory. May read the file again
+        (after CPU-cache eviction), so call it off the engine thread."""
         with self._lock:
             version = self.get(name)
+            if version.broken:
+                raise AdapterBroken(version.broken)
+            adapter = self._cpu.get(id(version))
+            if adapter is not None:
+                self._cpu.move_to_end(id(version))
+                return PreparedAdapter(version, adapter)
+        try:
+            files = read_adapter_files(version.path, self._max_file_bytes)
+            if files.digest != version.digest:
+                raise AdapterError(f"{version.path} changed on disk since it was loaded")
+            adapter = parse_adapter(files, self.config, name)
+        except AdapterError as e:
+            with self._lock:
+                version.broken = (
+                    f"adapter {name!r} cannot be served any more: {e}; load it again "
+                    "(/v1/load_lora_adapter) to serve the files now on disk"
+                )
+            raise AdapterBroken(version.broken) from None
+        with self._lock:
+            self._cache(version, adapter)
+        return PreparedAdapter(version, adapter)
+
+    def acquire(self, adapter: str | PreparedAdapter) -> AdapterLease:
+        """Lease an adapter version for one request and make sure it is on the device. Given a
+        name, the current version is prepared first (file I/O: tests and offline use only)."""
+        prepared = self.prepare(adapter) if isinstance(adapter, str) else adapter
+        with self._lock:
+            version = prepared.version
+            if version.unloaded:
+                raise UnknownAdapter(f"adapter {version.name!r} was unloaded before this request started")
             if version.slot is None:
-                self._place(version)
+                self._place(version, prepared.adapter)
             version.leases += 1
             self._slot_lru.move_to_end(version.slot)  # type: ignore[arg-type]
             return AdapterLease(version)
@@ -194,26 +246,19 @@ class AdapterRegistry:
     def _cache(self, version: AdapterVersion, adapter: LoRAAdapter) -> None:
         self._cpu[id(version)] = adapter
         self._cpu.move_to_end(id(version))
-        pinned = {id(v) for v in self._current.values() if v.pinned}
+        self._trim_cpu(keep=id(version))
+
+    def _trim_cpu(self, keep: int | None = None) -> None:
+        """Drop least recently used tensors beyond max_cpu_loras; pinned and on-device versions stay
+        (a request for them then never needs the disk)."""
+        kept = {id(v) for v in self._current.values() if v.pinned} | {id(v) for v in self._slots if v is not None}
         for key in list(self._cpu):
             if len(self._cpu) <= self.max_cpu_loras:
                 break
-            if key not in pinned and key != id(version):
+            if key not in kept and key != keep:
                 del self._cpu[key]
 
-    def _tensors(self, version: AdapterVersion) -> LoRAAdapter:
-        adapter = self._cpu.get(id(version))
-        if adapter is None:  # evicted from the CPU cache: read it again, and make sure it is the same file
-            if _digest(version.path / WEIGHTS_FILE) != version.digest:
-                raise AdapterError(
-                    f"adapter {version.name!r}: {version.path / WEIGHTS_FILE} changed on disk since it was "
-                    "loaded; load it again to serve the new weights"
-                )
-            adapter = read_adapter(version.path, self.config, version.name)
-        self._cache(version, adapter)
-        return adapter
-
-    def _place(self, version: AdapterVersion) -> None:
+    def _place(self, version: AdapterVersion, adapter: LoRAAdapter) -> None:
         slot = next((i for i, v in enumerate(self._slots) if v is None), None)
         if slot is None:
             slot = next(
@@ -225,7 +270,6 @@ class AdapterRegistry:
                     f"all {self.max_loras} LoRA slots hold adapters of running requests or pinned adapters"
                 )
             self._evict_slot(self._slots[slot])  # type: ignore[arg-type]
-        adapter = self._tensors(version)
         for (layer, sub, module), w in adapter.weights.items():
             fused, index = locate(sub, module)
             stack = self._linears[f"layers.{layer}.{sub}.{fused}"].lora
@@ -250,7 +294,5 @@ class AdapterRegistry:
         self._slots[slot] = None
         self._slot_lru.pop(slot, None)
         version.slot = None
+        self._trim_cpu()
 
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from hylora.engine.async_engine import AsyncEngine
 from hylora.lora.adapter import AdapterError
@@ -29,7 +29,8 @@ from hylora.server.protocol import (
 )
 from hylora.server.routing import ConflictError, RouteError, TaskRouter
 from hylora.server.security import Forbidden, adapter_dir_under, key_matches
-from hylora.tokenizer import chat_prompt
+from hylora.server.streaming import EventStream
+from hylora.tokenizer import chat_prompt, max_token_chars
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +43,17 @@ class ServerState:
     adapter_root: Path | None = None
     max_body_bytes: int = 8 << 20
     shutdown_grace_s: float = 30.0
+    stream_stall_timeout_s: float = 60.0  # a streaming client that reads nothing for this long is cut
+    public_metrics: bool = False  # /metrics without the API key (for scrapers)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def engine(self):
         return self.aengine.engine
+
+    def __post_init__(self) -> None:
+        self.max_token_chars = max_token_chars(self.engine.tokenizer)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -63,11 +69,13 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app, state.metrics)
     app.add_middleware(BodyLimit, limit=state.max_body_bytes, metrics=state.metrics)
 
+    open_paths = {"/health"} | ({"/metrics"} if state.public_metrics else set())
+
     @app.middleware("http")
     async def require_key(request: Request, call_next):
         if (
             state.api_key
-            and request.url.path.startswith("/v1")
+            and request.url.path not in open_paths
             and not key_matches(request.headers.get("authorization"), state.api_key)
         ):
             state.metrics.rejected.labels(code="401").inc()
@@ -82,7 +90,9 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not state.aengine.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+            return JSONResponse({"status": "engine stopped", "reason": state.aengine.fatal}, status_code=503)
+        if not state.aengine.accepting:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -122,12 +132,16 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/load_lora_adapter")
     async def load_lora(body: LoadLoRARequest) -> dict[str, Any]:
         body.warn_unknown("load_lora_adapter")
-        try:
-            path = adapter_dir_under(state.adapter_root, body.lora_path)
+        if body.lora_name == state.router.base_name:
+            raise APIError(400, f"{body.lora_name!r} is the base model's name; give the adapter another name")
+        try:  # file-system work (symlinks, slow mounts) off the event loop
+            path = await asyncio.to_thread(adapter_dir_under, state.adapter_root, body.lora_path)
         except Forbidden as e:
             raise APIError(403, str(e), "permission_error") from None
         except FileNotFoundError as e:
             raise APIError(404, str(e), code="adapter_not_found") from None
+        except (OSError, ValueError, RuntimeError) as e:  # NUL bytes, symlink loops, names too long
+            raise APIError(400, f"bad adapter path: {e}") from None
         try:
             await asyncio.to_thread(state.engine.adapters.load, body.lora_name, path)
         except AdapterError as e:
@@ -154,15 +168,16 @@ def build_app(state: ServerState) -> FastAPI:
         adapter = _route(state, body, request)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt_ids = chat_prompt(state.engine.tokenizer, messages)
-        except (Unsupported, ValueError) as e:
+        except Unsupported as e:
             raise APIError(400, str(e)) from None
+        _check_chars(state, sum(len(m["content"]) for m in messages))
+        prompt_ids = await asyncio.to_thread(_render_chat, state, messages)
         max_tokens = _max_tokens(state, len(prompt_ids), body.requested_max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         job = Job(state, "chatcmpl", body, adapter, prompt_ids, max_tokens, logprobs, None)
         streams = await job.start()
         if body.stream:
-            return StreamingResponse(job.chat_events(streams), media_type="text/event-stream")
+            return EventStream(job.chat_events(streams), state.stream_stall_timeout_s, state.metrics)
         outputs = await job.collect(streams, request)
         return JSONResponse(job.chat_response(outputs))
 
@@ -172,7 +187,8 @@ def build_app(state: ServerState) -> FastAPI:
         adapter = _route(state, body, request)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
-            prompt_ids = state.engine.tokenizer.encode(prompt, add_special_tokens=False)
+            _check_chars(state, len(prompt))
+            prompt_ids = await asyncio.to_thread(_tokenize, state, prompt)
         else:
             prompt_ids = list(prompt)
         max_tokens = _max_tokens(state, len(prompt_ids), body.max_tokens if body.max_tokens is not None else 16)
@@ -180,7 +196,7 @@ def build_app(state: ServerState) -> FastAPI:
         job = Job(state, "cmpl", body, adapter, prompt_ids, max_tokens, body.logprobs, prompt_logprobs)
         streams = await job.start()
         if body.stream:
-            return StreamingResponse(job.completion_events(streams), media_type="text/event-stream")
+            return EventStream(job.completion_events(streams), state.stream_stall_timeout_s, state.metrics)
         outputs = await job.collect(streams, request)
         return JSONResponse(job.completion_response(outputs))
 
@@ -189,6 +205,32 @@ def build_app(state: ServerState) -> FastAPI:
 
 # --- request handling ------------------------------------------------------------------------
 
+
+def _check_chars(state: ServerState, chars: int) -> None:
+    """Refuse, before tokenising, text that cannot fit in the context even at the most characters
+    any single token covers."""
+    limit = state.engine.config.max_model_len * state.max_token_chars
+    if chars > limit:
+        raise APIError(
+            400,
+            f"the prompt has {chars} characters, more than fit in this model's maximum context length of "
+            f"{state.engine.config.max_model_len} tokens; shorten the prompt",
+            code="context_length_exceeded",
+        )
+
+
+def _render_chat(state: ServerState, messages: list[dict[str, Any]]) -> list[int]:
+    try:
+        return chat_prompt(state.engine.tokenizer, messages)
+    except Exception as e:  # the template's own checks (e.g. roles must alternate) and jinja errors
+        raise APIError(400, f"the chat template cannot render these messages: {e}") from None
+
+
+def _tokenize(state: ServerState, text: str) -> list[int]:
+    try:
+        return state.engine.tokenizer.encode(text, add_special_tokens=False)
+    except Exception as e:
+        raise APIError(400, f"cannot tokenise the prompt: {e}") from None
 
 def _route(state: ServerState, body: SamplingRequest, request: Request) -> str | None:
     try:

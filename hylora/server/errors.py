@@ -2,18 +2,44 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hylora.engine.request import FailureKind
 from hylora.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+# why a request failed in the engine → (HTTP status, OpenAI error type)
+FAILURE_STATUS: dict[FailureKind, tuple[int, str]] = {
+    FailureKind.INVALID_REQUEST: (400, "invalid_request_error"),
+    FailureKind.ADAPTER_NOT_FOUND: (404, "invalid_request_error"),
+    FailureKind.ADAPTER_BROKEN: (409, "invalid_request_error"),
+    FailureKind.NUMERICAL_FAULT: (500, "server_error"),
+    FailureKind.INTERNAL: (500, "server_error"),
+    FailureKind.SHUTTING_DOWN: (503, "server_error"),
+    FailureKind.DEVICE_FAULT: (503, "server_error"),
+}
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.code = status, message, kind, code
+
+    @classmethod
+    def from_failure(cls, failure: FailureKind | None, message: str | None) -> APIError:
+        failure = failure or FailureKind.INTERNAL
+        status, kind = FAILURE_STATUS[failure]
+        return cls(status, message or "the request failed", kind, failure.value)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}}
 
 
 def error_response(
@@ -40,6 +66,12 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
+        metrics.rejected.labels(code="500").inc()
+        return error_response(500, f"internal server error: {e!r}", "server_error", "internal_error")
 
 
 class BodyLimit:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import time
 import uuid
@@ -17,12 +18,16 @@ from fastapi import Request
 from hylora.engine.async_engine import EngineDead
 from hylora.engine.engine import RequestError, RequestOutput
 from hylora.engine.request import TokenLogprob
+from hylora.lora.adapter import AdapterError
 from hylora.lora.registry import UnknownAdapter
 from hylora.server.errors import APIError
 from hylora.server.protocol import CompletionRequest, SamplingRequest
 
 if TYPE_CHECKING:
     from hylora.server.app import ServerState
+
+log = logging.getLogger(__name__)
+FAULT_KINDS = {True: "nan", "nan": "nan", "raise": "raise", "device": "device"}
 
 
 class Job:
@@ -62,25 +67,21 @@ class Job:
                         f"{self.id}-{i}", self.prompt_ids, params, self.adapter, inject_fault=self._fault_requested()
                     )
                 )
-        except RequestError as e:
+        except BaseException as e:
             await _close_all(streams)
-            raise APIError(
-                400, str(e), code="context_length_exceeded" if "context length" in str(e) else None
-            ) from None
-        except UnknownAdapter as e:
-            await _close_all(streams)
-            raise APIError(404, str(e), code="model_not_found") from None
-        except EngineDead as e:
-            await _close_all(streams)
-            raise APIError(503, str(e), "server_error") from None
+            raise _submit_error(e) from None
         self.state.metrics.prompt_tokens.labels(adapter=self.adapter or "").inc(len(self.prompt_ids))
         return streams
 
-    def _fault_requested(self) -> bool:
+    def _fault_requested(self) -> str | None:
         """Test hook: with HYLORA_ENABLE_FAULT_INJECTION=1 in the server's environment, a body field
-        `hylora_inject_fault: true` fills the request's caches with NaN before its next step."""
+        `hylora_inject_fault` (true / "nan", "raise" or "device") makes the request fault in its next
+        step (see LLMEngine.inject_fault)."""
         extra = self.body.model_extra or {}
-        return bool(extra.get("hylora_inject_fault")) and os.environ.get("HYLORA_ENABLE_FAULT_INJECTION") == "1"
+        if os.environ.get("HYLORA_ENABLE_FAULT_INJECTION") != "1":
+            return None
+        value = extra.get("hylora_inject_fault")
+        return FAULT_KINDS.get(value) if isinstance(value, (bool, str)) else None
 
     async def collect(self, streams: list[AsyncIterator[RequestOutput]], request: Request) -> list[RequestOutput]:
         """Run to completion; a client that disconnects meanwhile aborts the requests."""
@@ -100,9 +101,11 @@ class Job:
                     await task
                 raise APIError(499, "client disconnected")
         task.result()
-        failed = next((o for o in final if o is not None and o.finish_reason == "error"), None)
+        failed = next((o for o in final if o is not None and o.error), None)
         if failed is not None:
-            raise APIError(500, failed.error or "request failed", "server_error", "numerical_fault")
+            raise APIError.from_failure(failed.failure, failed.error)
+        if any(o is None for o in final):  # cannot happen: every stream ends with a final output
+            raise APIError(500, "a request ended without a result", "server_error", "internal_error")
         return final  # type: ignore[return-value]
 
     async def _merged(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -174,41 +177,19 @@ class Job:
 
     async def chat_events(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
         base = {"id": self.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model}
-        finals: list[RequestOutput] = []
-        for i in range(len(streams)):
-            yield _sse(
-                base
-                | {
-                    "choices": [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                }
-            )
-        async for i, out in self._merged(streams):
-            if out.finish_reason == "error":
-                yield _sse({"error": {"message": out.error, "type": "server_error", "code": "numerical_fault"}})
-                continue
-            choice: dict[str, Any] = {
-                "index": i,
-                "delta": {"content": out.new_text} if out.new_text else {},
-                "logprobs": None,
-                "finish_reason": out.finish_reason if out.finished else None,
-            }
-            if out.logprobs is not None and out.new_token_ids:
-                fresh = out.logprobs[len(out.logprobs) - len(out.new_token_ids) :]
-                choice["logprobs"] = {"content": [self._chat_logprob(lp) for lp in fresh]}
-            if choice["delta"] or choice["finish_reason"] or choice["logprobs"]:
-                yield _sse(base | {"choices": [choice]})
-            if out.finished:
-                finals.append(out)
-        if (self.body.stream_options or {}).get("include_usage"):
-            yield _sse(base | {"choices": [], "usage": self._usage(finals)})
-        yield "data: [DONE]\n\n"
+
+        def choice(i: int, out: RequestOutput | None, finish: str | None) -> dict[str, Any] | None:
+            if out is None:  # the opening chunk of each choice
+                delta: dict[str, Any] = {"role": "assistant", "content": ""}
+            else:
+                delta = {"content": out.new_text} if out.new_text else {}
+            item: dict[str, Any] = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if out is not None and out.new_logprobs:
+                item["logprobs"] = {"content": [self._chat_logprob(lp) for lp in out.new_logprobs]}
+            return item if out is None or delta or finish or item["logprobs"] else None
+
+        async for event in self._events(streams, base, choice, opening=True):
+            yield event
 
     def _chat_logprob(self, lp: TokenLogprob) -> dict[str, Any]:
         token = self.tokenizer.decode([lp.token_id])
@@ -248,32 +229,49 @@ class Job:
     async def completion_events(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
         body: CompletionRequest = self.body  # type: ignore[assignment]
         base = {"id": self.id, "object": "text_completion", "created": int(time.time()), "model": self.model}
+        echo = self.tokenizer.decode(self.prompt_ids) if body.echo else ""
+
+        def choice(i: int, out: RequestOutput | None, finish: str | None) -> dict[str, Any] | None:
+            text = echo if out is None else out.new_text
+            if not text and finish is None:
+                return None
+            return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+
+        async for event in self._events(streams, base, choice, opening=bool(echo)):
+            yield event
+
+    async def _events(
+        self,
+        streams: list[AsyncIterator[RequestOutput]],
+        base: dict[str, Any],
+        choice: Any,
+        opening: bool,
+    ) -> AsyncIterator[str]:
+        """Server-sent events for n streams. Every choice ends with a finish_reason; a choice that
+        fails ends with finish_reason "error" (or "abort" at shutdown) and an error event, and
+        whatever goes wrong here still ends the stream that way — never with a bare [DONE]."""
         finals: list[RequestOutput] = []
-        if body.echo:
-            text = self.tokenizer.decode(self.prompt_ids)
+        ended: set[int] = set()
+        try:
+            if opening:
+                for i in range(len(streams)):
+                    yield _sse(base | {"choices": [choice(i, None, None)]})
+            async for i, out in self._merged(streams):
+                item = choice(i, out, out.finish_reason if out.finished else None)
+                if item is not None:
+                    yield _sse(base | {"choices": [item]})
+                if out.finished:
+                    ended.add(i)
+                    finals.append(out)
+                if out.error:
+                    yield _sse(APIError.from_failure(out.failure, out.error).body())
+        except Exception as e:
+            log.exception("stream %s failed", self.id)
             for i in range(len(streams)):
-                yield _sse(base | {"choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}]})
-        async for i, out in self._merged(streams):
-            if out.finish_reason == "error":
-                yield _sse({"error": {"message": out.error, "type": "server_error", "code": "numerical_fault"}})
-                continue
-            if out.new_text or out.finished:
-                yield _sse(
-                    base
-                    | {
-                        "choices": [
-                            {
-                                "index": i,
-                                "text": out.new_text,
-                                "logprobs": None,
-                                "finish_reason": out.finish_reason if out.finished else None,
-                            }
-                        ]
-                    }
-                )
-            if out.finished:
-                finals.append(out)
-        if (body.stream_options or {}).get("include_usage"):
+                if i not in ended:
+                    yield _sse(base | {"choices": [choice(i, _empty(), "error")]})
+            yield _sse(APIError(500, f"internal server error: {e!r}", "server_error", "internal_error").body())
+        if (self.body.stream_options or {}).get("include_usage"):
             yield _sse(base | {"choices": [], "usage": self._usage(finals)})
         yield "data: [DONE]\n\n"
 
@@ -301,7 +299,7 @@ class Job:
         }
 
     def _usage(self, outputs: list[RequestOutput]) -> dict[str, int]:
-        completion = sum(len(o.token_ids) for o in outputs)
+        completion = sum(o.num_output_tokens for o in outputs)
         return {
             "prompt_tokens": len(self.prompt_ids),
             "completion_tokens": completion,
@@ -316,3 +314,21 @@ def _sse(payload: dict[str, Any]) -> str:
 async def _close_all(streams: list[AsyncIterator[RequestOutput]]) -> None:
     for s in streams:
         await s.aclose()  # type: ignore[attr-defined]
+
+
+def _submit_error(e: BaseException) -> BaseException:
+    """The HTTP error for a request the engine refused to admit."""
+    if isinstance(e, RequestError):
+        code = "context_length_exceeded" if "context length" in str(e) else None
+        return APIError(400, str(e), code=code)
+    if isinstance(e, UnknownAdapter):
+        return APIError(404, str(e), code="model_not_found")
+    if isinstance(e, AdapterError):  # broken after loading (files changed or removed)
+        return APIError(409, str(e), code="adapter_broken")
+    if isinstance(e, EngineDead):
+        return APIError(503, str(e), "server_error", "shutting_down")
+    return e
+
+
+def _empty() -> RequestOutput:
+    return RequestOutput("", [], [], "", True)

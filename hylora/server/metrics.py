@@ -22,6 +22,9 @@ class ServerMetrics:
         self.rejected = Counter(
             "hylora_rejected_requests", "Requests refused before running, by HTTP status", ["code"], registry=r
         )
+        self.slow_readers = Counter(
+            "hylora_slow_reader_cuts", "Streams cut because the client stopped reading", registry=r
+        )
         self.prompt_tokens = Counter("hylora_prompt_tokens", "Prompt tokens processed", ["adapter"], registry=r)
         self.generation_tokens = Counter("hylora_generation_tokens", "Tokens generated", ["adapter"], registry=r)
         self.ttft = Histogram(

@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from hylora.engine.request import SamplingParams
+from hylora.engine.request import INT64_MAX, INT64_MIN, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -20,9 +20,30 @@ class Unsupported(ValueError):
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="after")
+    def _valid_unicode(self) -> _Body:
+        """JSON may carry lone surrogates (\\ud800): text that cannot become UTF-8 is refused here,
+        not discovered halfway through tokenising or answering."""
+        stack: list[tuple[str, Any]] = [(name, value) for name, value in self.__dict__.items()]
+        stack += list((self.model_extra or {}).items())
+        while stack:
+            where, value = stack.pop()
+            if isinstance(value, str):
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError(
+                        f"{where} contains invalid Unicode (a lone surrogate); send valid UTF-8 text"
+                    ) from None
+            elif isinstance(value, dict):  # (nested request bodies checked themselves)
+                stack += [(f"{where}.{k}", v) for k, v in value.items()] + [(where, k) for k in value]
+            elif isinstance(value, (list, tuple)):
+                stack += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+        return self
+
     def warn_unknown(self, route: str) -> None:
         if self.model_extra:
-            log.warning("%s: ignoring unknown fields %s", route, sorted(self.model_extra))
+            log.warning("%s: ignoring unknown fields %s", route, sorted(self.model_extra)[:20])
 
 
 class SamplingRequest(_Body):
@@ -53,6 +74,8 @@ class SamplingRequest(_Body):
             raise Unsupported("best_of is not supported (use n)")
         if not 1 <= self.n <= 16:
             raise Unsupported("n must be between 1 and 16")
+        if self.seed is not None and self.seed != -1 and not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1):
+            raise Unsupported(f"seed must be a 64-bit integer in [-2^63, 2^63 - n] (n = {self.n}), got {self.seed}")
 
     def sampling_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, seed_offset: int = 0
@@ -67,7 +90,7 @@ class SamplingRequest(_Body):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            seed=None if self.seed is None else self.seed + seed_offset,
+            seed=None if self.seed in (None, -1) else self.seed + seed_offset,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,

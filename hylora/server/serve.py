@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import re
 import secrets
+import sys
 from pathlib import Path
+
+import uvicorn
 
 from hylora.engine.async_engine import AsyncEngine
 from hylora.engine.config import EngineConfig
@@ -14,6 +19,7 @@ from hylora.server.app import ServerState, build_app
 from hylora.server.routing import TaskRouter
 
 log = logging.getLogger(__name__)
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -30,10 +36,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--adapter-root", metavar="DIR", help="allow /v1/load_lora_adapter for directories under DIR (off without it)"
     )
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route except /health")
+    p.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests get to finish before they are ended (new ones get 503)",
+    )
+    p.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=60.0,
+        help="cut a streaming client that has read nothing for this many seconds",
+    )
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0, help="close idle keep-alive connections after")
     d = EngineConfig.__dataclass_fields__
     for name in (
         "max_model_len",
@@ -78,6 +98,12 @@ def build_state(args: argparse.Namespace) -> ServerState:
     else:
         model_dir = Path(args.model_dir)
         name = args.served_model_name or model_dir.resolve().name
+    for adapter in lora:
+        if adapter == name or not ADAPTER_NAME.fullmatch(adapter):
+            raise ValueError(
+                f"adapter name {adapter!r}: use 1-128 letters, digits, '_', '.', ':' or '-', "
+                f"other than the base model's name {name!r}"
+            )
     config = EngineConfig(
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -101,12 +127,48 @@ def build_state(args: argparse.Namespace) -> ServerState:
         api_key=args.api_key,
         adapter_root=Path(args.adapter_root) if args.adapter_root else None,
         max_body_bytes=args.max_body_bytes,
+        shutdown_grace_s=args.shutdown_timeout,
+        stream_stall_timeout_s=args.stream_stall_timeout,
+        public_metrics=args.public_metrics,
     )
 
 
-def serve(args: argparse.Namespace) -> None:
-    import uvicorn
+class DrainingServer(uvicorn.Server):
+    """uvicorn with hylora's shutdown: the first SIGTERM/SIGINT stops admitting requests (503),
+    gives running ones the grace period, ends the rest with an error and then stops; a second
+    signal stops at once. A device fault stops the server with exit code 1."""
 
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self.exit_code = 0
+        self._draining = False
+        state.aengine.on_fatal = self._fatal
+
+    def handle_exit(self, sig: int, frame) -> None:  # type: ignore[override]
+        if self._draining or self.should_exit:
+            return super().handle_exit(sig, frame)
+        self._draining = True
+        log.info("signal %d: draining (up to %g s), then stopping", sig, self.state.shutdown_grace_s)
+        loop = asyncio.get_running_loop()
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        try:
+            ended = await self.state.aengine.drain(self.state.shutdown_grace_s)
+            if ended:
+                log.warning("ended %d unfinished request(s) at shutdown", ended)
+            await asyncio.sleep(0.2)  # let the last events reach their clients
+        finally:
+            self.should_exit = True
+
+    def _fatal(self, reason: str) -> None:  # called from the engine thread
+        log.critical("stopping the server: %s", reason)
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def serve(args: argparse.Namespace) -> None:
     state = build_state(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning(
@@ -122,4 +184,14 @@ def serve(args: argparse.Namespace) -> None:
         args.host,
         args.port,
     )
-    uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
+    config = uvicorn.Config(
+        build_app(state),
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_keep_alive=max(1, round(args.timeout_keep_alive)),
+        timeout_graceful_shutdown=5,
+    )
+    server = DrainingServer(config, state)
+    server.run()
+    sys.exit(server.exit_code)
