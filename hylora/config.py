@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,104 @@ LINEAR, FULL = "linear_attention", "full_attention"
 
 class ConfigError(ValueError):
     """The model directory's config.json describes something hylora cannot serve."""
+
+
+# transformers' Qwen3_5VisionConfig / Qwen3_5Config defaults: a key that config.json omits means
+# what it means to transformers.
+_VISION_DEFAULTS: dict[str, Any] = dict(
+    depth=27,
+    hidden_size=1152,
+    hidden_act="gelu_pytorch_tanh",
+    intermediate_size=4304,
+    num_heads=16,
+    in_channels=3,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=3584,
+    num_position_embeddings=2304,
+)
+_MEDIA_TOKEN_DEFAULTS = dict(
+    image_token_id=248056, video_token_id=248057, vision_start_token_id=248053, vision_end_token_id=248054
+)
+_VISION_ACTS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # → F.gelu(approximate=...)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower (`model.visual.*`) and the prompt tokens that stand for its output."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    rope_theta: float
+    gelu_approximate: str  # "tanh" or "none"
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:  # columns of one pixel row: C * T * p * p
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def merge_unit(self) -> int:  # patches per LLM token
+        return self.spatial_merge_size**2
+
+    @property
+    def position_grid_side(self) -> int:  # the learned position table is side x side
+        return math.isqrt(self.num_position_embeddings)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> VisionConfig:
+        """From the VL wrapper's config dict (its `vision_config` plus the top-level token ids)."""
+        v = _VISION_DEFAULTS | dict(hf.get("vision_config") or {})
+        ints = {}
+        for key in ("patch_size", "temporal_patch_size"):
+            value = v[key]
+            if isinstance(value, list | tuple):
+                if len(set(value)) != 1:
+                    raise ConfigError(f"vision_config.{key} {value} is not supported (only a single size)")
+                value = value[0]
+            ints[key] = int(value)
+        act = v["hidden_act"]
+        if act not in _VISION_ACTS:
+            raise ConfigError(f"vision_config.hidden_act {act!r} is not supported ({', '.join(_VISION_ACTS)})")
+        rope = dict(v.get("rope_parameters") or {})
+        if rope.get("rope_type", "axial") != "axial":
+            raise ConfigError(f"vision rope_type {rope['rope_type']!r} is not supported (only 'axial')")
+        hidden, heads, table = int(v["hidden_size"]), int(v["num_heads"]), int(v["num_position_embeddings"])
+        if hidden % heads or (hidden // heads) % 4:
+            raise ConfigError(f"vision hidden_size {hidden} / num_heads {heads} must be a multiple of 4")
+        if math.isqrt(table) ** 2 != table:
+            raise ConfigError(f"vision num_position_embeddings {table} is not a square table")
+        tokens = {key: int(hf.get(key, default)) for key, default in _MEDIA_TOKEN_DEFAULTS.items()}
+        return cls(
+            depth=int(v["depth"]),
+            hidden_size=hidden,
+            intermediate_size=int(v["intermediate_size"]),
+            num_heads=heads,
+            in_channels=int(v["in_channels"]),
+            spatial_merge_size=int(v["spatial_merge_size"]),
+            out_hidden_size=int(v["out_hidden_size"]),
+            num_position_embeddings=table,
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            gelu_approximate=_VISION_ACTS[act],
+            **ints,
+            **tokens,
+        )
 
 
 @dataclass(frozen=True)
@@ -46,7 +145,7 @@ class ModelConfig:
     # True for the vision-language wrapper (`model_type: qwen3_5`), whose text weights live
     # under `model.language_model.`.
     is_multimodal: bool = False
-    vision: dict[str, Any] = field(default_factory=dict)
+    vision: VisionConfig | None = None  # None for a text-only checkpoint
 
     @property
     def num_layers(self) -> int:
@@ -165,7 +264,7 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos_ids),
             checkpoint_dtype=parse_dtype(str(dtype_name)),
             is_multimodal=is_multimodal,
-            vision=dict(hf.get("vision_config") or {}),
+            vision=VisionConfig.from_hf(hf) if is_multimodal else None,
         )
 
 

@@ -15,6 +15,8 @@ from hylora.cache import PagedKVCache, StatePool
 from hylora.lora.registry import AdapterLease, AdapterRegistry
 from hylora.model.decoder import HybridDecoder
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk
+from hylora.model.mrope import MRopePositions
+from hylora.model.multimodal import PromptEmbeds
 
 
 @dataclass
@@ -23,6 +25,8 @@ class SequenceHandle:
     pages: list[int] = field(default_factory=list)
     length: int = 0  # tokens already in the caches
     lora: AdapterLease | None = None  # the adapter version this sequence runs with
+    positions: MRopePositions | None = None  # M-RoPE of a multimodal prompt; None = text positions
+    embeds: PromptEmbeds | None = None  # visual embeddings at the prompt's placeholder tokens
 
     @property
     def lora_slot(self) -> int:
@@ -43,14 +47,20 @@ class CachedRunner:
         self.states = StatePool(model.config, num_slots, model.dtype, model.device)
         self.kv = PagedKVCache(model.config, num_pages, page_size, model.dtype, model.device)
 
-    def add(self, adapter: str | None = None) -> SequenceHandle:
-        """A new sequence, on the base model or on the current version of adapter `adapter`."""
+    def add(
+        self,
+        adapter: str | None = None,
+        positions: MRopePositions | None = None,
+        embeds: PromptEmbeds | None = None,
+    ) -> SequenceHandle:
+        """A new sequence, on the base model or on the current version of adapter `adapter`;
+        a multimodal prompt brings its M-RoPE positions and visual embeddings."""
         lease = None
         if adapter is not None:
             if self.adapters is None:
                 raise ValueError("this runner has no adapter registry")
             lease = self.adapters.acquire(adapter)
-        return SequenceHandle(slot=self.states.allocate(), lora=lease)
+        return SequenceHandle(slot=self.states.allocate(), lora=lease, positions=positions, embeds=embeds)
 
     def release(self, seq: SequenceHandle) -> None:
         self.kv.free(seq.pages)
@@ -70,7 +80,18 @@ class CachedRunner:
             need = self.kv.pages_needed(seq.length + len(tokens)) - len(seq.pages)
             if need > 0:
                 seq.pages += self.kv.allocate(need)
-            chunks.append(SequenceChunk(list(tokens), seq.length, seq.slot, seq.pages, lora_slot=seq.lora_slot))
+            start, end = seq.length, seq.length + len(tokens)
+            chunks.append(
+                SequenceChunk(
+                    list(tokens),
+                    start,
+                    seq.slot,
+                    seq.pages,
+                    positions=seq.positions.window(start, end) if seq.positions is not None else None,
+                    lora_slot=seq.lora_slot,
+                    embeds=seq.embeds.window(start, end) if seq.embeds is not None else None,
+                )
+            )
         batch = ForwardBatch.build(chunks, self.kv.page_size, self.model.device)
         hidden = self.model(batch, self.kv, self.states)
         for seq, tokens in feeds:

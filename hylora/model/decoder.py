@@ -8,12 +8,13 @@ from torch import nn
 
 from hylora.cache.paged_kv import PagedKVCache
 from hylora.cache.state_pool import StatePool
-from hylora.config import LINEAR, ModelConfig
+from hylora.config import LINEAR, ConfigError, ModelConfig
 from hylora.model.attention import GatedAttention
 from hylora.model.forward_batch import ForwardBatch
 from hylora.model.gdn import GatedDeltaNet
 from hylora.model.layers import MLP, RMSNorm, _param
 from hylora.model.rotary import MRotaryEmbedding
+from hylora.model.vision import VisionTower
 
 
 class DecoderLayer(nn.Module):
@@ -54,11 +55,22 @@ class Embedding(nn.Module):
 
 class HybridDecoder(nn.Module):
     """Parameter names follow the checkpoint's text keys with the `model.` /
-    `model.language_model.` prefix removed (`layers.3.self_attn.q_proj.weight`, `lm_head.weight`)."""
+    `model.language_model.` prefix removed (`layers.3.self_attn.q_proj.weight`, `lm_head.weight`);
+    the optional vision tower's are its keys with `model.` removed (`visual.blocks.0.attn.qkv.weight`).
 
-    def __init__(self, config: ModelConfig):
+    The tower is not run by `forward`: a request's media are encoded once (`visual(...)`), and the
+    rows of its placeholder tokens reach the decoder as embedding overrides in the ForwardBatch."""
+
+    def __init__(self, config: ModelConfig, vision: bool = False):
         super().__init__()
         self.config = config
+        if vision and config.vision is None:
+            raise ConfigError("vision=True needs a config with a vision tower")
+        if vision and config.vision.out_hidden_size != config.hidden_size:
+            raise ConfigError(
+                f"vision out_hidden_size {config.vision.out_hidden_size} != text hidden_size {config.hidden_size}"
+            )
+        self.visual = VisionTower(config.vision) if vision else None
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -78,6 +90,8 @@ class HybridDecoder(nn.Module):
         if self.rotary is None:
             self.rotary = MRotaryEmbedding(self.config, self.device)
         x = F.embedding(batch.input_ids, self.embed_tokens.weight)
+        if batch.embed_rows is not None:
+            x = x.index_copy(0, batch.embed_rows, batch.embed_values.to(x.dtype))
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, batch, kv, states, cos, sin)

@@ -19,6 +19,9 @@ class SequenceChunk:
     pages: list[int]  # KV pages in order; must cover context_len + len(token_ids) tokens
     positions: torch.Tensor | None = None  # [3, n] M-RoPE positions; None = text (ctx + arange)
     lora_slot: int = -1  # device slot of this sequence's adapter; -1 = base model
+    # (offsets [k] into token_ids, values [k, hidden]): rows whose embedding is given, not looked up
+    # (the vision tower's output at image / video placeholder tokens). None = all rows are tokens.
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -32,6 +35,8 @@ class ForwardBatch:
     kv_slot_mapping: torch.Tensor  # [T] flat KV-cache row of each new token
     page_size: int
     lora: LoRABatch | None = None  # per-token adapter slots; None = no adapter in this batch
+    embed_rows: torch.Tensor | None = None  # [K] flat rows whose embedding is replaced; None = none
+    embed_values: torch.Tensor | None = None  # [K, hidden] their embeddings
 
     @property
     def num_tokens(self) -> int:
@@ -47,7 +52,7 @@ class ForwardBatch:
     def build(cls, chunks: list[SequenceChunk], page_size: int, device: torch.device | str) -> ForwardBatch:
         if not chunks:
             raise ValueError("empty batch")
-        ids, positions, slot_mapping = [], [], []
+        ids, positions, slot_mapping, embed_rows, embed_values = [], [], [], [], []
         max_pages = max(1, max(len(c.pages) for c in chunks))
         table = torch.zeros(len(chunks), max_pages, dtype=torch.int32)
         for i, c in enumerate(chunks):
@@ -57,6 +62,14 @@ class ForwardBatch:
             end = c.context_len + n
             if len(c.pages) * page_size < end:
                 raise ValueError(f"sequence {i} needs {end} KV rows but holds {len(c.pages)} pages")
+            if c.positions is not None and tuple(c.positions.shape) != (3, n):
+                raise ValueError(f"sequence {i}: positions {list(c.positions.shape)} for {n} new tokens")
+            if c.embeds is not None and len(c.embeds[0]):
+                offsets, values = c.embeds
+                if offsets.ndim != 1 or len(offsets) != len(values) or offsets.min() < 0 or offsets.max() >= n:
+                    raise ValueError(f"sequence {i}: embedding overrides do not fit its {n} new tokens")
+                embed_rows.append(offsets.to(device=device, dtype=torch.long) + len(ids))
+                embed_values.append(values.to(device))
             ids.extend(c.token_ids)
             pos = torch.arange(c.context_len, end)
             positions.append(pos.expand(3, n) if c.positions is None else c.positions)
@@ -73,6 +86,8 @@ class ForwardBatch:
             kv_slot_mapping=torch.cat(slot_mapping).to(device),
             page_size=page_size,
             lora=_lora_batch(chunks, device),
+            embed_rows=torch.cat(embed_rows) if embed_rows else None,
+            embed_values=torch.cat(embed_values) if embed_values else None,
         )
 
 

@@ -1,4 +1,5 @@
-"""Load a Hugging Face model directory (safetensors, single or sharded) into a HybridDecoder.
+"""Load a Hugging Face model directory (safetensors, single or sharded) into a HybridDecoder
+(and, on request, its vision tower as `model.visual`).
 
 Tensors are read one at a time from the memory-mapped files and copied (cast, moved) straight into
 their rows of the destination parameter, so peak host memory is the model plus one tensor, never a
@@ -16,7 +17,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from hylora.config import ModelConfig
+from hylora.config import ConfigError, ModelConfig
 from hylora.model.decoder import HybridDecoder
 from hylora.model.layers import Linear
 
@@ -24,9 +25,10 @@ log = logging.getLogger(__name__)
 
 # Checkpoint key prefixes of the text decoder, most specific first.
 TEXT_PREFIXES = ("model.language_model.", "model.")
-# Weights hylora does not use yet: skipped with a note, never silently.
+VISION_PREFIX = "model.visual."  # → `visual.` on the decoder
+# Weights hylora does not load: skipped with a note, never silently.
 SKIPPED_PREFIXES = {
-    "model.visual.": "vision tower (vision is not supported yet)",
+    VISION_PREFIX: "vision tower (not loaded: load_model(..., vision=True) loads it)",
     "mtp.": "multi-token prediction head",
 }
 
@@ -58,10 +60,12 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     return out
 
 
-def parameter_name(key: str) -> str | None:
+def parameter_name(key: str, vision: bool = False) -> str | None:
     """Map a checkpoint key to a HybridDecoder parameter name; None if it is a known skip."""
     if key == "lm_head.weight":
         return key
+    if vision and key.startswith(VISION_PREFIX):
+        return "visual." + key[len(VISION_PREFIX) :]
     for prefix in SKIPPED_PREFIXES:
         if key.startswith(prefix):
             return None
@@ -93,13 +97,19 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    vision: bool = False,
 ) -> HybridDecoder:
-    """Build the decoder from `model_dir`. dtype None = the checkpoint's dtype."""
+    """Build the decoder from `model_dir`. dtype None = the checkpoint's dtype.
+
+    vision=True also loads the vision tower of a VL checkpoint as `model.visual` (same dtype and
+    device); otherwise its tensors are skipped with a note."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
+    if vision and config.vision is None:
+        raise ConfigError(f"{model_dir}: a text-only checkpoint has no vision tower to load")
     dtype = dtype or config.checkpoint_dtype
     with torch.device("meta"):
-        model = HybridDecoder(config)
+        model = HybridDecoder(config, vision=vision)
     layout = checkpoint_layout(model)
     if config.tie_word_embeddings:
         del layout["lm_head.weight"]
@@ -108,7 +118,7 @@ def load_model(
     by_file: dict[Path, list[tuple[str, str]]] = defaultdict(list)
     unexpected, skipped = [], defaultdict(int)
     for key, path in files.items():
-        name = parameter_name(key)
+        name = parameter_name(key, vision)
         if name is None:
             skipped[next(p for p in SKIPPED_PREFIXES if key.startswith(p))] += 1
         elif name == "lm_head.weight" and config.tie_word_embeddings:
