@@ -1,0 +1,123 @@
+"""Images: bytes → upright uint8 RGB, Qwen-VL's resize rule, and the flat patch rows the vision tower eats.
+
+Follows transformers' `Qwen2VLImageProcessorPil` (after `load_image`'s EXIF transpose): alpha is composited
+onto white, PIL resizes, rescale and normalise run in numpy exactly as there. One deliberate difference:
+16-bit grayscale is scaled to 8 bits (PIL's own conversion, used by transformers, clips it to white).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from hylora.media.config import ImageConfig, MediaLimits, VisionParams
+from hylora.media.errors import MediaError
+
+MAX_ASPECT_RATIO = 200
+
+
+def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
+    """Decode `data` into an upright RGB image; the size is checked from the header before decoding."""
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:
+        raise MediaError(f"image is too large to decode: {e}") from e
+    except (OSError, ValueError) as e:
+        raise MediaError(
+            f"could not decode image: not a supported format (PNG, JPEG, WebP, GIF, ...) or corrupt ({e})"
+        ) from e
+    width, height = image.size
+    if width * height > limits.max_source_pixels:
+        raise MediaError(
+            f"image is {width}x{height} = {width * height} pixels; the server accepts at most "
+            f"{limits.max_source_pixels} pixels per image"
+        )
+    try:
+        image.load()
+        image = ImageOps.exif_transpose(image)
+        return to_rgb(image)
+    except (OSError, ValueError, SyntaxError) as e:
+        raise MediaError(f"image data is corrupt or truncated ({e}); send the complete file") from e
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """transformers' `convert_to_rgb`: transparency composited onto white, everything else PIL's conversion."""
+    if image.mode.startswith("I;16"):
+        image = Image.fromarray((np.asarray(image).astype(np.uint32) >> 8).astype(np.uint8), mode="L")
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's image rule: sides rounded to multiples of `factor`, the area brought into
+    [min_pixels, max_pixels] (floor when shrinking, ceil when growing), aspect ratio kept."""
+    check_aspect_ratio(height, width)
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    if h_bar == 0 or w_bar == 0:
+        raise MediaError(f"image {width}x{height} is too small for this model (min_pixels is {min_pixels})")
+    return h_bar, w_bar
+
+
+def check_aspect_ratio(height: int, width: int) -> None:
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise MediaError(
+            f"image or video is {width}x{height}: the aspect ratio must be at most {MAX_ASPECT_RATIO}:1; "
+            "crop or pad it first"
+        )
+
+
+def resize(image: Image.Image, height: int, width: int, resample: int) -> np.ndarray:
+    """PIL resize to (height, width); uint8 [H, W, 3]."""
+    return np.asarray(image.resize((width, height), resample=Image.Resampling(resample)))
+
+
+def rescale_and_normalize(pixels: np.ndarray, cfg: VisionParams) -> np.ndarray:
+    """uint8 [..., H, W, C] → float32 [..., C, H, W] the way transformers' PIL backend does it
+    (rescale in float64, cast, then subtract and divide in float32)."""
+    x = np.moveaxis(pixels, -1, -3)
+    x = (x.astype(np.float64) * cfg.rescale_factor).astype(np.float32) if cfg.do_rescale else x.astype(np.float32)
+    if cfg.do_normalize:
+        x = (x - _channels(cfg.image_mean)) / _channels(cfg.image_std)
+    return x
+
+
+def _channels(values: tuple[float, ...]) -> np.ndarray:
+    return np.asarray(values, dtype=np.float32)[:, None, None]
+
+
+def patchify(frames: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int) -> np.ndarray:
+    """float32 [N, C, H, W] → rows [T·(H/p)·(W/p), C·tp·p·p].
+
+    N is padded to a multiple of `temporal_patch_size` by repeating the last frame (so an image is repeated
+    along T). Rows go in merge-block order (t, block_row, block_col, in_row, in_col); columns are (C, tp, ph, pw).
+    """
+    n, c, h, w = frames.shape
+    if pad := -n % temporal_patch_size:
+        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
+    gt, gh, gw = frames.shape[0] // temporal_patch_size, h // patch_size, w // patch_size
+    m, p = merge_size, patch_size
+    x = frames.reshape(gt, temporal_patch_size, c, gh // m, m, p, gw // m, m, p)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return np.ascontiguousarray(x).reshape(gt * gh * gw, c * temporal_patch_size * p * p)
+
+
+def preprocess_image(image: Image.Image, cfg: ImageConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """An RGB image → (rows, grid_thw) with grid_thw = (1, H/patch, W/patch)."""
+    height, width = smart_resize(image.height, image.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    pixels = rescale_and_normalize(resize(image, height, width, cfg.resample), cfg)
+    rows = patchify(pixels[None], cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
+    return rows, (1, height // cfg.patch_size, width // cfg.patch_size)

@@ -1,0 +1,101 @@
+"""Bytes of one image or video → the tensors, grid and token count the vision tower and the prompt need."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from hylora.media import image, video
+from hylora.media.config import MediaConfig, MediaLimits, VisionParams, apply_overrides
+from hylora.media.errors import MediaError
+
+Kind = Literal["image", "video"]
+KEY_VERSION = "hylora-media-1"  # bump when preprocessing changes what the same parameters produce
+
+
+@dataclass(frozen=True, eq=False)
+class ProcessedMedia:
+    kind: Kind
+    pixel_values: torch.Tensor  # float32 [t·h·w, C·temporal_patch·patch·patch], rows in merge-block order
+    grid_thw: tuple[int, int, int]  # in patches
+    merge_size: int
+    key: str  # content hash for an encoder cache: the bytes and every parameter that changes the result
+    timestamps: tuple[float, ...] = ()  # video: seconds of each temporal patch
+
+    @property
+    def num_tokens(self) -> int:
+        """Placeholder tokens in the prompt (= rows out of the merger)."""
+        t, h, w = self.grid_thw
+        return t * h * w // self.merge_size**2
+
+    @property
+    def tokens_per_frame(self) -> int:
+        """Placeholder tokens per temporal patch."""
+        return self.grid_thw[1] * self.grid_thw[2] // self.merge_size**2
+
+
+def process_image(
+    data: bytes, cfg: MediaConfig, limits: MediaLimits, overrides: Mapping[str, Any] | None = None
+) -> ProcessedMedia:
+    _check_bytes("image", data, limits)
+    params = apply_overrides(cfg.image, overrides, limits)
+    rows, grid = image.preprocess_image(image.decode_image(data, limits), params)
+    return _finish("image", rows, grid, params, media_key("image", data, params), limits)
+
+
+def process_video(
+    data: bytes, cfg: MediaConfig, limits: MediaLimits, overrides: Mapping[str, Any] | None = None
+) -> ProcessedMedia:
+    _check_bytes("video", data, limits)
+    params = apply_overrides(cfg.video, overrides, limits)
+    sampled = video.read_video(data, params, limits)
+    pixels = video.rescale_and_normalize(sampled.frames, params)
+    rows = image.patchify(pixels, params.patch_size, params.merge_size, params.temporal_patch_size)
+    n, height, width = len(sampled.frames), *sampled.frames.shape[1:3]
+    grid = (-(-n // params.temporal_patch_size), height // params.patch_size, width // params.patch_size)
+    stamps = tuple(video.timestamps(sampled.indices, sampled.fps, params.temporal_patch_size))
+    return _finish("video", rows, grid, params, media_key("video", data, params), limits, stamps)
+
+
+def media_key(kind: Kind, data: bytes, params: VisionParams) -> str:
+    """sha256 of the bytes and the effective parameters (checkpoint config with overrides applied)."""
+    h = hashlib.sha256()
+    h.update(f"{KEY_VERSION}\0{kind}\0{params!r}\0".encode())
+    h.update(data)
+    return h.hexdigest()
+
+
+def check_visual_tokens(items: Sequence[ProcessedMedia], limits: MediaLimits) -> None:
+    """Refuse a request whose images and videos together need more placeholder tokens than the server allows."""
+    total = sum(item.num_tokens for item in items)
+    if total > limits.max_visual_tokens:
+        raise MediaError(
+            f"the images and videos of this request need {total} visual tokens; the server allows "
+            f"{limits.max_visual_tokens}: send fewer or smaller items, or lower max_pixels / fps / num_frames"
+        )
+
+
+def _check_bytes(kind: Kind, data: bytes, limits: MediaLimits) -> None:
+    if not data:
+        raise MediaError(f"the {kind} is empty (0 bytes)")
+    if len(data) > limits.max_bytes:
+        raise MediaError(f"the {kind} is {len(data)} bytes; the server accepts at most {limits.max_bytes}")
+
+
+def _finish(
+    kind: Kind,
+    rows: np.ndarray,
+    grid: tuple[int, int, int],
+    params: VisionParams,
+    key: str,
+    limits: MediaLimits,
+    stamps: tuple[float, ...] = (),
+) -> ProcessedMedia:
+    item = ProcessedMedia(kind, torch.from_numpy(rows), grid, params.merge_size, key, stamps)
+    check_visual_tokens([item], limits)
+    return item
