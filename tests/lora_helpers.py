@@ -27,6 +27,22 @@ ADAPTER_SPECS = {
     "regex": dict(r=3, lora_alpha=5, target_modules=r".*layers\.[13]\..*(in_proj_qkv|in_proj_ba?|up_proj|o_proj)"),
 }
 
+# LoRA on the vision tower of the VL test checkpoint (tests/vl_helpers.py), with PEFT's own matching:
+# "proj" also wraps the Conv3d patch embedding; all-linear takes the tower's nn.Linear modules only.
+TOWER_ADAPTER_SPECS = {
+    "explicit": dict(
+        r=4, lora_alpha=8, target_modules=["qkv", "proj", "linear_fc1", "linear_fc2", "in_proj_qkv", "o_proj"]
+    ),
+    "all_linear": dict(r=6, lora_alpha=6, use_rslora=True, target_modules="all-linear"),
+    "tower_only": dict(
+        r=4,
+        lora_alpha=4,
+        target_modules=["patch_embed.proj", "merger.linear_fc1", "merger.linear_fc2"],
+        rank_pattern={"linear_fc2": 2},
+        alpha_pattern={"patch_embed.proj": 3},
+    ),
+}
+
 
 def peft_adapter(base_model, out_dir: Path, seed: int, **lora_kwargs):
     """Wrap a copy of `base_model` with a random LoRA (B != 0), save it, return the PEFT model."""

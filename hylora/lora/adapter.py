@@ -1,7 +1,8 @@
 """Read a PEFT LoRA adapter directory and map every tensor onto this base model, or refuse it.
 
 No silent misses: each `lora_A` / `lora_B` tensor maps to exactly one (layer, projection) of the
-base model, or loading fails naming the keys; shapes are checked against the base; the modules
+text decoder or one linear of the vision tower (`model.visual.*`, the Conv3d patch embedding
+included), or loading fails naming the keys; shapes are checked against the base; the modules
 adapter_config.json targets must be exactly the modules the weights file holds; an adapter that
 would change nothing is refused.
 """
@@ -13,6 +14,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors.torch import load as load_safetensors
 
-from hylora.config import ModelConfig
+from hylora.config import ModelConfig, VisionConfig
 from hylora.model.packing import LORA_TARGETS, layer_sublayers, projection_shapes
+from hylora.model.vision import VisionLinear, VisionTower
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -34,6 +37,9 @@ MAX_PATTERN_CHARS = 4096
 PATTERN_BUDGET_S = 1.0
 # PEFT module path of a text-decoder projection, from Qwen3_5ForCausalLM or the VL wrapper
 MODULE_RE = regex.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(linear_attn|self_attn|mlp)\.(\w+)$")
+# PEFT module paths of the vision tower (VL wrapper only) start with this; the rest names a VisionLinear
+TOWER_PREFIX = "model.visual."
+VL_TEXT_PREFIX = "model.language_model."  # text module paths of an adapter made on the VL wrapper
 KEY_RE = regex.compile(r"^(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)\.weight$")
 
 
@@ -53,14 +59,46 @@ class LoRAAdapter:
     name: str
     path: Path
     weights: dict[tuple[int, str, str], LoRAWeight]  # (layer, sub-layer, checkpoint module)
+    # tower module (`blocks.0.attn.qkv`, `patch_embed.proj`, ...: its path under `model.visual.`) →
+    # LoRA as a linear over its flattened input (the Conv3d patch embedding's A flattened to [r, C*T*p*p])
+    tower: dict[str, LoRAWeight] = field(default_factory=dict)
+
+    @property
+    def has_tower(self) -> bool:
+        return bool(self.tower)
 
     @property
     def max_rank(self) -> int:
-        return max(w.a.shape[0] for w in self.weights.values())
+        return max(w.a.shape[0] for w in self._all())
 
     @property
     def num_parameters(self) -> int:
-        return sum(w.a.numel() + w.b.numel() for w in self.weights.values())
+        return sum(w.a.numel() + w.b.numel() for w in self._all())
+
+    def _all(self) -> list[LoRAWeight]:
+        return [*self.weights.values(), *self.tower.values()]
+
+
+@dataclass(frozen=True)
+class TowerTarget:
+    """A LoRA-capable linear of the vision tower, as PEFT sees it."""
+
+    out_features: int
+    in_features: int
+    conv_shape: tuple[int, ...] | None  # (C, T, p, p) of the Conv3d patch embedding; None for nn.Linear
+
+
+@cache
+def tower_targets(vision: VisionConfig) -> dict[str, TowerTarget]:
+    """Every module of the tower LoRA may target (its path under `model.visual.`), read off the
+    tower hylora builds, so this table cannot drift from the model."""
+    with torch.device("meta"):
+        tower = VisionTower(vision)
+    return {
+        name: TowerTarget(m.out_features, m.in_features, tuple(m.weight.shape[1:]) if m.weight.ndim > 2 else None)
+        for name, m in tower.named_modules()
+        if isinstance(m, VisionLinear)
+    }
 
 
 class AdapterConfig(BaseModel):
@@ -144,7 +182,8 @@ def parse_adapter(files: AdapterFiles, config: ModelConfig, name: str | None = N
     name = name or path.name
     patterns = _Patterns(name)
 
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    pairs: dict[str, dict[str, torch.Tensor]] = {}  # text decoder module path → lora_A / lora_B
+    tower_pairs: dict[str, dict[str, torch.Tensor]] = {}  # tower module (under model.visual.) → ...
     unmatched = []
     for key, tensor in tensors.items():
         m = KEY_RE.match(key)
@@ -154,24 +193,38 @@ def parse_adapter(files: AdapterFiles, config: ModelConfig, name: str | None = N
             continue
         module_path, which = m.groups()
         _refuse_known_unsupported(module_path)
-        if MODULE_RE.match(module_path) is None:
+        if module_path.startswith(TOWER_PREFIX):
+            tower_pairs.setdefault(module_path.removeprefix(TOWER_PREFIX), {})[which] = tensor
+        elif MODULE_RE.match(module_path) is not None:
+            pairs.setdefault(module_path, {})[which] = tensor
+        else:
             unmatched.append(key)
-            continue
-        pairs.setdefault(module_path, {})[which] = tensor
     if unmatched:
         raise AdapterError(
             f"adapter {name!r}: {len(unmatched)} tensors match no projection of this base model: "
             f"{_names(unmatched)} (expected keys like "
             "'base_model.model.model.layers.0.linear_attn.in_proj_qkv.lora_A.weight')"
         )
-    if not pairs:
+    if not pairs and not tower_pairs:
         raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA tensors; it would change nothing")
+    if tower_pairs and config.vision is None:
+        paths = [TOWER_PREFIX + m for m in sorted(tower_pairs, key=_natural)]
+        raise AdapterError(
+            f"adapter {name!r} has LoRA on the vision tower ({_names(paths)}), but this base model is text-only "
+            "and has no vision tower; serve it on the vision-language checkpoint it was trained on"
+        )
+
+    prefixes = {p.split("layers.")[0] for p in pairs}
+    if tower_pairs:
+        prefixes.add(VL_TEXT_PREFIX)  # tower keys only exist on the VL wrapper
+    if len(prefixes) > 1:
+        raise AdapterError(
+            f"adapter {name!r} mixes key prefixes {sorted(prefixes)}"
+            + (" (its model.visual.* keys come from the VL wrapper)" if tower_pairs else "")
+        )
+    prefix = prefixes.pop()
 
     shapes = projection_shapes(config)
-    prefixes = {p.split("layers.")[0] for p in pairs}
-    if len(prefixes) > 1:
-        raise AdapterError(f"adapter {name!r} mixes key prefixes {sorted(prefixes)}")
-
     weights: dict[tuple[int, str, str], LoRAWeight] = {}
     for module_path, ab in sorted(pairs.items()):
         layer_s, sub, module = MODULE_RE.match(module_path).groups()  # type: ignore[union-attr]
@@ -185,49 +238,104 @@ def parse_adapter(files: AdapterFiles, config: ModelConfig, name: str | None = N
             raise AdapterError(f"adapter {name!r}: {module_path} targets {sub}, but layer {layer} is {kind}")
         if module not in LORA_TARGETS[sub]:
             raise AdapterError(f"adapter {name!r}: {module_path}: no projection {module!r} in {sub}")
-        if set(ab) != {"lora_A", "lora_B"}:
-            raise AdapterError(f"adapter {name!r}: {module_path} has {sorted(ab)} but needs lora_A and lora_B")
-        a, b = ab["lora_A"], ab["lora_B"]
         out_f, in_f = shapes[(sub, module)]
-        r = a.shape[0] if a.ndim == 2 else -1
-        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != in_f or b.shape != (out_f, r):
-            raise AdapterError(
-                f"adapter {name!r}: {module_path} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; "
-                f"this base model needs lora_A [r, {in_f}] and lora_B [{out_f}, r] (was it trained on "
-                "another model size?)"
-            )
-        if not (a.is_floating_point() and b.is_floating_point()):
-            raise AdapterError(f"adapter {name!r}: {module_path} has {a.dtype} / {b.dtype} weights; expected floats")
-        a, b = a.float(), b.float()
-        rank = int(patterns.value(cfg.rank_pattern, module_path, cfg.r))
-        alpha = float(patterns.value(cfg.alpha_pattern, module_path, cfg.alpha))
-        if r != rank:
-            raise AdapterError(f"adapter {name!r}: {module_path} has rank {r}, adapter_config.json says {rank}")
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise AdapterError(f"adapter {name!r}: {module_path} contains NaN or Inf values")
-        scale = alpha / math.sqrt(r) if cfg.use_rslora else alpha / r
-        if not math.isfinite(scale):
-            raise AdapterError(f"adapter {name!r}: {module_path} has a non-finite scale (lora_alpha {alpha})")
-        weights[(layer, sub, module)] = LoRAWeight(a=a, b=b, scale=scale)
-    _check_targets(name, cfg, set(pairs), config, prefixes.pop(), patterns)
+        weights[(layer, sub, module)] = _lora_weight(name, cfg, patterns, module_path, ab, out_f, in_f)
+    tower = _tower_weights(name, cfg, patterns, tower_pairs, config)
+    in_file = set(pairs) | {TOWER_PREFIX + m for m in tower_pairs}
+    _check_targets(name, cfg, in_file, config, prefix, patterns)
 
-    if all(not w.b.any() or not w.a.any() for w in weights.values()):
+    if all(not w.b.any() or not w.a.any() for w in [*weights.values(), *tower.values()]):
         raise AdapterError(
             f"adapter {name!r}: every lora_A or lora_B is all zeros, so it would change nothing "
             "(an untrained PEFT initialisation?)"
         )
-    return LoRAAdapter(name=name, path=path, weights=weights)
+    return LoRAAdapter(name=name, path=path, weights=weights, tower=tower)
+
+
+def _tower_weights(
+    name: str,
+    cfg: AdapterConfig,
+    patterns: _Patterns,
+    pairs: dict[str, dict[str, torch.Tensor]],
+    config: ModelConfig,
+) -> dict[str, LoRAWeight]:
+    if not pairs or config.vision is None:  # tower keys on a text-only model were refused already
+        return {}
+    targets = tower_targets(config.vision)
+    unknown = [TOWER_PREFIX + m for m in sorted(pairs, key=_natural) if m not in targets]
+    if unknown:
+        raise AdapterError(
+            f"adapter {name!r}: {_names(unknown)} match no LoRA-capable module of this base model's vision tower "
+            f"(depth {config.vision.depth}; targets are patch_embed.proj, blocks.N.attn.qkv, blocks.N.attn.proj, "
+            "blocks.N.mlp.linear_fc1/2, merger.linear_fc1/2)"
+        )
+    tower = {}
+    for module, ab in sorted(pairs.items(), key=lambda kv: _natural(kv[0])):
+        t = targets[module]
+        tower[module] = _lora_weight(
+            name, cfg, patterns, TOWER_PREFIX + module, ab, t.out_features, t.in_features, t.conv_shape
+        )
+    return tower
+
+
+def _lora_weight(
+    name: str,
+    cfg: AdapterConfig,
+    patterns: _Patterns,
+    module_path: str,
+    ab: dict[str, torch.Tensor],
+    out_f: int,
+    in_f: int,
+    conv_shape: tuple[int, ...] | None = None,
+) -> LoRAWeight:
+    """Check one module's lora_A / lora_B against the base and return them as an fp32 linear LoRA.
+
+    A Conv3d whose kernel equals its stride (the patch embedding) is a linear over its flattened
+    patch: PEFT stores its lora_A as a conv weight [r, *conv_shape] and lora_B as [out, r, 1, 1, 1]."""
+    if set(ab) != {"lora_A", "lora_B"}:
+        raise AdapterError(f"adapter {name!r}: {module_path} has {sorted(ab)} but needs lora_A and lora_B")
+    a, b = ab["lora_A"], ab["lora_B"]
+    r = a.shape[0] if a.ndim >= 1 else -1
+    if conv_shape is None:
+        fits = a.ndim == 2 and a.shape[1] == in_f and tuple(b.shape) == (out_f, r)
+        needs = f"lora_A [r, {in_f}] and lora_B [{out_f}, r]"
+    else:
+        ones = (1,) * (len(conv_shape) - 1)  # a 1x1x1 kernel
+        fits = tuple(a.shape[1:]) == conv_shape and tuple(b.shape) == (out_f, r, *ones)
+        a_dims, b_dims = ", ".join(map(str, conv_shape)), ", ".join(map(str, ones))
+        needs = f"(a Conv3d, as PEFT saves it) lora_A [r, {a_dims}] and lora_B [{out_f}, r, {b_dims}]"
+    if not fits:
+        raise AdapterError(
+            f"adapter {name!r}: {module_path} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; "
+            f"this base model needs {needs} (was it trained on another model size?)"
+        )
+    if not (a.is_floating_point() and b.is_floating_point()):
+        raise AdapterError(f"adapter {name!r}: {module_path} has {a.dtype} / {b.dtype} weights; expected floats")
+    a, b = a.float().reshape(r, in_f), b.float().reshape(out_f, r)
+    rank = int(patterns.value(cfg.rank_pattern, module_path, cfg.r))
+    alpha = float(patterns.value(cfg.alpha_pattern, module_path, cfg.alpha))
+    if r != rank:
+        raise AdapterError(f"adapter {name!r}: {module_path} has rank {r}, adapter_config.json says {rank}")
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise AdapterError(f"adapter {name!r}: {module_path} contains NaN or Inf values")
+    scale = alpha / math.sqrt(r) if cfg.use_rslora else alpha / r
+    if not math.isfinite(scale):
+        raise AdapterError(f"adapter {name!r}: {module_path} has a non-finite scale (lora_alpha {alpha})")
+    return LoRAWeight(a=a, b=b, scale=scale)
 
 
 def max_adapter_bytes(config: ModelConfig, max_rank: int) -> int:
-    """An upper bound on the weights file of any servable adapter (every projection of every layer at
-    `max_rank`, fp32, plus room for the header): anything larger is refused before it is read."""
+    """An upper bound on the weights file of any servable adapter (every projection of every layer and
+    every tower linear at `max_rank`, fp32, plus room for the header): anything larger is refused
+    before it is read."""
     shapes = projection_shapes(config)
     per_rank = sum(
         sum(out + inp for out, inp in (shapes[(sub, m)] for m in LORA_TARGETS[sub]))
         for layer in range(config.num_layers)
         for sub in layer_sublayers(config, layer)
     )
+    if config.vision is not None:
+        per_rank += sum(t.out_features + t.in_features for t in tower_targets(config.vision).values())
     return per_rank * max_rank * 4 + (16 << 20)
 
 
@@ -321,7 +429,6 @@ def _refuse_known_unsupported(key: str) -> None:
         ("lora_magnitude_vector", "DoRA magnitude vectors are not supported"),
         ("lora_embedding_", "LoRA on embeddings is not supported"),
         ("modules_to_save", "modules_to_save is not supported"),
-        (".visual.", "LoRA on the vision tower is not supported until vision is"),
         ("linear_attn.conv1d", "LoRA on the GDN conv1d is not supported (only linear projections)"),
         ("lm_head", "LoRA on lm_head is not supported"),
         ("embed_tokens", "LoRA on embed_tokens is not supported"),
@@ -336,14 +443,21 @@ def _refuse_known_unsupported(key: str) -> None:
 def _check_targets(
     name: str, cfg: AdapterConfig, in_file: set[str], config: ModelConfig, prefix: str, patterns: _Patterns
 ) -> None:
-    """The modules adapter_config.json targets must be exactly the ones the weights file holds."""
-    candidates = [
-        f"{prefix}layers.{i}.{sub}.{module}"
+    """The modules adapter_config.json targets must be exactly the ones the weights file holds.
+
+    Candidates are the modules PEFT could have wrapped: the decoder's projections, plus the tower's
+    linears when the adapter was made on the VL wrapper of a model with a tower (`all-linear` there
+    takes every nn.Linear of the tower too, but not the Conv3d patch embedding)."""
+    candidates = {
+        f"{prefix}layers.{i}.{sub}.{module}": True
         for i in range(config.num_layers)
         for sub in layer_sublayers(config, i)
         for module in LORA_TARGETS[sub]
-    ]
-    targeted = {c for c in candidates if _targets(cfg, c, patterns)}
+    }
+    if config.vision is not None and prefix == VL_TEXT_PREFIX:
+        for module, t in tower_targets(config.vision).items():
+            candidates[TOWER_PREFIX + module] = t.conv_shape is None
+    targeted = {c for c, linear in candidates.items() if _targets(cfg, c, patterns, linear)}
     missing = sorted(targeted - in_file, key=_natural)
     if missing:
         raise AdapterError(
@@ -357,9 +471,9 @@ def _check_targets(
         )
 
 
-def _targets(cfg: AdapterConfig, key: str, patterns: _Patterns) -> bool:
-    """PEFT's target matching: regex fullmatch, list entries (exact or dotted suffix), all-linear,
-    exclude_modules, layers_to_transform (list targets only, as in PEFT)."""
+def _targets(cfg: AdapterConfig, key: str, patterns: _Patterns, linear: bool = True) -> bool:
+    """PEFT's target matching: regex fullmatch, list entries (exact or dotted suffix), all-linear
+    (nn.Linear modules only), exclude_modules, layers_to_transform (list targets only, as in PEFT)."""
     exclude = cfg.exclude_modules
     if exclude and (
         patterns.fullmatch(exclude, key)
@@ -371,7 +485,9 @@ def _targets(cfg: AdapterConfig, key: str, patterns: _Patterns) -> bool:
     if targets is None:
         return False
     if isinstance(targets, str):
-        return targets == "all-linear" or patterns.fullmatch(targets, key)
+        if targets.lower() == "all-linear":
+            return linear
+        return patterns.fullmatch(targets, key)
     found = key in targets or any(key.endswith(f".{t}") for t in targets)
     layers = cfg.layers_to_transform
     if found and layers is not None and layers != []:

@@ -1,7 +1,8 @@
 """`hylora merge`: fold one adapter into the base weights and write a complete model directory.
 
 The output keeps the input's layout (same files, shards, keys and dtypes; config, tokenizer and
-other weights such as the vision tower copied as they are), so whatever loads the base loads it.
+every weight the adapter does not touch copied as they are), so whatever loads the base loads it.
+Tower LoRA is folded into `model.visual.*` (the Conv3d patch embedding's delta reshaped to its kernel).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tqdm import tqdm
 
 from hylora.config import ModelConfig
 from hylora.lora.adapter import LoRAWeight, read_adapter
-from hylora.model.loader import TEXT_PREFIXES, weight_files
+from hylora.model.loader import TEXT_PREFIXES, VISION_PREFIX, weight_files
 
 
 def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
@@ -35,6 +36,11 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
         if key is None:
             raise ValueError(f"base checkpoint has none of {candidates}")
         deltas[key] = w
+    for module, w in adapter.tower.items():
+        key = f"{VISION_PREFIX}{module}.weight"
+        if key not in files:
+            raise ValueError(f"base checkpoint has no {key}")
+        deltas[key] = w
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for item in model_dir.iterdir():
@@ -48,7 +54,7 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
                 t = f.get_tensor(key)
                 if key in deltas:
                     w = deltas[key]
-                    t = (t.float() + w.scale * (w.b @ w.a)).to(t.dtype)
+                    t = (t.float() + w.scale * (w.b @ w.a).reshape(t.shape)).to(t.dtype)
                 tensors[key] = t.contiguous()
         save_file(tensors, out_dir / path.name, metadata=metadata)
     return out_dir

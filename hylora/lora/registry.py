@@ -1,10 +1,11 @@
 """Adapters by name: validated at load, kept in a CPU LRU cache, placed into device slots on use.
 
-Device side: every LoRA-capable linear gets a `LoRAStack` of `max_loras` slots padded to
-`max_lora_rank`. A request acquires a lease on the adapter *version* current when it starts; reload
-under the same name makes a new version for new requests while running ones keep theirs, and
-unload hides the name at once but frees the slot only when the last lease is released. So neither
-ever changes the weights under a running request.
+Device side: every LoRA-capable linear — of the text decoder and, when the model has one, of the
+vision tower — gets a `LoRAStack` of `max_loras` slots padded to `max_lora_rank`; an adapter's
+decoder and tower LoRA share its one slot. A request acquires a lease on the adapter *version*
+current when it starts; reload under the same name makes a new version for new requests while
+running ones keep theirs, and unload hides the name at once but frees the slot only when the last
+lease is released. So neither ever changes the weights under a running request.
 
 File I/O never happens on the engine thread: `prepare` (called from a worker thread) reads an
 adapter evicted from the CPU cache back from disk, and the request carries the tensors until
@@ -14,6 +15,7 @@ requests for it fail with a clear error until it is loaded again.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -21,11 +23,21 @@ from pathlib import Path
 
 import torch
 
-from hylora.lora.adapter import AdapterError, LoRAAdapter, max_adapter_bytes, parse_adapter, read_adapter_files
+from hylora.lora.adapter import (
+    AdapterError,
+    LoRAAdapter,
+    LoRAWeight,
+    max_adapter_bytes,
+    parse_adapter,
+    read_adapter_files,
+)
 from hylora.lora.apply import LoRAStack
 from hylora.model.decoder import HybridDecoder
 from hylora.model.layers import Linear
 from hylora.model.packing import locate
+from hylora.model.vision import VisionLinear
+
+log = logging.getLogger(__name__)
 
 
 class UnknownAdapter(KeyError):
@@ -48,6 +60,8 @@ class AdapterVersion:
     path: Path
     digest: str  # sha256 of the weights file, to re-read it safely after CPU eviction
     max_rank: int
+    # LoRA on the vision tower: its tower outputs differ from the base tower's (encoder-cache key)
+    has_tower_lora: bool = False
     pinned: bool = False
     leases: int = 0
     slot: int | None = None
@@ -78,6 +92,12 @@ class AdapterLease:
     def name(self) -> str:
         return self.version.name
 
+    @property
+    def tower_slot(self) -> int:
+        """The slot to pass the vision tower for this request's media: -1 (the base tower) unless
+        the adapter has tower LoRA."""
+        return self.slot if self.version.has_tower_lora else -1
+
 
 class AdapterRegistry:
     def __init__(
@@ -100,7 +120,10 @@ class AdapterRegistry:
         self._cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # id(version) → tensors, LRU
         self._versions = 0
         self._max_file_bytes = max_adapter_bytes(self.config, max_lora_rank)
-        self._linears: dict[str, Linear] = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+        # every LoRA-capable module by its name in the model: `layers.0.mlp.gate_up_proj`, `visual.blocks.0.attn.qkv`
+        self._linears: dict[str, Linear | VisionLinear] = {
+            name: m for name, m in model.named_modules() if isinstance(m, Linear | VisionLinear)
+        }
         for linear in self._linears.values():
             linear.lora = self._new_stack(linear)
 
@@ -116,6 +139,12 @@ class AdapterRegistry:
                 f"adapter {name!r} has rank {adapter.max_rank}, above max_lora_rank {self.max_lora_rank}; "
                 "start the server with a larger --max-lora-rank"
             )
+        if adapter.has_tower and self.model.visual is None:
+            log.info(
+                "adapter %r has LoRA on the vision tower; this model was loaded without its tower (text only), "
+                "so only its decoder LoRA can ever apply",
+                name,
+            )
         with self._lock:
             self._versions += 1
             version = AdapterVersion(
@@ -124,6 +153,7 @@ class AdapterRegistry:
                 path=path,
                 digest=files.digest,
                 max_rank=adapter.max_rank,
+                has_tower_lora=adapter.has_tower,
                 pinned=pin,
             )
             old = self._current.get(name)
@@ -228,13 +258,14 @@ class AdapterRegistry:
             return self.get(name).slot
 
     # --- internals -------------------------------------------------------------------------
-    def _new_stack(self, linear: Linear) -> LoRAStack:
+    def _new_stack(self, linear: Linear | VisionLinear) -> LoRAStack:
         dev, dtype, r = linear.weight.device, linear.weight.dtype, self.max_lora_rank
+        offsets = linear.slice_offsets if isinstance(linear, Linear) else [(0, linear.out_features)]
         return LoRAStack(
-            a=[torch.zeros(self.max_loras, r, linear.in_features, device=dev, dtype=dtype) for _ in linear.slices],
-            b=[torch.zeros(self.max_loras, r, rows, device=dev, dtype=dtype) for rows in linear.slices.values()],
-            offsets=linear.slice_offsets,
-            present=[[False] * len(linear.slices) for _ in range(self.max_loras)],
+            a=[torch.zeros(self.max_loras, r, linear.in_features, device=dev, dtype=dtype) for _ in offsets],
+            b=[torch.zeros(self.max_loras, r, rows, device=dev, dtype=dtype) for _, rows in offsets],
+            offsets=offsets,
+            present=[[False] * len(offsets) for _ in range(self.max_loras)],
         )
 
     def _retire(self, version: AdapterVersion) -> None:
@@ -272,17 +303,23 @@ class AdapterRegistry:
             self._evict_slot(self._slots[slot])  # type: ignore[arg-type]
         for (layer, sub, module), w in adapter.weights.items():
             fused, index = locate(sub, module)
-            stack = self._linears[f"layers.{layer}.{sub}.{fused}"].lora
-            assert stack is not None
-            r = w.a.shape[0]
-            stack.a[index][slot].zero_()  # the slot was cleared on eviction; zero the padding anyway
-            stack.b[index][slot].zero_()
-            stack.a[index][slot, :r] = w.a.to(stack.a[index].dtype)
-            stack.b[index][slot, :r] = (w.b * w.scale).T.to(stack.b[index].dtype)
-            stack.present[slot][index] = True
+            self._write(f"layers.{layer}.{sub}.{fused}", index, slot, w)
+        if self.model.visual is not None:  # without a tower no media are encoded: nothing to place
+            for module, w in adapter.tower.items():
+                self._write(f"visual.{module}", 0, slot, w)
         self._slots[slot] = version
         version.slot = slot
         self._slot_lru[slot] = None
+
+    def _write(self, module: str, index: int, slot: int, w: LoRAWeight) -> None:
+        stack = self._linears[module].lora
+        assert stack is not None
+        r = w.a.shape[0]
+        stack.a[index][slot].zero_()  # the slot was cleared on eviction; zero the padding anyway
+        stack.b[index][slot].zero_()
+        stack.a[index][slot, :r] = w.a.to(stack.a[index].dtype)
+        stack.b[index][slot, :r] = (w.b * w.scale).T.to(stack.b[index].dtype)
+        stack.present[slot][index] = True
 
     def _evict_slot(self, version: AdapterVersion) -> None:
         slot = version.slot
@@ -295,4 +332,3 @@ class AdapterRegistry:
         self._slot_lru.pop(slot, None)
         version.slot = None
         self._trim_cpu()
-
