@@ -1,4 +1,4 @@
-"""`hylora` command line: serve, generate, merge, demo-model."""
+"""`hylora` command line: serve, generate, doctor, merge, demo-model."""
 
 from __future__ import annotations
 
@@ -46,12 +46,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
         max_lora_rank=256,
     )
     tokenizer = llm.tokenizer
-    if args.raw:
-        ids = tokenizer.encode(args.prompt, add_special_tokens=False)
-    else:
-        ids = chat_prompt(tokenizer, [{"role": "user", "content": args.prompt}])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    out = llm.generate(ids, params, lora=next(iter(lora)) if lora else None)[0]
+    adapter = next(iter(lora)) if lora else None
+    media = [("image_url", p) for p in args.image] + [("video_url", p) for p in args.video]
+    if media:
+        if args.raw:
+            raise ValueError("--image / --video need the chat template (drop --raw)")
+        parts = [{"type": kind, kind: {"url": Path(p).resolve().as_uri()}} for kind, p in media]
+        messages = [{"role": "user", "content": [*parts, {"type": "text", "text": args.prompt}]}]
+        out = llm.chat(messages, params, adapter, media_root="/")  # local files the user named
+    elif args.raw:
+        out = llm.generate(tokenizer.encode(args.prompt, add_special_tokens=False), params, lora=adapter)[0]
+    else:
+        out = llm.generate(chat_prompt(tokenizer, [{"role": "user", "content": args.prompt}]), params, lora=adapter)[0]
     print(out.text)
 
 
@@ -60,6 +67,12 @@ def cmd_merge(args: argparse.Namespace) -> None:
 
     out = merge_adapter(args.model_dir, args.adapter_dir, args.out_dir)
     print(f"wrote {args.model_dir} + {args.adapter_dir} merged to {out}")
+
+
+def cmd_doctor(args: argparse.Namespace) -> None:
+    from hylora.doctor.cli import run_from_args
+
+    raise SystemExit(run_from_args(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -85,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--lora", metavar="ADAPTER_DIR", help="apply this PEFT LoRA adapter dynamically")
+    p.add_argument("--image", action="append", default=[], metavar="FILE", help="an image before the prompt")
+    p.add_argument("--video", action="append", default=[], metavar="FILE", help="a video before the prompt")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -92,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("doctor", help="check that a deployment (hylora or any OpenAI server) serves each adapter right")
+    from hylora.doctor.cli import add_doctor_args
+
+    add_doctor_args(p)
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("merge", help="fold a LoRA adapter into the base weights (a complete model directory)")
     p.add_argument("model_dir")

@@ -1,9 +1,12 @@
-"""The embedded demo: a small checkpoint of the real architecture plus three task adapters.
+"""The embedded demo: a small vision-language checkpoint of the real architecture plus three task
+adapters and a few seconds of synthetic media.
 
 Everything is generated here, deterministically, from a fixed seed and a built-in text: a
-byte-level BPE tokenizer with the Qwen special tokens and a ChatML chat template, random
-weights for an 8-layer hybrid decoder (3 GDN + 1 gated attention, twice), and PEFT-format LoRA
-adapters `relic`, `tomb` and `mural` with different ranks and target modules.
+byte-level BPE tokenizer with the Qwen special tokens and a ChatML chat template that renders
+image and video parts, random weights for an 8-layer hybrid decoder (3 GDN + 1 gated attention,
+twice) and a 2-block vision tower, the image / video processor configs, PEFT-format LoRA adapters
+`relic`, `tomb` and `mural` with different ranks and target modules, and `media/excavation.mp4`
+(a 3 s clip) and `media/relic.png`.
 """
 
 from __future__ import annotations
@@ -28,7 +31,14 @@ SPECIAL_TOKENS = [
 ]
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'video' -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
@@ -74,6 +84,7 @@ DEMO_ADAPTERS = {
     ),
 }
 SEED = 1234
+DEMO_VERSION = "2"  # bump when the demo changes: an older demo in the cache is rewritten
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,12 @@ class DemoShape:
     linear_key_head_dim: int = 32
     linear_value_head_dim: int = 32
     tokenizer_vocab: int = 1024
+    # vision tower
+    vision_depth: int = 2
+    vision_hidden_size: int = 64
+    vision_intermediate_size: int = 128
+    vision_num_heads: int = 2
+    vision_position_table: int = 8  # an 8 x 8 learned position table
 
 
 def default_demo_dir() -> Path:
@@ -99,7 +116,8 @@ def default_demo_dir() -> Path:
 def ensure_demo(path: Path | None = None) -> Path:
     """Write the demo into `path` (default cache dir) unless it is already complete there."""
     path = Path(path) if path else default_demo_dir()
-    if not (path / "DEMO_COMPLETE").is_file():
+    marker = path / "DEMO_COMPLETE"
+    if not marker.is_file() or marker.read_text().strip() != DEMO_VERSION:
         write_demo(path)
     return path
 
@@ -110,15 +128,75 @@ def write_demo(path: str | Path, shape: DemoShape = DemoShape()) -> Path:
     tokenizer = write_tokenizer(path, shape.tokenizer_vocab)
     vocab = len(tokenizer.get_vocab())
     im_end = tokenizer.token_to_id("<|im_end|>")
-    config = _model_config(shape, vocab_size=math.ceil(vocab / 64) * 64, eos=im_end)
+    token_ids = {
+        "image_token_id": tokenizer.token_to_id("<|image_pad|>"),
+        "video_token_id": tokenizer.token_to_id("<|video_pad|>"),
+        "vision_start_token_id": tokenizer.token_to_id("<|vision_start|>"),
+        "vision_end_token_id": tokenizer.token_to_id("<|vision_end|>"),
+    }
+    config = _model_config(shape, vocab_size=math.ceil(vocab / 64) * 64, eos=im_end, token_ids=token_ids)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": im_end}, indent=2))
+    for name, processor in _processor_configs().items():
+        (path / name).write_text(json.dumps(processor, indent=2))
     weights = _random_weights(config, torch.Generator().manual_seed(SEED))
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     for i, (name, spec) in enumerate(DEMO_ADAPTERS.items()):
         _write_adapter(path / "adapters" / name, weights, *spec, generator=torch.Generator().manual_seed(SEED + i + 1))
-    (path / "DEMO_COMPLETE").write_text("ok\n")
+    write_demo_media(path / "media")
+    (path / "DEMO_COMPLETE").write_text(DEMO_VERSION + "\n")
     return path
+
+
+def write_demo_media(path: Path) -> None:
+    """`excavation.mp4`: 3 s at 8 fps, 128x96, a lamp-lit corridor with a figure moving across;
+    `relic.png`: 160x120, a bronze vessel on a plinth. Synthetic, deterministic."""
+    import av
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    path.mkdir(parents=True, exist_ok=True)
+    img = Image.new("RGB", (160, 120), (62, 48, 36))
+    draw = ImageDraw.Draw(img)
+    draw.rectangle((40, 95, 120, 110), fill=(120, 110, 100))
+    draw.ellipse((55, 40, 105, 95), fill=(70, 120, 90))
+    draw.rectangle((60, 30, 100, 42), fill=(90, 140, 110))
+    img.save(path / "relic.png")
+
+    with av.open(str(path / "excavation.mp4"), mode="w") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 128, 96, "yuv420p"
+        for i in range(24):
+            frame = np.zeros((96, 128, 3), dtype=np.uint8)
+            frame[:, :] = (40 + i, 32 + i // 2, 24)
+            frame[20:80, 10 + 4 * i : 30 + 4 * i] = (200, 170, 90)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def _processor_configs() -> dict[str, dict]:
+    """Small pixel budgets: the demo image is 20 visual tokens, the demo video 3 x 12."""
+    common = {
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3,
+    }
+    return {
+        "preprocessor_config.json": common
+        | {"image_processor_type": "Qwen2VLImageProcessorFast", "size": {"shortest_edge": 4096, "longest_edge": 65536}},
+        "video_preprocessor_config.json": common
+        | {
+            "video_processor_type": "Qwen3VLVideoProcessor",
+            "size": {"shortest_edge": 4096, "longest_edge": 262144},
+            "fps": 2,
+            "min_frames": 4,
+            "max_frames": 32,
+        },
+    }
 
 
 def _train_tokenizer(vocab_size: int):
@@ -157,11 +235,38 @@ def write_tokenizer(path: Path, vocab_size: int):
     return tokenizer
 
 
-def _model_config(s: DemoShape, vocab_size: int, eos: int) -> dict:
+def _model_config(s: DemoShape, vocab_size: int, eos: int, token_ids: dict[str, int]) -> dict:
+    """The VL wrapper's config.json: text_config, vision_config and the media token ids."""
+    vision = {
+        "model_type": "qwen3_5",
+        "depth": s.vision_depth,
+        "hidden_size": s.vision_hidden_size,
+        "intermediate_size": s.vision_intermediate_size,
+        "num_heads": s.vision_num_heads,
+        "hidden_act": "gelu_pytorch_tanh",
+        "in_channels": 3,
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "out_hidden_size": s.hidden_size,
+        "num_position_embeddings": s.vision_position_table**2,
+    }
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "dtype": "float32",
+        "tie_word_embeddings": False,
+        "eos_token_id": eos,
+        "text_config": _text_config(s, vocab_size, eos),
+        "vision_config": vision,
+        **token_ids,
+    }
+
+
+def _text_config(s: DemoShape, vocab_size: int, eos: int) -> dict:
     layers = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(s.num_hidden_layers)]
     rotary_half = int(s.head_dim * 0.25) // 2
     return {
-        "architectures": ["Qwen3_5ForCausalLM"],
         "model_type": "qwen3_5_text",
         "dtype": "float32",
         "vocab_size": vocab_size,
@@ -199,23 +304,31 @@ def _random_weights(cfg: dict, g: torch.Generator) -> dict[str, torch.Tensor]:
     from hylora.model.loader import checkpoint_layout
 
     with torch.device("meta"):
-        model = HybridDecoder(ModelConfig.from_hf(cfg))
+        model = HybridDecoder(ModelConfig.from_hf(cfg), vision=True)
     params = dict(model.named_parameters())
     shapes = {name: (rows, *params[dest].shape[1:]) for name, (dest, _, rows) in checkpoint_layout(model).items()}
     out = {}
-    for name, shape in shapes.items():
+    # text weights first, so they are the same draws as in the text-only demo before the tower existed
+    for name, shape in sorted(shapes.items(), key=lambda item: item[0].startswith("visual.")):
         if name.endswith("A_log"):
             t = torch.empty(shape).uniform_(0.01, 8.0, generator=g).log()
         elif name.endswith("dt_bias"):
             t = torch.randn(shape, generator=g) * 0.5
-        elif name.endswith("linear_attn.norm.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
-        elif "norm" in name:
+        elif name.endswith("linear_attn.norm.weight") or (
+            name.startswith("visual.") and "norm" in name and "weight" in name
+        ):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)  # plain-weight norms (GDN output, tower LayerNorms)
+        elif "norm" in name or name.endswith("bias"):
             t = 0.1 * torch.randn(shape, generator=g)
         else:  # fan-in scaled so activations stay O(1) through the stack
-            fan_in = shape[-1] if len(shape) > 1 else 1
+            fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
             t = torch.randn(shape, generator=g) * (1.5 if "embed" in name else 1.0 / math.sqrt(fan_in))
-        key = name if name == "lm_head.weight" else "model." + name
+        if name == "lm_head.weight":
+            key = name
+        elif name.startswith("visual."):
+            key = "model." + name
+        else:
+            key = "model.language_model." + name
         out[key] = t.contiguous()
     return out
 
@@ -233,7 +346,7 @@ def _write_adapter(
     tensors = {}
     for key, w in base.items():
         module = key.rsplit(".", 2)[-2]
-        if not key.endswith(".weight") or module not in targets:
+        if not key.endswith(".weight") or module not in targets or ".visual." in key:
             continue
         prefix = "base_model.model." + key[: -len(".weight")]
         out_f, in_f = w.shape

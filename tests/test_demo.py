@@ -44,9 +44,9 @@ def test_tokenizer_has_qwen_special_tokens_and_chat_template(demo_dir):
 
 
 def test_transformers_loads_demo_with_same_logits(demo_dir):
-    from transformers import Qwen3_5ForCausalLM
+    from transformers import Qwen3_5ForConditionalGeneration
 
-    ref = Qwen3_5ForCausalLM.from_pretrained(demo_dir).eval()
+    ref = Qwen3_5ForConditionalGeneration.from_pretrained(demo_dir).eval()
     ids = load_tokenizer(demo_dir).encode("The tomb has a sloping ramp passage that leads north.")
     ours, theirs = hylora_logits(load_model(demo_dir, progress=False), ids), hf_logits(ref, ids)
     assert (ours - theirs).abs().max().item() <= 1e-4
@@ -55,9 +55,9 @@ def test_transformers_loads_demo_with_same_logits(demo_dir):
 @pytest.mark.parametrize("name", list(DEMO_ADAPTERS))
 def test_peft_loads_each_demo_adapter_and_it_changes_the_output(demo_dir, name):
     from peft import PeftModel
-    from transformers import Qwen3_5ForCausalLM
+    from transformers import Qwen3_5ForConditionalGeneration
 
-    base = Qwen3_5ForCausalLM.from_pretrained(demo_dir).eval()
+    base = Qwen3_5ForConditionalGeneration.from_pretrained(demo_dir).eval()
     ids = list(range(3, 40))
     before = hf_logits(base, ids)
     peft = PeftModel.from_pretrained(base, demo_dir / "adapters" / name).eval()
@@ -74,12 +74,14 @@ def test_peft_loads_each_demo_adapter_and_it_changes_the_output(demo_dir, name):
 @pytest.mark.parametrize("name", list(DEMO_ADAPTERS))
 def test_hylora_applies_demo_adapters_as_peft_does(demo_dir, name):
     from peft import PeftModel
-    from transformers import Qwen3_5ForCausalLM
+    from transformers import Qwen3_5ForConditionalGeneration
 
     from hylora.generate import CachedRunner
     from hylora.lora.registry import AdapterRegistry
 
-    peft = PeftModel.from_pretrained(Qwen3_5ForCausalLM.from_pretrained(demo_dir), demo_dir / "adapters" / name)
+    peft = PeftModel.from_pretrained(
+        Qwen3_5ForConditionalGeneration.from_pretrained(demo_dir), demo_dir / "adapters" / name
+    )
     model = load_model(demo_dir, progress=False)
     registry = AdapterRegistry(model, max_loras=1, max_lora_rank=16)
     registry.load(name, demo_dir / "adapters" / name)

@@ -196,7 +196,7 @@ def test_error_cases(client, server):
         client.chat.completions.create(model="relic", messages=messages, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="response_format 'json_object' is not supported"):
         client.chat.completions.create(model="relic", messages=messages, response_format={"type": "json_object"})
-    with pytest.raises(openai.BadRequestError, match="image_url"):
+    with pytest.raises(openai.BadRequestError, match="data URL must look like"):
         client.chat.completions.create(
             model="relic",
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],

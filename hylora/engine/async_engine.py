@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from hylora.engine.engine import DeviceFault, LLMEngine, RequestOutput
+from hylora.engine.multimodal import MultimodalPrompt
 from hylora.engine.request import FailureKind, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class AsyncEngine:
         params: SamplingParams,
         adapter: str | None = None,
         inject_fault: str | None = None,
+        mm: MultimodalPrompt | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Admit a request and return its output stream. Errors in the request (too long, unknown or
         broken adapter, bad ids) raise here, before any output; leaving the stream early aborts it."""
@@ -64,7 +66,7 @@ class AsyncEngine:
 
         def add() -> None:
             self._check_accepting()
-            self.engine.add_request(request_id, prompt, params, adapter, prepared)
+            self.engine.add_request(request_id, prompt, params, adapter, prepared, mm)
             self._streams[request_id] = (loop, outputs)
             if inject_fault:  # test hook (see LLMEngine.inject_fault)
                 self.engine.inject_fault(request_id, inject_fault)

@@ -19,6 +19,9 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     dtype: str = "auto"
     device: str | None = None  # None: cuda if available else cpu
+    # vision: tower output tokens encoded per step (an image, or one temporal patch of a video, must fit)
+    max_num_encoder_tokens: int = 16384
+    encoder_cache_gb: float = 1.0  # tower outputs kept by media content (the same video for several adapters)
 
     def __post_init__(self) -> None:
         for f in fields(self):  # HYLORA_MAX_NUM_SEQS=64 replaces the default of max_num_seqs, etc.
@@ -34,6 +37,8 @@ class EngineConfig:
             (self.page_size >= 1, "page_size must be >= 1"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.max_loras >= 1 and self.max_lora_rank >= 1, "max_loras and max_lora_rank must be >= 1"),
+            (self.max_num_encoder_tokens >= 1, "max_num_encoder_tokens must be >= 1"),
+            (self.encoder_cache_gb >= 0, "encoder_cache_gb must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -12,10 +12,12 @@ from pathlib import Path
 import torch
 
 from hylora.cache import PagedKVCache, StatePool
-from hylora.config import parse_dtype
+from hylora.config import ModelConfig, parse_dtype
 from hylora.engine.config import EngineConfig
 from hylora.engine.detokenizer import TextStream
+from hylora.engine.encoder_cache import EncoderCache
 from hylora.engine.memory import plan_caches
+from hylora.engine.multimodal import MultimodalPrompt, Segment
 from hylora.engine.request import FailureKind, Request, SamplingParams, TokenLogprob
 from hylora.engine.runner import ModelRunner
 from hylora.engine.sampler import SamplingError, prompt_logprobs, sample
@@ -102,7 +104,8 @@ class LLMEngine:
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
         self.model_dir = Path(model_dir)
-        self.model = model or load_model(model_dir, dtype=dtype, device=device, progress=progress)
+        vision = model is None and ModelConfig.from_dir(model_dir).vision is not None
+        self.model = model or load_model(model_dir, dtype=dtype, device=device, progress=progress, vision=vision)
         self.kernels = {"gated_delta_rule": select_gdn_kernel(self.model)}
         log.info("kernels: %s", self.kernels)
         self.tokenizer = load_tokenizer(model_dir)
@@ -112,7 +115,8 @@ class LLMEngine:
         plan = plan_caches(self.model, config)
         self.kv = PagedKVCache(self.model.config, plan.num_pages, config.page_size, self.model.dtype, self.model.device)
         self.states = StatePool(self.model.config, plan.num_slots, self.model.dtype, self.model.device)
-        self.scheduler = Scheduler(config, self.kv, self.states, self.adapters)
+        self.encoder_cache = EncoderCache(int(config.encoder_cache_gb * (1 << 30)))
+        self.scheduler = Scheduler(config, self.kv, self.states, self.adapters, self.encoder_cache, self._media_key)
         self.runner = ModelRunner(self.model, self.kv, self.states)
         self.eos_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}
@@ -130,14 +134,18 @@ class LLMEngine:
         params: SamplingParams | None = None,
         adapter: str | None = None,
         prepared: PreparedAdapter | None = None,
+        mm: MultimodalPrompt | None = None,
     ) -> Request:
         """Queue a request. Bad input raises RequestError (UnknownAdapter / AdapterBroken for the
         adapter) and changes nothing. `prepared` is the adapter already read off this thread
-        (AsyncEngine does that); without it the adapter is prepared here."""
+        (AsyncEngine does that); without it the adapter is prepared here. `mm` holds the prompt's
+        images and videos (its placeholder tokens already expanded in `prompt`)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         ids = self._prompt_ids(prompt)
+        if mm is not None:
+            self._check_media(ids, mm)
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise RequestError(f"stop_token_ids must be in [0, {vocab})")
@@ -162,7 +170,7 @@ class LLMEngine:
             )
         except Exception as e:
             raise RequestError(f"cannot detokenise this prompt: {e}") from None
-        req = Request(request_id=request_id, prompt_ids=ids, params=params, adapter=adapter)
+        req = Request(request_id=request_id, prompt_ids=ids, params=params, adapter=adapter, mm=mm)
         req.prepared = prepared if adapter is not None else None
         self.requests[request_id] = req
         self._streams[request_id] = stream
@@ -222,18 +230,19 @@ class LLMEngine:
         for req in plan.failed:
             self._finish(req, "error", error=req.error, failure=req.failure)
             outputs.append(self._output(req))
-        if not plan.chunks:
+        chunks = self._prepare_media(plan.chunks, outputs) if any(c.media for c in plan.chunks) else plan.chunks
+        if not chunks:
             return outputs
         try:
-            results = self._execute(plan.chunks)
+            results = self._execute(chunks)
         except Exception as e:
             if is_device_error(e):
                 raise DeviceFault(f"device fault at engine step {self.step_count}: {e}") from e
-            outputs.extend(self._quarantine(plan.chunks, e))
+            outputs.extend(self._quarantine(chunks, e))
             return outputs
 
         to_sample: list[tuple[Request, torch.Tensor]] = []
-        for c, res in zip(plan.chunks, results, strict=True):
+        for c, res in zip(chunks, results, strict=True):
             req = c.request
             if not res.finite:
                 where = f" with adapter {req.adapter!r}" if req.adapter else " on the base model"
@@ -251,6 +260,8 @@ class LLMEngine:
                 outputs.append(self._output(req))
                 continue
             req.num_computed += c.num_tokens
+            if req.mm is not None:
+                req.mm.release_before(req.num_computed)
             try:
                 if req.params.prompt_logprobs is not None:
                     self._add_prompt_logprobs(req, res.prompt_logits, res.prompt_positions)
@@ -288,6 +299,75 @@ class LLMEngine:
         if any(not (isinstance(t, int) and 0 <= t < vocab) for t in ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         return ids
+
+    def _check_media(self, ids: list[int], mm: MultimodalPrompt) -> None:
+        if self.model.visual is None:
+            raise RequestError("this model has no vision tower: send text only")
+        if mm.positions.prompt_len != len(ids):
+            raise RequestError("the media positions do not match the prompt")
+        budget = self.config.max_num_encoder_tokens
+        largest = max((s.num_tokens for s in mm.segments), default=0)
+        if largest > budget:
+            raise RequestError(
+                f"one image or video frame of this request is {largest} visual tokens, more than the "
+                f"{budget} the server encodes per step (--max-num-encoder-tokens); send it smaller"
+            )
+
+    def _media_key(self, req: Request, seg: Segment) -> tuple:
+        """Encoder-cache key: the media content and preprocessing, the temporal patch, and the
+        adapter version when it changes the tower."""
+        version = req.lora.version if req.lora is not None else None
+        tower = (version.name, version.version) if version is not None and version.has_tower_lora else None
+        return (req.mm.items[seg.item].key, seg.t, tower)  # type: ignore[union-attr]
+
+    def _prepare_media(self, chunks: list[ScheduledChunk], outputs: list[RequestOutput]) -> list[ScheduledChunk]:
+        """Make every segment the chunks need ready: from the encoder cache, else encoded (one tower
+        call for all of them). A request whose media fail to encode fails alone."""
+        todo: list[tuple[Request, Segment]] = []
+        for c in chunks:
+            for seg in c.media:
+                cached = self.encoder_cache.get(self._media_key(c.request, seg))
+                if cached is not None:
+                    c.request.mm.ready[seg.id] = cached  # type: ignore[union-attr]
+                else:
+                    todo.append((c.request, seg))
+        failed: dict[str, RequestOutput] = {}
+        if todo:
+            self._encode(todo, failed)
+            outputs.extend(failed.values())
+        return [c for c in chunks if c.request.request_id not in failed]
+
+    @torch.inference_mode()
+    def _encode(self, todo: list[tuple[Request, Segment]], failed: dict[str, RequestOutput]) -> None:
+        try:
+            pieces = [req.mm.pixels(seg) for req, seg in todo]  # type: ignore[union-attr]
+            pixels = torch.cat([p for p, _ in pieces]).to(self.model.device)
+            grids = torch.tensor([g for _, g in pieces])
+            slots = [req.lora.tower_slot if req.lora is not None else -1 for req, _ in todo]
+            out = self.model.visual(pixels, grids, slots).split([seg.num_tokens for _, seg in todo])  # type: ignore[misc]
+        except Exception as e:
+            if is_device_error(e):
+                raise DeviceFault(f"device fault in the vision tower at engine step {self.step_count}: {e}") from e
+            requests = {id(req): req for req, _ in todo}
+            if len(requests) > 1:  # find the request that breaks it: encode each alone
+                for rid in requests:
+                    self._encode([(r, s) for r, s in todo if id(r) == rid], failed)
+                return
+            req = todo[0][0]
+            failed[req.request_id] = self._fail(req, f"encoding its media failed: {e!r}", FailureKind.INTERNAL)
+            return
+        for (req, seg), rows in zip(todo, out, strict=True):
+            if req.request_id in failed:
+                continue
+            if not torch.isfinite(rows).all():
+                message = (
+                    f"numerical fault: non-finite values (NaN/Inf) in the vision tower output of request "
+                    f"{req.request_id!r} (media item {seg.item}, temporal patch {seg.t}); other requests are unaffected"
+                )
+                failed[req.request_id] = self._fail(req, message, FailureKind.NUMERICAL_FAULT)
+                continue
+            req.mm.ready[seg.id] = rows  # type: ignore[union-attr]
+            self.encoder_cache.put(self._media_key(req, seg), rows)
 
     def _execute(self, chunks: list[ScheduledChunk]):
         for c in chunks:
@@ -355,6 +435,8 @@ class LLMEngine:
         req.error = error or req.error
         req.failure = failure or req.failure
         req.prepared = None
+        if req.mm is not None:
+            req.mm.ready.clear()
         if error:
             log.warning("request %s failed: %s", req.request_id, error)
 

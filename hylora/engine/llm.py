@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
+from hylora.engine.chat_input import MediaSettings, has_media, multimodal_prompt
 from hylora.engine.config import EngineConfig
 from hylora.engine.engine import LLMEngine, RequestOutput
 from hylora.engine.request import SamplingParams
+from hylora.media import FetchPolicy
+from hylora.tokenizer import chat_prompt
 
 Prompt = str | list[int]
 
@@ -22,11 +27,37 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(known)}")
         self.engine = LLMEngine(model_dir, EngineConfig(**config), lora_modules=lora_modules, progress=False)
+        self.model_dir = Path(model_dir)
         self._ids = itertools.count()
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams | None = None,
+        lora: str | None = None,
+        media_root: str | Path | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> RequestOutput:
+        """One conversation in OpenAI's message format; image_url / video_url parts take data: URLs,
+        or file:// URLs under `media_root`."""
+        if not has_media(messages):
+            return self.generate(chat_prompt(self.tokenizer, messages), params, lora)[0]
+        vision = self.engine.model.config.vision
+        if self.engine.model.visual is None or vision is None:
+            raise ValueError("this model has no vision tower: send text only")
+        root = Path(media_root).resolve() if media_root is not None else None
+        settings = MediaSettings.for_model(self.model_dir, vision, self.tokenizer, policy=FetchPolicy(root))
+        ids, mm = asyncio.run(multimodal_prompt(settings, self.tokenizer, messages, mm_processor_kwargs))
+        rid = f"offline-{next(self._ids)}"
+        self.engine.add_request(rid, ids, params or SamplingParams(), lora, mm=mm)
+        while True:
+            for out in self.engine.step():
+                if out.finished and out.request_id == rid:
+                    return out
 
     def generate(
         self,

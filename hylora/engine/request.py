@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hylora.engine.multimodal import MultimodalPrompt
 from hylora.lora.registry import AdapterLease, PreparedAdapter
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -124,6 +125,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: dict[int, float]  # top-k alternatives: token id → logprob
+    rank: int = 1  # 1 + the number of tokens more likely than this one
 
 
 @dataclass(eq=False)
@@ -132,6 +134,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     adapter: str | None = None
+    mm: MultimodalPrompt | None = None  # images / videos of the prompt; None = text only
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING

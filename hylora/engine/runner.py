@@ -30,13 +30,16 @@ class ModelRunner:
         for c in chunks:
             r = c.request
             assert r.state_slot is not None
+            end = c.start + c.num_tokens
             seqs.append(
                 SequenceChunk(
-                    token_ids=r.all_ids[c.start : c.start + c.num_tokens],
+                    token_ids=r.all_ids[c.start : end],
                     context_len=c.start,
                     state_slot=r.state_slot,
                     pages=r.pages,
+                    positions=r.mm.positions.window(c.start, end) if r.mm is not None else None,
                     lora_slot=r.lora.slot if r.lora is not None else -1,
+                    embeds=r.mm.chunk_embeds(c.start, end) if r.mm is not None else None,
                 )
             )
         batch = ForwardBatch.build(seqs, self.kv.page_size, self.model.device)

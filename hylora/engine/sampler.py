@@ -57,7 +57,9 @@ def token_logprob(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
     if k > 0:
         values, ids = logprobs.topk(k)
         top = {int(t): float(v) for t, v in zip(ids, values, strict=True)}
-    return TokenLogprob(token_id=token, logprob=float(logprobs[token]), top=top)
+    value = logprobs[token]
+    rank = int((logprobs > value).sum()) + 1
+    return TokenLogprob(token_id=token, logprob=float(value), top=top, rank=rank)
 
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[TokenLogprob]:

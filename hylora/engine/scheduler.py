@@ -9,16 +9,24 @@ generated tokens are kept). Nothing crashes for lack of memory: requests queue.
 A request that was in a step whose forward raised is a suspect (`requeue_suspect`): it goes back to
 the head of the queue and its next step runs it alone, so a request that breaks the forward fails
 by itself instead of taking its batch down with it.
+
+Media: a prefill chunk may only cover visual tokens whose tower output is ready, cached, or encoded in
+this step; encoding is limited to `max_num_encoder_tokens` per step, so a chunk that reaches a
+segment (an image, or one temporal patch of a video) the budget cannot pay for stops just before
+it and the prefill continues next step — no step stalls to encode a whole long video.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from hylora.cache import PagedKVCache, StatePool
 from hylora.engine.config import EngineConfig
+from hylora.engine.encoder_cache import EncoderCache
+from hylora.engine.multimodal import Segment
 from hylora.engine.request import FailureKind, Request, Status
 from hylora.lora.adapter import AdapterError
 from hylora.lora.registry import AdapterRegistry, NoFreeLoRASlot, UnknownAdapter
@@ -33,6 +41,7 @@ class ScheduledChunk:
     request: Request
     start: int
     num_tokens: int
+    media: list[Segment] = field(default_factory=list)  # segments to take from the cache or encode first
 
     @property
     def samples(self) -> bool:
@@ -48,11 +57,21 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: PagedKVCache, states: StatePool, adapters: AdapterRegistry | None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: PagedKVCache,
+        states: StatePool,
+        adapters: AdapterRegistry | None,
+        encoder_cache: EncoderCache | None = None,
+        media_key: Callable[[Request, Segment], Hashable] | None = None,
+    ):
         self.config = config
         self.kv, self.states, self.adapters = kv, states, adapters
+        self.encoder_cache, self.media_key = encoder_cache, media_key
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._encoder_budget = 0  # encoder tokens left in the step being planned
 
     @property
     def num_unfinished(self) -> int:
@@ -63,6 +82,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        self._encoder_budget = self.config.max_num_encoder_tokens
         suspect = self.waiting[0] if self.waiting and self.waiting[0].suspect_count else None
         if suspect is not None and len(self.running) < self.config.max_num_seqs and self._admit(suspect, plan):
             return plan  # a suspect runs alone
@@ -70,7 +90,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_uncomputed, budget)
+            n, media = self._fit_media(req, min(req.num_uncomputed, budget))
+            if n == 0:  # its next visual tokens wait for encoder budget
+                i += 1
+                continue
             while not self._ensure_pages(req, req.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -79,7 +102,8 @@ class Scheduler:
                     break
             if req.status is not Status.RUNNING:
                 break
-            plan.chunks.append(ScheduledChunk(req, req.num_computed, n))
+            plan.chunks.append(ScheduledChunk(req, req.num_computed, n, media))
+            self._spend(req, media)
             budget -= n
             i += 1
 
@@ -108,14 +132,40 @@ class Scheduler:
             if self.states.num_free == 0:
                 return False
             req.state_slot = self.states.allocate()
-        n = min(req.num_uncomputed, budget)
-        if not self._ensure_pages(req, req.num_computed + n):
+        n, media = self._fit_media(req, min(req.num_uncomputed, budget))
+        if n == 0 or not self._ensure_pages(req, req.num_computed + n):
             return False
         self.waiting.popleft()
         req.status = Status.RUNNING
         self.running.append(req)
-        plan.chunks.append(ScheduledChunk(req, req.num_computed, n))
+        plan.chunks.append(ScheduledChunk(req, req.num_computed, n, media))
+        self._spend(req, media)
         return True
+
+    def _fit_media(self, req: Request, n: int) -> tuple[int, list[Segment]]:
+        """How many of the next `n` tokens can run this step, and the segments they need that the
+        request does not hold yet. A chunk stops before the first segment the encoder budget left in
+        this step cannot pay for (a cached segment costs nothing)."""
+        mm, start = req.mm, req.num_computed
+        if mm is None or start >= mm.positions.prompt_len:
+            return n, []
+        needed, cost = [], 0
+        for seg in mm.segments_in(start, start + n):
+            if seg.id in mm.ready:
+                continue
+            price = self._encoder_cost(req, seg)
+            if cost + price > self._encoder_budget:
+                return max(0, seg.start - start), needed
+            needed.append(seg)
+            cost += price
+        return n, needed
+
+    def _encoder_cost(self, req: Request, seg: Segment) -> int:
+        cached = self.encoder_cache is not None and self.media_key is not None
+        return 0 if cached and self.media_key(req, seg) in self.encoder_cache else seg.num_tokens  # type: ignore[misc,operator]
+
+    def _spend(self, req: Request, media: list[Segment]) -> None:
+        self._encoder_budget -= sum(self._encoder_cost(req, seg) for seg in media)
 
     def requeue_suspect(self, req: Request) -> None:
         """`req` was in a step whose forward raised: scrub what it wrote, and queue it to recompute

@@ -14,8 +14,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from hylora.engine.async_engine import AsyncEngine
+from hylora.engine.chat_input import MediaSettings, has_media, multimodal_prompt
+from hylora.engine.multimodal import MultimodalPrompt
 from hylora.lora.adapter import AdapterError
 from hylora.lora.registry import UnknownAdapter
+from hylora.media import MediaError
 from hylora.server.errors import APIError, BodyLimit, error_response, install_error_handlers
 from hylora.server.job import Job
 from hylora.server.metrics import ServerMetrics, engine_snapshot
@@ -45,6 +48,7 @@ class ServerState:
     shutdown_grace_s: float = 30.0
     stream_stall_timeout_s: float = 60.0  # a streaming client that reads nothing for this long is cut
     public_metrics: bool = False  # /metrics without the API key (for scrapers)
+    media: MediaSettings | None = None  # None: the model has no vision tower
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -166,15 +170,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         body.warn_unknown("chat/completions")
         adapter = _route(state, body, request)
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        except Unsupported as e:
-            raise APIError(400, str(e)) from None
-        _check_chars(state, sum(len(m["content"]) for m in messages))
-        prompt_ids = await asyncio.to_thread(_render_chat, state, messages)
+        prompt_ids, mm = await _chat_prompt(state, body)
         max_tokens = _max_tokens(state, len(prompt_ids), body.requested_max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        job = Job(state, "chatcmpl", body, adapter, prompt_ids, max_tokens, logprobs, None)
+        job = Job(state, "chatcmpl", body, adapter, prompt_ids, max_tokens, logprobs, body.prompt_logprobs, mm)
         streams = await job.start()
         if body.stream:
             return EventStream(job.chat_events(streams), state.stream_stall_timeout_s, state.metrics)
@@ -192,7 +191,9 @@ def build_app(state: ServerState) -> FastAPI:
         else:
             prompt_ids = list(prompt)
         max_tokens = _max_tokens(state, len(prompt_ids), body.max_tokens if body.max_tokens is not None else 16)
-        prompt_logprobs = body.logprobs if (body.echo and body.logprobs is not None) else None
+        prompt_logprobs = body.prompt_logprobs
+        if prompt_logprobs is None and body.echo and body.logprobs is not None:
+            prompt_logprobs = body.logprobs
         job = Job(state, "cmpl", body, adapter, prompt_ids, max_tokens, body.logprobs, prompt_logprobs)
         streams = await job.start()
         if body.stream:
@@ -204,6 +205,27 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 # --- request handling ------------------------------------------------------------------------
+
+
+async def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], MultimodalPrompt | None]:
+    """Prompt ids of the conversation; with images / videos also their preprocessed media."""
+    messages = [{"role": m.role, "content": m.content} for m in body.messages]
+    if has_media(messages):
+        if state.media is None:
+            raise APIError(400, "this model has no vision tower: send text only")
+        overrides = dict(body.mm_processor_kwargs or {})
+        for kind_kwargs in (body.media_io_kwargs or {}).values():
+            overrides |= kind_kwargs if isinstance(kind_kwargs, dict) else {}
+        try:
+            return await multimodal_prompt(state.media, state.engine.tokenizer, messages, overrides)
+        except MediaError as e:
+            raise APIError(400, str(e), code="invalid_media") from None
+    try:
+        texts = [{"role": m.role, "content": m.text()} for m in body.messages]
+    except Unsupported as e:
+        raise APIError(400, str(e)) from None
+    _check_chars(state, sum(len(m["content"]) for m in texts))
+    return await asyncio.to_thread(_render_chat, state, texts), None
 
 
 def _check_chars(state: ServerState, chars: int) -> None:
@@ -231,6 +253,7 @@ def _tokenize(state: ServerState, text: str) -> list[int]:
         return state.engine.tokenizer.encode(text, add_special_tokens=False)
     except Exception as e:
         raise APIError(400, f"cannot tokenise the prompt: {e}") from None
+
 
 def _route(state: ServerState, body: SamplingRequest, request: Request) -> str | None:
     try:

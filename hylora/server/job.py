@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from fastapi import Request
 
 from hylora.engine.async_engine import EngineDead
 from hylora.engine.engine import RequestError, RequestOutput
+from hylora.engine.multimodal import MultimodalPrompt
 from hylora.engine.request import TokenLogprob
 from hylora.lora.adapter import AdapterError
 from hylora.lora.registry import UnknownAdapter
@@ -43,8 +45,9 @@ class Job:
         max_tokens: int,
         logprobs: int | None,
         prompt_logprobs: int | None,
+        mm: MultimodalPrompt | None = None,
     ):
-        self.state, self.body, self.adapter, self.prompt_ids = state, body, adapter, prompt_ids
+        self.state, self.body, self.adapter, self.prompt_ids, self.mm = state, body, adapter, prompt_ids, mm
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.model = body.model or adapter or state.router.base_name
         try:
@@ -62,9 +65,10 @@ class Job:
         streams = []
         try:
             for i, params in enumerate(self.params):
+                mm = dataclasses.replace(self.mm, ready={}) if self.mm is not None else None  # one per choice
                 streams.append(
                     await self.state.aengine.submit(
-                        f"{self.id}-{i}", self.prompt_ids, params, self.adapter, inject_fault=self._fault_requested()
+                        f"{self.id}-{i}", self.prompt_ids, params, self.adapter, self._fault_requested(), mm
                     )
                 )
         except BaseException as e:
@@ -166,7 +170,7 @@ class Job:
             if out.logprobs is not None:
                 choice["logprobs"] = {"content": [self._chat_logprob(lp) for lp in out.logprobs]}
             choices.append(choice)
-        return {
+        response = {
             "id": self.id,
             "object": "chat.completion",
             "created": int(time.time()),
@@ -174,6 +178,10 @@ class Job:
             "choices": choices,
             "usage": self._usage(outputs),
         }
+        if outputs[0].prompt_logprobs is not None:  # vLLM's extension: top level for chat
+            response["prompt_logprobs"] = self._vllm_prompt_logprobs(outputs[0])
+            response["prompt_token_ids"] = self.prompt_ids
+        return response
 
     async def chat_events(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
         base = {"id": self.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model}
@@ -209,14 +217,15 @@ class Job:
         prompt_text = self.tokenizer.decode(self.prompt_ids) if body.echo else ""
         choices = []
         for i, out in enumerate(outputs):
-            choices.append(
-                {
-                    "index": i,
-                    "text": prompt_text + out.text,
-                    "finish_reason": out.finish_reason,
-                    "logprobs": self._completion_logprobs(out) if body.logprobs is not None else None,
-                }
-            )
+            choice = {
+                "index": i,
+                "text": prompt_text + out.text,
+                "finish_reason": out.finish_reason,
+                "logprobs": self._completion_logprobs(out) if body.logprobs is not None else None,
+            }
+            if body.prompt_logprobs is not None:  # vLLM's extension: per choice for completions
+                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
+            choices.append(choice)
         return {
             "id": self.id,
             "object": "text_completion",
@@ -297,6 +306,22 @@ class Job:
             ],
             "text_offset": offsets,
         }
+
+    def _vllm_prompt_logprobs(self, out: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's format: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
+        with the prompt token itself and the top-k alternatives."""
+        entries: list[dict[str, dict[str, Any]] | None] = []
+        for tid, lp in zip(self.prompt_ids, out.prompt_logprobs or [], strict=False):
+            if lp is None:
+                entries.append(None)
+                continue
+            top = {
+                str(t): {"logprob": v, "rank": r, "decoded_token": self.tokenizer.decode([t])}
+                for r, (t, v) in enumerate(lp.top.items(), start=1)
+            }
+            top[str(tid)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.tokenizer.decode([tid])}
+            entries.append(top)
+        return entries
 
     def _usage(self, outputs: list[RequestOutput]) -> dict[str, int]:
         completion = sum(o.num_output_tokens for o in outputs)

@@ -52,6 +52,10 @@ class ServerMetrics:
             "lora_slots_total": ("hylora_lora_slots_total", "Device LoRA slots (max_loras)"),
             "adapters_loaded": ("hylora_adapters_loaded", "Adapters registered by name"),
             "adapters_on_cpu": ("hylora_adapters_on_cpu", "Adapters in the CPU cache"),
+            "encoder_hits": ("hylora_encoder_cache_hits", "Media segments served from the encoder cache (cumulative)"),
+            "encoder_misses": ("hylora_encoder_cache_misses", "Media segments the vision tower encoded (cumulative)"),
+            "encoder_bytes": ("hylora_encoder_cache_bytes", "Bytes of vision-tower outputs in the encoder cache"),
+            "encoder_entries": ("hylora_encoder_cache_entries", "Media segments in the encoder cache"),
         }
         self.gauges = {key: Gauge(name, doc, registry=r) for key, (name, doc) in g.items()}
         self.adapter_on_device = Gauge(
@@ -96,6 +100,10 @@ def engine_snapshot(engine) -> dict[str, Any]:
         "lora_slots_total": stats["slots_total"],
         "adapters_loaded": len(stats["loaded"]),
         "adapters_on_cpu": stats["on_cpu"],
+        "encoder_hits": engine.encoder_cache.hits,
+        "encoder_misses": engine.encoder_cache.misses,
+        "encoder_bytes": engine.encoder_cache.bytes,
+        "encoder_entries": len(engine.encoder_cache),
         "on_device": {name: int(name in stats["on_device"]) for name in stats["loaded"]},
         "running_by_adapter": running,
         "waiting_by_adapter": waiting,

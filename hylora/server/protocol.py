@@ -66,12 +66,15 @@ class SamplingRequest(_Body):
     stream_options: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    prompt_logprobs: int | None = None  # vLLM: logprobs of every prompt token (+ top-k), non-streaming
 
     def check_supported(self) -> None:
         if self.logit_bias:
             raise Unsupported("logit_bias is not supported")
         if self.best_of not in (None, self.n):
             raise Unsupported("best_of is not supported (use n)")
+        if self.prompt_logprobs is not None and self.stream:
+            raise Unsupported("prompt_logprobs is not supported with stream=true")
         if not 1 <= self.n <= 16:
             raise Unsupported("n must be between 1 and 16")
         if self.seed is not None and self.seed != -1 and not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1):
@@ -104,6 +107,7 @@ class ChatMessage(_Body):
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
+        """The content of a text-only message (image / video parts take the multimodal path)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -112,15 +116,15 @@ class ChatMessage(_Body):
         for part in self.content:
             kind = part.get("type")
             if kind != "text":
-                raise Unsupported(
-                    f"message content of type {kind!r} is not supported (text only; vision is not served yet)"
-                )
+                raise Unsupported(f"message content of type {kind!r} is not supported (text, image_url, video_url)")
             parts.append(str(part.get("text", "")))
         return "".join(parts)
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM: per-request preprocessing (fps, num_frames, ...)
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None  # vLLM: {"video": {"num_frames": 16}}
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import re
 import secrets
@@ -13,8 +14,10 @@ from pathlib import Path
 import uvicorn
 
 from hylora.engine.async_engine import AsyncEngine
+from hylora.engine.chat_input import MediaSettings
 from hylora.engine.config import EngineConfig
 from hylora.engine.engine import LLMEngine
+from hylora.media import FetchPolicy, MediaLimits
 from hylora.server.app import ServerState, build_app
 from hylora.server.routing import TaskRouter
 
@@ -54,7 +57,31 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="cut a streaming client that has read nothing for this many seconds",
     )
     p.add_argument("--timeout-keep-alive", type=float, default=5.0, help="close idle keep-alive connections after")
+    m = p.add_argument_group("images and videos (vLLM's names)")
+    m.add_argument(
+        "--limit-mm-per-prompt", type=json.loads, default=None, metavar="JSON", help='e.g. \'{"image": 4, "video": 1}\''
+    )
+    m.add_argument(
+        "--mm-processor-kwargs", type=json.loads, default=None, metavar="JSON", help="defaults, e.g. '{\"fps\": 1}'"
+    )
+    m.add_argument(
+        "--media-io-kwargs",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='per kind, e.g. \'{"video": {"num_frames": 32}}\'',
+    )
+    m.add_argument("--allowed-local-media-path", metavar="DIR", help="allow file:// media URLs under DIR")
+    m.add_argument(
+        "--allowed-media-domains", nargs="+", default=[], metavar="HOST", help="allow http(s) media URLs from HOST"
+    )
+    m.add_argument("--media-fetch-timeout", type=float, default=10.0, help="seconds to fetch one http(s) media URL")
+    m.add_argument("--max-media-bytes", type=int, default=64 << 20, help="largest image or video accepted")
+    m.add_argument("--max-video-frames", type=int, default=768, help="most frames sampled from one video")
+    m.add_argument("--max-visual-tokens", type=int, default=65536, help="most visual tokens in one request")
     d = EngineConfig.__dataclass_fields__
+    m.add_argument("--max-num-encoder-tokens", type=int, default=d["max_num_encoder_tokens"].default)
+    m.add_argument("--encoder-cache-gb", type=float, default=d["encoder_cache_gb"].default)
     for name in (
         "max_model_len",
         "max_num_seqs",
@@ -116,6 +143,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
         max_cpu_loras=args.max_cpu_loras,
         dtype=args.dtype,
         device=args.device,
+        max_num_encoder_tokens=args.max_num_encoder_tokens,
+        encoder_cache_gb=args.encoder_cache_gb,
     )
     engine = LLMEngine(model_dir, config, lora_modules=lora)
     router = TaskRouter(name, engine.adapters, tasks)
@@ -130,7 +159,44 @@ def build_state(args: argparse.Namespace) -> ServerState:
         shutdown_grace_s=args.shutdown_timeout,
         stream_stall_timeout_s=args.stream_stall_timeout,
         public_metrics=args.public_metrics,
+        media=media_settings(args, engine, model_dir),
     )
+
+
+def media_settings(args: argparse.Namespace, engine: LLMEngine, model_dir: Path) -> MediaSettings | None:
+    """What the server accepts as images and videos, or None for a model without a vision tower."""
+    vision = engine.model.config.vision
+    if engine.model.visual is None or vision is None:
+        return None
+    for flag in ("limit_mm_per_prompt", "mm_processor_kwargs", "media_io_kwargs"):
+        value = getattr(args, flag)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"--{flag.replace('_', '-')} expects a JSON object")
+    kwargs = dict(args.mm_processor_kwargs or {})
+    for kind_kwargs in (args.media_io_kwargs or {}).values():
+        kwargs |= kind_kwargs
+    limits = MediaLimits(
+        max_bytes=args.max_media_bytes, max_frames=args.max_video_frames, max_visual_tokens=args.max_visual_tokens
+    )
+    policy = FetchPolicy(
+        allowed_local_root=Path(args.allowed_local_media_path).resolve() if args.allowed_local_media_path else None,
+        allowed_domains=frozenset(args.allowed_media_domains),
+        timeout_s=args.media_fetch_timeout,
+    )
+    limit = {"image": 8, "video": 2} | dict(args.limit_mm_per_prompt or {})
+    settings = MediaSettings.for_model(
+        model_dir,
+        vision,
+        engine.tokenizer,
+        limits=limits,
+        policy=policy,
+        limit_per_prompt=limit,
+        processor_kwargs=kwargs,
+    )
+    log.info(
+        "media: %s per prompt, preprocessing overrides %s, file:// under %s", limit, kwargs, policy.allowed_local_root
+    )
+    return settings
 
 
 class DrainingServer(uvicorn.Server):

@@ -1,0 +1,143 @@
+"""Chat messages with images and videos → prompt token ids with expanded placeholders + the media
+(the server, the offline `LLM.chat` and `hylora generate` share it).
+
+vLLM's request shapes: content parts `{"type": "image_url", "image_url": {"url": ...}}` and
+`{"type": "video_url", "video_url": {"url": ...}}` (data:, file:// under the allowed local path,
+http(s) to allowed hosts). Fetching and preprocessing run on worker threads; every bad input is a
+MediaError, which the server answers with a 400 that says what to fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hylora.config import VisionConfig
+from hylora.engine.multimodal import MultimodalPrompt, build_multimodal_prompt
+from hylora.media import (
+    FetchPolicy,
+    MediaConfig,
+    MediaError,
+    MediaLimits,
+    ProcessedMedia,
+    VisionTokens,
+    check_visual_tokens,
+    expand_prompt_ids,
+    fetch_bytes,
+    process_image,
+    process_video,
+)
+from hylora.tokenizer import chat_prompt
+
+MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
+
+
+@dataclass
+class MediaSettings:
+    """What the server accepts (from its flags) and how it preprocesses (from the checkpoint)."""
+
+    config: MediaConfig
+    vision: VisionConfig
+    tokens: VisionTokens
+    limits: MediaLimits = field(default_factory=MediaLimits)
+    policy: FetchPolicy = field(default_factory=FetchPolicy)
+    limit_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 2})
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)  # server defaults (--mm-processor-kwargs)
+
+    @classmethod
+    def for_model(cls, model_dir: Path, vision: VisionConfig, tokenizer, **settings: Any) -> MediaSettings:
+        return cls(MediaConfig.from_model_dir(model_dir), vision, VisionTokens.from_tokenizer(tokenizer), **settings)
+
+
+@dataclass
+class MediaRef:
+    kind: str  # "image" | "video"
+    url: str
+
+
+def has_media(messages: list[Mapping[str, Any]]) -> bool:
+    return any(
+        isinstance(m.get("content"), list) and any(_part_type(p) in MEDIA_PARTS for p in m["content"]) for m in messages
+    )
+
+
+def normalise(messages: list[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[MediaRef]]:
+    """Messages as the chat template takes them (text, and `{"type": "image"}` / `{"type": "video"}`
+    where a media part was) and the media in prompt order."""
+    out, refs = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, list):
+            out.append({"role": m["role"], "content": content or ""})
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = _part_type(part)
+            if kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            elif kind in MEDIA_PARTS:
+                refs.append(MediaRef(MEDIA_PARTS[kind], _url(part, kind, f"messages[{i}].content[{j}]")))
+                parts.append({"type": MEDIA_PARTS[kind]})
+            else:
+                raise MediaError(
+                    f"messages[{i}].content[{j}]: content parts of type {kind!r} are not supported "
+                    "(text, image_url, video_url)"
+                )
+        out.append({"role": m["role"], "content": parts})
+    return out, refs
+
+
+async def multimodal_prompt(
+    settings: MediaSettings,
+    tokenizer,
+    messages: list[Mapping[str, Any]],
+    overrides: Mapping[str, Any] | None = None,
+) -> tuple[list[int], MultimodalPrompt]:
+    """Fetch and preprocess every image and video (concurrently, off the event loop), render the chat
+    template and expand its placeholders. Raises MediaError for anything the client must fix."""
+    normalised, refs = normalise(messages)
+    for kind in ("image", "video"):
+        count, limit = sum(r.kind == kind for r in refs), settings.limit_per_prompt.get(kind, 0)
+        if count > limit:
+            raise MediaError(
+                f"the request has {count} {kind}s; this server allows {limit} per prompt (--limit-mm-per-prompt)"
+            )
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise MediaError("mm_processor_kwargs must be a JSON object")
+    kwargs = settings.processor_kwargs | dict(overrides or {})
+    items = await asyncio.gather(*(asyncio.to_thread(_load, settings, ref, kwargs) for ref in refs))
+    check_visual_tokens(items, settings.limits)
+    ids = await asyncio.to_thread(_render, tokenizer, normalised)
+    expanded = expand_prompt_ids(ids, items, tokenizer, settings.tokens)
+    try:
+        return expanded, build_multimodal_prompt(expanded, items, settings.vision)
+    except ValueError as e:  # placeholders typed into the text, for instance
+        raise MediaError(f"the prompt's image / video placeholders do not fit its media: {e}") from None
+
+
+def _load(settings: MediaSettings, ref: MediaRef, kwargs: dict[str, Any]) -> ProcessedMedia:
+    data = fetch_bytes(ref.url, settings.policy, settings.limits.max_bytes)
+    process = process_image if ref.kind == "image" else process_video
+    return process(data, settings.config, settings.limits, kwargs)
+
+
+def _render(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    try:
+        return chat_prompt(tokenizer, messages)
+    except Exception as e:
+        raise MediaError(f"the chat template cannot render these messages: {e}") from None
+
+
+def _part_type(part: Any) -> str | None:
+    return part.get("type") if isinstance(part, Mapping) else None
+
+
+def _url(part: Mapping[str, Any], kind: str, where: str) -> str:
+    value = part.get(kind)
+    url = value.get("url") if isinstance(value, Mapping) else value
+    if not isinstance(url, str) or not url:
+        raise MediaError(f'{where}: expected {{"type": "{kind}", "{kind}": {{"url": "..."}}}}')
+    return url
