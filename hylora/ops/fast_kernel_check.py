@@ -1,0 +1,266 @@
+"""Start-up checks of hylora's own Triton decode and LoRA kernels against their torch references.
+
+Each `*_error` function runs one kernel and its reference on random inputs of the model's shapes
+at boundary sizes and returns the max relative error (inf on any NaN/inf, on a write to a row it
+does not own, or on an output element left unwritten). Outputs start NaN-filled, as do state
+slots, KV pages and LoRA slots that the batch does not own, so a read of foreign memory or a
+missed write shows. `select_fast_kernels` runs them all on CUDA and says which kernels may be
+used: a kernel is used only if it passes. Triton is imported only when a check runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply_grouped
+from hylora.model.decoder import HybridDecoder
+from hylora.model.layers import Linear
+from hylora.ops.gdn_decode.reference import gdn_decode as gdn_decode_reference
+from hylora.ops.paged_decode_attention.reference import paged_decode_attention as attention_reference
+
+log = logging.getLogger(__name__)
+DECODE_BATCHES = (1, 2, 3, 31, 32, 33, 64)
+LORA_TOKENS = (1, 64, 65, 127, 128, 129, 400, 474, 2048)
+LORA_RANKS = (8, 16, 32, 64)
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+FAILED = float("inf")
+
+
+def triton_usable(device: torch.device | str) -> bool:
+    """Triton importable and able to run here: a CUDA device, or the CPU interpreter (tests)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    if torch.device(device).type == "cuda":
+        return True
+    return torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def select_fast_kernels(model: HybridDecoder, page_size: int) -> dict[str, str]:
+    """{kernel: "triton (...)" | "reference (why)"} for gdn_decode, paged_decode_attention, lora."""
+    if not triton_usable(model.device) or model.device.type != "cuda":
+        return dict.fromkeys(("gdn_decode", "paged_decode_attention", "lora"), "reference (no CUDA or no triton)")
+    c, dev, dtype = model.config, model.device, model.dtype
+    errors = {
+        "gdn_decode": lambda: gdn_decode_error(
+            c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+            c.linear_conv_kernel_dim, dtype, dev,
+        ),
+        "paged_decode_attention": lambda: paged_decode_attention_error(
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim, page_size, dtype, dev
+        ),
+        "lora": lambda: max(
+            lora_error(in_f, rows, rank, dtype, dev) for in_f, rows in lora_shapes(model) for rank in LORA_RANKS
+        ),
+    }  # fmt: skip
+    return {name: _verdict(name, run, TOLERANCE[dtype]) for name, run in errors.items()}
+
+
+def _verdict(name: str, run: Callable[[], float], tolerance: float) -> str:
+    try:
+        error = run()
+    except Exception as e:  # a kernel that does not compile or launch here is not used
+        log.error("%s Triton kernel failed to run (%s); serving with the reference", name, e)
+        return f"reference ({name} kernel failed: {e})"
+    if not error <= tolerance:  # also catches NaN
+        log.error("%s Triton kernel disagrees with the reference (rel. error %.2e)", name, error)
+        return f"reference (rel. error {error:.2e} > {tolerance:.0e})"
+    return f"triton (max rel. error {error:.1e} vs the reference)"
+
+
+def lora_shapes(model: torch.nn.Module) -> list[tuple[int, tuple[int, ...]]]:
+    """Distinct (in_features, slice rows) of the model's LoRA-capable linears."""
+    return sorted({(m.in_features, tuple(m.slices.values())) for m in model.modules() if isinstance(m, Linear)})
+
+
+@torch.inference_mode()
+def gdn_decode_error(
+    hk: int,
+    hv: int,
+    dk: int,
+    dv: int,
+    conv_kernel: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    batches: Sequence[int] = DECODE_BATCHES,
+    kernel: Callable[..., torch.Tensor] | None = None,
+    **kernel_args,
+) -> float:
+    if kernel is None:
+        from hylora.ops.gdn_decode.triton import gdn_decode as kernel
+    worst = 0.0
+    for N in batches:
+        g = _generator(device, N)
+        C, S = 2 * hk * dk + hv * dv, N + 3
+
+        def rand(*shape, scale=1.0, g=g):
+            return torch.randn(*shape, generator=g, device=device) * scale
+
+        slots = torch.randperm(S, generator=g, device=device)[:N]
+        if N > 1:
+            slots[-1] = -1  # a padding row, as a CUDA graph pads a batch to its bucket
+        args = (
+            rand(N, C).to(dtype),  # qkv
+            rand(N, hv).to(dtype),  # b
+            rand(N, hv).to(dtype),  # a
+            rand(C, conv_kernel, scale=0.5).to(dtype),  # conv weight
+            torch.rand(hv, generator=g, device=device).mul(4).add(0.01).log(),  # A_log
+            rand(hv, scale=0.5),  # dt_bias
+        )
+        conv = _nan_unowned(rand(S, C, conv_kernel - 1).to(dtype), slots)
+        recurrent = _nan_unowned(rand(S, hv, dk, dv, scale=0.1), slots)
+        conv_ref, rec_ref = conv.clone(), recurrent.clone()
+        o_ref = gdn_decode_reference(*args, conv_ref, rec_ref, slots)
+        out = torch.full_like(o_ref, float("nan"))
+        o = kernel(*args, conv, recurrent, slots, out=out, **kernel_args)
+        worst = max(worst, _rel_error(o, o_ref), _rel_error(conv, conv_ref), _rel_error(recurrent, rec_ref))
+        if o is not out:
+            return FAILED
+    return worst
+
+
+@torch.inference_mode()
+def paged_decode_attention_error(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    batches: Sequence[int] = DECODE_BATCHES,
+    lengths: Sequence[int] = (1, 2, 15, 16, 17, 511, 512, 513, 1100),
+    kernel: Callable[..., torch.Tensor] | None = None,
+    **kernel_args,
+) -> float:
+    """Sequence lengths cycle through `lengths` (straddling the 16-token steps and the 512-token
+    partitions); with N > 1 the last row is padding (length 0). Unowned pages and the rows past
+    each length in its last page are NaN."""
+    if kernel is None:
+        from hylora.ops.paged_decode_attention.triton import paged_decode_attention as kernel
+    worst = 0.0
+    for N in batches:
+        g = _generator(device, N)
+        lens = [lengths[(i + N) % len(lengths)] for i in range(N)]
+        if N > 1:
+            lens[-1] = 0
+        pages_per = [-(-n // page_size) for n in lens]
+        max_pages = max(1, *pages_per) + 1  # one spare column: entries past a length are never read
+        num_pages = sum(pages_per) + 2  # two pages nobody owns, NaN-filled
+        order = torch.randperm(num_pages, generator=g).tolist()
+        null_page, table = order.pop(), torch.full((N, max_pages), order.pop(), dtype=torch.int32)
+        for i, n in enumerate(pages_per):
+            table[i, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+        if N > 1:
+            table[-1] = null_page  # the padding row points at a NaN page it must not read
+        shape = (num_pages * page_size, kv_heads, head_dim)
+        k_cache = torch.randn(*shape, generator=g, device=device).to(dtype)
+        v_cache = torch.randn(*shape, generator=g, device=device).to(dtype)
+        owned = torch.zeros(num_pages, dtype=torch.bool)
+        owned[table[torch.arange(max_pages)[None, :] < torch.tensor(pages_per)[:, None]].long()] = True
+        rows = (~owned).repeat_interleave(page_size)
+        for i, n in enumerate(lens):  # the unwritten tail of each sequence's last page
+            if n % page_size:
+                last = int(table[i, pages_per[i] - 1]) * page_size
+                rows[last + n % page_size : last + page_size] = True
+        k_cache[rows.to(device)], v_cache[rows.to(device)] = float("nan"), float("nan")
+        q = torch.randn(N, heads, head_dim, generator=g, device=device).to(dtype)
+        table, seq_lens = table.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+        scale = head_dim**-0.5
+        ref = attention_reference(q, k_cache, v_cache, table, seq_lens, page_size, scale)
+        out = torch.full_like(q, float("nan"))
+        o = kernel(q, k_cache, v_cache, table, seq_lens, page_size, scale, out=out, **kernel_args)
+        worst = max(worst, _rel_error(o, ref) if o is out else FAILED)
+    return worst
+
+
+@torch.inference_mode()
+def lora_error(
+    in_features: int,
+    rows: Sequence[int],
+    rank: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tokens: Sequence[int] = LORA_TOKENS,
+    kernel: Callable[..., torch.Tensor] | None = None,
+    num_slots: int = 4,
+) -> float:
+    """Per token count: base tokens and three adapters (ranks rank, rank // 2, 1) in interleaved
+    segments; slot 3 is unused and NaN-filled, as are y's base rows (which must stay bit-identical)."""
+    if kernel is None:
+        from hylora.ops.lora.triton import lora_apply as kernel
+    g = _generator(device, in_features + rank)
+    ranks = [rank, max(1, rank // 2), 1] + [0] * (num_slots - 3)
+    a = [torch.zeros(num_slots, rank, in_features, device=device, dtype=dtype) for _ in rows]
+    b = [torch.zeros(num_slots, rank, n, device=device, dtype=dtype) for n in rows]
+    for slot, r in enumerate(ranks):
+        for ai, bi in zip(a, b, strict=True):
+            if r:
+                ai[slot, :r] = (torch.randn(r, ai.shape[2], generator=g, device=device) / in_features**0.5).to(dtype)
+                bi[slot, :r] = (torch.randn(r, bi.shape[2], generator=g, device=device) / r**0.5).to(dtype)
+            else:
+                ai[slot], bi[slot] = float("nan"), float("nan")  # an unused slot: must never be read
+    offsets = [(sum(rows[:i]), n) for i, n in enumerate(rows)]
+    stack = LoRAStack(a=a, b=b, offsets=offsets, present=[[r > 0] * len(rows) for r in ranks])
+    worst = 0.0
+    for T in tokens:
+        seq_slots = [(i % 4) - 1 for i in range(8)]  # base, 0, 1, 2, base, 0, 1, 2
+        cuts = sorted(torch.randint(0, T + 1, (7,), generator=g, device=device).tolist())
+        seq_lens = [hi - lo for lo, hi in zip([0, *cuts], [*cuts, T], strict=True)]
+        if all(s < 0 for s, n in zip(seq_slots, seq_lens, strict=True) if n):
+            seq_slots[[bool(n) for n in seq_lens].index(True)] = 0  # at least one adapter token
+        batch = LoRABatch.build(seq_slots, seq_lens, device)
+        x = torch.randn(T, in_features, generator=g, device=device).to(dtype)
+        y0 = torch.randn(T, sum(rows), generator=g, device=device).to(dtype)
+        base = batch.token_slots < 0
+        y0[base] = float("nan")
+        ref = lora_apply_grouped(x, y0.clone(), stack, batch)
+        y = kernel(x, y0.clone(), stack, batch)
+        if not _same_bits(y[base], y0[base]):
+            return FAILED
+        worst = max(worst, _rel_error(y[~base], ref[~base]))
+    return worst
+
+
+def _generator(device: torch.device | str, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _nan_unowned(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    unowned = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
+    unowned[slots[slots >= 0].long()] = False
+    pool[unowned] = float("nan")
+    return pool
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
+
+
+def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖got - ref‖ / ‖ref‖ over the finite reference elements; inf where they differ in finiteness
+    (NaN-filled unowned memory must stay exactly as it was, so it is compared bit for bit)."""
+    ref_finite = torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(got), ref_finite):
+        return FAILED
+    if not ref_finite.all() and not _same_bits(got[~ref_finite], ref[~ref_finite]):
+        return FAILED
+    diff = (got[ref_finite].float() - ref[ref_finite].float()).norm()
+    return float(diff / ref[ref_finite].float().norm().clamp_min(1e-30))
+
+
+__all__ = [
+    "DECODE_BATCHES",
+    "LORA_RANKS",
+    "LORA_TOKENS",
+    "gdn_decode_error",
+    "lora_error",
+    "paged_decode_attention_error",
+    "select_fast_kernels",
+    "triton_usable",
+]

@@ -1,0 +1,154 @@
+"""One Gated DeltaNet decode step in Triton, in place in the state pool by slot index.
+
+Same signature and result as `reference.gdn_decode` (see there for the maths and the padding
+convention: a negative slot reads nothing, writes nothing and outputs zeros). Two launches:
+
+1. `_gdn_decode_kernel`, grid (sequence, value head, dv block): the causal conv of the q/k channels
+   of its key head and of its own v channels (read-only on the conv state), gating, q/k L2 norm,
+   and the delta rule on its [dk, BLOCK_V] tile of the fp32 recurrent state, read and written in
+   place at `slots[n]`. All arithmetic in fp32, offsets in int64.
+2. `_conv_state_kernel`, grid (sequence, channel block): shifts the conv state by the new input.
+
+The conv state is written by a second launch because the q/k channels of one key head are read
+by every (value head, dv block) program of that head: writing them in the same launch would race.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hylora.ops.gdn_decode.reference import num_key_heads
+
+# sm_90, 27B shape (ptxas): 80 registers, no spills → 3 CTAs of 8 warps per SM, 48 KiB of state
+# tiles in flight per SM; grid 32 x 48 x 4 = 6144 programs at batch 32.
+BLOCK_V = 32  # dv block of one program: the [dk, 32] fp32 state tile is 16 KiB at dk 128
+BLOCK_C = 256  # channels per program of the conv-state shift
+NUM_WARPS = 8
+
+
+def gdn_decode(
+    qkv: torch.Tensor,  # [N, conv_dim]
+    b: torch.Tensor,  # [N, Hv]
+    a: torch.Tensor,  # [N, Hv]
+    conv_weight: torch.Tensor,  # [conv_dim, K]
+    A_log: torch.Tensor,  # [Hv]
+    dt_bias: torch.Tensor,  # [Hv]
+    conv_state: torch.Tensor,  # [S, conv_dim, K-1], in place
+    recurrent_state: torch.Tensor,  # [S, Hv, dk, dv] fp32, in place
+    slots: torch.Tensor,  # [N] int, < 0 = padding row
+    scale: float | None = None,
+    out: torch.Tensor | None = None,  # [N, Hv, dv] to write into (e.g. a CUDA-graph buffer)
+    block_v: int = BLOCK_V,
+    block_c: int = BLOCK_C,
+) -> torch.Tensor:
+    N, hv = b.shape
+    conv_dim, K = conv_weight.shape
+    S, _, dk, dv = recurrent_state.shape
+    hk = num_key_heads(conv_dim, hv, dk, dv)
+    if recurrent_state.dtype != torch.float32:
+        raise TypeError(f"the recurrent state must be fp32, got {recurrent_state.dtype}")
+    if K & (K - 1):
+        raise ValueError(f"gdn_decode: conv kernel size {K} is not a power of two")
+    if conv_state.shape != (S, conv_dim, K - 1) or qkv.shape != (N, conv_dim) or a.shape != (N, hv):
+        raise ValueError("gdn_decode: inconsistent shapes")
+    if qkv.stride(1) != 1 or b.stride(1) != 1 or a.stride(1) != 1:
+        raise ValueError("gdn_decode: qkv, b and a need unit stride along their last dimension")
+    scale = dk**-0.5 if scale is None else scale
+    if out is None:
+        out = torch.empty(N, hv, dv, dtype=qkv.dtype, device=qkv.device)
+    if N == 0:
+        return out
+    block_k = triton.next_power_of_2(dk)
+    block_v = min(block_v, triton.next_power_of_2(dv))
+    _gdn_decode_kernel[(N, hv, triton.cdiv(dv, block_v))](
+        qkv, b, a, conv_weight, A_log, dt_bias, conv_state, recurrent_state, slots, out,
+        qkv.stride(0), b.stride(0), a.stride(0), conv_weight.stride(0), conv_weight.stride(1),
+        *conv_state.stride(), *recurrent_state.stride(), out.stride(0), out.stride(1), out.stride(2),
+        scale,
+        HK=hk, HV=hv, DK=dk, DV=dv, K=K, BLOCK_K=block_k, BLOCK_V=block_v,
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
+    _conv_state_kernel[(N, triton.cdiv(conv_dim, block_c))](
+        qkv, conv_state, slots, qkv.stride(0), *conv_state.stride(), conv_dim,
+        K=K, BLOCK_C=block_c, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _conv(qkv_row, conv_ptr, w_ptr, slot, ch, mask, s_cs, s_cc, s_ck, s_wc, s_wk, K: tl.constexpr):
+    """silu(depthwise causal conv) of channels `ch` over the window [conv state | new input], fp32,
+    rounded to the input dtype like the reference's activations."""
+    jj = tl.arange(0, K)[None, :]  # K is a power of two (4 in every released model)
+    in_state = mask[:, None] & (jj < K - 1)
+    window = tl.load(conv_ptr + slot * s_cs + ch[:, None] * s_cc + jj * s_ck, mask=in_state, other=0.0)
+    x = tl.load(qkv_row + ch, mask=mask, other=0.0).to(conv_ptr.dtype.element_ty)
+    window = tl.where(jj == K - 1, x[:, None], window).to(tl.float32)
+    w = tl.load(w_ptr + ch[:, None] * s_wc + jj * s_wk, mask=mask[:, None], other=0.0).to(tl.float32)
+    y = tl.sum(window * w, axis=1)
+    y = y * tl.sigmoid(y)
+    return y.to(qkv_row.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    qkv_ptr, b_ptr, a_ptr, w_ptr, A_log_ptr, dt_bias_ptr, conv_ptr, rec_ptr, slots_ptr, o_ptr,
+    s_qkv, s_b, s_a, s_wc, s_wk,
+    s_cs, s_cc, s_ck,
+    s_rs, s_rh, s_rk, s_rv,
+    s_on, s_oh, s_ov,
+    scale,
+    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    kh = h // (HV // HK)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    live = slot >= 0
+    slot = tl.maximum(slot, 0)  # padding rows: every load and store below is masked off
+
+    kk = tl.arange(0, BLOCK_K)
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_mask = (kk < DK) & live
+    v_mask = (vv < DV) & live
+    row = qkv_ptr + n * s_qkv
+    q = _conv(row, conv_ptr, w_ptr, slot, kh * DK + kk, k_mask, s_cs, s_cc, s_ck, s_wc, s_wk, K)
+    k = _conv(row, conv_ptr, w_ptr, slot, HK * DK + kh * DK + kk, k_mask, s_cs, s_cc, s_ck, s_wc, s_wk, K)
+    v = _conv(row, conv_ptr, w_ptr, slot, 2 * HK * DK + h * DV + vv, v_mask, s_cs, s_cc, s_ck, s_wc, s_wk, K)
+    q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+
+    b = tl.load(b_ptr + n * s_b + h, mask=live, other=0.0).to(tl.float32)
+    beta = tl.sigmoid(b).to(b_ptr.dtype.element_ty).to(tl.float32)  # the model rounds beta to its dtype
+    x = tl.load(a_ptr + n * s_a + h, mask=live, other=0.0).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold
+    g = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus
+
+    s_mask = k_mask[:, None] & v_mask[None, :]
+    s_ptrs = rec_ptr + slot * s_rs + h * s_rh + kk[:, None].to(tl.int64) * s_rk + vv[None, :] * s_rv
+    state = tl.load(s_ptrs, mask=s_mask, other=0.0) * tl.exp(g)
+    delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
+    state += k[:, None] * delta[None, :]
+    o = tl.sum(state * q[:, None], axis=0)
+    tl.store(s_ptrs, state, mask=s_mask)
+    o = tl.where(live, o, 0.0)
+    tl.store(o_ptr + n * s_on + h * s_oh + vv * s_ov, o.to(o_ptr.dtype.element_ty), mask=vv < DV)
+
+
+@triton.jit
+def _conv_state_kernel(
+    qkv_ptr, conv_ptr, slots_ptr, s_qkv, s_cs, s_cc, s_ck, C, K: tl.constexpr, BLOCK_C: tl.constexpr
+):  # fmt: skip
+    """conv[slot] <- [conv[slot, :, 1:] | qkv[n]]: each channel is read, then written, by one thread."""
+    n = tl.program_id(0).to(tl.int64)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    mask = (ch < C) & (slot >= 0)
+    base = conv_ptr + tl.maximum(slot, 0) * s_cs + ch * s_cc
+    for j in tl.static_range(K - 2):
+        tl.store(base + j * s_ck, tl.load(base + (j + 1) * s_ck, mask=mask), mask=mask)
+    x = tl.load(qkv_ptr + n * s_qkv + ch, mask=mask)
+    tl.store(base + (K - 2) * s_ck, x.to(conv_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,61 @@
+"""Random inputs for the decode-kernel tests: pools and caches whose unowned parts are NaN."""
+
+from __future__ import annotations
+
+import torch
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(a.view(ints), b.view(ints))
+
+
+def gdn_inputs(N: int, hk: int, hv: int, dk: int, dv: int, seed: int, dtype=torch.float32, padding=(), S=None):
+    """Random decode inputs; pool slots not named by a live row are NaN."""
+    g = torch.Generator().manual_seed(seed)
+    C, K = 2 * hk * dk + hv * dv, 4
+    S = S or N + 3
+    slots = torch.randperm(S, generator=g)[:N]
+    slots[list(padding)] = -1
+    owned = torch.zeros(S, dtype=torch.bool)
+    owned[slots[slots >= 0]] = True
+    conv = torch.randn(S, C, K - 1, generator=g).to(dtype)
+    recurrent = torch.randn(S, hv, dk, dv, generator=g) * 0.1
+    conv[~owned], recurrent[~owned] = float("nan"), float("nan")
+    args = dict(
+        qkv=torch.randn(N, C, generator=g).to(dtype),
+        b=torch.randn(N, hv, generator=g).to(dtype),
+        a=torch.randn(N, hv, generator=g).to(dtype),
+        conv_weight=(torch.randn(C, K, generator=g) * 0.5).to(dtype),
+        A_log=torch.empty(hv).uniform_(0.01, 4.0, generator=g).log(),
+        dt_bias=torch.randn(hv, generator=g) * 0.5,
+    )
+    return args, conv, recurrent, slots
+
+
+def paged_case(seed: int, lens: list[int], hq: int, hkv: int, D: int, page_size: int, dtype=torch.float32):
+    """Caches where every page no sequence owns, and every row past a sequence's length, is NaN;
+    table entries past a length point at NaN pages; a padding row (length 0) at a NaN null page."""
+    g = torch.Generator().manual_seed(seed)
+    pages_per = [-(-n // page_size) for n in lens]
+    max_pages = max(pages_per) + 2
+    num_pages = sum(pages_per) + 2
+    order = torch.randperm(num_pages, generator=g).tolist()
+    null_page, spare = order.pop(), order.pop()
+    table = torch.full((len(lens), max_pages), spare, dtype=torch.int32)
+    for i, n in enumerate(pages_per):
+        table[i, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+        if lens[i] == 0:
+            table[i] = null_page
+    k_cache = torch.randn(num_pages * page_size, hkv, D, generator=g).to(dtype)
+    v_cache = torch.randn(num_pages * page_size, hkv, D, generator=g).to(dtype)
+    for p in (null_page, spare):
+        k_cache[p * page_size : (p + 1) * page_size] = float("nan")
+        v_cache[p * page_size : (p + 1) * page_size] = float("nan")
+    for i, n in enumerate(lens):  # rows past a length in its last page: not yet written
+        if n % page_size:
+            start = int(table[i, pages_per[i] - 1]) * page_size + n % page_size
+            end = (start // page_size + 1) * page_size
+            k_cache[start:end], v_cache[start:end] = float("nan"), float("nan")
+    q = torch.randn(len(lens), hq, D, generator=g).to(dtype)
+    return q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32)

@@ -1,0 +1,118 @@
+"""Compile hylora's Triton kernels for sm_90a on a machine without a GPU (ptxas ships with triton).
+
+Run as a script, without TRITON_INTERPRET: the real wrappers are called on meta-free CPU tensors of
+the Qwen3.6-27B shapes (bf16) with the launch intercepted; each launch is compiled by
+`triton.compile` for GPUTarget("cuda", 90, 32) and its PTX assembled by the bundled `ptxas -v`.
+Prints one JSON line per launch: kernel, constexprs, num_warps, registers, spill bytes. This
+catches what the CPU interpreter cannot: code the Hopper backend rejects, and register spills.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime import jit
+
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32", torch.int64: "i64"}
+
+
+def capture_launches(calls) -> list[tuple[jit.JITFunction, tuple, dict]]:
+    launches = []
+
+    def record(self, *args, grid, warmup=False, **kwargs):
+        launches.append((self, args, kwargs))
+
+    original, jit.JITFunction.run = jit.JITFunction.run, record
+    try:
+        calls()
+    finally:
+        jit.JITFunction.run = original
+    return launches
+
+
+def compile_sm90(fn: jit.JITFunction, args: tuple, kwargs: dict) -> dict:
+    bound = dict(zip(fn.arg_names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in fn.arg_names}
+    options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
+        v = bound[p.name]
+        if p.is_constexpr:
+            signature[p.name], constexprs[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            signature[p.name], attrs[(i,)] = "*" + TYPES[v.dtype], [["tt.divisibility", 16]]
+        elif isinstance(v, int):
+            signature[p.name] = "i32" if abs(v) < 2**31 else "i64"
+            if v and v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[p.name] = "fp32"
+    kernel = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=options,
+    )
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        log = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    return {
+        "kernel": fn.__name__,
+        "constexprs": {k: v for k, v in constexprs.items() if k.isupper()},
+        "num_warps": options.get("num_warps"),
+        "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
+        "spill_bytes": sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)),
+    }
+
+
+def launches_27b() -> None:
+    from hylora.lora.apply import LoRABatch, LoRAStack
+    from hylora.ops.gdn_decode import triton as gdn
+    from hylora.ops.lora import triton as lora
+    from hylora.ops.paged_decode_attention import triton as attention
+
+    dt, N = torch.bfloat16, 4
+
+    def e(*shape, dtype=dt):
+        return torch.empty(*shape, dtype=dtype)
+
+    hk, hv, dk, dv, S = 16, 48, 128, 128, 8
+    C = 2 * hk * dk + hv * dv
+    slots = torch.zeros(N, dtype=torch.long)
+    gdn.gdn_decode(e(N, C), e(N, hv), e(N, hv), e(C, 4), e(hv, dtype=torch.float32), e(hv, dtype=torch.float32),
+                   e(S, C, 3), e(S, hv, dk, dv, dtype=torch.float32), slots)  # fmt: skip
+    q, cache, lens = e(N, 24, 256), e(64 * 16, 4, 256), torch.ones(N, dtype=torch.int32)
+    for pages in (64, 8):  # split-KV (4 partitions) and direct
+        attention.paged_decode_attention(q, cache, cache, torch.zeros(N, pages, dtype=torch.int32), lens, 16, 0.0625)
+    rows = (12288, 1024, 1024)  # q_proj | k_proj | v_proj
+    r = 64  # the largest rank: the most registers
+    stack = LoRAStack(
+        a=[e(8, r, 5120)] * 3,
+        b=[e(8, r, n) for n in rows],
+        offsets=[(0, 12288), (12288, 1024), (13312, 1024)],
+        present=[[True] * 3] * 8,
+    )
+    for T in (32, 512):  # the small and the large configuration
+        meta = lora.LoRAKernelMeta.build(torch.zeros(T, dtype=torch.long), 8)
+        lora.lora_apply(e(T, 5120), e(T, sum(rows)), stack, LoRABatch.build([0], [T], "cpu"), meta=meta)
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels this compiles")
+    for fn, args, kwargs in capture_launches(launches_27b):
+        print(json.dumps(compile_sm90(fn, args, kwargs)), flush=True)

@@ -1,0 +1,107 @@
+"""The start-up checks of the fast kernels accept a kernel equal to the reference and reject wrong,
+NaN, lazy (output left unwritten) and trespassing (foreign memory written) ones. Torch stand-ins
+play the kernels, so this runs without Triton."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from hylora.ops import fast_kernel_check as check
+from hylora.ops.gdn_decode.reference import gdn_decode
+from hylora.ops.lora import reference as lora_reference
+from hylora.ops.paged_decode_attention.reference import paged_decode_attention
+
+GDN = (2, 4, 8, 8, 4, torch.float32, "cpu")  # hk, hv, dk, dv, conv kernel, dtype, device
+ATTN = (4, 2, 16, 4, torch.float32, "cpu")  # heads, kv heads, head_dim, page size
+LORA = (32, [24, 8], 8, torch.float32, "cpu")  # in_features, slice rows, rank
+
+
+def gdn_error(kernel) -> float:
+    return check.gdn_decode_error(*GDN, batches=(1, 3, 8), kernel=kernel)
+
+
+def attention_error(kernel) -> float:
+    return check.paged_decode_attention_error(*ATTN, batches=(1, 3, 8), lengths=(1, 5, 17, 40), kernel=kernel)
+
+
+def test_gdn_check():
+    assert gdn_error(gdn_decode) == 0.0
+
+    def leaves_a_row_unwritten(*args, out, **kw):
+        o = gdn_decode(*args, **kw)
+        out.copy_(o)
+        out[0, 0, 0] = float("nan")
+        return out
+
+    def writes_a_foreign_slot(qkv, b, a, w, A_log, dt_bias, conv, recurrent, slots, out):
+        gdn_decode(qkv, b, a, w, A_log, dt_bias, conv, recurrent, slots, out=out)
+        recurrent[torch.isnan(recurrent[:, 0, 0, 0])] = 0.0  # scrubs slots it does not own
+        return out
+
+    def swapped_value_heads(qkv, b, a, w, A_log, dt_bias, conv, recurrent, slots, out):
+        return gdn_decode(qkv, b.flip(1), a.flip(1), w, A_log, dt_bias, conv, recurrent, slots, out=out)
+
+    def new_buffer(*args, out, **kw):
+        return gdn_decode(*args, **kw)
+
+    assert gdn_error(leaves_a_row_unwritten) == check.FAILED
+    assert gdn_error(writes_a_foreign_slot) == check.FAILED
+    assert gdn_error(new_buffer) == check.FAILED
+    assert gdn_error(swapped_value_heads) > 0.05
+
+
+def test_attention_check():
+    assert attention_error(paged_decode_attention) == 0.0
+
+    def nan_padding_row(q, k, v, table, lens, page_size, scale, out):
+        paged_decode_attention(q, k, v, table, lens, page_size, scale, out=out)
+        out[lens == 0] = float("nan")
+        return out
+
+    def reads_past_the_length(q, k, v, table, lens, page_size, scale, out):
+        return paged_decode_attention(q, k, v, table, lens + 1, page_size, scale, out=out)
+
+    def wrong_scale(q, k, v, table, lens, page_size, scale, out):
+        return paged_decode_attention(q, k, v, table, lens, page_size, 2 * scale, out=out)
+
+    assert attention_error(nan_padding_row) == check.FAILED
+    assert attention_error(reads_past_the_length) == check.FAILED  # NaN page
+    assert attention_error(wrong_scale) > 0.05
+
+
+def test_lora_check():
+    tokens = (1, 64, 65, 129)
+    assert check.lora_error(*LORA, tokens=tokens, kernel=lora_reference.lora_apply) < 1e-6
+
+    def touches_base_rows(x, y, stack, batch):
+        lora_reference.lora_apply(x, y, stack, batch)
+        y[batch.token_slots < 0] = 0.0
+        return y
+
+    def drops_slot_1(x, y, stack, batch):
+        slots = batch.token_slots.clone()
+        slots[slots == 1] = -1
+        h = lora_reference.lora_shrink(x, stack.a, slots)
+        return lora_reference.lora_expand(h, stack.b, stack.offsets, slots, y)
+
+    assert check.lora_error(*LORA, tokens=tokens, kernel=touches_base_rows) == check.FAILED
+    assert check.lora_error(*LORA, tokens=tokens, kernel=drops_slot_1) > 0.05
+
+
+def test_selection_without_cuda_keeps_the_references():
+    choice = check.select_fast_kernels(SimpleNamespace(device=torch.device("cpu")), page_size=16)
+    assert set(choice) == {"gdn_decode", "paged_decode_attention", "lora"}
+    assert all(v.startswith("reference") for v in choice.values())
+
+
+def test_verdict():
+    assert check._verdict("x", lambda: 1e-7, 1e-4).startswith("triton")
+    assert check._verdict("x", lambda: float("nan"), 1e-4).startswith("reference")
+    assert check._verdict("x", lambda: 1.0, 1e-4).startswith("reference")
+
+    def fails():
+        raise RuntimeError("no sm_90 here")
+
+    assert "no sm_90 here" in check._verdict("x", fails, 1e-4)

@@ -1,0 +1,248 @@
+"""hylora's Triton kernels equal their torch references, run on the CPU by Triton's interpreter.
+
+fp32, tight tolerances, sizes straddling every block / partition / tile boundary (kept small: the
+interpreter runs each program in Python). Output buffers start NaN-filled and every pool slot, KV
+page or LoRA slot the batch does not own holds NaN, so a read of foreign memory or an element left
+unwritten shows; what a kernel must not write is compared bit for bit afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (the CPU has no Triton backend)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
+
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+from hylora.lora.apply import LoRABatch, lora_apply_grouped  # noqa: E402
+from hylora.ops import fast_kernel_check as check  # noqa: E402
+from hylora.ops.gdn_decode import reference as gdn_reference  # noqa: E402
+from hylora.ops.gdn_decode import triton as gdn_triton  # noqa: E402
+from hylora.ops.lora import reference as lora_reference  # noqa: E402
+from hylora.ops.lora import triton as lora_triton  # noqa: E402
+from hylora.ops.paged_decode_attention import reference as attn_reference  # noqa: E402
+from hylora.ops.paged_decode_attention import triton as attn_triton  # noqa: E402
+from tests.decode_helpers import gdn_inputs, paged_case, same_bits  # noqa: E402
+from tests.test_lora_apply import random_stack  # noqa: E402
+
+NAN = float("nan")
+
+
+# --- GDN decode -------------------------------------------------------------------------------
+
+GDN_SHAPES = {
+    # name: (hk, hv, dk, dv, block_v, block_c, N, padding rows)
+    "group2-dv2blocks-conv2blocks": (2, 4, 16, 16, 8, 64, 3, (1,)),
+    "group3-dk24-dv40tail-conv168": (1, 3, 24, 40, 32, 64, 2, ()),
+    "group1-one-row": (2, 2, 16, 16, 16, 256, 1, ()),
+}
+
+
+@pytest.mark.parametrize("shape", GDN_SHAPES, ids=str)
+def test_gdn_decode_triton_equals_reference(shape):
+    hk, hv, dk, dv, block_v, block_c, N, padding = GDN_SHAPES[shape]
+    args, conv, recurrent, slots = gdn_inputs(N, hk, hv, dk, dv, seed=N, padding=padding)
+    conv0, rec0 = conv.clone(), recurrent.clone()
+    conv_ref, rec_ref = conv.clone(), recurrent.clone()
+    o_ref = gdn_reference.gdn_decode(**args, conv_state=conv_ref, recurrent_state=rec_ref, slots=slots)
+    out = torch.full((N, hv, dv), NAN)
+    o = gdn_triton.gdn_decode(
+        **args, conv_state=conv, recurrent_state=recurrent, slots=slots, out=out, block_v=block_v, block_c=block_c
+    )
+    assert o is out
+    torch.testing.assert_close(o, o_ref, atol=1e-6, rtol=1e-5)
+    for i in padding:
+        assert torch.equal(o[i], torch.zeros_like(o[i]))
+    owned = torch.zeros(len(conv), dtype=torch.bool)
+    owned[slots[slots >= 0]] = True
+    torch.testing.assert_close(conv[owned], conv_ref[owned], atol=0, rtol=0)
+    torch.testing.assert_close(recurrent[owned], rec_ref[owned], atol=1e-6, rtol=1e-5)
+    assert same_bits(conv[~owned], conv0[~owned]) and same_bits(recurrent[~owned], rec0[~owned])
+
+
+def test_gdn_decode_triton_padding_only_writes_nothing():
+    args, conv, recurrent, slots = gdn_inputs(2, 1, 2, 16, 16, seed=5, padding=(0, 1))
+    conv0, rec0 = conv.clone(), recurrent.clone()
+    o = gdn_triton.gdn_decode(**args, conv_state=conv, recurrent_state=recurrent, slots=slots)
+    assert torch.equal(o, torch.zeros_like(o))
+    assert same_bits(conv, conv0) and same_bits(recurrent, rec0)
+
+
+def test_gdn_decode_start_up_check():
+    """The start-up check itself, with fewer rows than on the GPU (the interpreter is slow)."""
+    assert check.gdn_decode_error(2, 4, 16, 16, 4, torch.float32, "cpu", batches=(1, 3), block_v=16) < 1e-6
+
+
+# --- paged decode attention --------------------------------------------------------------------
+
+LENGTHS = [1, 15, 16, 17, 31, 32, 33, 0, 64, 65]  # around block_t 16 and partition 32
+ATTN_CASES = {
+    # name: (H, Hkv, D, page_size, partition, block_t)
+    "D32-gqa2-page7-split": (4, 2, 32, 7, 32, 16),
+    "D64-gqa3-page16-split": (6, 2, 64, 16, 32, 16),
+    "D256-gqa2-page16-split": (2, 1, 256, 16, 32, 16),
+    "D32-mha-page1-direct": (4, 4, 32, 1, 512, 32),
+    "D256-gqa6-page16-direct": (6, 1, 256, 16, 512, 32),
+}
+
+
+@pytest.mark.parametrize("case", ATTN_CASES, ids=str)
+def test_paged_decode_attention_triton_equals_reference(case):
+    H, hkv, D, page_size, partition, block_t = ATTN_CASES[case]
+    q, k_cache, v_cache, table, seq_lens = paged_case(D, LENGTHS, H, hkv, D, page_size)
+    ref = attn_reference.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, page_size, D**-0.5)
+    out = torch.full_like(q, NAN)
+    o = attn_triton.paged_decode_attention(
+        q, k_cache, v_cache, table, seq_lens, page_size, D**-0.5, out=out, partition=partition, block_t=block_t
+    )
+    assert o is out
+    torch.testing.assert_close(o, ref, atol=1e-6, rtol=1e-5)
+    assert torch.equal(o[7], torch.zeros_like(o[7]))  # padding row
+
+
+def test_paged_decode_attention_max_seq_len_bounds_the_partitions():
+    """A host-known bound gives fewer partitions than the table width; results are unchanged."""
+    q, k_cache, v_cache, table, seq_lens = paged_case(1, [65, 3, 0, 40], 4, 2, 32, 4)
+    ref = attn_reference.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 4, 0.2)
+    for bound in (65, 96, None):
+        o = attn_triton.paged_decode_attention(
+            q, k_cache, v_cache, table, seq_lens, 4, 0.2, max_seq_len=bound, partition=32, block_t=16
+        )
+        torch.testing.assert_close(o, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_paged_decode_attention_start_up_check():
+    error = check.paged_decode_attention_error(
+        4, 2, 32, 16, torch.float32, "cpu", batches=(1, 3), lengths=(1, 31, 32, 33), partition=32, block_t=16
+    )
+    assert error < 1e-6
+
+
+# --- LoRA shrink / expand ----------------------------------------------------------------------
+
+
+def lora_case(T: int, seed: int, rows=(48, 16, 33), in_features=40, rank=8, ranks=(8, 3, 0, 5)):
+    """Base tokens and adapter slots 0, 1, 3 (slot 3 non-contiguous); slot 2 unused and NaN;
+    y's base rows NaN (they must come back bit-identical)."""
+    g = torch.Generator().manual_seed(seed)
+    present = [[i != 1 or s == 1 for i in range(len(rows))] for s in range(4)]  # some absent slices
+    present[2] = [False] * len(rows)
+    stack = random_stack(g, in_features, list(rows), 4, rank, ranks=list(ranks), present=present)
+    for a, b in zip(stack.a, stack.b, strict=True):
+        a[2], b[2] = NAN, NAN
+    seq_slots = [-1, 0, 3, -1, 1, 3]
+    cuts = sorted(torch.randint(0, T + 1, (5,), generator=g).tolist())
+    seq_lens = [hi - lo for lo, hi in zip([0, *cuts], [*cuts, T], strict=True)]
+    if not any(n for s, n in zip(seq_slots, seq_lens, strict=True) if s >= 0):
+        seq_slots = [0] * len(seq_slots)
+    batch = LoRABatch.build(seq_slots, seq_lens, "cpu")
+    x = torch.randn(T, in_features, generator=g)
+    y = torch.randn(T, sum(rows), generator=g)
+    y[batch.token_slots < 0] = NAN
+    return x, y, stack, batch
+
+
+def assert_lora_matches(got: torch.Tensor, y0: torch.Tensor, ref: torch.Tensor, batch: LoRABatch) -> None:
+    base = batch.token_slots < 0
+    assert same_bits(got[base], y0[base])
+    scale = float(ref[~base].abs().max()) if (~base).any() else 1.0  # fp32 sums of ~300 terms of size ~10
+    torch.testing.assert_close(got[~base], ref[~base], atol=1e-6 * scale, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129, 257], ids=lambda t: f"T{t}")
+def test_lora_triton_equals_grouped(T):
+    """Default configuration choice (switches at 128 tokens), absent slices, an unused NaN slot."""
+    x, y0, stack, batch = lora_case(T, seed=T)
+    ref = lora_apply_grouped(x, y0.clone(), stack, batch)
+    assert_lora_matches(lora_triton.lora_apply(x, y0.clone(), stack, batch), y0, ref, batch)
+
+
+CONFIGS = {
+    "small-split3": lora_triton.KernelConfig(block_m=16, block_n=64, block_k=32, split_k=3),
+    "small-bn128": lora_triton.KernelConfig(block_m=16, block_n=128, block_k=128, split_k=2),
+    "large": lora_triton.LARGE,
+}
+
+
+@pytest.mark.parametrize("rank", [8, 16, 32, 64])
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_lora_configs_at_tile_boundaries(config, rank):
+    """Each configuration on both sides of its M tile and of the 64 / 128 column tiles, every rank."""
+    cfg = CONFIGS[config]
+    rows = (130, 17)  # 130: past one 128 tile and two 64 tiles; 96 inputs: 3 K splits, 2 K steps of 64
+    for T in (cfg.block_m - 1, cfg.block_m + 1):  # the adapters' shares straddle the M tile too
+        x, y0, stack, batch = lora_case(T, seed=rank + T, rows=rows, in_features=96, rank=rank, ranks=(rank, 5, 0, 1))
+        ref = lora_apply_grouped(x, y0.clone(), stack, batch)
+        got = lora_triton.lora_apply(x, y0.clone(), stack, batch, config=cfg)
+        assert_lora_matches(got, y0, ref, batch)
+
+
+def test_lora_shrink_and_expand_each_equal_the_reference():
+    x, y0, stack, batch = lora_case(70, seed=1)
+    meta = lora_triton.LoRAKernelMeta.build(batch.token_slots, num_slots=4)
+    cfg = CONFIGS["small-split3"]
+    h = lora_triton.lora_shrink(x, stack.a, meta, cfg)
+    h_ref = lora_reference.lora_shrink(x, stack.a, batch.token_slots)
+    adapter = batch.token_slots >= 0
+    torch.testing.assert_close(h.sum(0)[adapter], h_ref[adapter], atol=1e-5, rtol=1e-5)
+    ref = lora_reference.lora_expand(h_ref, stack.b, stack.offsets, batch.token_slots, y0.clone())
+    got = lora_triton.lora_expand(h, stack.b, stack.offsets, y0.clone(), meta, cfg)
+    assert_lora_matches(got, y0, ref, batch)
+
+
+def test_lora_more_slices_than_one_launch_takes():
+    rows = (24, 40, 16, 8, 33)  # 5 slices: two launches of up to 4
+    x, y0, stack, batch = lora_case(37, seed=2, rows=rows)
+    ref = lora_apply_grouped(x, y0.clone(), stack, batch)
+    assert_lora_matches(lora_triton.lora_apply(x, y0.clone(), stack, batch), y0, ref, batch)
+
+
+def test_lora_start_up_check():
+    assert check.lora_error(64, [48, 16], 64, torch.float32, "cpu", tokens=(1, 128)) < 1e-6
+
+
+# --- bf16 ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpu_bf16(monkeypatch):
+    """Triton's interpreter rounds fp32 → bf16 toward zero and multiplies bf16 tiles as raw
+    integers; the GPU rounds to nearest even and multiplies the values. Make the interpreter do
+    what the GPU does, so that the bf16 paths (casts, dots on 16-bit inputs) can be checked."""
+    builder = interpreter.InterpreterBuilder
+    cast, dot = builder.cast_impl, builder.create_dot
+
+    def values(h):
+        return (h.data.astype(np.uint32) << 16).view(np.float32) if h.dtype.scalar == tl.bfloat16 else h.data
+
+    def cast_rtne(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
+            return interpreter.TensorHandle(bits.numpy().view(np.uint16), dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    def dot_values(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
+            return interpreter.TensorHandle(np.matmul(values(a), values(b)) + d.data, d.dtype.scalar)
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(builder, "cast_impl", cast_rtne)
+    monkeypatch.setattr(builder, "create_dot", dot_values)
+
+
+def test_bf16_start_up_checks(gpu_bf16):
+    """bf16 pools/caches/stacks (the served dtype): each kernel rounds like its reference."""
+    bf16 = torch.bfloat16
+    assert check.gdn_decode_error(2, 4, 16, 16, 4, bf16, "cpu", batches=(3,), block_v=16) < 1e-4
+    attention = check.paged_decode_attention_error(
+        4, 2, 32, 16, bf16, "cpu", batches=(3,), lengths=(1, 31, 33), partition=32, block_t=16
+    )
+    assert attention < 1e-3
+    assert check.lora_error(64, [48, 16], 16, bf16, "cpu", tokens=(1, 128)) < 1e-3
