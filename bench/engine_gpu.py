@@ -345,7 +345,7 @@ def _run_workload(engine: LLMEngine, label: str, adapter_of, warm: int) -> dict:
         outs = engine.step()
         torch.cuda.synchronize()
         dt = time.perf_counter() - s0
-        if first_token_at is None and sum(1 for o in outs if o.token_ids) == 32:
+        if first_token_at is None and sum(1 for o in outs if o.num_output_tokens) == 32:
             first_token_at = time.perf_counter() - t0
         elif first_token_at is not None:
             decode_steps += 1

@@ -25,7 +25,7 @@ from hylora.engine.scheduler import ScheduledChunk, Scheduler
 from hylora.lora.registry import AdapterRegistry, PreparedAdapter
 from hylora.model.decoder import HybridDecoder
 from hylora.model.loader import load_model
-from hylora.ops.kernel_check import select_gdn_kernel
+from hylora.ops.kernel_check import select_kernels
 from hylora.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class LLMEngine:
         self.model_dir = Path(model_dir)
         vision = model is None and ModelConfig.from_dir(model_dir).vision is not None
         self.model = model or load_model(model_dir, dtype=dtype, device=device, progress=progress, vision=vision)
-        self.kernels = {"gated_delta_rule": select_gdn_kernel(self.model)}
+        self.kernels = select_kernels(self.model, config.page_size)
         log.info("kernels: %s", self.kernels)
         self.tokenizer = load_tokenizer(model_dir)
         self.adapters = AdapterRegistry(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)

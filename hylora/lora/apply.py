@@ -14,7 +14,9 @@ device slot of every token (-1 = base). Two implementations of one signature:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,16 +42,23 @@ class LoRABatch:
     token_slots: torch.Tensor  # [T] device slot of each token, -1 = base model
     # (slot, rows of the flat batch using it): a slice when the rows are contiguous
     groups: list[tuple[int, slice | torch.Tensor]]
-    _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _memo: dict[Hashable, Any] = field(default_factory=dict)
+
+    def memo(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """Per-step metadata shared by every linear of the forward (built once)."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     def rank_mask(self, num_slots: int, rank: int) -> torch.Tensor:
         """[T, num_slots * rank] fp32: 1 on the rank block of the token's own slot, 0 elsewhere."""
-        key = (num_slots, rank)
-        if key not in self._masks:
+
+        def build() -> torch.Tensor:
             slots = torch.arange(num_slots, device=self.token_slots.device)
             onehot = (self.token_slots[:, None] == slots[None, :]).float()  # [T, L]
-            self._masks[key] = onehot.repeat_interleave(rank, dim=1)
-        return self._masks[key]
+            return onehot.repeat_interleave(rank, dim=1)
+
+        return self.memo(("rank_mask", num_slots, rank), build)
 
     @property
     def has_adapters(self) -> bool:
@@ -71,10 +80,25 @@ class LoRABatch:
         return cls(token_slots=per_token.to(device), groups=groups)
 
 
-def lora_apply(x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
-    """y[:, slice] += the LoRA delta of each token's adapter, for every slice of this linear."""
-    backend = os.environ.get("HYLORA_LORA_BACKEND", "auto")  # auto: masked on CUDA, grouped on CPU
-    if backend == "masked" or (backend == "auto" and x.is_cuda):
+def lora_apply(
+    x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch, backend: str | None = None
+) -> torch.Tensor:
+    """y[:, slice] += the LoRA delta of each token's adapter, for every slice of this linear.
+
+    `backend` is what the start-up kernel check installed on the linear ("triton" when hylora's LoRA
+    kernels passed); HYLORA_LORA_BACKEND=grouped|masked|triton overrides it. Default: masked on
+    CUDA, grouped on CPU."""
+    chosen = os.environ.get("HYLORA_LORA_BACKEND", "auto")
+    if chosen == "auto":
+        chosen = backend or ("masked" if x.is_cuda else "grouped")
+    if chosen == "triton":
+        from hylora.ops.lora.triton import LoRAKernelMeta
+        from hylora.ops.lora.triton import lora_apply as triton_apply
+
+        num_slots = stack.a[0].shape[0]
+        meta = batch.memo(("triton", num_slots), lambda: LoRAKernelMeta.build(batch.token_slots, num_slots))
+        return triton_apply(x, y, stack, batch, meta=meta)
+    if chosen == "masked":
         return lora_apply_masked(x, y, stack, batch)
     return lora_apply_grouped(x, y, stack, batch)
 

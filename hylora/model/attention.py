@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -25,6 +27,8 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(self.heads * self.head_dim, {"o_proj": c.hidden_size})
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        # decode attention over the block table (ops.paged_decode_attention), when one passed its check
+        self.decode_attention: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache, cos: torch.Tensor, sin: torch.Tensor
@@ -39,6 +43,12 @@ class GatedAttention(nn.Module):
         layer = kv.layer_index[self.layer_idx]
         kv.k[layer, batch.kv_slot_mapping] = k.to(kv.k.dtype)
         kv.v[layer, batch.kv_slot_mapping] = v.to(kv.v.dtype)
+        if batch.is_decode and self.decode_attention is not None:
+            o = self.decode_attention(
+                q, kv.k[layer], kv.v[layer], batch.block_table, batch.decode_lens, batch.page_size,
+                self.head_dim**-0.5, max_seq_len=batch.max_decode_len,
+            )  # fmt: skip
+            return self.o_proj(o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1)), batch.lora)
         o = ops.paged_attention(
             q,
             kv.k[layer],

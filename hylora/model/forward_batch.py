@@ -37,6 +37,13 @@ class ForwardBatch:
     lora: LoRABatch | None = None  # per-token adapter slots; None = no adapter in this batch
     embed_rows: torch.Tensor | None = None  # [K] flat rows whose embedding is replaced; None = none
     embed_values: torch.Tensor | None = None  # [K, hidden] their embeddings
+    # decode batches only (one new token per sequence): tokens each attends to, new one included
+    decode_lens: torch.Tensor | None = None  # [N] int32
+    max_decode_len: int = 0
+
+    @property
+    def is_decode(self) -> bool:
+        return self.decode_lens is not None
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +83,8 @@ class ForwardBatch:
             pages = torch.tensor(c.pages, dtype=torch.int64)
             slot_mapping.append(pages[pos // page_size] * page_size + pos % page_size)
             table[i, : len(c.pages)] = pages.to(torch.int32)
+        decode = all(len(c.token_ids) == 1 for c in chunks)
+        decode_lens = torch.tensor([c.context_len + 1 for c in chunks], dtype=torch.int32) if decode else None
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
             positions=torch.cat(positions, dim=1).to(device),
@@ -88,6 +97,8 @@ class ForwardBatch:
             lora=_lora_batch(chunks, device),
             embed_rows=torch.cat(embed_rows) if embed_rows else None,
             embed_values=torch.cat(embed_values) if embed_values else None,
+            decode_lens=decode_lens.to(device) if decode_lens is not None else None,
+            max_decode_len=int(decode_lens.max()) if decode_lens is not None else 0,
         )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +39,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, {"out_proj": c.hidden_size})
         # the gated-delta-rule kernel: the torch reference unless ops.kernel_check picked a fast one
         self.delta_rule = ops.varlen_gated_delta_rule
+        # a fused decode step in place by state slot (ops.gdn_decode), when one passed its check
+        self.decode_step: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states: StatePool) -> torch.Tensor:
         T = x.shape[0]
@@ -44,6 +48,13 @@ class GatedDeltaNet(nn.Module):
         slots = batch.state_slots
         qkv, z = self.in_proj_qkvz(x, batch.lora).split([self.conv_dim, self.value_dim], dim=-1)
         b, a = self.in_proj_ba(x, batch.lora).chunk(2, dim=-1)
+        if batch.is_decode and self.decode_step is not None:
+            weight = self.conv1d.weight[:, 0]
+            o = self.decode_step(
+                qkv, b, a, weight, self.A_log, self.dt_bias, states.conv[layer], states.recurrent[layer], slots
+            )
+            o = self.norm(o, z.reshape(T, self.hv, self.dv))
+            return self.out_proj(o.reshape(T, self.value_dim), batch.lora)
 
         mixed, conv_state = ops.causal_conv1d_varlen(
             qkv, self.conv1d.weight[:, 0], states.conv[layer, slots], batch.seq_lens

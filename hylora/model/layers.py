@@ -28,6 +28,7 @@ class Linear(nn.Module):
         self.out_features = sum(slices.values())
         self.weight = _param(self.out_features, in_features)
         self.lora: LoRAStack | None = None  # set by the adapter registry
+        self.lora_backend: str | None = None  # set by the start-up kernel check ("triton" if it passed)
 
     @property
     def slice_offsets(self) -> list[tuple[int, int]]:
@@ -40,7 +41,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if lora is not None and self.lora is not None and lora.has_adapters:
-            y = lora_apply(x, y, self.lora, lora)
+            y = lora_apply(x, y, self.lora, lora, self.lora_backend)
         return y
 
 

@@ -151,7 +151,7 @@ def paged_decode_attention_error(
         pages_per = [-(-n // page_size) for n in lens]
         max_pages = max(1, *pages_per) + 1  # one spare column: entries past a length are never read
         num_pages = sum(pages_per) + 2  # two pages nobody owns, NaN-filled
-        order = torch.randperm(num_pages, generator=g).tolist()
+        order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(N)).tolist()  # host-side table
         null_page, table = order.pop(), torch.full((N, max_pages), order.pop(), dtype=torch.int32)
         for i, n in enumerate(pages_per):
             table[i, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)

@@ -16,12 +16,48 @@ import torch
 import torch.nn.functional as F
 
 from hylora.model.decoder import HybridDecoder
+from hylora.model.layers import Linear
 from hylora.ops.gated_delta_rule import fla
 from hylora.ops.gated_delta_rule.reference import varlen_gated_delta_rule as reference
 
 log = logging.getLogger(__name__)
 BATCHES = ([1, 1, 1, 1, 1], [1, 63, 64, 65, 129, 1], [257], [2, 1, 511])
 TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 2e-2, torch.float16: 2e-2}  # fp32 only when forced
+
+
+def select_kernels(model: HybridDecoder, page_size: int) -> dict[str, str]:
+    """Check every fast kernel against its reference on this model's shapes and install the ones that
+    pass; returns {kernel: what was chosen and why}. HYLORA_FAST_KERNELS=off keeps the references for
+    the decode and LoRA kernels (the GDN prefill kernel has HYLORA_GDN_BACKEND)."""
+    from hylora.ops.fast_kernel_check import select_fast_kernels
+
+    kernels = {"gated_delta_rule": select_gdn_kernel(model)}
+    if os.environ.get("HYLORA_FAST_KERNELS", "auto") == "off":
+        verdicts = dict.fromkeys(
+            ("gdn_decode", "paged_decode_attention", "lora"), "reference (HYLORA_FAST_KERNELS=off)"
+        )
+    else:
+        verdicts = select_fast_kernels(model, page_size)
+    install_triton_kernels(model, [name for name, verdict in verdicts.items() if verdict.startswith("triton")])
+    return kernels | verdicts
+
+
+def install_triton_kernels(model: HybridDecoder, names: list[str]) -> None:
+    """Route the model's decode steps / LoRA through hylora's Triton kernels (names from
+    select_fast_kernels: gdn_decode, paged_decode_attention, lora)."""
+    for layer in model.layers:
+        if "gdn_decode" in names and layer.is_linear:
+            from hylora.ops.gdn_decode.triton import gdn_decode
+
+            layer.linear_attn.decode_step = gdn_decode
+        if "paged_decode_attention" in names and not layer.is_linear:
+            from hylora.ops.paged_decode_attention.triton import paged_decode_attention
+
+            layer.self_attn.decode_attention = paged_decode_attention
+    if "lora" in names:
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.lora_backend = "triton"
 
 
 def select_gdn_kernel(model: HybridDecoder) -> str:

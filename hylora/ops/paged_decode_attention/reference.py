@@ -23,6 +23,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [N] int: tokens to attend to, the new one included; 0 = padding row
     page_size: int,
     scale: float,
+    max_seq_len: int | None = None,  # accepted for the Triton kernel's signature; not needed here
     out: torch.Tensor | None = None,  # [N, H, D] to write into
 ) -> torch.Tensor:
     """Returns o [N, H, D] in q's dtype."""
