@@ -543,3 +543,15 @@ def test_http_only_to_allowed_hosts_with_cap_and_timeout():
         with pytest.raises(MediaError, match=match):
             fetch_bytes(url, policy, 100, client)
     assert not any("other.test" in u or "evil.test" in u for u in seen)
+
+
+def test_process_frames_equals_process_video_on_the_decoded_frames():
+    from hylora.media.processor import process_frames
+
+    data = video_bytes(14, 96, 64, fps=4)
+    frames, fps = decode_all(data)
+    cfg = MediaConfig()
+    a = process_video(data, cfg, MediaLimits())
+    b = process_frames(frames, fps, cfg, MediaLimits())
+    assert a.grid_thw == b.grid_thw and a.timestamps == b.timestamps
+    assert torch.equal(a.pixel_values, b.pixel_values)

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from PIL import Image
 
 from hylora.media import image, video
 from hylora.media.config import MediaConfig, MediaLimits, VisionParams, apply_overrides
@@ -54,12 +55,39 @@ def process_video(
     _check_bytes("video", data, limits)
     params = apply_overrides(cfg.video, overrides, limits)
     sampled = video.read_video(data, params, limits)
+    return _video_rows(sampled, params, media_key("video", data, params), limits)
+
+
+def process_frames(
+    frames: np.ndarray,
+    fps: float,
+    cfg: MediaConfig,
+    limits: MediaLimits,
+    overrides: Mapping[str, Any] | None = None,
+) -> ProcessedMedia:
+    """Decoded frames (uint8 [N, H, W, 3] at `fps`) → the same rows as `process_video` gives for a
+    video of those frames: sampled, resized under the pixel budget, timestamps."""
+    params = apply_overrides(cfg.video, overrides, limits)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+        raise MediaError(f"frames must be uint8 [N, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+    indices = video.sample_indices(len(frames), fps, params)
+    if len(indices) < params.temporal_patch_size:
+        raise MediaError(f"{len(indices)} frame(s) to sample; a video needs at least {params.temporal_patch_size}")
+    height, width = video.smart_resize(len(indices), *frames.shape[1:3], params)
+    resized = np.stack(
+        [image.resize(Image.fromarray(frames[i]), height, width, params.resample) for i in indices.tolist()]
+    )
+    sampled = video.SampledVideo(frames=resized, indices=indices, fps=fps, total_frames=len(frames))
+    return _video_rows(sampled, params, media_key("video", frames.tobytes(), params), limits)
+
+
+def _video_rows(sampled: video.SampledVideo, params: VisionParams, key: str, limits: MediaLimits) -> ProcessedMedia:
     pixels = video.rescale_and_normalize(sampled.frames, params)
     rows = image.patchify(pixels, params.patch_size, params.merge_size, params.temporal_patch_size)
     n, height, width = len(sampled.frames), *sampled.frames.shape[1:3]
     grid = (-(-n // params.temporal_patch_size), height // params.patch_size, width // params.patch_size)
     stamps = tuple(video.timestamps(sampled.indices, sampled.fps, params.temporal_patch_size))
-    return _finish("video", rows, grid, params, media_key("video", data, params), limits, stamps)
+    return _finish("video", rows, grid, params, key, limits, stamps)
 
 
 def media_key(kind: Kind, data: bytes, params: VisionParams) -> str:

@@ -13,14 +13,17 @@ import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import av
 import numpy as np
 from PIL import Image
 
 from hylora.media.config import MediaLimits, VideoConfig
 from hylora.media.errors import MediaError
 from hylora.media.image import check_aspect_ratio, resize
+
+if TYPE_CHECKING:
+    import av
 
 DEFAULT_FPS = 24.0  # transformers' fallback when a video has no frame rate
 
@@ -126,6 +129,8 @@ def read_video(data: bytes, cfg: VideoConfig, limits: MediaLimits) -> SampledVid
 
 
 def _open(data: bytes) -> av.container.InputContainer:
+    import av  # only decoding needs PyAV
+
     try:
         return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
     except (av.FFmpegError, OSError, ValueError) as e:
@@ -151,6 +156,8 @@ def _check_pixels(width: int, height: int, limits: MediaLimits) -> None:
 
 
 def _frames(container: av.container.InputContainer, stream: av.VideoStream) -> Iterator[av.VideoFrame]:
+    import av
+
     decoded = 0
     try:
         for frame in container.decode(stream):
