@@ -84,7 +84,7 @@ DEMO_ADAPTERS = {
     ),
 }
 SEED = 1234
-DEMO_VERSION = "2"  # bump when the demo changes: an older demo in the cache is rewritten
+DEMO_VERSION = "3"  # bump when the demo changes: an older demo in the cache is rewritten
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,16 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` rendered with the model's chat template, ready for the reply."""
+def chat_prompt(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
+) -> list[int]:
+    """Token ids of `messages` rendered with the model's chat template, ready for the reply
+    (`template_kwargs` reach the template, e.g. enable_thinking=False)."""
     if not tokenizer.chat_template:
         raise ValueError("this model directory has no chat template; send a plain completion prompt instead")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 

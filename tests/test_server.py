@@ -194,8 +194,10 @@ def test_error_cases(client, server):
         client.chat.completions.create(model="relic", messages=messages, max_tokens=600)
     with pytest.raises(openai.BadRequestError, match="temperature must be a number in \\[0, 2\\]"):
         client.chat.completions.create(model="relic", messages=messages, temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="response_format 'json_object' is not supported"):
-        client.chat.completions.create(model="relic", messages=messages, response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="tools / function calling is not supported"):
+        client.chat.completions.create(
+            model="relic", messages=messages, tools=[{"type": "function", "function": {"name": "f"}}]
+        )
     with pytest.raises(openai.BadRequestError, match="data URL must look like"):
         client.chat.completions.create(
             model="relic",

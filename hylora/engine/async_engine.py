@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from hylora.engine.engine import DeviceFault, LLMEngine, RequestOutput
 from hylora.engine.multimodal import MultimodalPrompt
 from hylora.engine.request import FailureKind, SamplingParams
+from hylora.structured import CompiledGrammar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,6 +55,7 @@ class AsyncEngine:
         adapter: str | None = None,
         inject_fault: str | None = None,
         mm: MultimodalPrompt | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Admit a request and return its output stream. Errors in the request (too long, unknown or
         broken adapter, bad ids) raise here, before any output; leaving the stream early aborts it."""
@@ -66,7 +68,7 @@ class AsyncEngine:
 
         def add() -> None:
             self._check_accepting()
-            self.engine.add_request(request_id, prompt, params, adapter, prepared, mm)
+            self.engine.add_request(request_id, prompt, params, adapter, prepared, mm, grammar)
             self._streams[request_id] = (loop, outputs)
             if inject_fault:  # test hook (see LLMEngine.inject_fault)
                 self.engine.inject_fault(request_id, inject_fault)

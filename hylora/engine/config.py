@@ -22,6 +22,8 @@ class EngineConfig:
     # vision: tower output tokens encoded per step (an image, or one temporal patch of a video, must fit)
     max_num_encoder_tokens: int = 16384
     encoder_cache_gb: float = 1.0  # tower outputs kept by media content (the same video for several adapters)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's name); the CPU always runs eagerly
+    seed: int | None = None  # seeds requests that bring none, in arrival order (vLLM's --seed); None = random
 
     def __post_init__(self) -> None:
         for f in fields(self):  # HYLORA_MAX_NUM_SEQS=64 replaces the default of max_num_seqs, etc.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import random
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,7 @@ from hylora.lora.registry import AdapterRegistry, PreparedAdapter
 from hylora.model.decoder import HybridDecoder
 from hylora.model.loader import load_model
 from hylora.ops.kernel_check import select_kernels
+from hylora.structured import CompiledGrammar, GrammarCompiler, apply_token_masks
 from hylora.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -124,6 +127,9 @@ class LLMEngine:
         self._emitted: dict[str, int] = {}  # generated tokens already handed out per request
         self._faults: dict[str, str] = {}  # test hook: request id → fault kind
         self._pending: list[RequestOutput] = []  # outputs of requests ended outside step()
+        self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self._seeds = random.Random(config.seed) if config.seed is not None else None
         self.step_count = 0
 
     # --- requests --------------------------------------------------------------------------
@@ -135,14 +141,18 @@ class LLMEngine:
         adapter: str | None = None,
         prepared: PreparedAdapter | None = None,
         mm: MultimodalPrompt | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         """Queue a request. Bad input raises RequestError (UnknownAdapter / AdapterBroken for the
         adapter) and changes nothing. `prepared` is the adapter already read off this thread
         (AsyncEngine does that); without it the adapter is prepared here. `mm` holds the prompt's
-        images and videos (its placeholder tokens already expanded in `prompt`)."""
+        images and videos (its placeholder tokens already expanded in `prompt`); `grammar` constrains
+        the output (structured outputs, compiled off this thread by `grammar_compiler()`)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        if params.seed is None and self._seeds is not None and not params.greedy:
+            params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         ids = self._prompt_ids(prompt)
         if mm is not None:
             self._check_media(ids, mm)
@@ -171,6 +181,7 @@ class LLMEngine:
         except Exception as e:
             raise RequestError(f"cannot detokenise this prompt: {e}") from None
         req = Request(request_id=request_id, prompt_ids=ids, params=params, adapter=adapter, mm=mm)
+        req.grammar = grammar.matcher() if grammar is not None else None
         req.prepared = prepared if adapter is not None else None
         self.requests[request_id] = req
         self._streams[request_id] = stream
@@ -216,6 +227,14 @@ class LLMEngine:
         if kind not in ("nan", "raise", "device"):
             raise ValueError(f"unknown fault kind {kind!r}")
         self._faults[request_id] = kind
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler for this tokenizer and vocabulary, built on first use (it
+        indexes the whole vocabulary: seconds for Qwen's 248k tokens — call it off the event loop)."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
+            return self._compiler
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
@@ -271,10 +290,16 @@ class LLMEngine:
             if res.sample_logits is not None:
                 to_sample.append((req, res.sample_logits))
         if to_sample:
-            reqs = [r for r, _ in to_sample]
-            for req, result in zip(reqs, sample(torch.stack([lg for _, lg in to_sample]), reqs), strict=True):
+            reqs, logits = self._constrain([r for r, _ in to_sample], [lg for _, lg in to_sample], outputs)
+            for req, result in zip(reqs, sample(logits, reqs, self.eos_ids) if reqs else [], strict=True):
                 if isinstance(result, SamplingError):
                     outputs.append(self._fail(req, f"sampling failed: {result}", FailureKind.INVALID_REQUEST))
+                    continue
+                try:
+                    if req.grammar is not None:
+                        req.grammar.accept(result[0])
+                except Exception as e:
+                    outputs.append(self._fail(req, f"structured output failed: {e}", FailureKind.INTERNAL))
                     continue
                 try:
                     self._append_token(req, *result)
@@ -283,6 +308,26 @@ class LLMEngine:
                     log.exception("request %s: handling its new token failed", req.request_id)
                     outputs.append(self._fail(req, f"detokenising the output failed: {e!r}", FailureKind.INTERNAL))
         return outputs
+
+    def _constrain(
+        self, reqs: list[Request], rows: list[torch.Tensor], outputs: list[RequestOutput]
+    ) -> tuple[list[Request], torch.Tensor]:
+        """Stack the rows to sample from and apply every structured-output request's token mask (one
+        masked fill for the whole batch); a request whose grammar fails fails alone."""
+        logits = torch.stack(rows)
+        matchers = [r.grammar for r in reqs]
+        if all(m is None for m in matchers):
+            return reqs, logits
+        try:
+            errors = apply_token_masks(logits, matchers)
+        except Exception as e:  # the mask step itself broke: fail only the constrained requests
+            log.exception("structured-output masks failed")
+            errors = [e if m is not None else None for m in matchers]
+        keep = [i for i, err in enumerate(errors) if err is None]
+        for i, err in enumerate(errors):
+            if err is not None:
+                outputs.append(self._fail(reqs[i], f"structured output failed: {err}", FailureKind.INTERNAL))
+        return [reqs[i] for i in keep], logits[keep]
 
     # --- internals -------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -414,10 +459,12 @@ class LLMEngine:
         if info is not None:
             req.logprobs.append(info)
         p = req.params
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        constrained = req.grammar is not None  # a grammar's EOS ends the document, ignore_eos or not
+        if (token in self.eos_ids and (constrained or not p.ignore_eos)) or token in p.stop_token_ids:
             self._finish(req, "stop")
             return
-        if self._streams[req.request_id].append(token) is not None:
+        hit = self._streams[req.request_id].append(token)
+        if hit is not None or (constrained and req.grammar.is_terminated()):  # type: ignore[union-attr]
             self._finish(req, "stop")
         elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
             self._finish(req, "length")

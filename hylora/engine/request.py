@@ -11,6 +11,7 @@ import torch
 
 from hylora.engine.multimodal import MultimodalPrompt
 from hylora.lora.registry import AdapterLease, PreparedAdapter
+from hylora.structured import GrammarMatcher
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's rule)
@@ -35,6 +36,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k: chosen token + top-k alternatives
     prompt_logprobs: int | None = None  # same, for every prompt token after the first
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # EOS and stop_token_ids are suppressed until this many tokens are generated
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit, clamped to [-100, 100]
 
     MAX_LOGPROBS = 20
     MAX_TEMPERATURE = 2.0
@@ -42,12 +45,18 @@ class SamplingParams:
     MAX_STOP_STRINGS = 64
     MAX_STOP_CHARS = 512
     MAX_STOP_TOKEN_IDS = 1024
+    MAX_LOGIT_BIAS = 1024
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.seed == -1:
             self.seed = None
+        if self.logit_bias:  # as OpenAI and vLLM: biases outside [-100, 100] are clamped
+            self.logit_bias = {
+                k: min(100.0, max(-100.0, v)) if isinstance(v, (int, float)) and math.isfinite(v) else v
+                for k, v in self.logit_bias.items()
+            }
         problems = self._problems()
         if problems:
             raise ValueError("; ".join(problems))
@@ -91,6 +100,14 @@ class SamplingParams:
             )
         if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS or not all(_is_int(t) for t in self.stop_token_ids):
             problems.append(f"stop_token_ids must be a list of at most {self.MAX_STOP_TOKEN_IDS} integers")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            problems.append(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        bias = self.logit_bias or {}
+        if len(bias) > self.MAX_LOGIT_BIAS or not all(
+            _is_int(k) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            for k, v in bias.items()
+        ):
+            problems.append(f"logit_bias must map at most {self.MAX_LOGIT_BIAS} token ids to finite numbers")
         return problems
 
     @property
@@ -147,6 +164,7 @@ class Request:
     num_computed: int = 0  # tokens of all_ids already in the caches
     lora: AdapterLease | None = None
     prepared: PreparedAdapter | None = None  # the adapter's tensors, read off the engine thread
+    grammar: GrammarMatcher | None = None  # structured output: the request's own grammar state
     num_preemptions: int = 0
     # set after a step whose forward raised with this request in it: it runs alone until it passes
     suspect_count: int = 0

@@ -18,25 +18,40 @@ class SamplingError(RuntimeError):
     """This request's row cannot be sampled; it fails alone."""
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprob | None] | SamplingError]:
-    """logits [N, V] fp32 (finite), one row per request → (token id, logprob info or None) per
-    request, or the SamplingError that ends that request alone."""
+def sample(
+    logits: torch.Tensor, requests: list[Request], eos_ids: tuple[int, ...] = ()
+) -> list[tuple[int, TokenLogprob | None] | SamplingError]:
+    """logits [N, V] fp32 (finite, or -inf where a grammar forbids), one row per request → (token
+    id, logprob info or None) per request, or the SamplingError that ends that request alone.
+    `eos_ids` are suppressed, with the request's stop_token_ids, until its min_tokens are out."""
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     out: list[tuple[int, TokenLogprob | None] | SamplingError] = []
     for i, req in enumerate(requests):
         try:
-            out.append(_sample_row(logits[i], raw_logprobs[i], req))
+            out.append(_sample_row(logits[i], raw_logprobs[i], req, eos_ids))
         except Exception as e:
             error = e if isinstance(e, SamplingError) else SamplingError(f"sampling failed: {e!r}")
             out.append(error)
     return out
 
 
-def _sample_row(logits: torch.Tensor, raw_logprobs: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None]:
+def _sample_row(
+    logits: torch.Tensor, raw_logprobs: torch.Tensor, req: Request, eos_ids: tuple[int, ...] = ()
+) -> tuple[int, TokenLogprob | None]:
     p = req.params
-    row = _penalise(logits.clone(), req)
+    row = logits.clone()
+    vocab = row.shape[0]
+    if p.min_tokens and len(req.output_ids) < p.min_tokens and not (req.grammar and req.grammar.is_terminated()):
+        banned = [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < vocab]
+        row[banned] = float("-inf")
+    if p.logit_bias:
+        ids = [t for t in p.logit_bias if 0 <= t < vocab]
+        row[ids] += torch.tensor([p.logit_bias[t] for t in ids], device=row.device)
+    row = _penalise(row, req)
     if torch.isnan(row).any():
         raise SamplingError("the logits became NaN after the repetition / frequency / presence penalties")
+    if not torch.isfinite(row).any():
+        raise SamplingError("every token is forbidden (grammar, min_tokens and logit_bias leave nothing to sample)")
     if p.greedy:
         token = int(row.argmax())
     else:

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from hylora import __version__
 from hylora.engine.async_engine import AsyncEngine
 from hylora.engine.chat_input import MediaSettings, has_media, multimodal_prompt
 from hylora.engine.multimodal import MultimodalPrompt
@@ -25,14 +26,17 @@ from hylora.server.metrics import ServerMetrics, engine_snapshot
 from hylora.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoRARequest,
     SamplingRequest,
+    TokenizeRequest,
     UnloadLoRARequest,
     Unsupported,
 )
 from hylora.server.routing import ConflictError, RouteError, TaskRouter
 from hylora.server.security import Forbidden, adapter_dir_under, key_matches
 from hylora.server.streaming import EventStream
+from hylora.structured import CompiledGrammar, StructuredOutputError, parse_structured_outputs
 from hylora.tokenizer import chat_prompt, max_token_chars
 
 log = logging.getLogger(__name__)
@@ -49,6 +53,8 @@ class ServerState:
     stream_stall_timeout_s: float = 60.0  # a streaming client that reads nothing for this long is cut
     public_metrics: bool = False  # /metrics without the API key (for scrapers)
     media: MediaSettings | None = None  # None: the model has no vision tower
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
+    log_requests: bool = True  # one line per request, prompts redacted
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -128,6 +134,7 @@ def build_app(state: ServerState) -> FastAPI:
                     "owned_by": "hylora",
                     "root": str(version.path),
                     "parent": state.router.base_name,
+                    "max_model_len": state.engine.config.max_model_len,
                     "tasks": sorted(t for t, a in state.router.tasks.items() if a == name),
                 }
             )
@@ -173,7 +180,8 @@ def build_app(state: ServerState) -> FastAPI:
         prompt_ids, mm = await _chat_prompt(state, body)
         max_tokens = _max_tokens(state, len(prompt_ids), body.requested_max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        job = Job(state, "chatcmpl", body, adapter, prompt_ids, max_tokens, logprobs, body.prompt_logprobs, mm)
+        grammar = await _grammar(state, body)
+        job = Job(state, "chatcmpl", body, adapter, prompt_ids, max_tokens, logprobs, body.prompt_logprobs, mm, grammar)
         streams = await job.start()
         if body.stream:
             return EventStream(job.chat_events(streams), state.stream_stall_timeout_s, state.metrics)
@@ -194,12 +202,48 @@ def build_app(state: ServerState) -> FastAPI:
         prompt_logprobs = body.prompt_logprobs
         if prompt_logprobs is None and body.echo and body.logprobs is not None:
             prompt_logprobs = body.logprobs
-        job = Job(state, "cmpl", body, adapter, prompt_ids, max_tokens, body.logprobs, prompt_logprobs)
+        grammar = await _grammar(state, body)
+        job = Job(state, "cmpl", body, adapter, prompt_ids, max_tokens, body.logprobs, prompt_logprobs, grammar=grammar)
         streams = await job.start()
         if body.stream:
             return EventStream(job.completion_events(streams), state.stream_stall_timeout_s, state.metrics)
         outputs = await job.collect(streams, request)
         return JSONResponse(job.completion_response(outputs))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        tokenizer = state.engine.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send either prompt or messages")
+        if body.prompt is not None:
+            _check_chars(state, len(body.prompt))
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await asyncio.to_thread(_tokenize, state, body.prompt, add)
+        else:
+            try:
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages or []]
+            except Unsupported as e:
+                raise APIError(400, str(e)) from None
+            _check_chars(state, sum(len(m["content"]) for m in messages))
+            ids = await asyncio.to_thread(_render_chat, state, messages, body.add_generation_prompt)
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": state.engine.config.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        vocab = state.engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})")
+        return {"prompt": await asyncio.to_thread(state.engine.tokenizer.decode, body.tokens)}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     return app
 
@@ -225,7 +269,8 @@ async def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple
     except Unsupported as e:
         raise APIError(400, str(e)) from None
     _check_chars(state, sum(len(m["content"]) for m in texts))
-    return await asyncio.to_thread(_render_chat, state, texts), None
+    kwargs = body.chat_template_kwargs or {}
+    return await asyncio.to_thread(_render_chat, state, texts, body.add_generation_prompt, **kwargs), None
 
 
 def _check_chars(state: ServerState, chars: int) -> None:
@@ -241,18 +286,32 @@ def _check_chars(state: ServerState, chars: int) -> None:
         )
 
 
-def _render_chat(state: ServerState, messages: list[dict[str, Any]]) -> list[int]:
+def _render_chat(
+    state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+) -> list[int]:
     try:
-        return chat_prompt(state.engine.tokenizer, messages)
+        return chat_prompt(state.engine.tokenizer, messages, add_generation_prompt, **template_kwargs)
     except Exception as e:  # the template's own checks (e.g. roles must alternate) and jinja errors
         raise APIError(400, f"the chat template cannot render these messages: {e}") from None
 
 
-def _tokenize(state: ServerState, text: str) -> list[int]:
+def _tokenize(state: ServerState, text: str, add_special_tokens: bool = False) -> list[int]:
     try:
-        return state.engine.tokenizer.encode(text, add_special_tokens=False)
+        return state.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except Exception as e:
         raise APIError(400, f"cannot tokenise the prompt: {e}") from None
+
+
+async def _grammar(state: ServerState, body: SamplingRequest) -> CompiledGrammar | None:
+    """The request's output constraint, compiled off the event loop (cached by spec), or None."""
+    try:
+        spec = parse_structured_outputs(body.model_dump())
+        if spec is None:
+            return None
+        compiler = await asyncio.to_thread(state.engine.grammar_compiler)
+        return await compiler.compile(spec)
+    except StructuredOutputError as e:
+        raise APIError(400, str(e), code="invalid_structured_output") from None
 
 
 def _route(state: ServerState, body: SamplingRequest, request: Request) -> str | None:

@@ -24,6 +24,7 @@ from hylora.lora.adapter import AdapterError
 from hylora.lora.registry import UnknownAdapter
 from hylora.server.errors import APIError
 from hylora.server.protocol import CompletionRequest, SamplingRequest
+from hylora.structured import CompiledGrammar
 
 if TYPE_CHECKING:
     from hylora.server.app import ServerState
@@ -46,13 +47,16 @@ class Job:
         logprobs: int | None,
         prompt_logprobs: int | None,
         mm: MultimodalPrompt | None = None,
+        grammar: CompiledGrammar | None = None,
     ):
         self.state, self.body, self.adapter, self.prompt_ids, self.mm = state, body, adapter, prompt_ids, mm
+        self.grammar = grammar
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.model = body.model or adapter or state.router.base_name
         try:
+            defaults = state.sampling_defaults
             self.params = [
-                body.sampling_params(max_tokens, logprobs, prompt_logprobs, seed_offset=i) for i in range(body.n)
+                body.sampling_params(max_tokens, logprobs, prompt_logprobs, i, defaults) for i in range(body.n)
             ]
         except ValueError as e:
             raise APIError(400, str(e)) from None
@@ -68,14 +72,34 @@ class Job:
                 mm = dataclasses.replace(self.mm, ready={}) if self.mm is not None else None  # one per choice
                 streams.append(
                     await self.state.aengine.submit(
-                        f"{self.id}-{i}", self.prompt_ids, params, self.adapter, self._fault_requested(), mm
+                        f"{self.id}-{i}",
+                        self.prompt_ids,
+                        params,
+                        self.adapter,
+                        self._fault_requested(),
+                        mm,
+                        self.grammar,
                     )
                 )
         except BaseException as e:
             await _close_all(streams)
             raise _submit_error(e) from None
         self.state.metrics.prompt_tokens.labels(adapter=self.adapter or "").inc(len(self.prompt_ids))
+        if self.state.log_requests:
+            self._log()
         return streams
+
+    def _log(self) -> None:
+        """One line per request: its shape and parameters, never the prompt's text or media."""
+        p = self.params[0]
+        visual = f" ({self.mm.num_visual_tokens} visual)" if self.mm else ""
+        grammar = f", structured {self.grammar.spec.label}" if self.grammar else ""
+        log.info(
+            "request %s: model %s, adapter %s, %d prompt tokens%s, n %d, max_tokens %d, temperature %g, top_p %g, "
+            "top_k %d, seed %s%s",
+            self.id, self.model, self.adapter or "-", len(self.prompt_ids), visual, len(self.params), p.max_tokens,
+            p.temperature, p.top_p, p.top_k, p.seed, grammar,
+        )  # fmt: skip
 
     def _fault_requested(self) -> str | None:
         """Test hook: with HYLORA_ENABLE_FAULT_INJECTION=1 in the server's environment, a body field
@@ -203,10 +227,10 @@ class Job:
         token = self.tokenizer.decode([lp.token_id])
         return {
             "token": token,
-            "logprob": lp.logprob,
+            "logprob": _finite(lp.logprob),
             "bytes": list(token.encode("utf-8")),
             "top_logprobs": [
-                {"token": (t := self.tokenizer.decode([tid])), "logprob": v, "bytes": list(t.encode("utf-8"))}
+                {"token": (t := self.tokenizer.decode([tid])), "logprob": _finite(v), "bytes": list(t.encode("utf-8"))}
                 for tid, v in lp.top.items()
             ],
         }
@@ -299,9 +323,9 @@ class Job:
             pos += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": [lp for _, lp, _ in entries],
+            "token_logprobs": [None if lp is None else _finite(lp) for _, lp, _ in entries],
             "top_logprobs": [
-                None if top is None else {self.tokenizer.decode([k]): v for k, v in top.items()}
+                None if top is None else {self.tokenizer.decode([k]): _finite(v) for k, v in top.items()}
                 for _, _, top in entries
             ],
             "text_offset": offsets,
@@ -330,6 +354,11 @@ class Job:
             "completion_tokens": completion,
             "total_tokens": len(self.prompt_ids) + completion,
         }
+
+
+def _finite(logprob: float) -> float:
+    """A token a grammar forbids has logprob -inf, which JSON cannot carry: -9999.0 as vLLM sends."""
+    return max(logprob, -9999.0)
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -67,10 +67,20 @@ class SamplingRequest(_Body):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     prompt_logprobs: int | None = None  # vLLM: logprobs of every prompt token (+ top-k), non-streaming
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # structured outputs (parsed by hylora.structured.parse_structured_outputs)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted; hylora has one grammar engine (llguidance)
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise Unsupported("logit_bias is not supported")
         if self.best_of not in (None, self.n):
             raise Unsupported("best_of is not supported (use n)")
         if self.prompt_logprobs is not None and self.stream:
@@ -81,25 +91,66 @@ class SamplingRequest(_Body):
             raise Unsupported(f"seed must be a 64-bit integer in [-2^63, 2^63 - n] (n = {self.n}), got {self.seed}")
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, seed_offset: int = 0
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        seed_offset: int = 0,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
+        """`defaults`: the sampling values that apply when the request sets none (the model's
+        generation_config.json, unless the server was started with --generation-config vllm)."""
+        d = SAMPLING_DEFAULTS | (defaults or {})
+
+        def pick(name: str) -> Any:
+            value = getattr(self, name)
+            return d[name] if value is None else value
+
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
+            presence_penalty=pick("presence_penalty"),
+            frequency_penalty=pick("frequency_penalty"),
+            repetition_penalty=pick("repetition_penalty"),
             seed=None if self.seed in (None, -1) else self.seed + seed_offset,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=_token_bias(self.logit_bias),
         )
+
+
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+    return out
 
 
 class ChatMessage(_Body):
@@ -128,14 +179,13 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    add_generation_prompt: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise Unsupported(f"response_format {self.response_format.get('type')!r} is not supported (only 'text')")
         if self.tools:
             raise Unsupported("tools / function calling is not supported")
         if self.top_logprobs is not None and not self.logprobs:
@@ -164,6 +214,22 @@ class CompletionRequest(SamplingRequest):
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
             return self.prompt[0]  # type: ignore[return-value]
         return self.prompt  # type: ignore[return-value]
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 class LoadLoRARequest(_Body):

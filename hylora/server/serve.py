@@ -33,13 +33,41 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="serve the embedded demo model with adapters relic, tomb, mural (written on first use)",
     )
     p.add_argument("--served-model-name", help="name of the base model in the API (default: the directory name)")
-    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="adapters to load at start")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH|JSON",
+        help='adapters to load at start: name=path, or vLLM\'s \'{"name": ..., "path": ..., "base_model_name": ...}\'',
+    )
     p.add_argument("--task", nargs="+", default=[], metavar="TASK=ADAPTER", help="route task TASK to ADAPTER")
     p.add_argument("--task-map", metavar="FILE", help="JSON file {task: adapter} (instead of or with --task)")
     p.add_argument(
         "--adapter-root", metavar="DIR", help="allow /v1/load_lora_adapter for directories under DIR (off without it)"
     )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route except /health")
+    p.add_argument("--chat-template", metavar="FILE|TEMPLATE", help="a Jinja chat template (file or inline) to use")
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="sampling defaults: auto = the model's generation_config.json, vllm = hylora's own, or a folder's",
+    )
+    p.add_argument(
+        "--override-generation-config", type=json.loads, default=None, metavar="JSON", help="defaults over those"
+    )
+    p.add_argument("--seed", type=int, default=None, help="seed requests that bring none (reproducible runs)")
+    p.add_argument("--disable-log-requests", action="store_true", help="no per-request log line (prompts never logged)")
+    p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    compat = p.add_argument_group("accepted for vLLM launch scripts")
+    compat.add_argument("--enable-lora", action="store_true", help="accepted; LoRA is always on in hylora")
+    compat.add_argument(
+        "--trust-remote-code", action="store_true", help="accepted, no effect: hylora runs no code from the checkpoint"
+    )
+    compat.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="1 only: hylora runs one engine per GPU"
+    )
     p.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -96,6 +124,52 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"].default)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+
+
+def lora_modules(items: list[str], base_name: str) -> dict[str, str]:
+    """--lora-modules in both of vLLM's forms: name=path, or a JSON object with name and path."""
+    out = {}
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--lora-modules: {item!r} is not valid JSON ({e})") from None
+            if (
+                not isinstance(spec, dict)
+                or not isinstance(spec.get("name"), str)
+                or not isinstance(spec.get("path"), str)
+            ):
+                raise ValueError(f'--lora-modules: {item!r} needs {{"name": ..., "path": ...}}')
+            parent = spec.get("base_model_name")
+            if parent not in (None, base_name):
+                log.warning("adapter %s names base model %r; serving it on %r", spec["name"], parent, base_name)
+            out[spec["name"]] = spec["path"]
+        else:
+            out |= _pairs([item], "--lora-modules")
+    return out
+
+
+def generation_defaults(source: str, model_dir: Path, overrides: dict | None) -> dict:
+    """Sampling defaults a request gets for what it leaves unset (vLLM's --generation-config)."""
+    from hylora.server.protocol import SAMPLING_DEFAULTS
+
+    defaults: dict = {}
+    if source != "vllm":
+        folder = model_dir if source == "auto" else Path(source)
+        path = folder / "generation_config.json"
+        if source != "auto" and not path.is_file():
+            raise ValueError(f"--generation-config {source}: no generation_config.json there")
+        if path.is_file():
+            config = json.loads(path.read_text())
+            defaults = {k: config[k] for k in SAMPLING_DEFAULTS if config.get(k) is not None}
+            if config.get("do_sample") is False:
+                defaults["temperature"] = 0.0
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ValueError("--override-generation-config expects a JSON object")
+    defaults |= {k: v for k, v in (overrides or {}).items() if k in SAMPLING_DEFAULTS}
+    return defaults
 
 
 def _pairs(items: list[str], flag: str) -> dict[str, str]:
@@ -113,18 +187,23 @@ def build_state(args: argparse.Namespace) -> ServerState:
 
     if args.demo == bool(args.model_dir):
         raise ValueError("give a MODEL_DIR or --demo (one of them)")
-    lora = _pairs(args.lora_modules, "--lora-modules")
+    if args.tensor_parallel_size != 1:
+        raise ValueError(
+            "--tensor-parallel-size: hylora runs one engine per GPU (no tensor parallelism); to use more GPUs, run "
+            "replicas (--replicas, issue 13)"
+        )
     tasks = _pairs(args.task, "--task")
     if args.task_map:
         tasks = TaskRouter.read_task_map(args.task_map) | tasks
     if args.demo:
         model_dir = ensure_demo()
-        lora = {name: str(model_dir / "adapters" / name) for name in DEMO_ADAPTERS} | lora
-        tasks = {name: name for name in DEMO_ADAPTERS} | tasks
         name = args.served_model_name or "hylora-demo"
+        lora = {n: str(model_dir / "adapters" / n) for n in DEMO_ADAPTERS} | lora_modules(args.lora_modules, name)
+        tasks = {n: n for n in DEMO_ADAPTERS} | tasks
     else:
         model_dir = Path(args.model_dir)
         name = args.served_model_name or model_dir.resolve().name
+        lora = lora_modules(args.lora_modules, name)
     for adapter in lora:
         if adapter == name or not ADAPTER_NAME.fullmatch(adapter):
             raise ValueError(
@@ -145,8 +224,17 @@ def build_state(args: argparse.Namespace) -> ServerState:
         device=args.device,
         max_num_encoder_tokens=args.max_num_encoder_tokens,
         encoder_cache_gb=args.encoder_cache_gb,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
     )
+    defaults = generation_defaults(args.generation_config, model_dir, args.override_generation_config)
     engine = LLMEngine(model_dir, config, lora_modules=lora)
+    if args.chat_template:
+        template = Path(args.chat_template)
+        engine.tokenizer.chat_template = template.read_text() if template.is_file() else args.chat_template
+    log.info(
+        "sampling defaults for what a request leaves unset: %s", defaults or "hylora's (temperature 1, no filters)"
+    )
     router = TaskRouter(name, engine.adapters, tasks)
     for task in tasks:
         router.resolve(None, task)  # every task must point at a loaded adapter
@@ -160,6 +248,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
         stream_stall_timeout_s=args.stream_stall_timeout,
         public_metrics=args.public_metrics,
         media=media_settings(args, engine, model_dir),
+        sampling_defaults=defaults,
+        log_requests=not args.disable_log_requests,
     )
 
 
@@ -254,7 +344,7 @@ def serve(args: argparse.Namespace) -> None:
         build_app(state),
         host=args.host,
         port=args.port,
-        log_level="info",
+        log_level=args.uvicorn_log_level,
         timeout_keep_alive=max(1, round(args.timeout_keep_alive)),
         timeout_graceful_shutdown=5,
     )

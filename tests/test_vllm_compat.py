@@ -1,0 +1,310 @@
+"""Drop-in for vLLM users: structured outputs through the official `openai` client, generation
+defaults from the model, the flags of vLLM's launch scripts, /tokenize, /detokenize, /version and
+the request fields vLLM users send."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from hylora.server.serve import add_serve_args
+from tests.server_helpers import running_server
+
+SCHEMAS = {
+    "relic": {
+        "type": "object",
+        "properties": {
+            "type": {"enum": ["vessel", "disc", "figure"]},
+            "period": {"type": "string", "maxLength": 12},
+            "material": {"enum": ["bronze", "jade", "ceramic"]},
+            "findings": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "where": {"type": "string", "maxLength": 8},
+                        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                    },
+                    "required": ["where", "count"],
+                    "additionalProperties": False,
+                },
+                "maxItems": 3,
+            },
+        },
+        "required": ["type", "period", "material", "findings"],
+        "additionalProperties": False,
+    },
+    "tomb": {
+        "type": "object",
+        "properties": {
+            "chambers": {"type": "integer", "minimum": 1, "maximum": 9},
+            "entrance": {"enum": ["north", "south", "east", "west"]},
+            "layout": {
+                "type": "object",
+                "properties": {"ramp": {"type": "boolean"}, "vaulted": {"type": "boolean"}},
+                "required": ["ramp", "vaulted"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["chambers", "entrance", "layout"],
+        "additionalProperties": False,
+    },
+    "mural": {
+        "type": "object",
+        "properties": {
+            "pigments": {
+                "type": "array",
+                "items": {"enum": ["ochre", "malachite", "azurite", "carbon"]},
+                "minItems": 1,
+                "maxItems": 4,
+            },
+            "flaking": {"type": "boolean"},
+        },
+        "required": ["pigments", "flaking"],
+        "additionalProperties": False,
+    },
+}
+PLAIN = {"messages": [{"role": "user", "content": "Where is the entrance?"}], "max_tokens": 16, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(demo_cache_dir, tmp_path_factory):
+    args = ["--demo", "--max-model-len", "512", "--dtype", "float32", "--device", "cpu"]
+    with running_server(args, demo_cache_dir, tmp_path_factory.mktemp("logs") / "server.log") as handle:
+        yield handle
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _schema_format(name: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name]}}
+
+
+def _ask_json(client, model: str | None, name: str, stream: bool) -> tuple[str, str | None]:
+    messages = [{"role": "user", "content": f"Describe the {name} as JSON."}]
+    kwargs = dict(model=model or "hylora-demo", messages=messages, max_tokens=300, response_format=_schema_format(name))
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        return choice.message.content, choice.finish_reason
+    text, finish = [], None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    return "".join(text), finish
+
+
+def test_json_schema_outputs_validate_streamed_and_not_with_adapters_and_base_mixed(client):
+    """Random weights: only the grammar makes these documents valid. Six requests run at once."""
+    cases = [(model, name, stream) for model, name in [("relic", "relic"), ("tomb", "tomb"), (None, "mural")]
+             for stream in (False, True)]  # fmt: skip
+    results: dict = {}
+
+    def run(i, case):
+        results[i] = _ask_json(client, *case)
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(cases)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    for i, (_, name, _) in enumerate(cases):
+        text, finish = results[i]
+        assert finish == "stop", (name, text)
+        jsonschema.validate(json.loads(text), SCHEMAS[name])
+
+
+def test_json_object_regex_choice_and_completions(client, server):
+    reply = client.chat.completions.create(
+        model="hylora-demo",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=100,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    body = {"model": "tomb", "prompt": "The tomb", "max_tokens": 20, "temperature": 0.8, "seed": 3}
+    r = httpx.post(f"{server.url}/v1/completions", json=body | {"guided_regex": "[a-z]{3,6}-[0-9]{2}"}, timeout=60)
+    import re
+
+    assert re.fullmatch("[a-z]{3,6}-[0-9]{2}", r.json()["choices"][0]["text"]), r.json()
+    r = httpx.post(f"{server.url}/v1/completions", json=body | {"guided_choice": ["north", "south"]}, timeout=60)
+    assert r.json()["choices"][0]["text"] in ("north", "south")
+    r = httpx.post(
+        f"{server.url}/v1/completions", json=body | {"structured_outputs": {"choice": ["ramp", "shaft"]}}, timeout=60
+    )
+    assert r.json()["choices"][0]["text"] in ("ramp", "shaft")
+
+
+def test_max_tokens_cutting_a_document_says_length(client):
+    reply = client.chat.completions.create(
+        model="relic",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=3,
+        response_format=_schema_format("relic"),
+    )
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_grammar_request_beside_plain_requests_changes_nothing(server):
+    alone = httpx.post(f"{server.url}/v1/chat/completions", json=PLAIN | {"model": "mural"}, timeout=60).json()
+    results: dict = {}
+
+    def grammar():
+        body = {"model": "relic", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200}
+        results["g"] = httpx.post(
+            f"{server.url}/v1/chat/completions", json=body | {"response_format": _schema_format("tomb")}, timeout=120
+        )
+
+    def plain():
+        results["p"] = httpx.post(f"{server.url}/v1/chat/completions", json=PLAIN | {"model": "mural"}, timeout=60)
+
+    threads = [threading.Thread(target=grammar), threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert results["p"].json()["choices"] == alone["choices"]
+    jsonschema.validate(json.loads(results["g"].json()["choices"][0]["message"]["content"]), SCHEMAS["tomb"])
+
+
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"if": {}, "then": {}}}}},
+         "cannot compile"),
+        ({"guided_regex": "(?<=a)b"}, "regex"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "set only one output constraint"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+    ],
+)  # fmt: skip
+def test_uncompilable_or_conflicting_constraints_are_400(server, fields, needle):
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=PLAIN | {"model": "relic"} | fields, timeout=60)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_request_fields_vllm_users_send(client, server):
+    url = server.url
+    tok = httpx.post(f"{url}/tokenize", json={"prompt": "Describe the relic."}, timeout=30).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
+    chat_tok = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30).json()
+    detok = httpx.post(f"{url}/detokenize", json={"tokens": chat_tok["tokens"]}, timeout=30).json()
+    assert detok["prompt"].startswith("<|im_start|>user\nhi")
+    assert httpx.post(f"{url}/detokenize", json={"tokens": [10**9]}, timeout=30).status_code == 400
+    assert httpx.get(f"{url}/version", timeout=30).json()["version"]
+    models = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
+    assert models["relic"]["parent"] == "hylora-demo" and models["relic"]["max_model_len"] == 512
+
+    base = dict(model="relic", messages=[{"role": "user", "content": "Describe."}], temperature=0)
+    free = client.chat.completions.create(**base, max_completion_tokens=8)
+    assert free.usage.completion_tokens == 8
+    first = free.choices[0].message.content
+    # a +100 bias forces one token everywhere; min_tokens keeps EOS away for that many tokens
+    forced_id = httpx.post(f"{url}/tokenize", json={"prompt": " tomb", "add_special_tokens": False}).json()["tokens"][0]
+    biased = client.chat.completions.create(**base, max_tokens=4, logit_bias={str(forced_id): 100})
+    assert biased.choices[0].message.content == " tomb" * 4
+    eos_first = client.chat.completions.create(**base, max_tokens=20, logit_bias={"0": -100}, extra_body={})
+    assert eos_first.choices[0].finish_reason in ("stop", "length")
+    im_end = httpx.post(f"{url}/tokenize", json={"prompt": "<|im_end|>"}).json()["tokens"][0]
+    stopper = {str(im_end): 100}
+    assert client.chat.completions.create(**base, max_tokens=10, logit_bias=stopper).usage.completion_tokens == 1
+    held = client.chat.completions.create(**base, max_tokens=10, logit_bias=stopper, extra_body={"min_tokens": 5})
+    assert held.usage.completion_tokens >= 5
+    stop_text = first[2:5]
+    kept = client.chat.completions.create(
+        **base, max_tokens=8, stop=[stop_text], extra_body={"include_stop_str_in_output": True}
+    )
+    assert kept.choices[0].message.content.endswith(stop_text)
+    chunks = list(
+        client.chat.completions.create(**base, max_tokens=5, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[-1].usage.completion_tokens == 5
+
+
+def test_generation_config_defaults_apply_when_a_request_sets_nothing(demo_dir, demo_cache_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(demo_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.0, "top_k": 1}))
+    body = {"model": "model", "messages": [{"role": "user", "content": "Describe the relic."}], "max_tokens": 12}
+    with running_server([str(model), "--device", "cpu", "--max-model-len", "256"], demo_cache_dir, tmp_path / "a") as s:
+        greedy = httpx.post(f"{s.url}/v1/chat/completions", json=body | {"temperature": 0}, timeout=60).json()
+        unset = [httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60).json() for _ in range(2)]
+        own = [
+            httpx.post(f"{s.url}/v1/chat/completions", json=body | {"temperature": 1.5, "top_k": 0, "seed": i}).json()
+            for i in range(2)
+        ]
+        assert "temperature': 0.0" in s.log_path.read_text()  # the server says which defaults apply
+    texts = {r["choices"][0]["message"]["content"] for r in unset}
+    assert texts == {greedy["choices"][0]["message"]["content"]}  # the model's defaults: greedy
+    assert own[0]["choices"][0]["message"]["content"] != own[1]["choices"][0]["message"]["content"]
+    with running_server(
+        [str(model), "--device", "cpu", "--max-model-len", "256", "--generation-config", "vllm", "--seed", "7"],
+        demo_cache_dir,
+        tmp_path / "b",
+    ) as s:
+        sampled = [httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60).json() for _ in range(2)]
+    assert sampled[0]["choices"][0]["message"]["content"] != greedy["choices"][0]["message"]["content"]
+
+
+# vLLM's documented launch lines (LoRA serving and the OpenAI-compatible server docs), `vllm serve`
+# replaced; MODEL and adapter paths are filled in with the demo's.
+VLLM_LAUNCH_LINES = [
+    "serve MODEL --enable-lora --lora-modules sql-lora=ADAPTER",
+    'serve MODEL --enable-lora --lora-modules \'{"name": "sql-lora", "path": "ADAPTER", "base_model_name": "MODEL"}\'',
+    "serve MODEL --dtype auto --api-key token-abc123",
+    "serve MODEL --enable-lora --max-lora-rank 64 --max-loras 2 --max-cpu-loras 4 --lora-modules a=ADAPTER b=ADAPTER",
+    "serve MODEL --trust-remote-code --tensor-parallel-size 1 --gpu-memory-utilization 0.9 --max-model-len 512 "
+    "--served-model-name demo --seed 0 --generation-config auto --uvicorn-log-level warning --disable-log-requests",
+    "serve MODEL --chat-template TEMPLATE --enable-lora --lora-modules sql-lora=ADAPTER",
+]
+
+
+def test_vllm_launch_lines_parse_and_start(demo_dir, demo_cache_dir, tmp_path):
+    import argparse
+    import shlex
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    lines = [
+        line.replace("MODEL", str(demo_dir)).replace("ADAPTER", str(demo_dir / "adapters" / "relic"))
+        .replace("TEMPLATE", str(template))
+        for line in VLLM_LAUNCH_LINES
+    ]  # fmt: skip
+    for line in lines:
+        parser.parse_args(shlex.split(line)[1:])  # every flag known
+    with pytest.raises(SystemExit):
+        parser.parse_args([str(demo_dir), "--enable-prefix-cachingg"])  # unknown flags still fail loudly
+    with running_server(shlex.split(lines[1])[1:] + ["--device", "cpu"], demo_cache_dir, tmp_path / "log") as s:
+        models = {m["id"] for m in httpx.get(f"{s.url}/v1/models", timeout=30).json()["data"]}
+        assert "sql-lora" in models
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=PLAIN | {"model": "sql-lora"}, timeout=60)
+        assert r.status_code == 200
+    help_text = parser.format_help()
+    for flag in ("--enable-lora", "--trust-remote-code", "--tensor-parallel-size"):
+        assert flag in help_text
+
+
+def test_tensor_parallel_above_one_is_refused_with_a_pointer(demo_cache_dir, tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "hylora", "serve", "--demo", "--tensor-parallel-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"HYLORA_CACHE_DIR": str(demo_cache_dir), "PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode == 2 and "--replicas" in out.stderr
