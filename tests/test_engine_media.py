@@ -204,3 +204,24 @@ def test_tower_lora_adapter_through_the_engine_equals_peft_merged_and_keys_the_c
     request(e, "survey", p, "same", adapter="survey")  # no tower LoRA: the base tower's outputs, not the cached ones
     run(e, {})
     assert e.encoder_cache.misses - misses == 3  # image + 2 temporal patches encoded again, for the base tower
+
+
+def test_media_requests_survive_preemption_and_a_faulting_neighbour(vl_media_ckpt, prompts):
+    """A KV cache too small for all requests at once: media requests are preempted and recompute
+    (their segments re-fetched from the encoder cache), and a NaN-poisoned media request fails alone;
+    every other request equals its run alone."""
+    alone = {}
+    for name in PROMPTS:
+        e = engine(vl_media_ckpt[0])
+        request(e, name, prompts[name], name, max_tokens=12)
+        alone.update(run(e, {}))
+    e = engine(vl_media_ckpt[0], num_pages=9, page_size=16, max_num_batched_tokens=24)
+    for name in PROMPTS:
+        request(e, name, prompts[name], name, max_tokens=12)
+    request(e, "poisoned", prompts["image"], "image", max_tokens=12)
+    e.inject_fault("poisoned")
+    out = run(e, {})
+    assert out["poisoned"].finish_reason == "error" and "numerical fault" in out["poisoned"].error
+    assert sum(o.num_preemptions for o in out.values()) > 0
+    for name in PROMPTS:
+        assert out[name].token_ids == alone[name].token_ids, name
