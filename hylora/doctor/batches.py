@@ -1,0 +1,162 @@
+"""Checks 4 and 5: results must not depend on the neighbours of a request.
+
+Mixed batches: the same prompts for every target (adapters and base), sent one at a time and then
+all at once, must give the same results (catches base requests that get an adapter in a mixed
+batch, and leaks between requests). Pollution: a short probe must give the same result before and
+after a burst of long requests (with a video and, in-process, an injected NaN fault), and the same
+as when the sweep sent it earlier; in-process, the requests next to the NaN must equal themselves
+sent alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hylora.doctor.compare import EXACT, Tolerance, diff_served, pooled
+from hylora.doctor.deployment import Deployment
+from hylora.doctor.prompts import PROBE_LENGTH, Probe, Window
+from hylora.doctor.result import CheckResult
+from hylora.doctor.scores import Scores, TokenTexts
+from hylora.doctor.sweep import SweepData, Target, label
+
+FAULT_LENGTH = 257  # the request that gets the injected NaN (in-process)
+
+
+def check_mixed(
+    deployment: Deployment, targets: list[Target], windows: list[Window], texts: TokenTexts, tol: Tolerance
+) -> CheckResult:
+    probes = [Probe(t, w) for w in windows for t in targets]
+    alone = deployment.score(probes)
+    together = deployment.score(probes, concurrent=True)
+    failures, diffs = [], []
+    for i, (probe, a, b) in enumerate(zip(probes, alone, together, strict=True)):
+        d = diff_served(b, a, texts)
+        diffs.append(d)
+        problems = d.problems(tol)
+        if not problems:
+            continue
+        looks_like = [
+            label(other.target)
+            for j, other in enumerate(probes)
+            if j != i and other.window == probe.window and diff_served(b, alone[j], texts).ok(tol)
+        ]
+        hint = f"; it matches {' / '.join(looks_like)} sent alone" if looks_like else ""
+        failures.append(
+            f"{label(probe.target)}, {probe.window.length}-token prompt, sent with {len(probes) - 1} others "
+            f"(adapters and base) differs from the same request alone: {'; '.join(problems)}{hint}"
+        )
+    total = pooled(diffs)
+    identical = sum(d.bit_identical for d in diffs)
+    summary = (
+        f"{len(probes)} requests ({len(targets)} targets × prompts of {', '.join(str(w.length) for w in windows)} "
+        f"tokens) at once vs one at a time: max |Δ logprob| {total.max_abs:.2g}, {identical}/{len(diffs)} bit-identical"
+    )
+    return CheckResult.judged(
+        "mixed_batches",
+        summary,
+        sum(d.compared for d in diffs if d.error is None),
+        failures,
+        data={"requests": [{"target": label(p.target), **d.as_dict()} for p, d in zip(probes, diffs, strict=True)]},
+    )
+
+
+@dataclass
+class PollutionRun:
+    """What the pollution phase sent and got; judged once the sweep has the same long prompts alone."""
+
+    probes: list[Probe]
+    before: list[Scores]
+    after: list[Scores]
+    burst: list[Probe]  # the long requests
+    burst_out: list[Scores]
+    video: Path | None
+    video_out: Scores | None
+    fault_out: Scores | None  # in-process: the request with the injected NaN
+
+    @property
+    def what(self) -> str:
+        n, length = len(self.burst), self.burst[0].window.length if self.burst else 0
+        extras = (", a video" if self.video else "") + (" and an injected NaN fault" if self.fault_out else "")
+        return f"a burst of {n} × {length}-token requests{extras}"
+
+
+def run_pollution(
+    deployment: Deployment,
+    targets: list[Target],
+    burst_length: int,
+    burst_size: int,
+    inject_fault: bool,
+    video: Path | None = None,
+) -> PollutionRun:
+    """Probe; a burst of long requests for the targets in turn, with the video (for the first
+    adapter) and the injected NaN (for the last target) all at once; probe again."""
+    probe_len = min(PROBE_LENGTH, burst_length)
+    probes = [Probe(t, Window(0, probe_len)) for t in targets[:2]]
+    before = deployment.score(probes)
+    burst = [Probe(targets[i % len(targets)], Window(0, burst_length)) for i in range(burst_size)]
+    extra = [Probe(targets[min(1, len(targets) - 1)], Window(0, 0), video=video)] if video is not None else []
+    if inject_fault:
+        extra.append(Probe(targets[-1], Window(0, min(FAULT_LENGTH, burst_length)), fault="nan"))
+    out = deployment.score(burst + extra, concurrent=True)
+    after = deployment.score(probes)
+    rest = out[burst_size:]
+    video_out = rest.pop(0) if video is not None else None
+    fault_out = rest.pop(0) if inject_fault else None
+    return PollutionRun(probes, before, after, burst, out[:burst_size], video, video_out, fault_out)
+
+
+def judge_pollution(run: PollutionRun, sweep: SweepData, texts: TokenTexts, tol: Tolerance, exact: bool) -> CheckResult:
+    """Probes must not change (`exact`: bit for bit, in-process; else within `tol`); in-process the
+    burst's requests next to the injected NaN must equal the same requests sent alone (the sweep)."""
+    same = EXACT if exact else tol
+    failures, notes, diffs, neighbours = [], [], [], []
+    if run.video_out is not None and run.video is not None:
+        if run.video_out.error:
+            failures.append(f"the video request in the burst ({run.video.name}) failed: {run.video_out.error}")
+        else:
+            notes.append(f"the video request in the burst ({run.video.name}) was served")
+    for probe, before, after in zip(run.probes, run.before, run.after, strict=True):
+        name = f"probe {label(probe.target)} ({probe.window.length} tokens)"
+        earlier = sweep.results.get((probe.target, probe.window.length))
+        if earlier is not None:
+            diffs.append(d := diff_served(before, earlier, texts))
+            if d.problems(same):
+                failures.append(
+                    f"{name} already differed before the burst from the same request earlier in this run "
+                    f"(requests sent in between poisoned it): {'; '.join(d.problems(same))}"
+                )
+        diffs.append(d := diff_served(after, before, texts))
+        if d.problems(same):
+            problems = "; ".join(d.problems(same))
+            failures.append(f"{name} changed after {run.what}: {problems} (earlier requests poison later ones)")
+    if run.fault_out is not None:
+        if run.fault_out.error is None or "numerical" not in run.fault_out.error:
+            failures.append(
+                "the request with an injected NaN was not stopped as a numerical fault "
+                f"({run.fault_out.error or 'it finished normally'}): the NaN guard missed it"
+            )
+        else:
+            notes.append("the request with the injected NaN failed alone: " + run.fault_out.error)
+        for probe, out in zip(run.burst, run.burst_out, strict=True):
+            alone = sweep.results.get((probe.target, probe.window.length))
+            if alone is None:
+                continue
+            neighbours.append(d := diff_served(out, alone, texts))
+            if d.problems(tol):
+                failures.append(
+                    f"{label(probe.target)} ({probe.window.length} tokens) next to the request with the injected "
+                    f"NaN differs from the same request alone: {'; '.join(d.problems(tol))}"
+                )
+    else:
+        notes.append("no fault injected: a server's faults cannot be triggered from outside (in-process only)")
+    total = pooled(diffs)
+    identical = all(d.bit_identical for d in diffs)
+    summary = f"{len(run.probes)} probes before and after {run.what}: " + (
+        "bit-identical" if identical else f"max |Δ logprob| {total.max_abs:.2g}"
+    )
+    if neighbours:
+        summary += f"; the fault's neighbours vs alone: max |Δ logprob| {pooled(neighbours).max_abs:.2g}"
+    compared = sum(d.compared for d in diffs + neighbours if d.error is None)
+    data = {"probes_max_abs": total.max_abs, "bit_identical": identical}
+    return CheckResult.judged("pollution", summary, compared, failures, notes=notes, data=data)

@@ -1,0 +1,176 @@
+"""`hylora doctor`: flags → engine, deployment and reference → checks → report and exit code.
+
+Exit code 0 only if every check that applies passed; 1 if any failed (or the server could not be
+used); 2 for bad flags, model or adapter directories."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def add_doctor_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", nargs="?", help="the base model's directory (config.json + safetensors)")
+    p.add_argument("--demo", action="store_true", help="the embedded demo model with its adapters relic, tomb, mural")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="the adapters to check")
+    g = p.add_argument_group("checking a server (default: hylora in this process)")
+    g.add_argument("--endpoint", metavar="URL", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    g.add_argument("--served-model-name", help="the base model's name on the server (default: from /v1/models)")
+    g.add_argument(
+        "--endpoint-dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16", "float16"],
+        help="the server's precision (sets the tolerance with the reference's)",
+    )
+    g.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    g.add_argument("--max-requests", type=int, default=2000, help="requests doctor may send in all")
+    g.add_argument("--time-limit", type=float, default=3600.0, help="seconds doctor may spend sending requests")
+    g = p.add_argument_group("the model (in-process, and the reference)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda when available)")
+    g.add_argument(
+        "--max-model-len", type=int, default=4097, help="the sweep runs up to this minus one (the generated token)"
+    )
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=32)
+    g.add_argument("--max-lora-rank", type=int, default=64)
+    g.add_argument("--restore", default="auto", choices=["auto", "copy", "checkpoint"], help=(
+        "how the weights are put back after each adapter's merged reference: copy (touched rows kept in host "
+        "memory), checkpoint (re-read from the model directory) or auto (copy when it fits in half the free RAM)"
+    ))  # fmt: skip
+    g = p.add_argument_group("what to check")
+    g.add_argument("--lengths", help="comma-separated prompt lengths (default: boundary sizes up to the model length)")
+    g.add_argument("--short-max-len", type=int, default=None, help="sweep lengths sent before the pollution burst")
+    g.add_argument("--burst", type=int, default=2, help="long requests in the pollution burst")
+    g.add_argument(
+        "--video", metavar="FILE", help="a video request joins the pollution burst (default with --demo: its clip)"
+    )
+    g.add_argument("--load", type=float, default=0.0, metavar="SECONDS", help="also run the load check this long")
+    g.add_argument("--load-streams", type=int, default=8)
+    g.add_argument("--load-max-tokens", type=int, default=16)
+    g.add_argument("--tolerance-mean", type=float, help="mean |Δ logprob| allowed (default by precision)")
+    g.add_argument("--tolerance-max", type=float, help="max |Δ logprob| allowed (default by precision)")
+    g.add_argument("--min-top1", type=float, help="top-1 agreement required (default by precision)")
+    g.add_argument("--prompt-file", help="text to build the prompts from (default: a built-in text)")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", metavar="FILE", help="write every number to FILE")
+    g.add_argument("--report", metavar="FILE.html", help="write a self-contained HTML report with the sweep plot")
+
+
+def _pairs(items: list[str]) -> dict[str, Path]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise ValueError(f"--lora-modules expects NAME=PATH, got {item!r}")
+        out[name] = Path(value)
+    return out
+
+
+@dataclass
+class Inputs:
+    model_dir: Path
+    adapters: dict[str, Path]
+    lengths: list[int]
+    video: Path | None
+
+
+def _inputs(args: argparse.Namespace) -> Inputs:
+    from hylora.demo import DEMO_ADAPTERS, ensure_demo
+    from hylora.doctor.prompts import parse_lengths, sweep_lengths
+
+    if args.demo == bool(args.model_dir):
+        raise ValueError("give a MODEL_DIR or --demo (one of them)")
+    adapters = _pairs(args.lora_modules)
+    video = Path(args.video) if args.video else None
+    if args.demo:
+        model_dir = ensure_demo()
+        adapters = {name: model_dir / "adapters" / name for name in DEMO_ADAPTERS} | adapters
+        clip = model_dir / "media" / "excavation.mp4"
+        video = video or (clip if clip.is_file() else None)
+    else:
+        model_dir = Path(args.model_dir)
+    if video is not None and not video.is_file():
+        raise FileNotFoundError(f"--video {video}: no such file")
+    limit = args.max_model_len - 1
+    lengths = parse_lengths(args.lengths) if args.lengths else sweep_lengths(limit)
+    if lengths[-1] > limit:
+        raise ValueError(f"--lengths goes to {lengths[-1]} tokens; --max-model-len {args.max_model_len} allows {limit}")
+    return Inputs(model_dir, adapters, lengths, video)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from hylora.doctor.compare import Tolerance
+    from hylora.doctor.deployment import EngineDeployment
+    from hylora.doctor.doctor import DoctorOptions, run_doctor
+    from hylora.doctor.endpoint import Budget, Endpoint
+    from hylora.doctor.html import write_html
+    from hylora.doctor.prompts import MIXED_LENGTHS, SHORT_MAX, doctor_sequence, read_prompt_text
+    from hylora.doctor.reference import Reference
+    from hylora.doctor.report import render_text, write_json
+    from hylora.doctor.scores import TokenTexts
+    from hylora.engine.config import EngineConfig
+    from hylora.engine.engine import LLMEngine
+    from hylora.tokenizer import load_tokenizer
+
+    x = _inputs(args)
+    tokenizer = load_tokenizer(x.model_dir)
+    sequence = doctor_sequence(
+        tokenizer, max(x.lengths[-1], sum(MIXED_LENGTHS) + 256), read_prompt_text(args.prompt_file)
+    )
+    endpoint = None
+    if args.endpoint:  # reach the server before spending minutes on loading the model
+        endpoint = Endpoint(
+            args.endpoint,
+            sequence,
+            list(x.adapters),
+            api_key=args.api_key,
+            base_name=args.served_model_name,
+            request_timeout=args.request_timeout,
+            budget=Budget(args.max_requests, args.time_limit),
+        )
+        try:
+            endpoint.connect()
+        except ConnectionError as e:
+            print(f"hylora doctor: cannot use {args.endpoint}: {e}", file=sys.stderr)
+            return 1
+    config = EngineConfig(
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
+        device=args.device,
+        # the reference alone needs no LoRA slots and one sequence at a time
+        max_num_seqs=2 if endpoint else args.max_num_seqs,
+        max_loras=1 if endpoint else max(4, len(x.adapters)),
+        max_lora_rank=1 if endpoint else args.max_lora_rank,
+    )
+    # the reference's engine; in-process it is also the deployment checked
+    engine = LLMEngine(x.model_dir, config, lora_modules=None if endpoint else x.adapters)
+    reference = Reference(engine, x.adapters, sequence, x.lengths[-1], args.restore)
+    engine_dtype = str(engine.model.dtype).removeprefix("torch.")
+    if endpoint is not None:
+        deployment, kernels = endpoint, None
+        tolerance = Tolerance.for_dtypes(engine_dtype, args.endpoint_dtype)
+    else:
+        deployment, kernels = EngineDeployment(engine, sequence, args.request_timeout), dict(engine.kernels)
+        tolerance = Tolerance.for_dtypes(engine_dtype)
+    options = DoctorOptions(
+        lengths=x.lengths,
+        tolerance=tolerance.with_overrides(args.tolerance_mean, args.tolerance_max, args.min_top1),
+        short_max=args.short_max_len if args.short_max_len is not None else SHORT_MAX,
+        burst_size=args.burst,
+        load_seconds=args.load,
+        load_streams=args.load_streams,
+        load_max_tokens=args.load_max_tokens,
+        video=x.video,
+    )
+    report = run_doctor(deployment, reference, list(x.adapters), options, TokenTexts(engine.tokenizer), kernels)
+    print(render_text(report))
+    if args.json:
+        write_json(report, args.json)
+    if args.report:
+        write_html(report, args.report)
+    return report.exit_code

@@ -1,0 +1,147 @@
+"""What doctor checks: a deployment that scores prompts. In-process it is hylora's engine; against
+a server it is `endpoint.Endpoint`. Both answer the same two questions."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from hylora.doctor.prompts import Probe, video_messages
+from hylora.doctor.scores import Scores
+from hylora.engine.chat_input import MediaSettings, multimodal_prompt
+from hylora.engine.engine import LLMEngine, RequestError, RequestOutput
+from hylora.engine.multimodal import MultimodalPrompt
+from hylora.engine.request import SamplingParams
+
+SERVED_TOP_K = 1  # top-1 is all doctor needs from a server
+
+
+@dataclass
+class LoadStats:
+    """N concurrent streams for a bounded time: nothing may be lost, nothing may fail."""
+
+    streams: int
+    seconds: float
+    started: int = 0
+    completed: int = 0  # ended normally with the tokens asked for (or a stop)
+    server_errors: int = 0  # 5xx (or an engine error in-process)
+    other_errors: int = 0  # 4xx, refused
+    lost: int = 0  # ended without a finish (connection dropped, no [DONE], missing tokens)
+    tokens: int = 0
+    examples: list[str] = field(default_factory=list)  # the first few problems
+
+    def problem(self, text: str) -> None:
+        if len(self.examples) < 5:
+            self.examples.append(text)
+
+
+class Deployment(Protocol):
+    description: str
+    limits: list[str]  # what cannot be checked on this deployment
+
+    def score(self, probes: list[Probe], concurrent: bool = False) -> list[Scores]:
+        """Each probe's prompt scored: sent one after another, or all at once (one batch)."""
+        ...
+
+    def load(self, streams: int, seconds: float, max_tokens: int) -> LoadStats: ...
+
+
+class EngineDeployment:
+    """hylora in this process: requests go straight to the engine; several at once share its steps."""
+
+    def __init__(self, engine: LLMEngine, sequence: list[int], request_timeout: float = 3600.0):
+        self.engine, self.sequence = engine, sequence
+        self.request_timeout = request_timeout
+        self._ids = itertools.count()
+        dtype = str(engine.model.dtype).removeprefix("torch.")
+        self.description = f"hylora in-process ({engine.model_dir.name}, {engine.model.device.type}, {dtype})"
+        self.limits: list[str] = []
+
+    def score(self, probes: list[Probe], concurrent: bool = False) -> list[Scores]:
+        if not concurrent:
+            return [self._run([p])[0] for p in probes]
+        return self._run(probes)
+
+    def _run(self, probes: list[Probe]) -> list[Scores]:
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=SERVED_TOP_K, prompt_logprobs=SERVED_TOP_K)
+        results: list[Scores | None] = [None] * len(probes)
+        order = {}
+        for i, probe in enumerate(probes):
+            rid = f"doctor-{next(self._ids)}"
+            try:
+                if probe.video is not None:
+                    ids, mm = self._video_prompt(probe.video)
+                    self.engine.add_request(
+                        rid, ids, SamplingParams(max_tokens=1, temperature=0.0), probe.target, mm=mm
+                    )
+                else:
+                    self.engine.add_request(rid, probe.window.ids(self.sequence), params, probe.target)
+            except (RequestError, LookupError, ValueError) as e:  # refused: unknown adapter, too long, bad media
+                results[i] = Scores.failed(f"refused: {e}")
+                continue
+            order[rid] = i
+            if probe.fault:
+                self.engine.inject_fault(rid, probe.fault)
+        for out in self._until_done(set(order)):
+            i = order[out.request_id]
+            video_ok = probes[i].video is not None and not out.error
+            results[i] = Scores() if video_ok else Scores.from_output(out)
+        return results  # type: ignore[return-value]
+
+    def _video_prompt(self, path: Path) -> tuple[list[int], MultimodalPrompt]:
+        vision = self.engine.model.config.vision
+        if self.engine.model.visual is None or vision is None:
+            raise ValueError("this model has no vision tower: no video can be sent")
+        settings = MediaSettings.for_model(self.engine.model_dir, vision, self.engine.tokenizer)
+        return asyncio.run(multimodal_prompt(settings, self.engine.tokenizer, video_messages(path)))
+
+    def _until_done(self, ids: set[str]) -> list[RequestOutput]:
+        """Step until every request in `ids` finished; past the timeout the rest are aborted."""
+        finished = []
+        deadline = time.monotonic() + self.request_timeout
+        while ids:
+            if time.monotonic() > deadline:
+                for rid in ids:
+                    self.engine.abort(rid, error=f"did not finish within {self.request_timeout:g} s")
+            for out in self.engine.step():
+                if out.finished and out.request_id in ids:
+                    ids.discard(out.request_id)
+                    finished.append(out)
+        return finished
+
+    def load(self, streams: int, seconds: float, max_tokens: int) -> LoadStats:
+        stats = LoadStats(streams, seconds)
+        targets = [None, *self.engine.adapters.names()]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        running: set[str] = set()
+        deadline = time.monotonic() + seconds
+        while running or time.monotonic() < deadline:
+            while time.monotonic() < deadline and len(running) < streams:
+                n = next(self._ids)
+                rid = f"doctor-load-{n}"
+                stats.started += 1
+                try:
+                    self.engine.add_request(rid, self.sequence[n % 64 : n % 64 + 16], params, targets[n % len(targets)])
+                except (RequestError, LookupError, ValueError) as e:
+                    stats.other_errors += 1
+                    stats.problem(f"{rid}: refused: {e}")
+                    continue
+                running.add(rid)
+            for out in self.engine.step():
+                if not out.finished or out.request_id not in running:
+                    continue
+                running.discard(out.request_id)
+                stats.tokens += len(out.token_ids)
+                if out.error:
+                    stats.server_errors += 1
+                    stats.problem(f"{out.request_id}: {out.error}")
+                elif len(out.token_ids) != max_tokens:
+                    stats.lost += 1
+                    stats.problem(f"{out.request_id}: {len(out.token_ids)} of {max_tokens} tokens")
+                else:
+                    stats.completed += 1
+        return stats

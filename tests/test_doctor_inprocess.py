@@ -1,0 +1,111 @@
+"""`hylora doctor --demo` in this process: every check on the demo model and its adapters passes, with
+the fidelity sweep up to 4096 tokens; the JSON holds the numbers and the HTML report shows the sweep
+(and renders in a real browser when Chromium is installed)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hylora.cli import build_parser
+from hylora.doctor.cli import run_from_args
+from hylora.doctor.prompts import BOUNDARY_LENGTHS
+
+TARGETS = ["base", "relic", "tomb", "mural"]
+
+
+@pytest.fixture(scope="module")
+def doctor_run(demo_cache_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("doctor")
+    argv = ["doctor", "--demo", "--device", "cpu", "--max-num-batched-tokens", "4096", "--load", "2"]
+    argv += ["--json", str(out / "doctor.json"), "--report", str(out / "doctor.html")]
+    text = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(text):
+        mp.setenv("HYLORA_CACHE_DIR", str(demo_cache_dir))
+        code = run_from_args(build_parser().parse_args(argv))
+    return code, text.getvalue(), json.loads((out / "doctor.json").read_text()), out / "doctor.html"
+
+
+def test_demo_passes_every_check_with_the_sweep_to_4096(doctor_run):
+    code, text, data, _ = doctor_run
+    assert code == 0, text
+    status = {c["name"]: c["status"] for c in data["checks"]}
+    assert status == {
+        "kernels": "skip", "adapter_effect": "pass", "fidelity": "pass", "mixed_batches": "pass",
+        "pollution": "pass", "load": "pass",
+    }  # fmt: skip
+    assert data["lengths"] == list(BOUNDARY_LENGTHS) and data["lengths"][-1] == 4096
+    sweep = {s["target"]: s for s in data["sweep"]}
+    assert list(sweep) == TARGETS
+    for s in sweep.values():
+        assert [d["length"] for d in s["lengths"]] == list(BOUNDARY_LENGTHS)
+        assert s["cliff"] is None
+        assert all(d["error"] is None and d["non_finite"] == 0 for d in s["lengths"])
+        assert all(d["positions"] >= d["length"] - 1 and d["top1_compared"] == d["length"] for d in s["lengths"])
+    checks = {c["name"]: c for c in data["checks"]}
+    assert checks["kernels"]["summary"].startswith("no fast kernels in use")  # CPU: every op is its reference
+    assert any("injected NaN failed alone" in n for n in checks["pollution"]["notes"])
+    assert "the video request in the burst (excavation.mp4) was served" in checks["pollution"]["notes"]
+    assert "bit-identical" in checks["pollution"]["summary"]
+    effects = checks["adapter_effect"]["data"]
+    assert all(effects[a]["effect_mean"] > 0.1 and not effects[a]["base"] for a in TARGETS[1:])
+    assert "PASSED (exit 0)" in text
+
+
+def test_report_plot_shows_the_sweep(doctor_run):
+    html = doctor_run[3].read_text()
+    svg = html[html.index("<svg") : html.index("</svg>")]
+    assert svg.count("<polyline") == 2 * len(TARGETS)  # max and mean per target
+    assert svg.count("<title>") == len(TARGETS) * len(BOUNDARY_LENGTHS)  # one point per (target, length)
+    assert ">4096<" in svg and "max tolerance" in svg
+    assert not re.search(r"(src|href)=\"https?:", html)  # self-contained
+
+
+def _chromium() -> str | None:
+    return next((p for p in ("chromium", "chromium-browser", "google-chrome") if shutil.which(p)), None)
+
+
+@pytest.mark.skipif(_chromium() is None, reason="Chromium is not installed")
+def test_report_renders_in_headless_chromium(doctor_run, tmp_path):
+    png = tmp_path / "report.png"
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={png}"]
+    cmd += ["--window-size=1200,1500", Path(doctor_run[3]).resolve().as_uri()]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    from PIL import Image
+
+    with Image.open(png) as image:
+        assert image.size == (1200, 1500)
+        assert len(image.convert("RGB").getcolors(1 << 20) or []) > 20  # drawn, not a blank page
+
+
+def test_in_process_failures_fail_the_run(demo_dir):
+    """A kernel that failed its start-up check, and an adapter that is not what its name says (the
+    engine serves relic's files under 'relic', the reference is told 'relic' is tomb's)."""
+    from hylora.doctor import DoctorOptions, Status, Tolerance, run_doctor
+    from hylora.doctor.deployment import EngineDeployment
+    from hylora.doctor.prompts import doctor_sequence
+    from hylora.doctor.reference import Reference
+    from hylora.doctor.scores import TokenTexts
+    from hylora.engine import EngineConfig, LLMEngine
+
+    adapters = {"relic": demo_dir / "adapters" / "relic"}
+    engine = LLMEngine(demo_dir, EngineConfig(max_model_len=600, device="cpu"), lora_modules=adapters, progress=False)
+    engine.kernels = dict(engine.kernels, lora="reference (rel. error 3.00e-01 > 1e-04)")
+    sequence = doctor_sequence(engine.tokenizer, 600)
+    reference = Reference(engine, {"relic": demo_dir / "adapters" / "tomb"}, sequence, 129)
+    options = DoctorOptions(lengths=[1, 65, 129], tolerance=Tolerance.for_dtypes("float32"), short_max=65)
+    report = run_doctor(
+        EngineDeployment(engine, sequence), reference, ["relic"], options, TokenTexts(engine.tokenizer), engine.kernels
+    )
+    status = {c.name: c.status for c in report.checks}
+    assert status["kernels"] is Status.FAIL and status["fidelity"] is Status.FAIL
+    assert status["adapter_effect"] is Status.FAIL  # matches neither its reference nor the base
+    assert status["mixed_batches"] is Status.PASS and status["pollution"] is Status.PASS
+    assert report.exit_code == 1
