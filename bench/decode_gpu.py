@@ -7,7 +7,12 @@
    gate/up linear with 8 rank-16 adapters mixed (Triton vs masked vs grouped), decode (32 tokens)
    and prefill (2048 tokens). Each beside its bytes roofline at 4.3 TB/s.
 3. DESIGN.md's workload (32 x 512-token prompts + 64 greedy tokens) through the engine, base and 8
-   mixed adapters, with the Triton kernels installed vs the references; fault isolation with them on.
+   mixed adapters: Triton kernels + CUDA graphs for decode, Triton kernels eager, references eager;
+   fault isolation with graphs on.
+4. CUDA graphs (issue 10, part 3): a graph replay equals the same padded step run eagerly, bit for
+   bit; the engine with graphs vs eager (tokens, logprobs); the decode step alone at batch 1, 8, 32,
+   64 (context 576), base and 8 mixed adapters, graph vs eager, beside its bytes roofline (weights
+   without the embedding table + distinct adapters + KV + GDN state + logits).
 
     python bench/decode_gpu.py [--layers 16] [--out results.json]
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import tempfile
 import time
@@ -28,8 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.engine_gpu import QWEN36_27B, _run_workload, fault_check, random_model, write_random_adapter  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import write_tokenizer  # noqa: E402
-from hylora.engine import EngineConfig, LLMEngine  # noqa: E402
+from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from hylora.engine.decode_batch import DecodeRow  # noqa: E402
+from hylora.engine.padded_decode import PaddedDecode  # noqa: E402
 from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply_grouped, lora_apply_masked  # noqa: E402
+from hylora.model.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
+from hylora.model.layers import Linear  # noqa: E402
 from hylora.ops.gdn_decode.reference import gdn_decode as gdn_reference  # noqa: E402
 from hylora.ops.kernel_check import install_triton_kernels  # noqa: E402
 from hylora.ops.paged_decode_attention.reference import paged_decode_attention as attention_reference  # noqa: E402
@@ -150,6 +160,154 @@ def _lora_row(cfg: ModelConfig, tokens: int, L: int = 8, r: int = 16, dev: str =
     }
 
 
+def step_bytes(engine: LLMEngine, batch: int, context: int, adapters: int) -> dict[str, float]:
+    """Bytes one decode step must move: weights (not the embedding table: a step reads `batch` rows of
+    it), each distinct adapter's A and B, the KV it attends to, the GDN state read and written, logits."""
+    model, c = engine.model, engine.model.config
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("embed"))
+    per_adapter = 0
+    for m in model.layers.modules():
+        if isinstance(m, Linear) and m.lora is not None:
+            slices = zip(m.lora.a, m.lora.b, strict=True)
+            per_adapter += sum(a[0].numel() * a.element_size() + b[0].numel() * b.element_size() for a, b in slices)
+    kv_token = 2 * len(c.attention_layers) * c.num_key_value_heads * c.head_dim * model.dtype.itemsize
+    state = len(c.gdn_layers) * (
+        c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        + c.linear_conv_dim * (c.linear_conv_kernel_dim - 1) * model.dtype.itemsize
+    )
+    return {
+        "weights": weights,
+        "adapters": adapters * per_adapter,
+        "kv": batch * (context + 1) * kv_token,
+        "state": 2 * batch * state,
+        "logits": batch * c.vocab_size * 4,
+    }
+
+
+def eager_step(engine: LLMEngine, rows: list[DecodeRow]) -> torch.Tensor:
+    """The runner's eager decode path: ForwardBatch.build, forward, logits, finiteness to the host."""
+    seqs = [SequenceChunk([r.token_id], r.context_len, r.state_slot, r.pages, lora_slot=r.lora_slot) for r in rows]
+    batch = ForwardBatch.build(seqs, engine.kv.page_size, engine.model.device)
+    hidden = engine.model(batch, engine.kv, engine.states)
+    logits = engine.model.logits(hidden)
+    finite = torch.isfinite(hidden).all(-1) & torch.isfinite(logits).all(-1)
+    finite.cpu()
+    return logits
+
+
+def wall_ms(fn, reps: int = 30) -> float:
+    """Median wall ms of `fn` (which ends with a device→host copy, as an engine step does)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def decode_steps(engine: LLMEngine, batches=(1, 8, 32, 64), context: int = 576) -> list[dict]:
+    """Decode step alone, CUDA graph vs eager, base and 8 mixed adapters, beside its bytes roofline;
+    and at batch 32 (bucket 32) and 27 (bucket 32, 5 padding rows) a graph replay vs the same padded
+    step run eagerly: logits and the rows' caches compared bit for bit."""
+    graphs, kv, states = engine.runner.decode, engine.kv, engine.states
+    leases = [engine.adapters.acquire(f"a{i}") for i in range(8)]
+    rows_out = []
+    try:
+        for n in (*batches, 27):
+            slots = [states.allocate() for _ in range(n)]
+            pages = [kv.allocate(kv.pages_needed(context + 1)) for _ in range(n)]
+            for mixed in (False, True):
+                rows = [
+                    DecodeRow(100 + i, context, slots[i], pages[i], leases[i % 8].slot if mixed else -1)
+                    for i in range(n)
+                ]
+                if n in (27, 32):
+                    rows_out.append(_bitwise_check(engine, rows, slots, pages, context, mixed))
+                    print(rows_out[-1], flush=True)
+                if n == 27:
+                    continue
+                nbytes = step_bytes(engine, n, context, min(n, 8) if mixed else 0)
+                roofline = 1e3 * sum(nbytes.values()) / BW
+                row = {
+                    "decode step": f"batch {n}, {'8 adapters mixed' if mixed else 'base'}",
+                    "graph_ms": wall_ms(lambda rows=rows: graphs.run(rows)),
+                    "eager_ms": wall_ms(lambda rows=rows: eager_step(engine, rows)),
+                    "roofline_ms": roofline,
+                    "bytes_gb": {k: v / 1e9 for k, v in nbytes.items()},
+                }
+                row["graph_over_roofline"] = row["graph_ms"] / roofline
+                rows_out.append(row)
+                print(row, flush=True)
+            for p in pages:
+                kv.free(p)
+            for slot in slots:
+                states.free(slot)
+    finally:
+        for lease in leases:
+            engine.adapters.release(lease)
+    return rows_out
+
+
+def _bitwise_check(engine, rows, slots, pages, context, mixed) -> dict:
+    kv, states, ps = engine.kv, engine.states, engine.kv.page_size
+    kv_rows = torch.tensor([p[context // ps] * ps + context % ps for p in pages], device="cuda")
+
+    def caches() -> list[torch.Tensor]:  # what the step writes for these rows
+        return [
+            t.clone() for t in (states.conv[:, slots], states.recurrent[:, slots], kv.k[:, kv_rows], kv.v[:, kv_rows])
+        ]
+
+    saved = caches()
+    graphed = engine.runner.decode.run(rows)
+    after_graph = caches()
+    states.conv[:, slots], states.recurrent[:, slots] = saved[0], saved[1]
+    kv.k[:, kv_rows], kv.v[:, kv_rows] = saved[2], saved[3]
+    eager = PaddedDecode(engine.model, kv, states, engine.config.max_num_seqs, engine.config.max_model_len).run(rows)
+    same_caches = all(torch.equal(a, b) for a, b in zip(after_graph, caches(), strict=True))
+    same = torch.equal(graphed.logits, eager.logits) and same_caches
+    return {
+        "check": f"graph replay == eager padded step, batch {len(rows)}, {'8 adapters mixed' if mixed else 'base'}",
+        "bit_identical": same,
+        "finite": all(graphed.finite_hidden) and all(graphed.finite_logits),
+    }
+
+
+def graph_equivalence(engine: LLMEngine, adapter_of, label: str) -> dict:
+    """The engine with CUDA graphs vs eager (same Triton kernels): 16 requests x 32 greedy tokens."""
+    g = torch.Generator().manual_seed(7)
+    lengths = torch.randint(20, 300, (16,), generator=g).tolist()
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lengths]
+    params = SamplingParams(max_tokens=32, temperature=0, logprobs=0, ignore_eos=True)
+    graphs, outs = engine.runner.decode, {}
+    for use_graphs in (True, False):
+        engine.runner.decode = graphs if use_graphs else None
+        for i, p in enumerate(prompts):
+            engine.add_request(f"eq{use_graphs}{label}{i}", p, params, adapter_of(i))
+        done = {}
+        while engine.has_unfinished():
+            done |= {o.request_id: o for o in engine.step() if o.finished}
+        outs[use_graphs] = [done[f"eq{use_graphs}{label}{i}"] for i in range(len(prompts))]
+    engine.runner.decode = graphs
+    same_tokens, diffs, first_divergence = 0, [], []
+    for a, b in zip(outs[True], outs[False], strict=True):
+        k = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), len(a.token_ids))
+        same_tokens += k == len(a.token_ids)
+        first_divergence.append(k)
+        diffs += [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs[:k], b.logprobs[:k], strict=True)]
+    return {
+        "check": f"engine, CUDA graphs vs eager, {label}",
+        "requests_with_identical_tokens": f"{same_tokens}/{len(prompts)}",
+        "first_divergence": first_divergence,
+        "max_abs_logprob_diff_before_divergence": max(diffs),
+        "errors": sum(o.error is not None for o in outs[True] + outs[False]),
+    }
+
+
 def uninstall(model) -> None:
     for layer in model.layers:
         if layer.is_linear:
@@ -162,6 +320,8 @@ def uninstall(model) -> None:
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("hylora.engine.cuda_graphs").setLevel(logging.INFO)  # capture time and memory
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--out")
@@ -180,29 +340,40 @@ def main() -> None:
     for i in range(8):
         write_random_adapter(work / f"a{i}", cfg, rank=16, seed=i)
         adapters[f"a{i}"] = work / f"a{i}"
-    engine = LLMEngine(
+    t0 = time.perf_counter()
+    engine = LLMEngine(  # max_num_seqs 64: decode graphs for buckets up to 64 (the workload runs 32)
         demo,
-        EngineConfig(max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=2048, max_loras=8, max_lora_rank=16),
+        EngineConfig(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=2048, max_loras=8, max_lora_rank=16),
         adapters,
         progress=False,
         model=model,
     )
-    print(f"kernels: {engine.kernels}", flush=True)
+    result["engine_setup_s"] = time.perf_counter() - t0
+    print(f"kernels: {engine.kernels}; engine set-up {result['engine_setup_s']:.1f} s", flush=True)
     result["kernels"] = engine.kernels
+    graphs = engine.runner.decode
+    if graphs is None:
+        raise SystemExit("no CUDA graphs were captured (see the log)")
     installed = [k for k, v in engine.kernels.items() if v.startswith("triton")]
+    mixes = [("base", lambda i: None, 1), ("8 adapters mixed", lambda i: f"a{i % 8}", 8)]
+    result["graph_checks"] = [graph_equivalence(engine, adapter_of, label) for label, adapter_of, _ in mixes]
+    print(*result["graph_checks"], sep="\n", flush=True)
+    result["decode_steps"] = decode_steps(engine)
     runs = []
-    for fast in (True, False):
+    for mode in ("triton kernels + CUDA graphs", "triton kernels", "references"):
         uninstall(model)
-        if fast:
+        if mode != "references":
             install_triton_kernels(model, installed)
-        for label, adapter_of, warm in [("base", lambda i: None, 1), ("8 adapters mixed", lambda i: f"a{i % 8}", 8)]:
-            row = _run_workload(engine, f"{label}, {'triton kernels' if fast else 'references'}", adapter_of, warm)
+        engine.runner.decode = graphs if mode.endswith("graphs") else None
+        for label, adapter_of, warm in mixes:
+            row = _run_workload(engine, f"{label}, {mode}", adapter_of, warm)
             row["decode_weight_roofline_ms"] = 1e3 * weight_bytes / BW
             runs.append(row)
             print(row, flush=True)
     uninstall(model)
     install_triton_kernels(model, installed)
-    runs.append(fault_check(engine, 8))
+    engine.runner.decode = graphs
+    runs.append(fault_check(engine, 8) | {"run": "fault isolation (CUDA graphs)"})
     print(runs[-1], flush=True)
     result["workload"] = runs
     if args.out:

@@ -13,7 +13,12 @@ class OutOfPages(RuntimeError):
 
 
 class PagedKVCache:
-    """k/v [L_attn, num_pages * page_size, Hkv, D]. A page handed out is zeroed first."""
+    """k/v [L_attn, (num_pages + 1) * page_size, Hkv, D]. A page handed out is zeroed first.
+
+    Page `null_page` (the extra last one) is never handed out: padding rows of a decode batch
+    padded to a CUDA-graph bucket write their K/V there, so they never touch a live sequence's
+    page, and nothing ever reads it (a padding row attends to 0 tokens).
+    """
 
     def __init__(
         self,
@@ -25,11 +30,12 @@ class PagedKVCache:
     ):
         n_layers = len(config.attention_layers)
         self.layer_index = {layer: i for i, layer in enumerate(config.attention_layers)}
-        shape = (n_layers, num_pages * page_size, config.num_key_value_heads, config.head_dim)
+        shape = (n_layers, (num_pages + 1) * page_size, config.num_key_value_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_pages = num_pages
         self.page_size = page_size
+        self.null_page = num_pages  # write-only sink for padding rows; no sequence owns it
         self._pages = IndexAllocator(num_pages, "page")
 
     @property

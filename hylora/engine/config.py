@@ -30,7 +30,10 @@ class EngineConfig:
             env = os.environ.get(f"HYLORA_{f.name.upper()}")
             if env is not None and getattr(self, f.name) == f.default:  # explicit values win
                 current = getattr(self, f.name)
-                kind = type(current) if current is not None else (int if f.name == "num_pages" else str)
+                if isinstance(current, bool):
+                    setattr(self, f.name, env.strip().lower() in ("1", "true", "yes", "on"))
+                    continue
+                kind = type(current) if current is not None else (int if f.name in ("num_pages", "seed") else str)
                 setattr(self, f.name, kind(env))
         checks = [
             (self.max_model_len >= 1, "max_model_len must be >= 1"),

@@ -120,7 +120,7 @@ class LLMEngine:
         self.states = StatePool(self.model.config, plan.num_slots, self.model.dtype, self.model.device)
         self.encoder_cache = EncoderCache(int(config.encoder_cache_gb * (1 << 30)))
         self.scheduler = Scheduler(config, self.kv, self.states, self.adapters, self.encoder_cache, self._media_key)
-        self.runner = ModelRunner(self.model, self.kv, self.states)
+        self.runner = ModelRunner(self.model, self.kv, self.states, config)
         self.eos_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, TextStream] = {}

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from hylora.cache import PagedKVCache, StatePool
+from hylora.engine.config import EngineConfig
+from hylora.engine.cuda_graphs import make_graph_decode
+from hylora.engine.decode_batch import DecodeRow
+from hylora.engine.padded_decode import PaddedDecode
 from hylora.engine.scheduler import ScheduledChunk
 from hylora.model.decoder import HybridDecoder
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk
@@ -21,11 +25,17 @@ class ChunkResult:
 
 
 class ModelRunner:
-    def __init__(self, model: HybridDecoder, kv: PagedKVCache, states: StatePool):
+    def __init__(self, model: HybridDecoder, kv: PagedKVCache, states: StatePool, config: EngineConfig | None = None):
+        """With `config` on CUDA (and not `enforce_eager`), decode steps replay CUDA graphs captured here."""
         self.model, self.kv, self.states = model, kv, states
+        # padded static-shape decode steps (CUDA graphs); None: every step runs eagerly
+        self.decode: PaddedDecode | None = None if config is None else make_graph_decode(model, kv, states, config)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
+        rows = _decode_rows(chunks, self.decode.max_batch) if self.decode is not None else None
+        if rows is not None:
+            return self._execute_decode(chunks, rows)
         seqs = []
         for c in chunks:
             r = c.request
@@ -80,6 +90,26 @@ class ModelRunner:
             )
         return results
 
+    def _execute_decode(self, chunks: list[ScheduledChunk], rows: list[DecodeRow]) -> list[ChunkResult]:
+        """A decode step through the padded static step (row i = chunk i): same results as `execute`'s
+        eager path: each row's logits serve its prompt logprob and/or its next token."""
+        assert self.decode is not None
+        out = self.decode.run(rows)
+        results = []
+        for i, c in enumerate(chunks):
+            positions = _prompt_positions(c)  # at most this one token's position
+            wants_logits = bool(positions) or c.samples
+            finite = out.finite_hidden[i] and (out.finite_logits[i] or not wants_logits)
+            results.append(
+                ChunkResult(
+                    finite=finite,
+                    sample_logits=out.logits[i] if c.samples else None,
+                    prompt_logits=out.logits[i : i + 1] if positions else None,
+                    prompt_positions=positions,
+                )
+            )
+        return results
+
     def poison(self, state_slot: int | None, pages: list[int]) -> None:
         """Test hook: fill one request's GDN state and KV pages with NaN, as a faulty kernel would."""
         if state_slot is not None:
@@ -89,6 +119,28 @@ class ModelRunner:
             sl = slice(p * self.kv.page_size, (p + 1) * self.kv.page_size)
             self.kv.k[:, sl] = float("nan")
             self.kv.v[:, sl] = float("nan")
+
+
+def _decode_rows(chunks: list[ScheduledChunk], max_batch: int) -> list[DecodeRow] | None:
+    """The step as padded-decode rows, or None when it must run eagerly: a prefill chunk of several
+    tokens, more sequences than the largest bucket, or a token whose embedding is given (media)."""
+    if not chunks or len(chunks) > max_batch or any(c.num_tokens != 1 for c in chunks):
+        return None
+    rows = []
+    for c in chunks:
+        r = c.request
+        assert r.state_slot is not None
+        positions = None
+        if r.mm is not None:
+            if r.mm.chunk_embeds(c.start, c.start + 1) is not None:
+                return None
+            t, h, w = r.mm.positions.window(c.start, c.start + 1)[:, 0].tolist()
+            positions = (t, h, w)
+        lora_slot = r.lora.slot if r.lora is not None else -1
+        n_prompt = len(r.prompt_ids)  # (not all_ids: that copies the whole sequence)
+        token = r.prompt_ids[c.start] if c.start < n_prompt else r.output_ids[c.start - n_prompt]
+        rows.append(DecodeRow(token, c.start, r.state_slot, r.pages, lora_slot, positions))
+    return rows
 
 
 def _prompt_positions(c: ScheduledChunk) -> range:

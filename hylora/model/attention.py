@@ -13,6 +13,7 @@ from hylora.config import ModelConfig
 from hylora.model.forward_batch import ForwardBatch
 from hylora.model.layers import Linear, RMSNorm
 from hylora.model.rotary import apply_rotary
+from hylora.ops.paged_decode_attention.reference import paged_decode_attention as paged_decode_attention_reference
 
 
 class GatedAttention(nn.Module):
@@ -41,10 +42,11 @@ class GatedAttention(nn.Module):
         v = v.reshape(T, self.kv_heads, self.head_dim)
 
         layer = kv.layer_index[self.layer_idx]
-        kv.k[layer, batch.kv_slot_mapping] = k.to(kv.k.dtype)
-        kv.v[layer, batch.kv_slot_mapping] = v.to(kv.v.dtype)
-        if batch.is_decode and self.decode_attention is not None:
-            o = self.decode_attention(
+        kv.k[layer].index_copy_(0, batch.kv_slot_mapping, k.to(kv.k.dtype))  # no host sync, graph-safe
+        kv.v[layer].index_copy_(0, batch.kv_slot_mapping, v.to(kv.v.dtype))
+        if batch.is_decode and (self.decode_attention is not None or batch.padded):
+            attend = self.decode_attention or paged_decode_attention_reference  # both: length 0 gives zeros
+            o = attend(
                 q, kv.k[layer], kv.v[layer], batch.block_table, batch.decode_lens, batch.page_size,
                 self.head_dim**-0.5, max_seq_len=batch.max_decode_len,
             )  # fmt: skip

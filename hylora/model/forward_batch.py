@@ -39,7 +39,11 @@ class ForwardBatch:
     embed_values: torch.Tensor | None = None  # [K, hidden] their embeddings
     # decode batches only (one new token per sequence): tokens each attends to, new one included
     decode_lens: torch.Tensor | None = None  # [N] int32
-    max_decode_len: int = 0
+    max_decode_len: int = 0  # host bound on decode_lens (sizes the attention grid)
+    # a decode batch padded to a CUDA-graph bucket (engine/decode_batch.py): rows may be padding
+    # (state slot -1, decode length 0, KV row in the null page), so only the padding-aware decode
+    # kernels may run it (their torch references when no fast kernel is installed)
+    padded: bool = False
 
     @property
     def is_decode(self) -> bool:

@@ -13,6 +13,7 @@ from hylora.cache.state_pool import StatePool
 from hylora.config import ModelConfig
 from hylora.model.forward_batch import ForwardBatch
 from hylora.model.layers import GatedRMSNorm, Linear, _param
+from hylora.ops.gdn_decode.reference import gdn_decode as gdn_decode_reference
 
 
 class DepthwiseConv(nn.Module):
@@ -48,11 +49,10 @@ class GatedDeltaNet(nn.Module):
         slots = batch.state_slots
         qkv, z = self.in_proj_qkvz(x, batch.lora).split([self.conv_dim, self.value_dim], dim=-1)
         b, a = self.in_proj_ba(x, batch.lora).chunk(2, dim=-1)
-        if batch.is_decode and self.decode_step is not None:
+        if batch.is_decode and (self.decode_step is not None or batch.padded):
+            step = self.decode_step or gdn_decode_reference  # both: slot < 0 reads and writes nothing
             weight = self.conv1d.weight[:, 0]
-            o = self.decode_step(
-                qkv, b, a, weight, self.A_log, self.dt_bias, states.conv[layer], states.recurrent[layer], slots
-            )
+            o = step(qkv, b, a, weight, self.A_log, self.dt_bias, states.conv[layer], states.recurrent[layer], slots)
             o = self.norm(o, z.reshape(T, self.hv, self.dv))
             return self.out_proj(o.reshape(T, self.value_dim), batch.lora)
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply
+from hylora.model.device_lora import DeviceLoRABatch
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -40,7 +41,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        if lora is not None and self.lora is not None and lora.has_adapters:
+        if lora is None or self.lora is None:
+            return y
+        if isinstance(lora, DeviceLoRABatch):  # a padded decode step (CUDA graph): every slice, no host decision
+            return lora.apply(x, y, self.lora, self.lora_backend)
+        if lora.has_adapters:
             y = lora_apply(x, y, self.lora, lora, self.lora_backend)
         return y
 

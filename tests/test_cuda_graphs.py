@@ -1,0 +1,132 @@
+"""CUDA graphs for decode steps (needs a CUDA device; skipped on the CPU).
+
+A graph replay equals the same padded step run eagerly, bit for bit (logits, finiteness flags and
+every byte of the caches); the engine with graphs gives the tokens and logprobs of the engine with
+`enforce_eager`; a NaN poisoned into one request inside a graph fails that request alone; the eager
+decode forward makes no host sync.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hylora.engine.cuda_graphs import CudaGraphDecode
+from hylora.engine.padded_decode import PaddedDecode
+from hylora.engine.runner import _decode_rows
+from hylora.model.forward_batch import ForwardBatch, SequenceChunk
+from tests.decode_helpers import same_bits
+from tests.engine_helpers import greedy, make_engine, max_logprob_diff, run
+from tests.helpers import random_ids
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"),
+]
+ADAPTER_OF = [None, "gdn_attn", "all_linear", "rs_mlp", None, "gdn_attn"]
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def adapter_root(engine_adapter_root):
+    return engine_adapter_root
+
+
+def cuda_engine(causal_ckpt, adapter_root, dtype: str = "bfloat16", **config):
+    # a small explicit KV cache (not 90% of the card: the tests copy the caches)
+    config = dict(dict(max_model_len=600, max_num_seqs=8, max_num_batched_tokens=1024, num_pages=160), **config)
+    return make_engine(causal_ckpt[0], adapter_root, device="cuda", dtype=dtype, **config)
+
+
+def prefilled(engine, adapters: list[str | None]) -> None:
+    for i, adapter in enumerate(adapters):
+        engine.add_request(f"r{i}", random_ids(17 + 29 * i, 320, seed=90 + i), greedy(16), adapter)
+    engine.step()
+    engine.step()
+
+
+@pytest.mark.parametrize("mix", ["base", "mixed"])
+def test_graph_replay_equals_the_eager_padded_step_bit_for_bit(causal_ckpt, adapter_root, mix, caplog):
+    with caplog.at_level(logging.INFO, logger="hylora.engine.cuda_graphs"):
+        engine = cuda_engine(causal_ckpt, adapter_root)
+    assert isinstance(engine.runner.decode, CudaGraphDecode), engine.kernels
+    assert "captured 8 decode CUDA graphs" in caplog.text  # buckets 1 2 4 8, with and without adapters
+    prefilled(engine, ADAPTER_OF[:5] if mix == "mixed" else [None] * 5)
+    rows = _decode_rows(engine.scheduler.schedule().chunks, 8)
+    assert rows is not None and len(rows) == 5  # bucket 8: three padding rows
+    kv, states = engine.kv, engine.states
+    before = [t.clone() for t in (kv.k, kv.v, states.conv, states.recurrent)]
+
+    graphed = engine.runner.decode.run(rows)
+    after_graph = [t.clone() for t in (kv.k, kv.v, states.conv, states.recurrent)]
+    for t, b in zip((kv.k, kv.v, states.conv, states.recurrent), before, strict=True):
+        t.copy_(b)
+    eager = PaddedDecode(engine.model, kv, states, 8, 600).run(rows)
+
+    assert torch.equal(graphed.logits, eager.logits)
+    assert graphed.finite_hidden == eager.finite_hidden == [True] * 5
+    assert graphed.finite_logits == eager.finite_logits == [True] * 5
+    for g, e in zip(after_graph, (kv.k, kv.v, states.conv, states.recurrent), strict=True):
+        assert same_bits(g, e)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_engine_with_graphs_equals_enforce_eager(causal_ckpt, adapter_root, dtype):
+    arrivals = {
+        0: [(f"r{i}", random_ids(20 + 37 * i, 320, seed=i), greedy(40), a) for i, a in enumerate(ADAPTER_OF)],
+        9: [("late", random_ids(33, 320, seed=50), greedy(24), "all_linear")],
+    }
+    outputs = {}
+    for eager in (True, False):
+        engine = cuda_engine(causal_ckpt, adapter_root, DTYPES[dtype], enforce_eager=eager)
+        assert (engine.runner.decode is None) == eager
+        outputs[eager] = run(engine, arrivals)
+    tolerance = {"fp32": 1e-4, "bf16": 5e-2}[dtype]
+    for rid, out in outputs[False].items():
+        ref = outputs[True][rid]
+        assert out.error is None and out.token_ids == ref.token_ids, rid
+        assert max_logprob_diff(out, ref) <= tolerance, (rid, max_logprob_diff(out, ref))
+
+
+def test_fault_inside_a_graph_fails_one_request_and_a_probe_is_bit_identical(causal_ckpt, adapter_root):
+    engine = cuda_engine(causal_ckpt, adapter_root)
+    probe = ("probe", random_ids(64, 320, seed=3), greedy(8), "all_linear")
+    before = run(engine, {0: [probe]})["probe"]
+    batch = [(f"f{i}", random_ids(150 + i, 320, seed=10 + i), greedy(8), ADAPTER_OF[i % 6]) for i in range(6)]
+    for request in batch:
+        engine.add_request(*request)
+    engine.step()  # prefilled; the next steps are graph replays
+    engine.inject_fault("f1")
+    faulted = run(engine, {})
+    assert faulted["f1"].finish_reason == "error" and "numerical fault" in faulted["f1"].error
+    assert all(o.error is None for rid, o in faulted.items() if rid != "f1")
+    after = run(engine, {0: [("probe2", *probe[1:])]})["probe2"]
+    assert after.token_ids == before.token_ids
+    assert [x.logprob for x in after.logprobs] == [x.logprob for x in before.logprobs]
+
+
+def test_eager_decode_forward_makes_no_host_sync(causal_ckpt, adapter_root):
+    engine = cuda_engine(causal_ckpt, adapter_root, enforce_eager=True)
+    prefilled(engine, ADAPTER_OF[:5])
+    chunks = engine.scheduler.schedule().chunks
+    seqs = [
+        SequenceChunk(
+            c.request.all_ids[c.start : c.start + 1], c.start, c.request.state_slot, c.request.pages,
+            lora_slot=c.request.lora.slot if c.request.lora is not None else -1,
+        )
+        for c in chunks
+    ]  # fmt: skip
+    batch = ForwardBatch.build(seqs, engine.kv.page_size, "cuda")
+    assert batch.is_decode and batch.lora is not None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            hidden = engine.model(batch, engine.kv, engine.states)
+            logits = engine.model.logits(hidden)
+            finite = torch.isfinite(logits).all(-1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert finite.all()
