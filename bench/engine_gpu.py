@@ -140,11 +140,11 @@ def _transformers_bf16(demo: Path, lora: dict[str, Path]):
     """transformers + PEFT in bf16 on the GPU, for the bf16 yardstick; None where unavailable."""
     try:
         from peft import PeftModel
-        from transformers import Qwen3_5ForCausalLM
+        from transformers import Qwen3_5ForConditionalGeneration
     except ImportError as e:
         print(f"transformers/PEFT comparison skipped: {e}")
         return None
-    base = Qwen3_5ForCausalLM.from_pretrained(demo, dtype=torch.bfloat16).cuda().eval()
+    base = Qwen3_5ForConditionalGeneration.from_pretrained(demo, dtype=torch.bfloat16).cuda().eval()  # the VL demo
     names = list(lora)
     peft = PeftModel.from_pretrained(base, lora[names[0]], adapter_name=names[0])
     for name in names[1:]:
