@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.engine_gpu import QWEN36_27B, write_random_adapter  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import write_tokenizer  # noqa: E402
+from hylora.doctor.merged import touched_rows  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from hylora.engine.multimodal import build_multimodal_prompt  # noqa: E402
 from hylora.lora.adapter import read_adapter  # noqa: E402
@@ -36,7 +37,6 @@ from hylora.media import MediaConfig, MediaLimits  # noqa: E402
 from hylora.media.config import VideoConfig  # noqa: E402
 from hylora.media.processor import process_frames  # noqa: E402
 from hylora.model.decoder import HybridDecoder  # noqa: E402
-from hylora.model.packing import locate  # noqa: E402
 
 VISION_27B = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=5120)
 # Qwen3.5's video processor config (VISION.md): the pixel budget covers all frames together
@@ -69,15 +69,12 @@ def random_vl_model(cfg: ModelConfig, dtype: torch.dtype, device: str = "cuda") 
 
 @torch.inference_mode()
 def fold(model: HybridDecoder, adapter_dir: Path) -> None:
-    """W += scale * B A on exactly the rows each adapter projection lands on (fp32 sum, one rounding)."""
-    adapter = read_adapter(adapter_dir, model.config)
-    for (layer, sub, module), w in adapter.weights.items():
-        fused, index = locate(sub, module)
-        linear = model.get_submodule(f"layers.{layer}.{sub}.{fused}")
-        start, rows = linear.slice_offsets[index]
-        block = linear.weight[start : start + rows]
-        delta = (w.b.to(block.device) * w.scale) @ w.a.to(block.device)
-        block.copy_((block.float() + delta).to(block.dtype))
+    """Merge the adapter into the weights for good (fp32 sum, one rounding), on the rows each
+    projection owns (the placement doctor's in-place merge uses)."""
+    params = dict(model.named_parameters())
+    for rows, w in touched_rows(model, read_adapter(adapter_dir, model.config)):
+        block = params[rows.param].data[rows.start : rows.start + rows.count]
+        block.copy_((block.float() + w.delta(block.device).reshape(block.shape)).to(block.dtype))
 
 
 def synthetic_video(frames: int = 20, height: int = 720, width: int = 1280) -> np.ndarray:

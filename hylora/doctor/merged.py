@@ -86,7 +86,7 @@ def merged(
                 block = params[rows.param].data[rows.start : rows.start + rows.count]
                 if strategy == "copy":
                     saved[rows] = block.to("cpu", copy=True)
-                delta = w.scale * (w.b.to(block.device, torch.float32) @ w.a.to(block.device, torch.float32))
+                delta = w.delta(block.device)
                 done.append(rows)
                 block.copy_((block.float() + delta.reshape(block.shape)).to(block.dtype))
         yield strategy

@@ -53,6 +53,10 @@ class LoRAWeight:
     b: torch.Tensor  # [out, r] fp32
     scale: float  # alpha / r, or alpha / sqrt(r) with rsLoRA
 
+    def delta(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """scale · B·A [out, in] in fp32: what merging the adapter adds to the base weight."""
+        return self.scale * (self.b.to(device, torch.float32) @ self.a.to(device, torch.float32))
+
 
 @dataclass
 class LoRAAdapter:

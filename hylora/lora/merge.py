@@ -54,7 +54,7 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
                 t = f.get_tensor(key)
                 if key in deltas:
                     w = deltas[key]
-                    t = (t.float() + w.scale * (w.b @ w.a).reshape(t.shape)).to(t.dtype)
+                    t = (t.float() + w.delta().reshape(t.shape)).to(t.dtype)
                 tensors[key] = t.contiguous()
         save_file(tensors, out_dir / path.name, metadata=metadata)
     return out_dir
