@@ -85,6 +85,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="cut a streaming client that has read nothing for this many seconds",
     )
     p.add_argument("--timeout-keep-alive", type=float, default=5.0, help="close idle keep-alive connections after")
+    r = p.add_argument_group("scale out on Ray Serve (pip install 'hylora[ray]'; docs/DEPLOY.md)")
+    r.add_argument("--replicas", type=int, default=None, help="N engine replicas behind one endpoint (Ray Serve)")
+    r.add_argument("--ray-address", metavar="ADDRESS", help="join this Ray cluster (default: start a local one)")
+    r.add_argument(
+        "--replica-gpus", type=float, default=None, help="GPUs per replica (default: 1 where Ray has GPUs, else 0)"
+    )
     m = p.add_argument_group("images and videos (vLLM's names)")
     m.add_argument(
         "--limit-mm-per-prompt", type=json.loads, default=None, metavar="JSON", help='e.g. \'{"image": 4, "video": 1}\''
@@ -325,6 +331,12 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace) -> None:
+    if args.replicas is not None:  # Ray Serve: replicas of this same server behind one endpoint
+        from hylora.deploy.launch import run
+
+        sys.exit(run(args))
+    if args.ray_address or args.replica_gpus is not None:
+        raise ValueError("--ray-address and --replica-gpus go with --replicas N")
     state = build_state(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning(
