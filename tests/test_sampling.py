@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from hylora.engine.request import Request, SamplingParams
-from hylora.engine.sampler import SamplingError, _filtered_probs, apply_penalties, sample
+from hylora.engine.sampler import (
+    SamplingError,
+    _filtered_probs,
+    apply_penalties,
+    filtered_probs,
+    prompt_logprobs,
+    sample,
+)
 
 
 def req(params: SamplingParams, prompt=(1, 2), output=()) -> Request:
@@ -102,3 +109,62 @@ def test_a_row_that_cannot_be_sampled_fails_alone():
     first, second = sample(logits, [good, bad])
     assert first == (3, None)
     assert isinstance(second, SamplingError) and "no token has a finite, positive probability" in str(second)
+
+
+def test_a_seed_gives_the_same_tokens_whatever_else_is_in_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300)
+
+    def run(rows: list[int], others: list[SamplingParams]) -> list[int]:
+        mine = req(SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1234))
+        reqs = [mine] + [req(p) for p in others]
+        tokens = []
+        for _ in range(20):  # the request's generator advances step by step, as in the engine
+            first, *_ = sample(logits[rows], reqs)
+            tokens.append(first[0])
+        return tokens
+
+    alone = run([0], [])
+    crowded = run([0, 1, 2, 3], [SamplingParams(temperature=0), SamplingParams(temperature=1.5, min_p=0.1),
+                                 SamplingParams(temperature=0.5, logprobs=3, top_k=2)])  # fmt: skip
+    assert alone == crowded and len(set(alone)) > 1
+
+
+def test_batched_filters_match_each_row_alone():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 64) * 2
+    settings = [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.6, 0.0), (7, 0.8, 0.05)]
+    batched = filtered_probs(logits, *[list(col) for col in zip(*settings, strict=True)])
+    for row, (k, p, m) in enumerate(settings):
+        alone = _filtered_probs(logits[row], k, p, m)
+        assert torch.allclose(batched[row], alone)
+        if k:
+            assert int((alone > 0).sum()) <= k
+    assert int((batched[0] > 0).sum()) == 64  # no filter: nothing dropped, not even the float tail
+
+
+def test_logprobs_of_a_mixed_batch_and_prompt_logprobs():
+    torch.manual_seed(2)
+    logits = torch.randn(3, 40)
+    reqs = [req(SamplingParams(temperature=0, logprobs=0)), req(SamplingParams(temperature=0)),
+            req(SamplingParams(temperature=0, logprobs=4))]  # fmt: skip
+    (t0, i0), (t1, i1), (t2, i2) = sample(logits, reqs)
+    raw = torch.log_softmax(logits, -1)
+    assert i1 is None and i0.top == {} and i0.rank == 1 and i0.logprob == pytest.approx(float(raw[0, t0]))
+    assert list(i2.top) == raw[2].topk(4).indices.tolist() and i2.token_id == t2 == int(raw[2].argmax())
+    infos = prompt_logprobs(logits, [5, 9, 11], 2)
+    for j, (t, info) in enumerate(zip([5, 9, 11], infos, strict=True)):
+        assert info.token_id == t and info.logprob == pytest.approx(float(raw[j, t]))
+        assert info.rank == int((raw[j] > raw[j, t]).sum()) + 1 and len(info.top) == 2
+
+
+def test_a_nan_row_fails_alone_and_its_neighbours_sample():
+    logits = torch.randn(3, 10)
+    logits[1, 4] = float("nan")
+    out = sample(logits, [req(SamplingParams(temperature=0)), req(SamplingParams(temperature=0)),
+                          req(SamplingParams(temperature=1.0, seed=3))])  # fmt: skip
+    assert out[0][0] == int(logits[0].argmax()) and 0 <= out[2][0] < 10
+    assert isinstance(out[1], SamplingError) and "NaN" in str(out[1])
+    forbidden = torch.full((1, 10), float("-inf"))
+    (only,) = sample(forbidden, [req(SamplingParams(temperature=0))])
+    assert isinstance(only, SamplingError) and "every token is forbidden" in str(only)

@@ -18,69 +18,108 @@ class SamplingError(RuntimeError):
     """This request's row cannot be sampled; it fails alone."""
 
 
+# why a row cannot be sampled (computed on the device, one code per row)
+_OK, _NAN, _ALL_FORBIDDEN, _NO_MASS = 0, 1, 2, 3
+_MESSAGES = {
+    _NAN: "the logits became NaN after the repetition / frequency / presence penalties",
+    _ALL_FORBIDDEN: "every token is forbidden (grammar, min_tokens and logit_bias leave nothing to sample)",
+}
+
+
 def sample(
     logits: torch.Tensor, requests: list[Request], eos_ids: tuple[int, ...] = ()
 ) -> list[tuple[int, TokenLogprob | None] | SamplingError]:
     """logits [N, V] fp32 (finite, or -inf where a grammar forbids), one row per request → (token
     id, logprob info or None) per request, or the SamplingError that ends that request alone.
-    `eos_ids` are suppressed, with the request's stop_token_ids, until its min_tokens are out."""
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    `eos_ids` are suppressed, with the request's stop_token_ids, until its min_tokens are out.
+
+    The whole batch is processed at once on the logits' device; the host waits for it once, when the
+    chosen tokens come back (a per-row loop would wait for the device three times per request)."""
+    n, vocab = logits.shape
+    failed: dict[int, SamplingError] = {}
+    wants = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    raw = torch.log_softmax(logits[wants], dim=-1) if wants else None  # the raw distribution's logprobs
+    work = logits.clone()
+    for i, req in enumerate(requests):  # per-row edits: rare, and none waits for the device
+        try:
+            _edit_row(work[i], req, eos_ids, vocab)
+        except Exception as e:
+            failed[i] = SamplingError(f"sampling failed: {e!r}")
+    code = torch.where(torch.isnan(work).any(-1), _NAN, _OK)
+    code = torch.where((code == _OK) & ~torch.isfinite(work).any(-1), _ALL_FORBIDDEN, code)
+    tokens = work.argmax(-1)  # greedy rows; sampled rows are replaced below
+    sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if sampled:
+        p = [requests[i].params for i in sampled]
+        rows = torch.tensor(sampled, device=logits.device)
+        temperature = torch.tensor([x.temperature for x in p], device=logits.device)
+        probs = filtered_probs(
+            work[rows] / temperature[:, None], [x.top_k for x in p], [x.top_p for x in p], [x.min_p for x in p]
+        )
+        good = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
+        code[rows] = torch.where((code[rows] == _OK) & ~good, _NO_MASS, code[rows])
+        # exponential race: argmax(p / q), q ~ Exp(1), picks token i with probability p_i; each
+        # request draws its q from its own generator, so a seed reproduces its tokens in any batch
+        q = torch.empty_like(probs)
+        for j, i in enumerate(sampled):
+            q[j].exponential_(generator=_generator(requests[i], logits.device))
+        tokens[rows] = (torch.nan_to_num(probs, nan=0.0) / q.clamp_(min=1e-30)).argmax(-1)
+    info = _logprobs(raw, tokens[wants], [requests[i].params.logprobs or 0 for i in wants]) if wants else None
+    tokens_host, code_host = torch.stack([tokens, code]).tolist()  # the one wait for the device
+    infos = dict(zip(wants, info, strict=True)) if info is not None else {}
     out: list[tuple[int, TokenLogprob | None] | SamplingError] = []
     for i, req in enumerate(requests):
-        try:
-            out.append(_sample_row(logits[i], raw_logprobs[i], req, eos_ids))
-        except Exception as e:
-            error = e if isinstance(e, SamplingError) else SamplingError(f"sampling failed: {e!r}")
-            out.append(error)
+        if i in failed:
+            out.append(failed[i])
+        elif code_host[i] == _NO_MASS:
+            p = req.params
+            out.append(
+                SamplingError(
+                    "no token has a finite, positive probability after penalties, temperature "
+                    f"{p.temperature:g}, top_k / top_p / min_p; relax them"
+                )
+            )
+        elif code_host[i] != _OK:
+            out.append(SamplingError(_MESSAGES[code_host[i]]))
+        else:
+            out.append((tokens_host[i], infos.get(i)))
     return out
 
 
-def _sample_row(
-    logits: torch.Tensor, raw_logprobs: torch.Tensor, req: Request, eos_ids: tuple[int, ...] = ()
-) -> tuple[int, TokenLogprob | None]:
+def _edit_row(row: torch.Tensor, req: Request, eos_ids: tuple[int, ...], vocab: int) -> None:
+    """min_tokens, logit_bias and penalties of one request, in place on its row."""
     p = req.params
-    row = logits.clone()
-    vocab = row.shape[0]
     if p.min_tokens and len(req.output_ids) < p.min_tokens and not (req.grammar and req.grammar.is_terminated()):
         banned = [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < vocab]
         row[banned] = float("-inf")
     if p.logit_bias:
         ids = [t for t in p.logit_bias if 0 <= t < vocab]
         row[ids] += torch.tensor([p.logit_bias[t] for t in ids], device=row.device)
-    row = _penalise(row, req)
-    if torch.isnan(row).any():
-        raise SamplingError("the logits became NaN after the repetition / frequency / presence penalties")
-    if not torch.isfinite(row).any():
-        raise SamplingError("every token is forbidden (grammar, min_tokens and logit_bias leave nothing to sample)")
-    if p.greedy:
-        token = int(row.argmax())
-    else:
-        probs = _filtered_probs(row / p.temperature, p.top_k, p.top_p, p.min_p)
-        total = probs.sum()
-        if not (torch.isfinite(probs).all() and total > 0):
-            raise SamplingError(
-                "no token has a finite, positive probability after penalties, temperature "
-                f"{p.temperature:g}, top_k / top_p / min_p; relax them"
-            )
-        token = int(torch.multinomial(probs, 1, generator=_generator(req, logits.device)))
-    info = token_logprob(raw_logprobs, token, p.logprobs) if p.logprobs is not None else None
-    return token, info
+    _penalise(row, req)
 
 
-def token_logprob(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
-    top: dict[int, float] = {}
-    if k > 0:
-        values, ids = logprobs.topk(k)
-        top = {int(t): float(v) for t, v in zip(ids, values, strict=True)}
-    value = logprobs[token]
-    rank = int((logprobs > value).sum()) + 1
-    return TokenLogprob(token_id=token, logprob=float(value), top=top, rank=rank)
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TokenLogprob]:
+    """raw [n, V] logprobs, tokens [n] chosen → each row's TokenLogprob with its top-k alternatives."""
+    values = raw.gather(1, tokens[:, None])  # [n, 1]
+    ranks = (raw > values).sum(-1) + 1
+    top_values, top_ids = raw.topk(max(ks), dim=-1)  # [n, k_max]
+    values_h, ranks_h = values[:, 0].tolist(), ranks.tolist()
+    top_values_h, top_ids_h = top_values.tolist(), top_ids.tolist()
+    return [
+        TokenLogprob(
+            token_id=int(t),
+            logprob=values_h[j],
+            top=dict(zip(top_ids_h[j][: ks[j]], top_values_h[j][: ks[j]], strict=True)),
+            rank=ranks_h[j],
+        )
+        for j, t in enumerate(tokens.tolist())
+    ]
 
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[TokenLogprob]:
     """logits [n, V] at prompt positions p..p+n-1 → logprob of the prompt token that follows each."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return [token_logprob(logprobs[j], t, k) for j, t in enumerate(next_ids)]
+    next_tokens = torch.tensor(next_ids, device=logits.device)
+    return _logprobs(torch.log_softmax(logits, dim=-1), next_tokens, [k] * len(next_ids))
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -105,20 +144,33 @@ def _penalise(row: torch.Tensor, req: Request) -> torch.Tensor:
     return row
 
 
-def _filtered_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    if top_k > 0 and top_k < logits.shape[0]:
-        kth = logits.topk(top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+def filtered_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """logits [n, V] (temperature applied) and per-row top_k (0 / -1 = off), top_p, min_p → the
+    probabilities [n, V] with the filtered tokens at 0, each row renormalised. Which filters run is
+    decided from the host lists, so nothing here waits for the device."""
+    vocab, dev = logits.shape[-1], logits.device
+    if any(0 < k < vocab for k in top_k):
+        k = [k if 0 < k < vocab else vocab for k in top_k]
+        kth = logits.topk(max(k), dim=-1).values.gather(1, torch.tensor(k, device=dev)[:, None] - 1)
+        off = torch.tensor([not 0 < k < vocab for k in top_k], device=dev)[:, None]
+        logits = logits.masked_fill((logits < kth) & ~off, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        before = sorted_probs.cumsum(0) - sorted_probs  # mass of the tokens ranked above each one
-        drop = before >= top_p
-        drop[0] = False  # always keep the most likely token
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    if min_p > 0.0:
-        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
-    return probs / probs.sum()
+    if any(p < 1.0 for p in top_p):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above each one
+        drop = before >= torch.tensor(top_p, device=dev)[:, None]
+        drop &= torch.tensor([p < 1.0 for p in top_p], device=dev)[:, None]
+        drop[:, 0] = False  # always keep the most likely token
+        probs = torch.zeros_like(probs).scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+    if any(m > 0.0 for m in min_p):
+        floor = torch.tensor(min_p, device=dev)[:, None] * probs.max(-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def _filtered_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """One row [V] through `filtered_probs`."""
+    return filtered_probs(logits[None], [top_k], [top_p], [min_p])[0]
 
 
 def _generator(req: Request, device: torch.device) -> torch.Generator:
