@@ -41,7 +41,7 @@ from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply_grouped, lora_app
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
 from hylora.model.layers import Linear  # noqa: E402
 from hylora.ops.gdn_decode.reference import gdn_decode as gdn_reference  # noqa: E402
-from hylora.ops.kernel_check import install_triton_kernels  # noqa: E402
+from hylora.ops.kernel_check import install_triton_kernels, uninstall_fast_kernels  # noqa: E402
 from hylora.ops.paged_decode_attention.reference import paged_decode_attention as attention_reference  # noqa: E402
 
 BW = 4.3e12  # bytes/s, measured copy rate on this card (KINDS.md)
@@ -308,23 +308,13 @@ def graph_equivalence(engine: LLMEngine, adapter_of, label: str) -> dict:
     }
 
 
-def uninstall(model) -> None:
-    for layer in model.layers:
-        if layer.is_linear:
-            layer.linear_attn.decode_step = None
-        else:
-            layer.self_attn.decode_attention = None
-    for m in model.modules():
-        if hasattr(m, "lora_backend"):
-            m.lora_backend = None
-
-
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("hylora.engine.cuda_graphs").setLevel(logging.INFO)  # capture time and memory
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--out")
+    ap.add_argument("--skip-kernel-timings", action="store_true", help="skip part 2 (one-layer kernel timings)")
     args = ap.parse_args()
     shape = dict(QWEN36_27B, num_hidden_layers=args.layers)
     cfg = ModelConfig.from_hf(shape)
@@ -333,7 +323,7 @@ def main() -> None:
     demo.mkdir()
     write_tokenizer(demo, 1024)
     result: dict = {"card": torch.cuda.get_device_name(), "layers": args.layers, "date": time.strftime("%Y-%m-%d")}
-    result["kernel_timings"] = kernel_timings(cfg)
+    result["kernel_timings"] = [] if args.skip_kernel_timings else kernel_timings(cfg)
     model = random_model(cfg, "cuda", torch.bfloat16)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     adapters = {}
@@ -361,7 +351,7 @@ def main() -> None:
     result["decode_steps"] = decode_steps(engine)
     runs = []
     for mode in ("triton kernels + CUDA graphs", "triton kernels", "references"):
-        uninstall(model)
+        uninstall_fast_kernels(model)
         if mode != "references":
             install_triton_kernels(model, installed)
         engine.runner.decode = graphs if mode.endswith("graphs") else None
@@ -370,7 +360,7 @@ def main() -> None:
             row["decode_weight_roofline_ms"] = 1e3 * weight_bytes / BW
             runs.append(row)
             print(row, flush=True)
-    uninstall(model)
+    uninstall_fast_kernels(model)
     install_triton_kernels(model, installed)
     engine.runner.decode = graphs
     runs.append(fault_check(engine, 8) | {"run": "fault isolation (CUDA graphs)"})

@@ -1,6 +1,7 @@
-"""The model's decode path through hylora's Triton kernels (GDN step in place by slot, paged decode
-attention), run on CPU under the Triton interpreter: the engine's greedy tokens and logprobs equal
-the torch reference path, across page boundaries and with adapters mixed in."""
+"""The model through hylora's fast kernels (GDN step in place by slot, paged decode attention, the
+fused norms and MLP activation, SDPA prefill attention), run on CPU (Triton's interpreter): the
+engine's greedy tokens and logprobs equal the torch reference path, across page boundaries and with
+adapters mixed in."""
 
 from __future__ import annotations
 
@@ -27,11 +28,34 @@ def test_engine_decode_through_triton_kernels_equals_reference(causal_ckpt, engi
     for fast in (False, True):
         engine = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=128, page_size=16)
         if fast:
-            install_triton_kernels(engine.model, ["gdn_decode", "paged_decode_attention"])
+            fast_kernels = ["gdn_decode", "paged_decode_attention", "rms_norm", "silu_mul", "prefill_attention"]
+            install_triton_kernels(engine.model, fast_kernels)
             assert engine.model.layers[0].linear_attn.decode_step is not None
+            assert engine.model.norm.kernel.__module__ == "hylora.ops.rmsnorm.triton"
         outputs.append(run(engine, {0: requests}))
     reference, fast = outputs
     for rid, *_ in requests:
         assert fast[rid].token_ids == reference[rid].token_ids, rid
         diff = max(abs(a.logprob - b.logprob) for a, b in zip(fast[rid].logprobs, reference[rid].logprobs, strict=True))
         assert diff <= 1e-4, (rid, diff)
+
+
+def test_uninstall_returns_every_op_to_its_reference(causal_ckpt, engine_adapter_root):
+    from hylora.ops import kernel_check, paged_attention
+    from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
+
+    engine = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=128, page_size=16)
+    model = engine.model
+    kernel_check.install_triton_kernels(model, list(kernel_check_names()))
+    kernel_check.uninstall_fast_kernels(model)
+    gdn = next(layer.linear_attn for layer in model.layers if layer.is_linear)
+    attn = next(layer.self_attn for layer in model.layers if not layer.is_linear)
+    assert gdn.decode_step is None and attn.decode_attention is None and attn.prefill_attention is paged_attention
+    assert model.norm.kernel is rms_norm and gdn.norm.kernel is gated_rms_norm
+    assert all(getattr(m, "lora_backend", None) is None for m in model.modules())
+
+
+def kernel_check_names() -> tuple[str, ...]:
+    from hylora.ops.fast_kernel_check import FAST_KERNELS
+
+    return FAST_KERNELS

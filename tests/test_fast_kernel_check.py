@@ -92,7 +92,7 @@ def test_lora_check():
 
 def test_selection_without_cuda_keeps_the_references():
     choice = check.select_fast_kernels(SimpleNamespace(device=torch.device("cpu")), page_size=16)
-    assert set(choice) == {"gdn_decode", "paged_decode_attention", "lora"}
+    assert set(choice) == set(check.FAST_KERNELS)
     assert all(v.startswith("reference") for v in choice.values())
 
 
@@ -105,3 +105,49 @@ def test_verdict():
         raise RuntimeError("no sm_90 here")
 
     assert "no sm_90 here" in check._verdict("x", fails, 1e-4)
+
+
+NORM = (48, 4, 2, 16, 6, 8, 1e-6, torch.float32, "cpu")  # hidden, heads, kv heads, head_dim, hv, dv, eps
+
+
+def test_norm_and_activation_checks():
+    from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
+    from hylora.ops.silu_mul.reference import silu_mul
+
+    tokens = (1, 5, 33)
+    assert check.rms_norm_error(*NORM, tokens=tokens, kernels=(rms_norm, gated_rms_norm)) == 0.0
+    assert check.silu_mul_error(24, torch.float32, "cpu", tokens=tokens, kernel=silu_mul) == 0.0
+
+    def no_weight(x, w, eps, residual=None):  # forgets the (1 + w) scale
+        return rms_norm(x, torch.zeros_like(w), eps, residual)
+
+    def contiguous_only(x, w, eps, residual=None):  # reads strided heads as if they were dense
+        flat = torch.as_strided(x, x.shape, x.contiguous().stride()) if x.ndim == 3 else x
+        return rms_norm(flat, w, eps, residual)
+
+    def drops_residual(x, w, eps, residual=None):
+        return rms_norm(x, w, eps) if residual is None else (rms_norm(x, w, eps), x)
+
+    def nan_tail(gate_up):
+        out = silu_mul(gate_up)
+        out[-1, -1] = float("nan")
+        return out
+
+    for bad in (no_weight, contiguous_only, drops_residual):
+        assert check.rms_norm_error(*NORM, tokens=tokens, kernels=(bad, gated_rms_norm)) > 0.05, bad.__name__
+    assert check.rms_norm_error(*NORM, tokens=tokens, kernels=(rms_norm, lambda x, z, w, e: x)) > 0.05
+    assert check.silu_mul_error(24, torch.float32, "cpu", tokens=tokens, kernel=nan_tail) == check.FAILED
+
+
+def test_prefill_attention_check():
+    from hylora.ops.attention import flash
+    from hylora.ops.attention.reference import paged_attention
+
+    attn = (4, 2, 16, 4, torch.float32, "cpu")  # heads, kv heads, head_dim, page size
+    assert check.prefill_attention_error(*attn, kernel=paged_attention) == 0.0
+    assert check.prefill_attention_error(*attn, kernel=flash.paged_attention) < 1e-5  # CPU SDPA, fp32
+
+    def top_left_causal(q, k_cache, v_cache, table, ctx, lens, page_size, scale):  # forgets the cached prefix
+        return paged_attention(q, k_cache, v_cache, table, [0] * len(ctx), lens, page_size, scale)
+
+    assert check.prefill_attention_error(*attn, kernel=top_left_causal) > 0.05

@@ -29,6 +29,10 @@ from hylora.ops.lora import reference as lora_reference  # noqa: E402
 from hylora.ops.lora import triton as lora_triton  # noqa: E402
 from hylora.ops.paged_decode_attention import reference as attn_reference  # noqa: E402
 from hylora.ops.paged_decode_attention import triton as attn_triton  # noqa: E402
+from hylora.ops.rmsnorm import reference as norm_reference  # noqa: E402
+from hylora.ops.rmsnorm import triton as norm_triton  # noqa: E402
+from hylora.ops.silu_mul import reference as silu_reference  # noqa: E402
+from hylora.ops.silu_mul import triton as silu_triton  # noqa: E402
 from tests.decode_helpers import gdn_inputs, paged_case, same_bits  # noqa: E402
 from tests.test_lora_apply import random_stack  # noqa: E402
 
@@ -246,3 +250,46 @@ def test_bf16_start_up_checks(gpu_bf16):
     )
     assert attention < 1e-3
     assert check.lora_error(64, [48, 16], 16, bf16, "cpu", tokens=(1, 128)) < 1e-3
+
+
+# --- norms and the MLP activation ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 3, 70], ids=lambda t: f"T{t}")
+def test_rms_norms_equal_reference(tokens, dtype):
+    """Rows straddle the rows-per-program block (64 rows of 64), a row length off the power of two
+    (48 → block 64) and the strided head views the attention layer passes."""
+    g = torch.Generator().manual_seed(tokens)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    eps, tol = 1e-6, dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    x, res, w = rand(tokens, 48) * 3, rand(tokens, 48), rand(48) * 0.1
+    torch.testing.assert_close(norm_triton.rms_norm(x, w, eps), norm_reference.rms_norm(x, w, eps), **tol)
+    got, total = norm_triton.rms_norm(x, w, eps, res)
+    ref, ref_total = norm_reference.rms_norm(x, w, eps, res)
+    torch.testing.assert_close(got, ref, **tol)
+    # the residual stream is the same add; bit for bit in fp32 (the interpreter rounds fp32 → bf16
+    # toward zero, the GPU to nearest even, so bf16 is compared within its tolerance here)
+    assert same_bits(total, ref_total) if dtype == torch.float32 else torch.allclose(total, ref_total, **tol)
+    fused = rand(tokens, 3, 2 * 16)  # [T, heads, query | gate]: q is a strided view
+    q = fused.chunk(2, dim=-1)[0]
+    wh = rand(16)
+    torch.testing.assert_close(norm_triton.rms_norm(q, wh, eps), norm_reference.rms_norm(q, wh, eps), **tol)
+    o, z = rand(tokens, 3, 40), rand(tokens, 2 * 120)[:, 120:].reshape(tokens, 3, 40)
+    wv = rand(40) + 1
+    got = norm_triton.gated_rms_norm(o, z, wv, eps)
+    torch.testing.assert_close(got, norm_reference.gated_rms_norm(o, z, wv, eps), **tol)
+    assert got.is_contiguous() and got.shape == o.shape
+
+
+@pytest.mark.parametrize("shape", [(1, 10), (3, 1500), (2, 2048)], ids=str)
+def test_silu_mul_equals_reference(shape):
+    tokens, inner = shape  # 3 x 1500: the flat index crosses the 2048-element block mid-row
+    gate_up = torch.randn(tokens, 2 * inner, generator=torch.Generator().manual_seed(inner)) * 4
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):  # bf16: the interpreter's rounding
+        x = gate_up.to(dtype)
+        got, ref = silu_triton.silu_mul(x), silu_reference.silu_mul(x)
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)

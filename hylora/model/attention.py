@@ -30,6 +30,8 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         # decode attention over the block table (ops.paged_decode_attention), when one passed its check
         self.decode_attention: Callable[..., torch.Tensor] | None = None
+        # prefill attention over the paged cache: the fp32 reference, or ops.attention.flash once checked
+        self.prefill_attention: Callable[..., torch.Tensor] = ops.paged_attention
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache, cos: torch.Tensor, sin: torch.Tensor
@@ -51,7 +53,7 @@ class GatedAttention(nn.Module):
                 self.head_dim**-0.5, max_seq_len=batch.max_decode_len,
             )  # fmt: skip
             return self.o_proj(o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1)), batch.lora)
-        o = ops.paged_attention(
+        o = self.prefill_attention(
             q,
             kv.k[layer],
             kv.v[layer],

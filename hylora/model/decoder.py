@@ -32,19 +32,25 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         batch: ForwardBatch,
         kv: PagedKVCache,
         states: StatePool,
         cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream before it); the next layer (or the final norm)
+        adds the two inside its norm. `residual` None: `x` is the embedding, the stream itself."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
         if self.is_linear:
             h = self.linear_attn(h, batch, states)
         else:
             h = self.self_attn(h, batch, kv, cos, sin)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), batch.lora)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h, batch.lora), residual
 
 
 class Embedding(nn.Module):
@@ -93,9 +99,10 @@ class HybridDecoder(nn.Module):
         if batch.embed_rows is not None:
             x = x.index_copy(0, batch.embed_rows, batch.embed_values.to(x.dtype))
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, batch, kv, states, cos, sin)
-        return self.norm(x)
+            x, residual = layer(x, residual, batch, kv, states, cos, sin)
+        return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head.weight).float()

@@ -8,6 +8,8 @@ from torch import nn
 
 from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply
 from hylora.model.device_lora import DeviceLoRABatch
+from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
+from hylora.ops.silu_mul.reference import silu_mul
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -51,17 +53,19 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: norm(x) * (1 + w), computed in fp32."""
+    """Zero-centred RMSNorm: norm(x) * (1 + w), computed in fp32. With `residual`, the residual add
+    is fused in front: returns (norm(residual + x), residual + x)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = _param(dim)
+        self.kernel = rms_norm  # ops.rmsnorm: the Triton kernel once the start-up check installs it
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.kernel(x, self.weight, self.eps, residual)
 
 
 class GatedRMSNorm(nn.Module):
@@ -71,11 +75,10 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _param(dim)
+        self.kernel = gated_rms_norm  # ops.rmsnorm
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * normed * F.silu(z.float())).to(x.dtype)
+        return self.kernel(x, z, self.weight, self.eps)
 
 
 class MLP(nn.Module):
@@ -83,7 +86,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden, {"gate_proj": intermediate, "up_proj": intermediate})
         self.down_proj = Linear(intermediate, {"down_proj": hidden})
+        self.act = silu_mul  # ops.silu_mul: silu(gate) * up
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, lora)
+        return self.down_proj(self.act(self.gate_up_proj(x, lora)), lora)

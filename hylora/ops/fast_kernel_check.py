@@ -19,13 +19,22 @@ import torch
 from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply_grouped
 from hylora.model.decoder import HybridDecoder
 from hylora.model.layers import Linear
+from hylora.ops.attention.reference import paged_attention as attention_prefill_reference
 from hylora.ops.gdn_decode.reference import gdn_decode as gdn_decode_reference
 from hylora.ops.paged_decode_attention.reference import paged_decode_attention as attention_reference
+from hylora.ops.rmsnorm.reference import gated_rms_norm as gated_reference
+from hylora.ops.rmsnorm.reference import rms_norm as norm_reference
+from hylora.ops.silu_mul.reference import silu_mul as silu_mul_reference
 
 log = logging.getLogger(__name__)
 DECODE_BATCHES = (1, 2, 3, 31, 32, 33, 64)
 LORA_TOKENS = (1, 64, 65, 127, 128, 129, 400, 474, 2048)
 LORA_RANKS = (8, 16, 32, 64)
+NORM_TOKENS = (1, 3, 64, 129, 2048)
+FAST_KERNELS = ("gdn_decode", "paged_decode_attention", "lora", "rms_norm", "silu_mul", "prefill_attention")
+# (cached tokens, new tokens) per sequence of one prefill batch: fresh prompts, chunks after a
+# cached prefix across page boundaries, and a decode row mixed in
+PREFILL_CASES = ((0, 2), (0, 17), (15, 33), (1, 1), (0, 300), (500, 700))
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 FAILED = float("inf")
 
@@ -42,9 +51,9 @@ def triton_usable(device: torch.device | str) -> bool:
 
 
 def select_fast_kernels(model: HybridDecoder, page_size: int) -> dict[str, str]:
-    """{kernel: "triton (...)" | "reference (why)"} for gdn_decode, paged_decode_attention, lora."""
+    """{kernel: "triton (...)" | "reference (why)"} for each of FAST_KERNELS."""
     if not triton_usable(model.device) or model.device.type != "cuda":
-        return dict.fromkeys(("gdn_decode", "paged_decode_attention", "lora"), "reference (no CUDA or no triton)")
+        return dict.fromkeys(FAST_KERNELS, "reference (no CUDA or no triton)")
     c, dev, dtype = model.config, model.device, model.dtype
     errors = {
         "gdn_decode": lambda: gdn_decode_error(
@@ -56,6 +65,14 @@ def select_fast_kernels(model: HybridDecoder, page_size: int) -> dict[str, str]:
         ),
         "lora": lambda: max(
             lora_error(in_f, rows, rank, dtype, dev) for in_f, rows in lora_shapes(model) for rank in LORA_RANKS
+        ),
+        "rms_norm": lambda: rms_norm_error(
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.linear_num_value_heads,
+            c.linear_value_head_dim, c.rms_norm_eps, dtype, dev,
+        ),
+        "silu_mul": lambda: silu_mul_error(c.intermediate_size, dtype, dev),
+        "prefill_attention": lambda: prefill_attention_error(
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim, page_size, dtype, dev
         ),
     }  # fmt: skip
     return {name: _verdict(name, run, TOLERANCE[dtype]) for name, run in errors.items()}
@@ -226,6 +243,102 @@ def lora_error(
     return worst
 
 
+@torch.inference_mode()
+def rms_norm_error(
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    hv: int,
+    dv: int,
+    eps: float,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tokens: Sequence[int] = NORM_TOKENS,
+    kernels: tuple[Callable, Callable] | None = None,
+) -> float:
+    """Every norm of the model as it is called: the hidden norm alone and with the residual add, the
+    attention's q/k norms on their strided head views of the fused projection, the GDN output's
+    gated norm with its strided gate."""
+    if kernels is None:
+        from hylora.ops.rmsnorm.triton import gated_rms_norm, rms_norm
+
+        kernels = (rms_norm, gated_rms_norm)
+    norm, gated = kernels
+    worst = 0.0
+    for T in tokens:
+        g = _generator(device, T)
+
+        def rand(*shape, g=g):
+            return torch.randn(*shape, generator=g, device=device).to(dtype)
+
+        w, x, res = rand(hidden) * 0.1, rand(T, hidden) * 3, rand(T, hidden)
+        worst = max(worst, _rel_error(norm(x, w, eps), norm_reference(x, w, eps)))
+        for got, ref in zip(norm(x, w, eps, res), norm_reference(x, w, eps, res), strict=True):
+            worst = max(worst, _rel_error(got, ref))
+        qkv = rand(T, heads * head_dim * 2 + 2 * kv_heads * head_dim)
+        q = qkv[:, : heads * head_dim * 2].reshape(T, heads, 2 * head_dim).chunk(2, dim=-1)[0]
+        k = qkv[:, heads * head_dim * 2 : heads * head_dim * 2 + kv_heads * head_dim].reshape(T, kv_heads, head_dim)
+        wh = rand(head_dim) * 0.1
+        for view in (q, k):
+            worst = max(worst, _rel_error(norm(view, wh, eps), norm_reference(view, wh, eps)))
+        o, z = rand(T, hv, dv), rand(T, 2 * hv * dv)[:, hv * dv :].reshape(T, hv, dv)
+        wv = rand(dv) + 1
+        worst = max(worst, _rel_error(gated(o, z, wv, eps), gated_reference(o, z, wv, eps)))
+    return worst
+
+
+@torch.inference_mode()
+def silu_mul_error(
+    intermediate: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tokens: Sequence[int] = NORM_TOKENS,
+    kernel: Callable | None = None,
+) -> float:
+    if kernel is None:
+        from hylora.ops.silu_mul.triton import silu_mul as kernel
+    worst = 0.0
+    for T in tokens:
+        gate_up = torch.randn(T, 2 * intermediate, generator=_generator(device, T), device=device).mul(3).to(dtype)
+        worst = max(worst, _rel_error(kernel(gate_up), silu_mul_reference(gate_up)))
+    return worst
+
+
+@torch.inference_mode()
+def prefill_attention_error(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    cases: Sequence[tuple[int, int]] = PREFILL_CASES,
+    kernel: Callable | None = None,
+) -> float:
+    """One varlen prefill batch of `cases` over a paged cache whose pages nobody owns are NaN."""
+    if kernel is None:
+        from hylora.ops.attention.flash import paged_attention as kernel
+    g = _generator(device, len(cases))
+    pages_per = [-(-(ctx + n) // page_size) for ctx, n in cases]
+    num_pages = sum(pages_per) + 2
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(3)).tolist()
+    table = torch.full((len(cases), max(pages_per)), order.pop(), dtype=torch.int32)  # spare entries: a NaN page
+    for i, n in enumerate(pages_per):
+        table[i, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+    shape = (num_pages * page_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), device=device, dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), device=device, dtype=dtype)
+    for i, (ctx, n) in enumerate(cases):
+        pos = torch.arange(ctx + n)
+        rows = (table[i, pos // page_size].long() * page_size + pos % page_size).to(device)
+        k_cache[rows] = torch.randn(ctx + n, kv_heads, head_dim, generator=g, device=device).to(dtype)
+        v_cache[rows] = torch.randn(ctx + n, kv_heads, head_dim, generator=g, device=device).to(dtype)
+    q = torch.randn(sum(n for _, n in cases), heads, head_dim, generator=g, device=device).to(dtype)
+    args = (q, k_cache, v_cache, table.to(device), [c for c, _ in cases], [n for _, n in cases], page_size)
+    return _rel_error(kernel(*args, head_dim**-0.5), attention_prefill_reference(*args, head_dim**-0.5))
+
+
 def _generator(device: torch.device | str, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
@@ -256,11 +369,15 @@ def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 __all__ = [
     "DECODE_BATCHES",
+    "FAST_KERNELS",
     "LORA_RANKS",
     "LORA_TOKENS",
     "gdn_decode_error",
     "lora_error",
     "paged_decode_attention_error",
+    "prefill_attention_error",
+    "rms_norm_error",
     "select_fast_kernels",
+    "silu_mul_error",
     "triton_usable",
 ]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hylora.model.decoder import HybridDecoder
-from hylora.model.layers import Linear
+from hylora.model.layers import MLP, GatedRMSNorm, Linear, RMSNorm
 from hylora.ops.gated_delta_rule import fla
 from hylora.ops.gated_delta_rule.reference import varlen_gated_delta_rule as reference
 
@@ -29,13 +29,11 @@ def select_kernels(model: HybridDecoder, page_size: int) -> dict[str, str]:
     """Check every fast kernel against its reference on this model's shapes and install the ones that
     pass; returns {kernel: what was chosen and why}. HYLORA_FAST_KERNELS=off keeps the references for
     the decode and LoRA kernels (the GDN prefill kernel has HYLORA_GDN_BACKEND)."""
-    from hylora.ops.fast_kernel_check import select_fast_kernels
+    from hylora.ops.fast_kernel_check import FAST_KERNELS, select_fast_kernels
 
     kernels = {"gated_delta_rule": select_gdn_kernel(model)}
     if os.environ.get("HYLORA_FAST_KERNELS", "auto") == "off":
-        verdicts = dict.fromkeys(
-            ("gdn_decode", "paged_decode_attention", "lora"), "reference (HYLORA_FAST_KERNELS=off)"
-        )
+        verdicts = dict.fromkeys(FAST_KERNELS, "reference (HYLORA_FAST_KERNELS=off)")
     else:
         verdicts = select_fast_kernels(model, page_size)
     install_triton_kernels(model, [name for name, verdict in verdicts.items() if verdict.startswith("triton")])
@@ -43,8 +41,8 @@ def select_kernels(model: HybridDecoder, page_size: int) -> dict[str, str]:
 
 
 def install_triton_kernels(model: HybridDecoder, names: list[str]) -> None:
-    """Route the model's decode steps / LoRA through hylora's Triton kernels (names from
-    select_fast_kernels: gdn_decode, paged_decode_attention, lora)."""
+    """Route the model's decode steps, LoRA, norms and MLP activation through hylora's Triton kernels
+    and prefill attention through torch's fused SDPA (names from select_fast_kernels: FAST_KERNELS)."""
     for layer in model.layers:
         if "gdn_decode" in names and layer.is_linear:
             from hylora.ops.gdn_decode.triton import gdn_decode
@@ -58,6 +56,51 @@ def install_triton_kernels(model: HybridDecoder, names: list[str]) -> None:
         for module in model.modules():
             if isinstance(module, Linear):
                 module.lora_backend = "triton"
+    if "prefill_attention" in names:
+        from hylora.ops.attention.flash import paged_attention
+
+        for layer in model.layers:
+            if not layer.is_linear:
+                layer.self_attn.prefill_attention = paged_attention
+    decoder = [*model.layers.modules(), model.norm]  # not the vision tower: it has norms of its own
+    if "rms_norm" in names:
+        from hylora.ops.rmsnorm import triton as norm_kernels
+
+        for module in decoder:
+            if isinstance(module, RMSNorm):
+                module.kernel = norm_kernels.rms_norm
+            elif isinstance(module, GatedRMSNorm):
+                module.kernel = norm_kernels.gated_rms_norm
+    if "silu_mul" in names:
+        from hylora.ops.silu_mul.triton import silu_mul
+
+        for module in decoder:
+            if isinstance(module, MLP):
+                module.act = silu_mul
+
+
+def uninstall_fast_kernels(model: HybridDecoder) -> None:
+    """Back to the torch references for everything `install_triton_kernels` routes (benchmarks
+    compare the two in one process)."""
+    from hylora.ops import paged_attention
+    from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
+    from hylora.ops.silu_mul.reference import silu_mul
+
+    for layer in model.layers:
+        if layer.is_linear:
+            layer.linear_attn.decode_step = None
+        else:
+            layer.self_attn.decode_attention = None
+            layer.self_attn.prefill_attention = paged_attention
+    for module in [*model.modules()]:
+        if isinstance(module, Linear):
+            module.lora_backend = None
+        elif isinstance(module, RMSNorm):
+            module.kernel = rms_norm
+        elif isinstance(module, GatedRMSNorm):
+            module.kernel = gated_rms_norm
+        elif isinstance(module, MLP):
+            module.act = silu_mul
 
 
 def select_gdn_kernel(model: HybridDecoder) -> str:

@@ -3,6 +3,10 @@
 Keyword arguments only: fla 0.6 inserted `gk, gv` before `beta` in
 `fused_recurrent_gated_delta_rule`, so a positional call silently passes beta as gk.
 fla handles grouped value heads (value head i reads key head i // (Hv / Hk)) and q/k L2-norm itself.
+
+fla computes its chunk indices from `cu_seqlens` with a device→host copy, which would stall the GPU
+queue once per layer; every GDN layer of a step has the same lengths, so the indices are built here,
+on the host, once per step and reused (`_varlen_meta`).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def varlen_gated_delta_rule(
             use_qk_l2norm_in_kernel=True,
         )
         return o[:, 0], final.float()
-    cu_seqlens = torch.tensor(seq_starts(seq_lens), dtype=torch.long, device=v.device)
+    cu_seqlens, chunk_indices = _varlen_meta(tuple(seq_lens), v.device)
     o, final = chunk_gated_delta_rule(
         q=q[None],
         k=k[None],
@@ -60,5 +64,23 @@ def varlen_gated_delta_rule(
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
         cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices,
     )
     return o[0], final.float()
+
+
+FLA_CHUNK = 64  # chunk_gated_delta_rule's default chunk size
+_last_meta: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+
+
+def _varlen_meta(seq_lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cu_seqlens [N + 1], chunk_indices [chunks, 2]: (sequence, chunk within it)) on `device`,
+    for the last lengths asked (every layer of a step asks the same)."""
+    global _last_meta
+    key = (seq_lens, device)
+    if _last_meta is None or _last_meta[0] != key:
+        pairs = [(i, j) for i, n in enumerate(seq_lens) for j in range(-(-n // FLA_CHUNK))]
+        cu_seqlens = torch.tensor(seq_starts(list(seq_lens)), dtype=torch.long).to(device, non_blocking=True)
+        chunk_indices = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).to(device, non_blocking=True)
+        _last_meta = (key, cu_seqlens, chunk_indices)
+    return _last_meta[1], _last_meta[2]

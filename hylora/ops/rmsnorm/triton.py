@@ -1,0 +1,105 @@
+"""The RMSNorms of `reference` in one Triton launch each, same signatures and results.
+
+Rows may be strided views (the attention layer's q/k heads are slices of its fused projection): x
+is addressed as [A, B, D] with strides (sa, sb, 1), row r = (r // B, r % B). Each program normalises
+ROWS rows of up to BLOCK_D elements in fp32; offsets are int64; the outputs are contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ELEMENTS_PER_PROGRAM = 4096
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"rms_norm: residual {list(residual.shape)} != x {list(x.shape)}")
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    out = _launch(x, weight, eps, residual=residual, total=total)
+    return out if residual is None else (out, total)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if z.shape != x.shape:
+        raise ValueError(f"gated_rms_norm: z {list(z.shape)} != x {list(x.shape)}")
+    return _launch(x, weight, eps, gate=z)
+
+
+def _rows(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """t [D], [A, D] or [A, B, D] → (A, B, stride of A, stride of B)."""
+    if t.stride(-1) != 1:
+        raise ValueError("rms_norm: the last dimension must have unit stride")
+    if t.ndim == 1:
+        return 1, 1, 0, 0
+    if t.ndim == 2:
+        return t.shape[0], 1, t.stride(0), 0
+    return t.shape[0], t.shape[1], t.stride(0), t.stride(1)
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    total: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if x.ndim > 3:
+        x = x.reshape(-1, *x.shape[-2:])
+        residual = residual.reshape(x.shape) if residual is not None else None
+        gate = gate.reshape(x.shape) if gate is not None else None
+    D = x.shape[-1]
+    if weight.shape != (D,):
+        raise ValueError(f"rms_norm: weight {list(weight.shape)} for rows of {D}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    A, B, sxa, sxb = _rows(x)
+    rows = A * B
+    if rows == 0:
+        return out
+    _, _, sra, srb = _rows(residual) if residual is not None else (0, 0, 0, 0)
+    _, _, sga, sgb = _rows(gate) if gate is not None else (0, 0, 0, 0)
+    block_d = triton.next_power_of_2(D)
+    block_rows = max(1, min(64, ELEMENTS_PER_PROGRAM // block_d))
+    grid = (triton.cdiv(rows, block_rows),)
+    _rms_norm_kernel[grid](
+        x, residual if residual is not None else x, gate if gate is not None else x, weight, out,
+        total if total is not None else out,
+        rows, B, sxa, sxb, sra, srb, sga, sgb, D, eps,
+        HAS_RESIDUAL=residual is not None, GATED=gate is not None, BLOCK_D=block_d, ROWS=block_rows,
+        num_warps=8 if block_d >= 4096 else 4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, total_ptr,
+    rows, B, sxa, sxb, sra, srb, sga, sgb, D, eps,
+    HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS]
+    a, b = r // B, r % B
+    d = tl.arange(0, BLOCK_D)
+    mask = (r < rows)[:, None] & (d < D)[None, :]
+    dense = r[:, None] * D + d[None, :]  # offsets in the contiguous outputs
+    x = tl.load(x_ptr + (a * sxa + b * sxb)[:, None] + d[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + (a * sra + b * srb)[:, None] + d[None, :], mask=mask, other=0.0)
+        x = (res.to(tl.float32) + x.to(tl.float32)).to(x.dtype)  # rounded as the unfused add
+        tl.store(total_ptr + dense, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / D + eps)  # [ROWS]
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0)
+    if GATED:
+        normed = (xf * rstd[:, None]).to(x.dtype)
+        scaled = (w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x.dtype).to(tl.float32)  # as w * normed
+        z = tl.load(gate_ptr + (a * sga + b * sgb)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = scaled * (z / (1.0 + tl.exp(-z)))
+    else:
+        y = xf * rstd[:, None] * (1.0 + w.to(tl.float32))[None, :]
+    tl.store(out_ptr + dense, y.to(out_ptr.dtype.element_ty), mask=mask)
