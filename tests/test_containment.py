@@ -226,6 +226,7 @@ def test_invalid_unicode(server, baseline, probe):
 
 # --- broken adapter directories -----------------------------------------------------------------
 
+
 def _broken_configs(demo_dir: Path) -> dict[str, bytes | dict | list | str]:
     good = json.loads((demo_dir / "adapters" / "mural" / "adapter_config.json").read_text())
     bad: dict[str, bytes | dict | list | str] = {

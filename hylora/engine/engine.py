@@ -58,7 +58,6 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # per generated token, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first entry None, when asked for
 
-
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This output followed by `later` as one (a reader that fell behind gets one delta)."""
         new_logprobs = None

@@ -113,7 +113,5 @@ def build_multimodal_prompt(
         pos = run_end
     if any(next(q, None) is not None for q in queues.values()):
         raise ValueError("some images / videos have no placeholder tokens in the prompt")
-    positions = mrope_positions(
-        ids, vision, [items[i].grid_thw for i in images], [items[i].grid_thw for i in videos]
-    )
+    positions = mrope_positions(ids, vision, [items[i].grid_thw for i in images], [items[i].grid_thw for i in videos])
     return MultimodalPrompt(items=list(items), segments=segments, positions=positions)

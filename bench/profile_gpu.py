@@ -1,0 +1,163 @@
+"""Where an engine step's time goes, on the 27B shape (GPU): prefill and decode, base and mixed adapters.
+
+For DESIGN.md's workload (32 x 512-token prompts + 64 greedy tokens) on the 27B text shape cut to
+`--layers` layers (random bf16 weights, 8 random rank-16 adapters), this prints:
+
+1. every engine step's wall time, split into prefill and decode steps;
+2. one prefill step under torch.profiler: the top kernels by GPU time, GPU busy time vs wall;
+3. decode steps under cProfile: the host functions that take the time (cumulative);
+4. one decode step under torch.profiler: GPU busy time vs wall.
+
+    python bench/profile_gpu.py [--layers 16] [--max-num-batched-tokens 2048] [--out profile.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import logging
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.engine_gpu import QWEN36_27B, random_model, write_random_adapter  # noqa: E402
+from hylora.config import ModelConfig  # noqa: E402
+from hylora.demo import write_tokenizer  # noqa: E402
+from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+
+def gpu_busy_ms(prof) -> float:
+    """Sum of device kernel time in a profile (CUDA graph replays included as their kernels)."""
+    total = 0.0
+    for e in prof.key_averages():
+        total += getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+    return total / 1e3
+
+
+enqueue: list[float] = []  # host ms of the last model forward (the kernels enqueued, not finished)
+
+
+def time_forward(model) -> None:
+    forward = model.forward
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = forward(*args, **kwargs)
+        enqueue.append(1e3 * (time.perf_counter() - t0))
+        return out
+
+    model.forward = timed
+
+
+def timed_step(engine: LLMEngine) -> tuple[float, list]:
+    t0 = time.perf_counter()
+    outs = engine.step()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0), outs
+
+
+def profile_workload(engine: LLMEngine, label: str, adapter_of, rows: int = 25) -> dict:
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1000, (512,), generator=g).tolist() for _ in range(32)]
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{label}{i}", p, params, adapter_of(i))
+    result: dict = {"run": label}
+    # 2. the first prefill step under the profiler
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall, _ = timed_step(engine)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
+    print(f"\n=== {label}: one prefill step ({wall:.1f} ms wall, {gpu_busy_ms(prof):.1f} ms GPU busy)\n{table}")
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70)
+    print(f"\n=== {label}: the same prefill step by host time\n{table}")
+    result["prefill_step_profiled"] = {"wall_ms": wall, "gpu_busy_ms": gpu_busy_ms(prof)}
+    # 1. the remaining steps, timed; 3. decode steps under cProfile
+    prefill, decode, forward_host = [], [], []
+    profiler = cProfile.Profile()
+    while engine.has_unfinished():
+        in_decode = all(r.num_computed >= len(r.prompt_ids) for r in engine.requests.values())
+        if in_decode and 10 <= len(decode) < 30:
+            profiler.enable()
+            wall, _ = timed_step(engine)
+            profiler.disable()
+            decode.append(wall)
+            continue
+        if in_decode and len(decode) == 30:  # 4. one decode step under torch.profiler
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                wall, _ = timed_step(engine)
+            busy = gpu_busy_ms(prof)
+            print(f"\n=== {label}: one decode step: {wall:.2f} ms wall, {busy:.2f} ms GPU busy")
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=70))
+            result["decode_step_profiled"] = {"wall_ms": wall, "gpu_busy_ms": busy}
+            decode.append(wall)
+            continue
+        enqueue.clear()
+        wall, _ = timed_step(engine)
+        (decode if in_decode else prefill).append(wall)
+        if not in_decode:
+            forward_host.append(enqueue[0] if enqueue else float("nan"))
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(rows)
+    print(f"\n=== {label}: 20 decode steps under cProfile (host time, cumulative)\n{text.getvalue()}")
+    plain = decode[:10] + decode[31:]
+    print(f"=== {label}: host time to enqueue each prefill forward (ms) {[round(x, 1) for x in forward_host]}")
+    result |= {
+        "prefill_forward_enqueue_ms": forward_host,
+        "prefill_steps_ms": prefill,
+        "decode_step_ms_median": sorted(plain)[len(plain) // 2],
+        "decode_steps": len(decode),
+    }
+    print(f"=== {label}: prefill steps (ms) {[round(x, 1) for x in prefill]}; decode step median "
+          f"{result['decode_step_ms_median']:.2f} ms over {len(plain)} unprofiled steps")  # fmt: skip
+    return result
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    cfg = ModelConfig.from_hf(dict(QWEN36_27B, num_hidden_layers=args.layers))
+    work = Path(tempfile.mkdtemp())
+    demo = work / "tokenizer"
+    demo.mkdir()
+    write_tokenizer(demo, 1024)
+    model = random_model(cfg, "cuda", torch.bfloat16)
+    adapters = {}
+    for i in range(8):
+        write_random_adapter(work / f"a{i}", cfg, rank=16, seed=i)
+        adapters[f"a{i}"] = work / f"a{i}"
+    t0 = time.perf_counter()
+    config = EngineConfig(
+        max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens, max_loras=8,
+        max_lora_rank=16,
+    )  # fmt: skip
+    engine = LLMEngine(demo, config, adapters, progress=False, model=model)
+    print(f"kernels: {engine.kernels}; engine set-up {time.perf_counter() - t0:.1f} s", flush=True)
+    for i in range(8):  # warm-up: every adapter loaded, every kernel compiled
+        engine.add_request(f"warm{i}", list(range(1, 40)), SamplingParams(max_tokens=3), f"a{i}")
+    engine.add_request("warm-base", list(range(1, 600)), SamplingParams(max_tokens=3))
+    while engine.has_unfinished():
+        engine.step()
+    time_forward(engine.model)
+    results = [
+        profile_workload(engine, "base", lambda i: None),
+        profile_workload(engine, "8 adapters mixed", lambda i: f"a{i % 8}"),
+    ]
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
