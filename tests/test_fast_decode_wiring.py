@@ -28,7 +28,14 @@ def test_engine_decode_through_triton_kernels_equals_reference(causal_ckpt, engi
     for fast in (False, True):
         engine = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=128, page_size=16)
         if fast:
-            fast_kernels = ["gdn_decode", "paged_decode_attention", "rms_norm", "silu_mul", "prefill_attention"]
+            fast_kernels = [
+                "gdn_decode",
+                "paged_decode_attention",
+                "rms_norm",
+                "silu_mul",
+                "prefill_attention",
+                "causal_conv1d",
+            ]
             install_triton_kernels(engine.model, fast_kernels)
             assert engine.model.layers[0].linear_attn.decode_step is not None
             assert engine.model.norm.kernel.__module__ == "hylora.ops.rmsnorm.triton"

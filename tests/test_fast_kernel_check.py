@@ -151,3 +151,27 @@ def test_prefill_attention_check():
         return paged_attention(q, k_cache, v_cache, table, [0] * len(ctx), lens, page_size, scale)
 
     assert check.prefill_attention_error(*attn, kernel=top_left_causal) > 0.05
+
+
+def test_causal_conv1d_check():
+    from hylora.ops.causal_conv1d.reference import causal_conv1d_by_slot
+
+    conv = (12, 4, torch.float32, "cpu")
+    batches = ((1,), (2, 1, 3, 9))
+    assert check.causal_conv1d_error(*conv, batches=batches, kernel=causal_conv1d_by_slot) == 0.0
+
+    def forgets_state(x, w, pool, slots, lens):  # treats every chunk as a sequence start
+        pool[slots] = 0.0
+        return causal_conv1d_by_slot(x, w, pool, slots, lens)
+
+    def writes_everywhere(x, w, pool, slots, lens):
+        out = causal_conv1d_by_slot(x, w, pool, slots, lens)
+        pool[torch.isnan(pool)] = 0.0
+        return out
+
+    assert check.causal_conv1d_error(*conv, batches=batches, kernel=forgets_state) > 0.05
+    assert check.causal_conv1d_error(*conv, batches=batches, kernel=writes_everywhere) == check.FAILED
+
+
+def test_verdict_names_what_runs():
+    assert check._verdict("prefill_attention", lambda: 1e-4, 2e-2).startswith("flash (max rel. error")

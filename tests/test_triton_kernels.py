@@ -23,6 +23,8 @@ from triton.runtime import interpreter  # noqa: E402
 
 from hylora.lora.apply import LoRABatch, lora_apply_grouped  # noqa: E402
 from hylora.ops import fast_kernel_check as check  # noqa: E402
+from hylora.ops.causal_conv1d import reference as conv_reference  # noqa: E402
+from hylora.ops.causal_conv1d import triton as conv_triton  # noqa: E402
 from hylora.ops.gdn_decode import reference as gdn_reference  # noqa: E402
 from hylora.ops.gdn_decode import triton as gdn_triton  # noqa: E402
 from hylora.ops.lora import reference as lora_reference  # noqa: E402
@@ -293,3 +295,28 @@ def test_silu_mul_equals_reference(shape):
         x = gate_up.to(dtype)
         got, ref = silu_triton.silu_mul(x), silu_reference.silu_mul(x)
         torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+# --- causal conv1d by slot (GDN prefill) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", [2, 4])
+@pytest.mark.parametrize("lens", [[1], [5, 1, 17, 2], [40, 3]], ids=str)
+def test_causal_conv1d_by_slot_equals_reference(lens, kernel):
+    """Chunks shorter and longer than the kernel, decode rows mixed in, token and channel blocks
+    straddled (block_t 8, block_c 16 over 40 channels); unowned pool slots hold NaN and must stay so."""
+    g = torch.Generator().manual_seed(sum(lens) + kernel)
+    C, S = 40, len(lens) + 3
+    x = torch.randn(sum(lens), C, generator=g)
+    weight = torch.randn(C, kernel, generator=g)
+    slots = torch.randperm(S, generator=g)[: len(lens)]
+    pool = torch.full((S, C, kernel - 1), NAN)
+    pool[slots] = torch.randn(len(lens), C, kernel - 1, generator=g)
+    ref_pool = pool.clone()
+    ref = conv_reference.causal_conv1d_by_slot(x, weight, ref_pool, slots, lens)
+    got = conv_triton.causal_conv1d_by_slot(x, weight, pool, slots, lens, block_t=8, block_c=16)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+    assert same_bits(pool, ref_pool) or torch.allclose(pool[slots], ref_pool[slots])
+    unowned = torch.ones(S, dtype=torch.bool)
+    unowned[slots] = False
+    assert torch.isnan(pool[unowned]).all()

@@ -42,6 +42,8 @@ class GatedDeltaNet(nn.Module):
         self.delta_rule = ops.varlen_gated_delta_rule
         # a fused decode step in place by state slot (ops.gdn_decode), when one passed its check
         self.decode_step: Callable[..., torch.Tensor] | None = None
+        # the prefill conv, conv state in place by slot: the torch reference unless a kernel passed
+        self.conv = ops.causal_conv1d_by_slot
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states: StatePool) -> torch.Tensor:
         T = x.shape[0]
@@ -56,10 +58,7 @@ class GatedDeltaNet(nn.Module):
             o = self.norm(o, z.reshape(T, self.hv, self.dv))
             return self.out_proj(o.reshape(T, self.value_dim), batch.lora)
 
-        mixed, conv_state = ops.causal_conv1d_varlen(
-            qkv, self.conv1d.weight[:, 0], states.conv[layer, slots], batch.seq_lens
-        )
-        states.conv[layer, slots] = conv_state
+        mixed = self.conv(qkv, self.conv1d.weight[:, 0], states.conv[layer], slots, batch.seq_lens)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(T, self.hk, self.dk), k.reshape(T, self.hk, self.dk)
         v = v.reshape(T, self.hv, self.dv)

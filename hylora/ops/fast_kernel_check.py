@@ -20,6 +20,7 @@ from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply_grouped
 from hylora.model.decoder import HybridDecoder
 from hylora.model.layers import Linear
 from hylora.ops.attention.reference import paged_attention as attention_prefill_reference
+from hylora.ops.causal_conv1d.reference import causal_conv1d_by_slot as conv_reference
 from hylora.ops.gdn_decode.reference import gdn_decode as gdn_decode_reference
 from hylora.ops.paged_decode_attention.reference import paged_decode_attention as attention_reference
 from hylora.ops.rmsnorm.reference import gated_rms_norm as gated_reference
@@ -31,7 +32,10 @@ DECODE_BATCHES = (1, 2, 3, 31, 32, 33, 64)
 LORA_TOKENS = (1, 64, 65, 127, 128, 129, 400, 474, 2048)
 LORA_RANKS = (8, 16, 32, 64)
 NORM_TOKENS = (1, 3, 64, 129, 2048)
-FAST_KERNELS = ("gdn_decode", "paged_decode_attention", "lora", "rms_norm", "silu_mul", "prefill_attention")
+FAST_KERNELS = (
+    "gdn_decode", "paged_decode_attention", "lora", "rms_norm", "silu_mul", "prefill_attention", "causal_conv1d",
+)  # fmt: skip
+IMPLEMENTATION = {"prefill_attention": "flash"}  # what a passing kernel is, when not hylora's Triton
 # (cached tokens, new tokens) per sequence of one prefill batch: fresh prompts, chunks after a
 # cached prefix across page boundaries, and a decode row mixed in
 PREFILL_CASES = ((0, 2), (0, 17), (15, 33), (1, 1), (0, 300), (500, 700))
@@ -71,6 +75,7 @@ def select_fast_kernels(model: HybridDecoder, page_size: int) -> dict[str, str]:
             c.linear_value_head_dim, c.rms_norm_eps, dtype, dev,
         ),
         "silu_mul": lambda: silu_mul_error(c.intermediate_size, dtype, dev),
+        "causal_conv1d": lambda: causal_conv1d_error(c.linear_conv_dim, c.linear_conv_kernel_dim, dtype, dev),
         "prefill_attention": lambda: prefill_attention_error(
             c.num_attention_heads, c.num_key_value_heads, c.head_dim, page_size, dtype, dev
         ),
@@ -79,15 +84,16 @@ def select_fast_kernels(model: HybridDecoder, page_size: int) -> dict[str, str]:
 
 
 def _verdict(name: str, run: Callable[[], float], tolerance: float) -> str:
+    implementation = IMPLEMENTATION.get(name, "triton")
     try:
         error = run()
     except Exception as e:  # a kernel that does not compile or launch here is not used
-        log.error("%s Triton kernel failed to run (%s); serving with the reference", name, e)
+        log.error("%s %s kernel failed to run (%s); serving with the reference", name, implementation, e)
         return f"reference ({name} kernel failed: {e})"
     if not error <= tolerance:  # also catches NaN
-        log.error("%s Triton kernel disagrees with the reference (rel. error %.2e)", name, error)
+        log.error("%s %s kernel disagrees with the reference (rel. error %.2e)", name, implementation, error)
         return f"reference (rel. error {error:.2e} > {tolerance:.0e})"
-    return f"triton (max rel. error {error:.1e} vs the reference)"
+    return f"{implementation} (max rel. error {error:.1e} vs the reference)"
 
 
 def lora_shapes(model: torch.nn.Module) -> list[tuple[int, tuple[int, ...]]]:
@@ -306,6 +312,34 @@ def silu_mul_error(
 
 
 @torch.inference_mode()
+def causal_conv1d_error(
+    channels: int,
+    conv_kernel: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    batches: Sequence[Sequence[int]] = ((1,), (2, 1, 3, 64), (700, 1, 1348)),
+    kernel: Callable | None = None,
+) -> float:
+    """Chunks shorter and longer than the kernel and decode rows, by slot in a pool whose unowned
+    slots are NaN (which must stay as they were)."""
+    if kernel is None:
+        from hylora.ops.causal_conv1d.triton import causal_conv1d_by_slot as kernel
+    worst = 0.0
+    for lens in batches:
+        g = _generator(device, sum(lens))
+        N, S = len(lens), len(lens) + 2
+        slots = torch.randperm(S, generator=g, device=device)[:N]
+        x = torch.randn(sum(lens), 2 * channels, generator=g, device=device).to(dtype)[:, :channels]  # strided
+        weight = (torch.randn(channels, conv_kernel, generator=g, device=device) * 0.5).to(dtype)
+        pool = _nan_unowned(torch.randn(S, channels, conv_kernel - 1, generator=g, device=device).to(dtype), slots)
+        ref_pool = pool.clone()
+        ref = conv_reference(x, weight, ref_pool, slots, list(lens))
+        got = kernel(x, weight, pool, slots, list(lens))
+        worst = max(worst, _rel_error(got, ref), _rel_error(pool, ref_pool))
+    return worst
+
+
+@torch.inference_mode()
 def prefill_attention_error(
     heads: int,
     kv_heads: int,
@@ -369,6 +403,7 @@ def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 __all__ = [
     "DECODE_BATCHES",
+    "causal_conv1d_error",
     "FAST_KERNELS",
     "LORA_RANKS",
     "LORA_TOKENS",

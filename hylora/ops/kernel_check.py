@@ -36,7 +36,7 @@ def select_kernels(model: HybridDecoder, page_size: int) -> dict[str, str]:
         verdicts = dict.fromkeys(FAST_KERNELS, "reference (HYLORA_FAST_KERNELS=off)")
     else:
         verdicts = select_fast_kernels(model, page_size)
-    install_triton_kernels(model, [name for name, verdict in verdicts.items() if verdict.startswith("triton")])
+    install_triton_kernels(model, [name for name, verdict in verdicts.items() if not verdict.startswith("reference")])
     return kernels | verdicts
 
 
@@ -56,6 +56,12 @@ def install_triton_kernels(model: HybridDecoder, names: list[str]) -> None:
         for module in model.modules():
             if isinstance(module, Linear):
                 module.lora_backend = "triton"
+    if "causal_conv1d" in names:
+        from hylora.ops.causal_conv1d.triton import causal_conv1d_by_slot
+
+        for layer in model.layers:
+            if layer.is_linear:
+                layer.linear_attn.conv = causal_conv1d_by_slot
     if "prefill_attention" in names:
         from hylora.ops.attention.flash import paged_attention
 
@@ -82,13 +88,14 @@ def install_triton_kernels(model: HybridDecoder, names: list[str]) -> None:
 def uninstall_fast_kernels(model: HybridDecoder) -> None:
     """Back to the torch references for everything `install_triton_kernels` routes (benchmarks
     compare the two in one process)."""
-    from hylora.ops import paged_attention
+    from hylora.ops import causal_conv1d_by_slot, paged_attention
     from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
     from hylora.ops.silu_mul.reference import silu_mul
 
     for layer in model.layers:
         if layer.is_linear:
             layer.linear_attn.decode_step = None
+            layer.linear_attn.conv = causal_conv1d_by_slot
         else:
             layer.self_attn.decode_attention = None
             layer.self_attn.prefill_attention = paged_attention

@@ -1,21 +1,21 @@
-"""Causal prefill attention over the paged KV cache through torch's fused SDPA kernels (CUDA).
+"""Causal prefill attention over the paged KV cache through FlashAttention's varlen kernel (CUDA).
 
 Same signature and result as `reference.paged_attention`, which computes in fp32 with an explicit
-mask (the math kernel: quadratic memory, no tensor cores). Here each sequence's keys and values are
-gathered from its pages in the cache's dtype and attended with a lower-right causal mask, which
-torch's FlashAttention / memory-efficient kernels take natively (the new tokens are the last
-`n` of the `ctx + n` keys), fp32 accumulation inside. Decode rows (one new token) go through the
-reference's batched path. Used only after the start-up check (`ops.kernel_check`) passes.
+mask, one sequence at a time (the math kernel: quadratic memory, no tensor cores, ~15 launches per
+sequence). Here every sequence of the step goes at once: its keys and values (cached prefix and new
+tokens) are gathered from the pages in one index op, and one varlen FlashAttention call attends all
+of them, causal aligned bottom-right (a chunk's new tokens are the last n of its ctx + n keys),
+grouped KV heads native, fp32 accumulation inside. Decode rows in a mixed step are sequences of one
+query. The CPU (tests) runs the same gather and a per-sequence SDPA in its place. Used only after the
+start-up check (`ops.kernel_check`) passes.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
-from hylora.ops.attention.reference import _decode
-from hylora.ops.varlen import seq_starts, single_token_seqs
+from hylora.ops.varlen import seq_starts
 
 
 def paged_attention(
@@ -28,24 +28,49 @@ def paged_attention(
     page_size: int,
     scale: float,
 ) -> torch.Tensor:
+    cu_q, cu_k, key_seq, key_pos, max_q, max_k = _meta(tuple(context_lens), tuple(seq_lens), q.device)
+    slots = block_table[key_seq, key_pos // page_size].long() * page_size + key_pos % page_size
+    k, v = k_cache[slots], v_cache[slots]  # [sum(ctx + n), Hkv, D]
+    qk = q.to(k.dtype)
+    if q.is_cuda:
+        out = torch.ops.aten._flash_attention_forward(qk, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
+        return out[0].to(q.dtype)
+    return _per_sequence(qk, k, v, cu_q.tolist(), cu_k.tolist(), scale).to(q.dtype)
+
+
+def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int], scale: float):
     out = torch.empty_like(q)
-    hq, hkv = q.shape[1], k_cache.shape[1]
-    starts = seq_starts(seq_lens)
-    single = single_token_seqs(seq_lens)
-    if single:
-        rows = torch.tensor([starts[i] for i in single], device=q.device)
-        totals = torch.tensor([context_lens[i] + 1 for i in single], device=q.device)
-        out[rows] = _decode(q[rows], k_cache, v_cache, block_table[single], totals, page_size, scale)
-    for i, (ctx, n) in enumerate(zip(context_lens, seq_lens, strict=True)):
-        if n <= 1:
-            continue
-        total = ctx + n
-        pos = torch.arange(total, device=q.device)
-        slots = block_table[i, pos // page_size].long() * page_size + pos % page_size
-        k = k_cache[slots].transpose(0, 1).repeat_interleave(hq // hkv, dim=0)  # [Hq, total, D]
-        v = v_cache[slots].transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
-        qi = q[starts[i] : starts[i + 1]].transpose(0, 1).to(k.dtype)  # [Hq, n, D]
-        mask = causal_lower_right(n, total)  # query j (position ctx + j) sees keys 0..ctx + j
-        o = F.scaled_dot_product_attention(qi[None], k[None], v[None], attn_mask=mask, scale=scale)
-        out[starts[i] : starts[i + 1]] = o[0].transpose(0, 1).to(q.dtype)
+    for i in range(len(cu_q) - 1):
+        n, total = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        qi, ki, vi = (t[a:b].transpose(0, 1)[None] for t, a, b in ((q, cu_q[i], cu_q[i + 1]), (k, cu_k[i], cu_k[i + 1]),
+                                                                   (v, cu_k[i], cu_k[i + 1])))  # fmt: skip
+        # query j (position ctx + j) sees keys 0..ctx + j
+        mask = torch.arange(total, device=q.device)[None, :] <= (total - n + torch.arange(n, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[cu_q[i] : cu_q[i + 1]] = o[0].transpose(0, 1)
     return out
+
+
+_last_meta: tuple | None = None
+
+
+def _meta(context_lens: tuple[int, ...], seq_lens: tuple[int, ...], device: torch.device) -> tuple:
+    """(cu_seqlens_q, cu_seqlens_k int32 [N + 1], sequence and position of every key [Tk], max query
+    and key lengths), built once per step (every attention layer asks with the same lengths)."""
+    global _last_meta
+    key = (context_lens, seq_lens, device)
+    if _last_meta is None or _last_meta[0] != key:
+        totals = [c + n for c, n in zip(context_lens, seq_lens, strict=True)]
+        cu_k = seq_starts(totals)
+        key_seq = torch.repeat_interleave(torch.arange(len(totals)), torch.tensor(totals))
+        key_pos = torch.arange(cu_k[-1]) - torch.tensor(cu_k[:-1])[key_seq]
+        meta = (
+            torch.tensor(seq_starts(list(seq_lens)), dtype=torch.int32).to(device, non_blocking=True),
+            torch.tensor(cu_k, dtype=torch.int32).to(device, non_blocking=True),
+            key_seq.to(device, non_blocking=True),
+            key_pos.to(device, non_blocking=True),
+            max(seq_lens),
+            max(totals),
+        )
+        _last_meta = (key, *meta)
+    return _last_meta[1:]

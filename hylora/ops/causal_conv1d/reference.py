@@ -47,3 +47,17 @@ def _shifted_sum(window: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
     for j in range(1, w.shape[1]):
         y = y + window[:, j : j + n] * w[:, j : j + 1]
     return y
+
+
+def causal_conv1d_by_slot(
+    x: torch.Tensor,  # [T, C]
+    weight: torch.Tensor,  # [C, K]
+    conv_state: torch.Tensor,  # [S, C, K-1] the state pool, updated in place
+    slots: torch.Tensor,  # [N] pool slot of each sequence
+    seq_lens: list[int],
+) -> torch.Tensor:
+    """`causal_conv1d_varlen` reading and writing the pool's rows at `slots` (the signature of the
+    fused kernel, `triton.causal_conv1d_by_slot`). Returns silu(conv(x)) [T, C]."""
+    out, new_states = causal_conv1d_varlen(x, weight, conv_state[slots], seq_lens)
+    conv_state[slots] = new_states
+    return out

@@ -1,0 +1,123 @@
+"""`reference.causal_conv1d_by_slot` in two Triton launches, the conv state read and written in
+place in the pool by slot (no gather / scatter copies), every sequence of the step at once.
+
+1. `_conv_kernel`, grid (token block, channel block): out[t, c] = silu(sum_j w[c, j] * in[pos - K + 1
+   + j]) where inputs before the chunk's first token come from the sequence's conv state.
+   Accumulated in fp32 in the reference's order.
+2. `_state_kernel`, grid (sequence, channel block): the state becomes the last K-1 inputs (of the
+   old state followed by the chunk). It runs after (1) on the stream, so (1) reads the old state;
+   each program loads all K-1 values before it stores any, so its in-place shift is safe.
+
+Per-token sequence indices come from the step's lengths, built once per step (`_token_meta`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hylora.ops.varlen import seq_starts
+
+BLOCK_T, BLOCK_C = 16, 256
+
+
+def causal_conv1d_by_slot(
+    x: torch.Tensor,  # [T, C]
+    weight: torch.Tensor,  # [C, K]
+    conv_state: torch.Tensor,  # [S, C, K-1], in place
+    slots: torch.Tensor,  # [N]
+    seq_lens: list[int],
+    block_t: int = BLOCK_T,
+    block_c: int = BLOCK_C,
+) -> torch.Tensor:
+    T, C = x.shape
+    K = weight.shape[1]
+    N = len(seq_lens)
+    if conv_state.shape[1:] != (C, K - 1) or weight.shape[0] != C or slots.shape != (N,) or sum(seq_lens) != T:
+        raise ValueError("causal_conv1d_by_slot: inconsistent shapes")
+    if x.stride(1) != 1 or not conv_state.is_contiguous():
+        raise ValueError("causal_conv1d_by_slot: x needs unit stride along C and the state pool must be contiguous")
+    out = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    token_seq, starts = _token_meta(tuple(seq_lens), x.device)
+    w = weight.contiguous()
+    _conv_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
+        x, w, conv_state, slots, token_seq, starts, out, T, C, x.stride(0),
+        K=K, BLOCK_T=block_t, BLOCK_C=block_c,
+    )  # fmt: skip
+    _state_kernel[(N, triton.cdiv(C, block_c))](
+        x, conv_state, slots, starts, C, x.stride(0), K=K, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(K - 1),
+    )  # fmt: skip
+    return out
+
+
+_last_meta: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+
+
+def _token_meta(seq_lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence of each token [T] int32, first token of each sequence [N + 1] int64), on `device`;
+    every GDN layer of a step asks with the same lengths."""
+    global _last_meta
+    key = (seq_lens, device)
+    if _last_meta is None or _last_meta[0] != key:
+        lens = torch.tensor(seq_lens)
+        token_seq = torch.repeat_interleave(torch.arange(len(seq_lens), dtype=torch.int32), lens)
+        starts = torch.tensor(seq_starts(list(seq_lens)), dtype=torch.int64)
+        _last_meta = (key, token_seq.to(device, non_blocking=True), starts.to(device, non_blocking=True))
+    return _last_meta[1], _last_meta[2]
+
+
+@triton.jit
+def _conv_kernel(
+    x_ptr, w_ptr, state_ptr, slots_ptr, token_seq_ptr, starts_ptr, out_ptr, T, C, stride_xt,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # [BT]
+    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)  # [BC]
+    t_ok, c_ok = t < T, c < C
+    seq = tl.load(token_seq_ptr + t, mask=t_ok, other=0)
+    pos = t - tl.load(starts_ptr + seq, mask=t_ok, other=0)  # position within this chunk
+    slot = tl.load(slots_ptr + seq, mask=t_ok, other=-1).to(tl.int64)
+    state_row = slot * C * (K - 1)
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(K):
+        src = pos - (K - 1) + j  # [BT] input index within the chunk; < 0: in the carried state
+        from_x = (src >= 0) & t_ok
+        from_state = (src < 0) & t_ok & (slot >= 0)
+        xv = tl.load(
+            x_ptr + (t - (K - 1) + j)[:, None] * stride_xt + c[None, :],
+            mask=from_x[:, None] & c_ok[None, :],
+            other=0.0,
+        )
+        sv = tl.load(
+            state_ptr + state_row[:, None] + c[None, :] * (K - 1) + (K - 1 + src)[:, None],
+            mask=from_state[:, None] & c_ok[None, :],
+            other=0.0,
+        )
+        value = tl.where(from_x[:, None], xv.to(state_ptr.dtype.element_ty), sv).to(tl.float32)
+        wj = tl.load(w_ptr + c * K + j, mask=c_ok, other=0.0).to(tl.float32)
+        acc += value * wj[None, :]
+    y = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + t[:, None] * C + c[None, :], y.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _state_kernel(
+    x_ptr, state_ptr, slots_ptr, starts_ptr, C, stride_xt,
+    K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0)
+    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)  # [BC]
+    i = tl.arange(0, BLOCK_K).to(tl.int64)  # [BK] state position
+    start = tl.load(starts_ptr + n)
+    length = tl.load(starts_ptr + n + 1) - start
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    live = (c < C)[:, None] & (i < K - 1)[None, :] & (slot >= 0)
+    src = length - (K - 1) + i  # [BK] index within the chunk of the input that lands at state[i]
+    row = state_ptr + slot * C * (K - 1) + c[:, None] * (K - 1)  # [BC, 1]
+    xv = tl.load(x_ptr + (start + src)[None, :] * stride_xt + c[:, None], mask=live & (src >= 0)[None, :], other=0.0)
+    sv = tl.load(row + (i + length)[None, :], mask=live & (src < 0)[None, :], other=0.0)
+    new = tl.where((src >= 0)[None, :], xv.to(state_ptr.dtype.element_ty), sv)  # all loaded before the store
+    tl.store(row + i[None, :], new, mask=live)
