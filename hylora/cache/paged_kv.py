@@ -56,11 +56,13 @@ class PagedKVCache:
         self._pages.give_back(pages)
 
     def scrub(self, pages: list[int]) -> None:
-        """Zero the K/V rows of `pages` in every layer."""
-        for p in pages:
-            sl = slice(p * self.page_size, (p + 1) * self.page_size)
-            self.k[:, sl].zero_()
-            self.v[:, sl].zero_()
+        """Zero the K/V rows of `pages` in every layer (one fill per tensor, not one per page)."""
+        if not pages:
+            return
+        index = torch.tensor(pages, dtype=torch.long).to(self.k.device, non_blocking=True)
+        for cache in (self.k, self.v):
+            layers, _, heads, dim = cache.shape
+            cache.view(layers, -1, self.page_size, heads, dim).index_fill_(1, index, 0)
 
     def bytes_per_page(self) -> int:
         return 2 * self.k[:, : self.page_size].numel() * self.k.element_size()

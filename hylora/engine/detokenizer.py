@@ -25,6 +25,11 @@ class TextStream:
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
+        # the Rust tokenizer itself when the wrapper's decode adds nothing to it (no clean-up of
+        # spaces): the wrapper's argument handling costs more than the decode, twice per token
+        backend = getattr(tokenizer, "_tokenizer", None)
+        plain = not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        self._backend_decode = backend.decode if backend is not None and plain else None
 
     def append(self, token_id: int) -> str | None:
         """Add one generated token. Returns the stop string if the text now contains one (the text
@@ -53,4 +58,6 @@ class TextStream:
         return out
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
