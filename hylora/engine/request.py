@@ -168,6 +168,7 @@ class Request:
     num_preemptions: int = 0
     # set after a step whose forward raised with this request in it: it runs alone until it passes
     suspect_count: int = 0
+    lora_wait_steps: int = 0  # steps spent at the head of the queue waiting for a LoRA slot
     # sampling state
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -10,6 +10,13 @@ A request that was in a step whose forward raised is a suspect (`requeue_suspect
 the head of the queue and its next step runs it alone, so a request that breaks the forward fails
 by itself instead of taking its batch down with it.
 
+Adapters: when the request at the head of the queue waits for a LoRA slot (every slot holds the
+adapter of some running request), requests behind it whose adapter is already in a slot — or that
+use no adapter — start meanwhile, instead of the whole queue waiting behind one cold adapter. This
+keeps the distinct adapters per step low. The wait is bounded: once the head has waited
+`LORA_WAIT_STEPS` steps, only requests without an adapter may pass it, so the resident adapters'
+requests drain, a slot frees and the head starts.
+
 Media: a prefill chunk may only cover visual tokens whose tower output is ready, cached, or encoded in
 this step; encoding is limited to `max_num_encoder_tokens` per step, so a chunk that reaches a
 segment (an image, or one temporal patch of a video) the budget cannot pay for stops just before
@@ -18,6 +25,7 @@ it and the prefill continues next step — no step stalls to encode a whole long
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -32,6 +40,15 @@ from hylora.lora.adapter import AdapterError
 from hylora.lora.registry import AdapterRegistry, NoFreeLoRASlot, UnknownAdapter
 
 log = logging.getLogger(__name__)
+LORA_WAIT_STEPS = 64  # steps a request waiting for a LoRA slot lets resident adapters' requests pass it
+LORA_LOOKAHEAD = 256  # waiting requests looked at past a head that waits for a LoRA slot
+
+
+class Admission(enum.Enum):
+    STARTED = "started"
+    FAILED = "failed"  # could not start and never will (adapter gone or broken): in plan.failed
+    NO_LORA_SLOT = "no LoRA slot"  # its adapter needs a slot and every slot serves running requests
+    NO_ROOM = "no room"  # state slots, KV pages, token or encoder budget
 
 
 @dataclass
@@ -84,7 +101,8 @@ class Scheduler:
         plan = StepPlan()
         self._encoder_budget = self.config.max_num_encoder_tokens
         suspect = self.waiting[0] if self.waiting and self.waiting[0].suspect_count else None
-        if suspect is not None and len(self.running) < self.config.max_num_seqs and self._admit(suspect, plan):
+        room = len(self.running) < self.config.max_num_seqs
+        if suspect is not None and room and self._admit(suspect, plan) in (Admission.STARTED, Admission.FAILED):
             return plan  # a suspect runs alone
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -108,39 +126,76 @@ class Scheduler:
             i += 1
 
         while self.waiting and budget > 0 and not plan.preempted and len(self.running) < self.config.max_num_seqs:
-            if self.waiting[0].suspect_count or not self._admit(self.waiting[0], plan, budget):
+            head = self.waiting[0]
+            if head.suspect_count:
                 break
-            budget -= plan.chunks[-1].num_tokens
+            admission = self._admit(head, plan, budget)
+            if admission is Admission.STARTED:
+                budget -= plan.chunks[-1].num_tokens
+            elif admission is Admission.NO_LORA_SLOT:
+                head.lora_wait_steps += 1
+                self._admit_past(head, plan, budget)
+                break
+            elif admission is Admission.NO_ROOM:
+                break
         return plan
 
-    def _admit(self, req: Request, plan: StepPlan, budget: int | None = None) -> bool:
-        """Start the waiting request at the head of the queue if its adapter, a state slot and its
-        first pages are available. A request that cannot start (adapter gone) goes to plan.failed
-        and counts as handled (True) so the queue moves on."""
+    def _admit_past(self, head: Request, plan: StepPlan, budget: int) -> None:
+        """The head waits for a LoRA slot: start the requests behind it that need none (their adapter
+        is resident, or they have none), in order, while there is room — only adapter-free ones once
+        the head has waited LORA_WAIT_STEPS steps."""
+        overdue = head.lora_wait_steps > LORA_WAIT_STEPS
+        for req in list(self.waiting)[1:LORA_LOOKAHEAD]:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if req.suspect_count or (req.adapter is not None and (overdue or not self._resident(req))):
+                continue
+            admission = self._admit(req, plan, budget)
+            if admission is Admission.STARTED:
+                budget -= plan.chunks[-1].num_tokens
+            elif admission is Admission.NO_ROOM:
+                return
+
+    def _resident(self, req: Request) -> bool:
+        """Its adapter can start without a free slot: already in one, or the request holds a lease."""
+        if req.lora is not None:
+            return True
+        if self.adapters is None or req.adapter is None:
+            return False
+        try:
+            version = req.prepared.version if req.prepared is not None else self.adapters.get(req.adapter)
+        except Exception:  # unloaded meanwhile: _admit reports it when the request reaches the head
+            return False
+        return version.slot is not None and not version.unloaded
+
+    def _admit(self, req: Request, plan: StepPlan, budget: int | None = None) -> Admission:
+        """Start the waiting request `req` if its adapter, a state slot and its first pages are
+        available. A request that can never start (adapter gone) goes to plan.failed (FAILED) so the
+        queue moves on."""
         budget = self.config.max_num_batched_tokens if budget is None else budget
         if req.adapter is not None and req.lora is None:
             try:
                 req.lora = self.adapters.acquire(req.prepared or req.adapter)  # type: ignore[union-attr]
             except NoFreeLoRASlot:
-                return False  # every LoRA slot serves running requests: wait for one to finish
+                return Admission.NO_LORA_SLOT  # every LoRA slot serves running requests
             except Exception as e:  # unloaded while waiting, files broken, or a bug placing it
-                self.waiting.popleft()
+                self.waiting.remove(req)
                 req.error, req.failure = _adapter_failure(e)
                 plan.failed.append(req)
-                return True
+                return Admission.FAILED
         if req.state_slot is None:
             if self.states.num_free == 0:
-                return False
+                return Admission.NO_ROOM
             req.state_slot = self.states.allocate()
         n, media = self._fit_media(req, min(req.num_uncomputed, budget))
         if n == 0 or not self._ensure_pages(req, req.num_computed + n):
-            return False
-        self.waiting.popleft()
+            return Admission.NO_ROOM
+        self.waiting.remove(req)
         req.status = Status.RUNNING
         self.running.append(req)
         plan.chunks.append(ScheduledChunk(req, req.num_computed, n, media))
         self._spend(req, media)
-        return True
+        return Admission.STARTED
 
     def _fit_media(self, req: Request, n: int) -> tuple[int, list[Segment]]:
         """How many of the next `n` tokens can run this step, and the segments they need that the
