@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import faulthandler
 import io
 import json
 import logging
@@ -127,7 +128,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--out")
+    ap.add_argument("--watchdog", type=float, default=0, help="print every thread's stack and exit after this many s")
     args = ap.parse_args()
+    if args.watchdog:
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
     cfg = ModelConfig.from_hf(dict(QWEN36_27B, num_hidden_layers=args.layers))
     work = Path(tempfile.mkdtemp())
     demo = work / "tokenizer"
