@@ -19,14 +19,19 @@ from tests.helpers import random_ids
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (the test extra installs it)")
 
 
-def test_engine_decode_through_triton_kernels_equals_reference(causal_ckpt, engine_adapter_root):
+@pytest.mark.parametrize("chunk", [2048, 20], ids=["whole-prompts", "chunked-prefill"])
+def test_engine_decode_through_triton_kernels_equals_reference(causal_ckpt, engine_adapter_root, chunk):
+    """chunk 20: prompts prefill over several steps, each chunk after a cached prefix (the conv state
+    carried in place, attention over earlier pages) with other requests' decode rows in the step."""
     requests = [
         (f"r{i}", random_ids(n, 320, seed=40 + i), SamplingParams(max_tokens=6, temperature=0, logprobs=1), adapter)
         for i, (n, adapter) in enumerate([(13, None), (16, "gdn_attn"), (31, "all_linear"), (47, None)])
     ]
     outputs = []
     for fast in (False, True):
-        engine = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=128, page_size=16)
+        engine = make_engine(
+            causal_ckpt[0], engine_adapter_root, max_model_len=128, page_size=16, max_num_batched_tokens=chunk
+        )
         if fast:
             fast_kernels = [
                 "gdn_decode",
