@@ -85,8 +85,7 @@ def test_gdn_decode_equals_the_model_layer(dtype):
     conv, recurrent = pool.conv[li].clone(), pool.recurrent[li].clone()
     with torch.no_grad():
         y_ref = layer(x, batch, pool)
-        qkv, z = layer.in_proj_qkvz(x).split([layer.conv_dim, layer.value_dim], dim=-1)
-        b, a = layer.in_proj_ba(x).chunk(2, dim=-1)
+        qkv, z, b, a = layer.in_proj(x).split([layer.conv_dim, layer.value_dim, layer.hv, layer.hv], dim=-1)
         o = gdn_decode(qkv, b, a, layer.conv1d.weight[:, 0], layer.A_log, layer.dt_bias, conv, recurrent, slots)
         y = layer.out_proj(layer.norm(o, z.reshape(N, layer.hv, layer.dv)).reshape(N, -1))
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=0)

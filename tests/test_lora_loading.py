@@ -83,7 +83,7 @@ def test_absent_slice_contributes_exactly_zero(causal_ckpt, tmp_path):
     x = torch.randn(9, model.config.hidden_size)
     lora = LoRABatch.build([lease.slot, -1], [5, 4], "cpu")
     for linear, untouched in [
-        (model.layers[0].linear_attn.in_proj_qkvz, "in_proj_z"),
+        (model.layers[0].linear_attn.in_proj, "in_proj_z"),
         (model.layers[0].mlp.gate_up_proj, "up_proj"),
     ]:
         with_lora, base = linear(x, lora), linear(x)

@@ -30,9 +30,11 @@ class GatedDeltaNet(nn.Module):
         self.hk, self.hv = c.linear_num_key_heads, c.linear_num_value_heads
         self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
         self.key_dim, self.value_dim, self.conv_dim = c.linear_key_dim, c.linear_value_dim, c.linear_conv_dim
-        # fused GEMMs (model/packing.py): [qkv | z] and [b | a]
-        self.in_proj_qkvz = Linear(c.hidden_size, {"in_proj_qkv": c.linear_conv_dim, "in_proj_z": self.value_dim})
-        self.in_proj_ba = Linear(c.hidden_size, {"in_proj_b": self.hv, "in_proj_a": self.hv})
+        # the four input projections as one GEMM (model/packing.py): [qkv | z | b | a]
+        self.in_proj = Linear(
+            c.hidden_size,
+            {"in_proj_qkv": c.linear_conv_dim, "in_proj_z": self.value_dim, "in_proj_b": self.hv, "in_proj_a": self.hv},
+        )
         self.conv1d = DepthwiseConv(c.linear_conv_dim, c.linear_conv_kernel_dim)
         self.dt_bias = _param(self.hv)
         self.A_log = _param(self.hv)
@@ -49,8 +51,7 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[0]
         layer = states.layer_index[self.layer_idx]
         slots = batch.state_slots
-        qkv, z = self.in_proj_qkvz(x, batch.lora).split([self.conv_dim, self.value_dim], dim=-1)
-        b, a = self.in_proj_ba(x, batch.lora).chunk(2, dim=-1)
+        qkv, z, b, a = self.in_proj(x, batch.lora).split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
         if batch.is_decode and (self.decode_step is not None or batch.padded):
             step = self.decode_step or gdn_decode_reference  # both: slot < 0 reads and writes nothing
             weight = self.conv1d.weight[:, 0]

@@ -10,8 +10,7 @@ from hylora.config import LINEAR, ModelConfig
 
 # (sub-layer, fused module) → the checkpoint modules whose output rows it stacks, in order
 PACKED_MODULES: dict[tuple[str, str], tuple[str, ...]] = {
-    ("linear_attn", "in_proj_qkvz"): ("in_proj_qkv", "in_proj_z"),
-    ("linear_attn", "in_proj_ba"): ("in_proj_b", "in_proj_a"),
+    ("linear_attn", "in_proj"): ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
     ("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
     ("mlp", "gate_up_proj"): ("gate_proj", "up_proj"),
 }
