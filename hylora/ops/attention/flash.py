@@ -38,16 +38,19 @@ def paged_attention(
     return _per_sequence(qk, k, v, cu_q.tolist(), cu_k.tolist(), scale).to(q.dtype)
 
 
-def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int], scale: float):
+def _per_sequence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int], scale: float
+) -> torch.Tensor:
+    """The varlen call's CPU twin: q [Tq, Hq, D], k/v [Tk, Hkv, D] packed by cu_q / cu_k."""
     out = torch.empty_like(q)
     for i in range(len(cu_q) - 1):
-        n, total = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
-        qi, ki, vi = (t[a:b].transpose(0, 1)[None] for t, a, b in ((q, cu_q[i], cu_q[i + 1]), (k, cu_k[i], cu_k[i + 1]),
-                                                                   (v, cu_k[i], cu_k[i + 1])))  # fmt: skip
+        rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        n, total = rows.stop - rows.start, keys.stop - keys.start
         # query j (position ctx + j) sees keys 0..ctx + j
-        mask = torch.arange(total, device=q.device)[None, :] <= (total - n + torch.arange(n, device=q.device))[:, None]
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[cu_q[i] : cu_q[i + 1]] = o[0].transpose(0, 1)
+        mask = torch.arange(total)[None, :] <= (total - n + torch.arange(n))[:, None]
+        heads_first = [t.transpose(0, 1)[None] for t in (q[rows], k[keys], v[keys])]  # [1, H, len, D]
+        o = F.scaled_dot_product_attention(*heads_first, attn_mask=mask.to(q.device), scale=scale, enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1)
     return out
 
 
