@@ -26,6 +26,7 @@ it and the prefill continues next step — no step stalls to encode a whole long
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -145,7 +146,7 @@ class Scheduler:
         is resident, or they have none), in order, while there is room — only adapter-free ones once
         the head has waited LORA_WAIT_STEPS steps."""
         overdue = head.lora_wait_steps > LORA_WAIT_STEPS
-        for req in list(self.waiting)[1:LORA_LOOKAHEAD]:
+        for req in list(itertools.islice(self.waiting, 1, LORA_LOOKAHEAD)):  # a copy: _admit removes
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             if req.suspect_count or (req.adapter is not None and (overdue or not self._resident(req))):

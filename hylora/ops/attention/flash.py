@@ -12,6 +12,8 @@ start-up check (`ops.kernel_check`) passes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -54,26 +56,19 @@ def _per_sequence(
     return out
 
 
-_last_meta: tuple | None = None
-
-
+@functools.lru_cache(maxsize=1)  # every attention layer of a step asks with the same lengths
 def _meta(context_lens: tuple[int, ...], seq_lens: tuple[int, ...], device: torch.device) -> tuple:
     """(cu_seqlens_q, cu_seqlens_k int32 [N + 1], sequence and position of every key [Tk], max query
-    and key lengths), built once per step (every attention layer asks with the same lengths)."""
-    global _last_meta
-    key = (context_lens, seq_lens, device)
-    if _last_meta is None or _last_meta[0] != key:
-        totals = [c + n for c, n in zip(context_lens, seq_lens, strict=True)]
-        cu_k = seq_starts(totals)
-        key_seq = torch.repeat_interleave(torch.arange(len(totals)), torch.tensor(totals))
-        key_pos = torch.arange(cu_k[-1]) - torch.tensor(cu_k[:-1])[key_seq]
-        meta = (
-            torch.tensor(seq_starts(list(seq_lens)), dtype=torch.int32).to(device, non_blocking=True),
-            torch.tensor(cu_k, dtype=torch.int32).to(device, non_blocking=True),
-            key_seq.to(device, non_blocking=True),
-            key_pos.to(device, non_blocking=True),
-            max(seq_lens),
-            max(totals),
-        )
-        _last_meta = (key, *meta)
-    return _last_meta[1:]
+    and key lengths)."""
+    totals = [c + n for c, n in zip(context_lens, seq_lens, strict=True)]
+    cu_k = seq_starts(totals)
+    key_seq = torch.repeat_interleave(torch.arange(len(totals)), torch.tensor(totals))
+    key_pos = torch.arange(cu_k[-1]) - torch.tensor(cu_k[:-1])[key_seq]
+    return (
+        torch.tensor(seq_starts(list(seq_lens)), dtype=torch.int32).to(device, non_blocking=True),
+        torch.tensor(cu_k, dtype=torch.int32).to(device, non_blocking=True),
+        key_seq.to(device, non_blocking=True),
+        key_pos.to(device, non_blocking=True),
+        max(seq_lens),
+        max(totals),
+    )

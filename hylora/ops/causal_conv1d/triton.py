@@ -13,6 +13,8 @@ Per-token sequence indices come from the step's lengths, built once per step (`_
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -53,20 +55,12 @@ def causal_conv1d_by_slot(
     return out
 
 
-_last_meta: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
-
-
+@functools.lru_cache(maxsize=1)  # every GDN layer of a step asks with the same lengths
 def _token_meta(seq_lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence of each token [T] int32, first token of each sequence [N + 1] int64), on `device`;
-    every GDN layer of a step asks with the same lengths."""
-    global _last_meta
-    key = (seq_lens, device)
-    if _last_meta is None or _last_meta[0] != key:
-        lens = torch.tensor(seq_lens)
-        token_seq = torch.repeat_interleave(torch.arange(len(seq_lens), dtype=torch.int32), lens)
-        starts = torch.tensor(seq_starts(list(seq_lens)), dtype=torch.int64)
-        _last_meta = (key, token_seq.to(device, non_blocking=True), starts.to(device, non_blocking=True))
-    return _last_meta[1], _last_meta[2]
+    """(sequence of each token [T] int32, first token of each sequence [N + 1] int64), on `device`."""
+    token_seq = torch.repeat_interleave(torch.arange(len(seq_lens), dtype=torch.int32), torch.tensor(seq_lens))
+    starts = torch.tensor(seq_starts(list(seq_lens)), dtype=torch.int64)
+    return token_seq.to(device, non_blocking=True), starts.to(device, non_blocking=True)
 
 
 @triton.jit

@@ -11,6 +11,8 @@ on the host, once per step and reused (`_varlen_meta`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hylora.ops.varlen import seq_starts
@@ -70,17 +72,12 @@ def varlen_gated_delta_rule(
 
 
 FLA_CHUNK = 64  # chunk_gated_delta_rule's default chunk size
-_last_meta: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
 
 
+@functools.lru_cache(maxsize=1)  # every GDN layer of a step asks with the same lengths
 def _varlen_meta(seq_lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cu_seqlens [N + 1], chunk_indices [chunks, 2]: (sequence, chunk within it)) on `device`,
-    for the last lengths asked (every layer of a step asks the same)."""
-    global _last_meta
-    key = (seq_lens, device)
-    if _last_meta is None or _last_meta[0] != key:
-        pairs = [(i, j) for i, n in enumerate(seq_lens) for j in range(-(-n // FLA_CHUNK))]
-        cu_seqlens = torch.tensor(seq_starts(list(seq_lens)), dtype=torch.long).to(device, non_blocking=True)
-        chunk_indices = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).to(device, non_blocking=True)
-        _last_meta = (key, cu_seqlens, chunk_indices)
-    return _last_meta[1], _last_meta[2]
+    """(cu_seqlens [N + 1], chunk_indices [chunks, 2]: (sequence, chunk within it)) on `device`."""
+    pairs = [(i, j) for i, n in enumerate(seq_lens) for j in range(-(-n // FLA_CHUNK))]
+    cu_seqlens = torch.tensor(seq_starts(list(seq_lens)), dtype=torch.long).to(device, non_blocking=True)
+    chunk_indices = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).to(device, non_blocking=True)
+    return cu_seqlens, chunk_indices
