@@ -134,9 +134,10 @@ def test_paged_decode_attention_start_up_check():
 # --- LoRA shrink / expand ----------------------------------------------------------------------
 
 
-def lora_case(T: int, seed: int, rows=(48, 16, 33), in_features=40, rank=8, ranks=(8, 3, 0, 5)):
+def lora_case(T: int, seed: int, rows=(48, 16, 33), in_features=40, rank=8, ranks=(8, 3, 0, 5), seq_lens=None):
     """Base tokens and adapter slots 0, 1, 3 (slot 3 non-contiguous); slot 2 unused and NaN;
-    y's base rows NaN (they must come back bit-identical)."""
+    y's base rows NaN (they must come back bit-identical). `seq_lens`: the 6 segments' lengths
+    (base, 0, 3, base, 1, 3), random cuts of T when None."""
     g = torch.Generator().manual_seed(seed)
     present = [[i != 1 or s == 1 for i in range(len(rows))] for s in range(4)]  # some absent slices
     present[2] = [False] * len(rows)
@@ -144,8 +145,9 @@ def lora_case(T: int, seed: int, rows=(48, 16, 33), in_features=40, rank=8, rank
     for a, b in zip(stack.a, stack.b, strict=True):
         a[2], b[2] = NAN, NAN
     seq_slots = [-1, 0, 3, -1, 1, 3]
-    cuts = sorted(torch.randint(0, T + 1, (5,), generator=g).tolist())
-    seq_lens = [hi - lo for lo, hi in zip([0, *cuts], [*cuts, T], strict=True)]
+    if seq_lens is None:
+        cuts = sorted(torch.randint(0, T + 1, (5,), generator=g).tolist())
+        seq_lens = [hi - lo for lo, hi in zip([0, *cuts], [*cuts, T], strict=True)]
     if not any(n for s, n in zip(seq_slots, seq_lens, strict=True) if s >= 0):
         seq_slots = [0] * len(seq_slots)
     batch = LoRABatch.build(seq_slots, seq_lens, "cpu")
@@ -170,24 +172,95 @@ def test_lora_triton_equals_grouped(T):
     assert_lora_matches(lora_triton.lora_apply(x, y0.clone(), stack, batch), y0, ref, batch)
 
 
+KC = lora_triton.KernelConfig
 CONFIGS = {
-    "small-split3": lora_triton.KernelConfig(block_m=16, block_n=64, block_k=32, split_k=3),
-    "small-bn128": lora_triton.KernelConfig(block_m=16, block_n=128, block_k=128, split_k=2),
+    "small-split3": KC(block_m=16, block_n=64, block_k=32, split_k=3),
+    "small-bn128": KC(block_m=16, block_n=128, block_k=128, split_k=2),
     "large": lora_triton.LARGE,
+    # several column tiles per program: 96 / 128 columns a program, neither dividing 130
+    "np3-bn32-split3": KC(block_m=16, block_n=32, block_k=32, split_k=3, n_per_program=3),
+    "np2-shrink-m32": KC(block_m=16, block_n=64, block_k=64, split_k=2, n_per_program=2, shrink_block_m=32),
 }
 
 
 @pytest.mark.parametrize("rank", [8, 16, 32, 64])
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_lora_configs_at_tile_boundaries(config, rank):
-    """Each configuration on both sides of its M tile and of the 64 / 128 column tiles, every rank."""
+    """Each configuration on both sides of its M tiles (expand's and shrink's) and of the 64 / 128
+    column tiles, every rank."""
     cfg = CONFIGS[config]
     rows = (130, 17)  # 130: past one 128 tile and two 64 tiles; 96 inputs: 3 K splits, 2 K steps of 64
-    for T in (cfg.block_m - 1, cfg.block_m + 1):  # the adapters' shares straddle the M tile too
+    for T in sorted({cfg.block_m - 1, cfg.block_m + 1, cfg.shrink_m + 1}):  # the adapters' shares straddle too
         x, y0, stack, batch = lora_case(T, seed=rank + T, rows=rows, in_features=96, rank=rank, ranks=(rank, 5, 0, 1))
         ref = lora_apply_grouped(x, y0.clone(), stack, batch)
         got = lora_triton.lora_apply(x, y0.clone(), stack, batch, config=cfg)
         assert_lora_matches(got, y0, ref, batch)
+
+
+@pytest.mark.parametrize("config", ["np3-bn32-split3", "np2-shrink-m32", "large"], ids=str)
+def test_lora_slot_counts_straddle_the_m_tiles(config):
+    """Slot 0 holds BLOCK_M + 1 tokens, slot 3 exactly BLOCK_M (in two segments), slot 1 BLOCK_M - 1,
+    slot 2 none, base tokens between them (for the expand's and then the shrink's M tile). h's rows
+    of base tokens are NaN before the expand: it must not read them."""
+    cfg = CONFIGS[config]
+    for bm in sorted({cfg.block_m, cfg.shrink_m}):
+        seq_lens = [3, bm + 1, bm // 2, 2, bm - 1, bm - bm // 2]
+        x, y0, stack, batch = lora_case(sum(seq_lens), seed=bm, rows=(130, 17), in_features=96, seq_lens=seq_lens)
+        meta = lora_triton.LoRAKernelMeta.build(batch.token_slots, num_slots=4)
+        assert meta.counts.tolist() == [bm + 1, bm - 1, 0, bm]
+        h = lora_triton.lora_shrink(x, stack.a, meta, cfg)
+        h[:, batch.token_slots < 0] = NAN
+        got = lora_triton.lora_expand(h, stack.b, stack.offsets, y0.clone(), meta, cfg)
+        assert_lora_matches(got, y0, lora_apply_grouped(x, y0.clone(), stack, batch), batch)
+
+
+@pytest.mark.parametrize("name", lora_triton.SWEEP_CONFIGS, ids=str)
+def test_lora_sweep_candidates(name):
+    """Every candidate of the GPU sweep equals the reference (rank 16, past both M tiles)."""
+    cfg = lora_triton.SWEEP_CONFIGS[name]
+    T = max(cfg.block_m, cfg.shrink_m) + 1
+    x, y0, stack, batch = lora_case(T, seed=T, rows=(130, 17), in_features=96, rank=16, ranks=(16, 5, 0, 1))
+    ref = lora_apply_grouped(x, y0.clone(), stack, batch)
+    assert_lora_matches(lora_triton.lora_apply(x, y0.clone(), stack, batch, config=cfg), y0, ref, batch)
+
+
+TILE_MAP_CASES = {
+    # name: (token slots, slots)
+    "empty": ([], 4),
+    "one-base-token": ([-1], 4),
+    "one-adapter-token": ([2], 4),
+    "all-base": ([-1] * 20, 4),
+    "one-slot-all-tokens": ([1] * 37, 4),
+    "fewer-tokens-than-slots": ([3, -1, 0], 8),
+    "worst-case-bound": ([0, 1, 2] + [3] * 30, 4),  # L - 1 single tokens, one slot of the rest: every tile live
+    "interleaved": ([-1, 0, 0, 3, -1, 1, 3, 3, 0, -1] * 7 + [3] * 9, 5),
+}
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.parametrize("case", TILE_MAP_CASES, ids=str)
+def test_lora_tile_map_covers_each_adapter_token_once(case, block_m):
+    token_slots, L = TILE_MAP_CASES[case]
+    slots = torch.tensor(token_slots, dtype=torch.long)
+    meta = lora_triton.LoRAKernelMeta.build(slots, num_slots=L)
+    tiles = meta.tile_map(block_m)
+    assert tiles is meta.tile_map(block_m)  # memoized
+    T = len(token_slots)
+    assert tiles.dtype == torch.int32 and tiles.shape == (lora_triton.max_tiles(T, L, block_m), 4)
+    live = tiles[:, 2] < tiles[:, 3]
+    n_live = int(live.sum())
+    dead = torch.tensor([[L, 0, 0, 0]], dtype=torch.int32).expand(len(tiles) - n_live, 4)
+    assert live[:n_live].all() and torch.equal(tiles[n_live:], dead)  # live tiles first, then empty rows
+    order, covered = meta.order.tolist(), []
+    expected_tiles = [(s, k) for s in range(L) for k in range(-(-token_slots.count(s) // block_m))]
+    assert [tuple(t[:2]) for t in tiles[:n_live].tolist()] == expected_tiles  # slot by slot, in order
+    for slot, k, lo, hi in tiles[:n_live].tolist():
+        assert lo == int(meta.starts[slot]) + k * block_m and 0 < hi - lo <= block_m
+        assert all(token_slots[t] == slot for t in order[lo:hi])
+        covered += order[lo:hi]
+    assert sorted(covered) == [t for t, s in enumerate(token_slots) if s >= 0]  # each adapter token once
+    if case == "worst-case-bound":
+        assert n_live == len(tiles)  # the bound is tight
 
 
 def test_lora_shrink_and_expand_each_equal_the_reference():

@@ -1,23 +1,31 @@
 """Batched LoRA shrink/expand in Triton (SGMV style: tokens grouped by adapter slot on the device).
 
 Same maths as `reference.py`. `LoRAKernelMeta.build` sorts the tokens by slot on the device (no
-host sync, CUDA-graph safe); then every program works on up to BLOCK_M tokens of ONE slot:
+host sync, CUDA-graph safe); `LoRAKernelMeta.tile_map(BLOCK_M)` then lists, on the device too, the
+M tiles (up to BLOCK_M tokens of ONE slot) that hold tokens, in a tensor of a size known on the host
+(`max_tiles`): the grids run over those tiles only, not over slots × all tiles.
 
-- shrink, grid (M tiles × SPLIT_K, slices, slots): h_part[split, t, i] = x[t, K range] · A_i[slot]ᵀ,
-  full rank in one tile (r ≤ 64 → BLOCK_R ≤ 64). Split K writes separate fp32 partials, summed by
-  the expand — no atomics, deterministic.
-- expand, grid (M tiles × N tiles, slices, slots): y[t, slice i] = round(y + Σ_split h_part · B_i).
+- shrink, grid tiles × SPLIT_K × slices (slices vary fastest: the programs reading one x tile run
+  together, x comes from DRAM about once): h_part[split, t, i] = x[t, K range] · A_i[slot]ᵀ, full
+  rank in one tile (r ≤ 64 → BLOCK_R ≤ 64). Split K writes separate fp32 partials, summed by the
+  expand — no atomics, deterministic.
+- expand, grid tiles × column groups of all slices (no program for a slice narrower than the
+  widest): y[t, slice i] = round(y + Σ_split h_part · B_i). A program sums h's partials once and
+  reuses them over its N_PER_PROGRAM tiles of BLOCK_N columns, loading the next tile's y before it
+  stores the current one. Each slice's columns of y come as their own pointer, so that the
+  launcher's 16-byte alignment specialization vectorizes the y accesses.
 
 Rules from the Hopper NaN reports on other engines' LoRA kernels: fp32 accumulation rounded once
 into y, h stays fp32 into the expand dot (no cast down before a dot; tf32x3 ≈ fp32 on 16-bit
 models, ieee on fp32 models), int64 row offsets, every load masked with other=0, no split-K
-atomics. Base tokens (slot -1) get no program: their rows of y are untouched bit for bit.
-Programs of a slot with fewer tokens than their tile exit at once.
+atomics. Base tokens (slot -1) belong to no tile: their rows of y are untouched bit for bit.
+Programs of the tile list's unused tail exit at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -30,26 +38,77 @@ MAX_SLICES = 4  # slices per launch (pointer arguments); a linear with more take
 
 @dataclass(frozen=True)
 class KernelConfig:
-    block_m: int  # tokens of one slot per program
-    block_n: int  # output columns per expand program
+    block_m: int  # tokens of one slot per expand program (and per shrink program, unless shrink_block_m)
+    block_n: int  # output columns per expand step
     block_k: int  # input features per shrink step
     split_k: int  # shrink programs along the input features (partials summed by the expand)
-    num_warps: int = 4
+    num_warps: int = 4  # expand (and shrink, unless shrink_num_warps)
+    n_per_program: int = 1  # BLOCK_N tiles per expand program: h loaded and summed once for them all
+    num_stages: int | None = None  # expand launch; None: Triton's default
+    shrink_block_m: int | None = None  # None: block_m
+    shrink_num_warps: int | None = None  # None: num_warps
+    shrink_num_stages: int | None = None  # None: Triton's default
+
+    @property
+    def shrink_m(self) -> int:
+        return self.shrink_block_m or self.block_m
 
 
 # Few tokens (decode, short prefill): small M tiles, split K so that a handful of adapters still
-# fill the GPU. Many tokens: bigger tiles, one K pass. sm_90 bf16 rank 64 (ptxas), no spills:
-# SMALL shrink 64 / expand 138 registers; LARGE 60 / 148 (64 x 128 tiles at 4 warps spill).
-SMALL = KernelConfig(block_m=16, block_n=64, block_k=128, split_k=8)
-LARGE = KernelConfig(block_m=64, block_n=64, block_k=64, split_k=1, num_warps=8)
+# fill the GPU. Many tokens: the expand (a read-modify-write of y, bandwidth bound) takes thin M
+# tiles and 8 column tiles per program, the next one's y loads in flight while one is stored; the
+# shrink (a stream over x) takes tall M tiles, split K and pipelined K steps. H200, rank 16, 8 slots,
+# T 2048: the expand ~2x its y-traffic floor, 3-5x faster than the 64x64 one-tile programs it replaces.
+SMALL = KernelConfig(block_m=16, block_n=64, block_k=128, split_k=8, n_per_program=2)
+LARGE = KernelConfig(
+    block_m=16, block_n=128, block_k=64, split_k=4, num_warps=4, n_per_program=8,
+    shrink_block_m=128, shrink_num_warps=8, shrink_num_stages=4,
+)  # fmt: skip
 LARGE_FROM = 128  # tokens
+
+
+def _large(**changes) -> KernelConfig:
+    return dataclasses.replace(LARGE, **changes)
+
+
+# Candidates for a GPU sweep; all compile for sm_90 without register spills (bf16, ranks 16 and 64,
+# checked with tests/sm90_compile.py's helpers). "large-*": prefill (T 2048-8192, in 5120, out up to
+# 34816, rank 16, 8 slots): expand variants with LARGE's shrink, then shrink variants with LARGE's
+# expand. "small-*": decode (T 1-64); choose_config caps their split_k at in_features // 1024. The
+# name, not block_m, tells the two kinds apart (both use 16-token expand tiles).
+SWEEP_CONFIGS: dict[str, KernelConfig] = {
+    "large-default": LARGE,
+    "large-old": KernelConfig(block_m=64, block_n=64, block_k=64, split_k=1, num_warps=8),  # the former LARGE
+    "large-m16n128x16": _large(n_per_program=16),
+    "large-m16n128x4": _large(n_per_program=4),
+    "large-m16n64x16": _large(block_n=64, n_per_program=16),
+    "large-m32n64x8": _large(block_m=32, block_n=64),
+    "large-m32n64x16": _large(block_m=32, block_n=64, n_per_program=16),
+    "large-m32n128x8-w8": _large(block_m=32, num_warps=8),
+    "large-m64n64x8": _large(block_m=64, block_n=64),
+    "large-shrink128-nostages": _large(shrink_num_stages=None),
+    "large-shrink64k128-split2": _large(shrink_block_m=64, block_k=128, split_k=2),
+    "large-shrink32k128-split2-w4": _large(shrink_block_m=32, block_k=128, split_k=2, shrink_num_warps=4),
+    "small-default": SMALL,
+    "small-old": dataclasses.replace(SMALL, n_per_program=1),
+    "small-m16n64x4": dataclasses.replace(SMALL, n_per_program=4),
+    "small-m16n128x2": dataclasses.replace(SMALL, block_n=128),
+    "small-m16n64x4-k64-split16": dataclasses.replace(SMALL, block_k=64, split_k=16, n_per_program=4),
+}
 
 
 def choose_config(num_tokens: int, in_features: int) -> KernelConfig:
     if num_tokens >= LARGE_FROM:
         return LARGE
-    split = max(1, min(SMALL.split_k, in_features // 1024))
-    return KernelConfig(SMALL.block_m, SMALL.block_n, SMALL.block_k, split, SMALL.num_warps)
+    return dataclasses.replace(SMALL, split_k=max(1, min(SMALL.split_k, in_features // 1024)))
+
+
+def max_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
+    """How many M tiles `num_tokens` tokens spread over `num_slots` slots can need, at most: with k
+    non-empty slots, Σ cdiv(count, BLOCK_M) = k + Σ (count - 1) // BLOCK_M ≤ k + (T - k) // BLOCK_M,
+    which grows with k ≤ min(L, T) (reached: k - 1 slots of one token, one slot of the rest)."""
+    k = min(num_slots, num_tokens)
+    return k + (num_tokens - k) // block_m
 
 
 @dataclass
@@ -60,6 +119,7 @@ class LoRAKernelMeta:
     counts: torch.Tensor  # [L] int32 tokens of each slot
     starts: torch.Tensor  # [L] int32 where each slot's tokens begin in `order`
     num_slots: int
+    tile_maps: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, token_slots: torch.Tensor, num_slots: int) -> LoRAKernelMeta:
@@ -69,6 +129,35 @@ class LoRAKernelMeta:
         counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=slots.device).scatter_add_(0, slots + 1, ones)
         starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
         return cls(order=order, counts=counts[1:].contiguous(), starts=starts[1:].contiguous(), num_slots=num_slots)
+
+    def tile_map(self, block_m: int) -> torch.Tensor:
+        """[max_tiles(T, L, block_m), 4] int32, one row per M tile: (slot, tile of the slot, lo, hi),
+        the tile's tokens being order[lo:hi] (hi - lo ≤ block_m). Tiles of slot 0 first, then slot 1...;
+        the rows past the last tile are (L, 0, 0, 0): empty. Built on the device with no host sync
+        (CUDA-graph safe), memoized per block_m."""
+        tiles = self.tile_maps.get(block_m)
+        if tiles is None:
+            tiles = self.tile_maps[block_m] = _tile_map(self.counts, self.starts, self.order.shape[0], block_m)
+        return tiles
+
+
+def _tile_map(counts: torch.Tensor, starts: torch.Tensor, num_tokens: int, block_m: int) -> torch.Tensor:
+    L = counts.shape[0]
+    n = max_tiles(num_tokens, L, block_m)
+    if n == 0:
+        return torch.zeros(0, 4, dtype=torch.int32, device=counts.device)
+    counts, starts = counts.long(), starts.long()
+    per_slot = (counts + block_m - 1) // block_m
+    ends = torch.cumsum(per_slot, 0)  # tile list index past each slot's last tile
+    j = torch.arange(n, device=counts.device)
+    slot = torch.searchsorted(ends, j, right=True)  # L past the last tile
+    live = slot < L
+    s = slot.clamp(max=L - 1)
+    index = j - (ends[s] - per_slot[s])
+    lo = starts[s] + index * block_m
+    hi = torch.minimum(lo + block_m, starts[s] + counts[s])
+    columns = [slot, index, lo, hi]
+    return torch.stack([torch.where(live, c, 0) if k else c for k, c in enumerate(columns)], 1).to(torch.int32)
 
 
 def lora_apply(
@@ -105,20 +194,22 @@ def lora_shrink(
         raise ValueError(f"lora_shrink: metadata for {meta.num_slots} slots, stack of {L}")
     config = config or choose_config(T, in_features)
     h = torch.empty(config.split_k, T, len(a), R, dtype=torch.float32, device=x.device)
-    if T == 0:
+    tiles = meta.tile_map(config.shrink_m)
+    if tiles.shape[0] == 0:
         return h
     k_per_split = triton.cdiv(triton.cdiv(in_features, config.split_k), config.block_k) * config.block_k
+    options = _options(config.shrink_num_warps or config.num_warps, config.shrink_num_stages)
     for first in range(0, len(a), MAX_SLICES):
         chunk = a[first : first + MAX_SLICES]
         ptrs = chunk + [chunk[0]] * (MAX_SLICES - len(chunk))
-        grid = (triton.cdiv(T, config.block_m) * config.split_k, len(chunk), L)
+        grid = (tiles.shape[0] * config.split_k * len(chunk),)  # slices vary fastest: x tiles shared in L2
         _shrink_kernel[grid](
-            x, *ptrs, h[:, :, first:], meta.order, meta.counts, meta.starts,
+            x, *ptrs, h[:, :, first:], meta.order, tiles,
             in_features, R, x.stride(0), a[0].stride(0), a[0].stride(1),
-            h.stride(0), h.stride(1), h.stride(2), config.split_k, k_per_split,
-            BLOCK_M=config.block_m, BLOCK_R=_block_r(R), BLOCK_K=config.block_k,
+            h.stride(0), h.stride(1), h.stride(2), len(chunk), config.split_k, k_per_split,
+            BLOCK_M=config.shrink_m, BLOCK_R=_block_r(R), BLOCK_K=config.block_k,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # 16-bit: exact products anyway
-            num_warps=config.num_warps,
+            **options,
         )  # fmt: skip
     return h
 
@@ -140,24 +231,36 @@ def lora_expand(
     if any(bi.shape[2] != n for bi, (_, n) in zip(b, offsets, strict=True)):
         raise ValueError("lora_expand: B widths differ from the slice offsets")
     config = config or choose_config(T, 0)
-    if T == 0:
+    tiles = meta.tile_map(config.block_m)
+    if tiles.shape[0] == 0:
         return y
+    columns = config.block_n * config.n_per_program  # per program
+    options = _options(config.num_warps, config.num_stages)
     for first in range(0, len(b), MAX_SLICES):
         chunk, offs = b[first : first + MAX_SLICES], offsets[first : first + MAX_SLICES]
         pad = MAX_SLICES - len(chunk)
+        # Padding repeats slice 0 (no program picks it): alignment specializations stay those of real slices.
         ptrs = chunk + [chunk[0]] * pad
-        cols = [start for start, _ in offs] + [0] * pad
-        rows = [n for _, n in offs] + [0] * pad
-        n_tiles = triton.cdiv(max(rows), config.block_n)
-        grid = (triton.cdiv(T, config.block_m) * n_tiles, len(chunk), L)
+        ys = [y[:, start:] for start, _ in offs] + [y[:, offs[0][0] :]] * pad  # y's slice columns, each a view
+        rows = [n for _, n in offs] + [offs[0][1]] * pad
+        groups = [triton.cdiv(n, columns) for _, n in offs]  # column groups of each slice, one program each
+        group_starts = [sum(groups[:i]) for i in range(1, MAX_SLICES)]
+        if not sum(groups):
+            continue
+        grid = (tiles.shape[0] * sum(groups),)
         _expand_kernel[grid](
-            h[:, :, first:], *ptrs, y, meta.order, meta.counts, meta.starts,
-            *rows, *cols, R, n_tiles, split_k, h.stride(0), h.stride(1), h.stride(2), y.stride(0),
+            h[:, :, first:], *ptrs, *ys, meta.order, tiles,
+            *rows, *group_starts, sum(groups), R, split_k, h.stride(0), h.stride(1), h.stride(2), y.stride(0),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_R=_block_r(R),
+            N_PER_PROGRAM=config.n_per_program,
             PRECISION="ieee" if y.dtype == torch.float32 else "tf32x3",  # ≈ fp32 on the tensor cores
-            num_warps=config.num_warps,
+            **options,
         )  # fmt: skip
     return y
+
+
+def _options(num_warps: int, num_stages: int | None) -> dict[str, int]:
+    return {"num_warps": num_warps} | ({} if num_stages is None else {"num_stages": num_stages})
 
 
 def _block_r(rank: int) -> int:
@@ -195,27 +298,29 @@ def _pick_int(i, v0, v1, v2, v3):
 
 
 @triton.jit
-def _slot_tokens(order_ptr, counts_ptr, starts_ptr, slot, tile, BLOCK_M: tl.constexpr):
-    """Token indices (int64) of tile `tile` of `slot`'s tokens, and their mask."""
-    mm = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask = mm < tl.load(counts_ptr + slot)
-    tokens = tl.load(order_ptr + tl.load(starts_ptr + slot) + mm, mask=mask, other=0).to(tl.int64)
+def _tile_tokens(order_ptr, lo, hi, BLOCK_M: tl.constexpr):
+    """Token indices (int64) of the tile order[lo:hi], and their mask."""
+    mm = lo + tl.arange(0, BLOCK_M)
+    mask = mm < hi
+    tokens = tl.load(order_ptr + mm, mask=mask, other=0).to(tl.int64)
     return tokens, mask
 
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a0, a1, a2, a3, h_ptr, order_ptr, counts_ptr, starts_ptr,
-    IN, R, s_xt, s_al, s_ar, s_hs, s_ht, s_hi, split_k, k_per_split,
+    x_ptr, a0, a1, a2, a3, h_ptr, order_ptr, tiles_ptr,
+    IN, R, s_xt, s_al, s_ar, s_hs, s_ht, s_hi, slices, split_k, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0) // split_k
-    split = tl.program_id(0) % split_k
-    i = tl.program_id(1)
-    slot = tl.program_id(2)
-    if tile * BLOCK_M >= tl.load(counts_ptr + slot):
+    i = tl.program_id(0) % slices
+    split = tl.program_id(0) // slices % split_k
+    tile = tl.program_id(0) // slices // split_k
+    lo = tl.load(tiles_ptr + tile * 4 + 2)
+    hi = tl.load(tiles_ptr + tile * 4 + 3)
+    if lo >= hi:  # past the last tile
         return
-    tokens, m_mask = _slot_tokens(order_ptr, counts_ptr, starts_ptr, slot, tile, BLOCK_M)
+    slot = tl.load(tiles_ptr + tile * 4)
+    tokens, m_mask = _tile_tokens(order_ptr, lo, hi, BLOCK_M)
     a_ptr = _pick(i, a0, a1, a2, a3) + slot.to(tl.int64) * s_al
     rr = tl.arange(0, BLOCK_R)
     r_mask = rr < R
@@ -229,23 +334,28 @@ def _shrink_kernel(
         a = tl.load(a_ptr + rr[None, :] * s_ar + kk[:, None], mask=r_mask[None, :] & k_mask[:, None], other=0.0)
         acc = tl.dot(x, a, acc, input_precision=PRECISION)  # [M, K] x [K, R], fp32 accumulation
     h = h_ptr + split * s_hs + tokens[:, None] * s_ht + i * s_hi + rr[None, :]
-    tl.store(h, acc, mask=m_mask[:, None] & r_mask[None, :])
+    tl.store(h, acc, mask=m_mask[:, None] & r_mask[None, :])  # zeros where the split's K range is empty
 
 
 @triton.jit
 def _expand_kernel(
-    h_ptr, b0, b1, b2, b3, y_ptr, order_ptr, counts_ptr, starts_ptr,
-    n0, n1, n2, n3, c0, c1, c2, c3, R, n_tiles, split_k, s_hs, s_ht, s_hi, s_yt,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+    h_ptr, b0, b1, b2, b3, y0, y1, y2, y3, order_ptr, tiles_ptr,
+    n0, n1, n2, n3, g1, g2, g3, groups, R, split_k, s_hs, s_ht, s_hi, s_yt,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_PER_PROGRAM: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0) // n_tiles
-    n_tile = tl.program_id(0) % n_tiles
-    i = tl.program_id(1)
-    slot = tl.program_id(2)
-    rows = _pick_int(i, n0, n1, n2, n3)
-    if (tile * BLOCK_M >= tl.load(counts_ptr + slot)) | (n_tile * BLOCK_N >= rows):
+    tile = tl.program_id(0) // groups
+    group = tl.program_id(0) % groups  # column groups of slice 0, then of slice 1 (from g1)...
+    lo = tl.load(tiles_ptr + tile * 4 + 2)
+    hi = tl.load(tiles_ptr + tile * 4 + 3)
+    if lo >= hi:  # past the last tile
         return
-    tokens, m_mask = _slot_tokens(order_ptr, counts_ptr, starts_ptr, slot, tile, BLOCK_M)
+    slot = tl.load(tiles_ptr + tile * 4)
+    i = (group >= g1).to(tl.int32) + (group >= g2).to(tl.int32) + (group >= g3).to(tl.int32)
+    rows = _pick_int(i, n0, n1, n2, n3)
+    n_lo = (group - _pick_int(i, 0, g1, g2, g3)) * (BLOCK_N * N_PER_PROGRAM)
+    n_hi = tl.minimum(n_lo + BLOCK_N * N_PER_PROGRAM, rows)
+    tokens, m_mask = _tile_tokens(order_ptr, lo, hi, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
     r_mask = rr < R
     h_mask = m_mask[:, None] & r_mask[None, :]
@@ -254,12 +364,18 @@ def _expand_kernel(
     for split in range(split_k):  # the shrink's K partials, in a fixed order: deterministic
         h += tl.load(h_ptrs + split * s_hs, mask=h_mask, other=0.0)
 
-    nn = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = nn < rows
     b_ptr = _pick(i, b0, b1, b2, b3) + slot.to(tl.int64) * R * rows
-    b = tl.load(b_ptr + rr[:, None] * rows + nn[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-    delta = tl.dot(h, b.to(tl.float32), input_precision=PRECISION)  # [M, R] x [R, N]
-    y_ptrs = y_ptr + tokens[:, None] * s_yt + _pick_int(i, c0, c1, c2, c3) + nn[None, :]
-    y_mask = m_mask[:, None] & n_mask[None, :]
-    y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
+    y_ptr = _pick(i, y0, y1, y2, y3)
+    y_row = y_ptr + tokens[:, None] * s_yt
+    nn = n_lo + tl.arange(0, BLOCK_N)
+    y_next = tl.load(y_row + nn[None, :], mask=m_mask[:, None] & (nn < n_hi)[None, :], other=0.0)
+    for n_start in range(n_lo, n_hi, BLOCK_N):  # h summed once, reused for every column tile
+        nn = n_start + tl.arange(0, BLOCK_N)
+        n_mask = nn < n_hi
+        y = y_next
+        nn_next = nn + BLOCK_N  # in flight while this tile is computed and stored
+        y_next = tl.load(y_row + nn_next[None, :], mask=m_mask[:, None] & (nn_next < n_hi)[None, :], other=0.0)
+        b = tl.load(b_ptr + rr[:, None] * rows + nn[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        delta = tl.dot(h, b.to(tl.float32), input_precision=PRECISION)  # [M, R] x [R, N]
+        y_mask = m_mask[:, None] & n_mask[None, :]
+        tl.store(y_row + nn[None, :], (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
