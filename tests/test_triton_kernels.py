@@ -124,6 +124,23 @@ def test_paged_decode_attention_max_seq_len_bounds_the_partitions():
         torch.testing.assert_close(o, ref, atol=1e-6, rtol=1e-5)
 
 
+def test_paged_decode_attention_merges_more_partitions_than_one_merge_step():
+    """19 partitions of 32 tokens: the merge kernel's loop takes two chunks of MERGE_CHUNK."""
+    assert attn_triton.MERGE_CHUNK == 16
+    q, k_cache, v_cache, table, seq_lens = paged_case(2, [600, 0, 17, 512], 4, 2, 32, 8)
+    ref = attn_reference.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 8, 0.2)
+    out = torch.full_like(q, NAN)
+    attn_triton.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 8, 0.2, out=out, partition=32)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_default_partition_follows_the_length_bound():
+    p = attn_triton.default_partition
+    assert [p(b) for b in (1, 512, 1024, 2048, 4096, 32768)] == [64, 64, 128, 256, 512, 512]
+    assert p(100, block_t=128) == 128  # never shorter than one inner step
+
+
 def test_paged_decode_attention_start_up_check():
     error = check.paged_decode_attention_error(
         4, 2, 32, 16, torch.float32, "cpu", batches=(1, 3), lengths=(1, 31, 32, 33), partition=32, block_t=16

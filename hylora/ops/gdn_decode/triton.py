@@ -21,11 +21,12 @@ import triton.language as tl
 
 from hylora.ops.gdn_decode.reference import num_key_heads
 
-# sm_90, 27B shape (ptxas): 80 registers, no spills → 3 CTAs of 8 warps per SM, 48 KiB of state
-# tiles in flight per SM; grid 32 x 48 x 4 = 6144 programs at batch 32.
-BLOCK_V = 32  # dv block of one program: the [dk, 32] fp32 state tile is 16 KiB at dk 128
+# sm_90, 27B shape (ptxas): 254 registers, no spills → 2 CTAs of 4 warps per SM, 64 KiB of state
+# tiles in flight per SM; grid 32 x 48 x 2 = 3072 programs at batch 32. Fastest of BLOCK_V 16/32/64
+# x 2/4/8 warps at batch 32 and 64 on an H200 (bench/kernel_sweep_gpu.py, docs/BASELINE.md run 10).
+BLOCK_V = 64  # dv block of one program: the [dk, 64] fp32 state tile is 32 KiB at dk 128
 BLOCK_C = 256  # channels per program of the conv-state shift
-NUM_WARPS = 8
+NUM_WARPS = 4
 
 
 def gdn_decode(
@@ -42,6 +43,7 @@ def gdn_decode(
     out: torch.Tensor | None = None,  # [N, Hv, dv] to write into (e.g. a CUDA-graph buffer)
     block_v: int = BLOCK_V,
     block_c: int = BLOCK_C,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     N, hv = b.shape
     conv_dim, K = conv_weight.shape
@@ -68,7 +70,7 @@ def gdn_decode(
         *conv_state.stride(), *recurrent_state.stride(), out.stride(0), out.stride(1), out.stride(2),
         scale,
         HK=hk, HV=hv, DK=dk, DV=dv, K=K, BLOCK_K=block_k, BLOCK_V=block_v,
-        num_warps=NUM_WARPS,
+        num_warps=num_warps,
     )  # fmt: skip
     _conv_state_kernel[(N, triton.cdiv(conv_dim, block_c))](
         qkv, conv_state, slots, qkv.stride(0), *conv_state.stride(), conv_dim,
@@ -114,6 +116,11 @@ def _gdn_decode_kernel(
     vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     k_mask = (kk < DK) & live
     v_mask = (vv < DV) & live
+    # The state tile is this program's one large read: issue it before the conv and gating so that
+    # its latency overlaps their small loads and arithmetic.
+    s_mask = k_mask[:, None] & v_mask[None, :]
+    s_ptrs = rec_ptr + slot * s_rs + h * s_rh + kk[:, None].to(tl.int64) * s_rk + vv[None, :] * s_rv
+    state = tl.load(s_ptrs, mask=s_mask, other=0.0)
     row = qkv_ptr + n * s_qkv
     q = _conv(row, conv_ptr, w_ptr, slot, kh * DK + kk, k_mask, s_cs, s_cc, s_ck, s_wc, s_wk, K)
     k = _conv(row, conv_ptr, w_ptr, slot, HK * DK + kh * DK + kk, k_mask, s_cs, s_cc, s_ck, s_wc, s_wk, K)
@@ -127,9 +134,7 @@ def _gdn_decode_kernel(
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold
     g = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus
 
-    s_mask = k_mask[:, None] & v_mask[None, :]
-    s_ptrs = rec_ptr + slot * s_rs + h * s_rh + kk[:, None].to(tl.int64) * s_rk + vv[None, :] * s_rv
-    state = tl.load(s_ptrs, mask=s_mask, other=0.0) * tl.exp(g)
+    state = state * tl.exp(g)
     delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
     state += k[:, None] * delta[None, :]
     o = tl.sum(state * q[:, None], axis=0)

@@ -17,10 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-PARTITION = 512  # tokens per program: ≥ 2 programs per SM at batch 32 × 4 KV heads × 1k tokens
-# sm_90, D 256, GQA 6, bf16 (ptxas): 124 registers, no spills → 2 CTAs of 8 warps per SM.
+# Tokens per program. A program's loop is a chain of dependent loads (K, then V after the softmax),
+# so short partitions keep many programs in flight; a long `bound` (max_model_len) gets longer ones
+# so that the programs past a sequence's end, which exit at once, stay few.
+MIN_PARTITION = 64
+MAX_PARTITION = 512
+TARGET_PARTS = 8  # partitions of the bound, at most (until MAX_PARTITION)
+# sm_90, D 256, GQA 6, bf16 (ptxas): 184 registers at 4 warps, no spills. 4 warps beat 8 at every
+# shape of bench/kernel_sweep_gpu.py on an H200 (docs/BASELINE.md run 10).
 BLOCK_T = 16  # tokens per inner step: K and V tiles of 16 × 256 bf16 = 8 KiB each
-NUM_WARPS = 8
+NUM_WARPS = 4
+MERGE_CHUNK = 16  # partitions merged per step of the merge kernel's loop
 LOG2E = 1.4426950408889634
 
 
@@ -34,8 +41,9 @@ def paged_decode_attention(
     scale: float,
     max_seq_len: int | None = None,  # bound on seq_lens known to the host; default: the table's width
     out: torch.Tensor | None = None,
-    partition: int = PARTITION,
+    partition: int | None = None,  # default: `default_partition(bound)`
     block_t: int = BLOCK_T,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     N, H, D = q.shape
     hkv = k_cache.shape[1]
@@ -43,6 +51,8 @@ def paged_decode_attention(
         raise ValueError("paged_decode_attention: inconsistent head shapes")
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
         raise TypeError("paged_decode_attention: q and the caches need one dtype")
+    bound = block_table.shape[1] * page_size if max_seq_len is None else max_seq_len
+    partition = default_partition(bound, block_t) if partition is None else partition
     if block_t < 16 or partition % block_t:
         raise ValueError("block_t must be >= 16 (tensor-core K) and divide the partition")
     if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or block_table.stride(1) != 1:
@@ -51,7 +61,6 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     if N == 0:
         return out
-    bound = block_table.shape[1] * page_size if max_seq_len is None else max_seq_len
     num_parts = max(1, triton.cdiv(bound, partition))
     group = H // hkv
     fp32 = q.dtype == torch.float32
@@ -76,15 +85,22 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1),
         scale * LOG2E, num_parts,
-        PAGE_SIZE=page_size, num_warps=NUM_WARPS, **meta,
+        PAGE_SIZE=page_size, num_warps=num_warps, **meta,
     )  # fmt: skip
     if num_parts > 1:
         _merge_kernel[(N, H)](
             seq_lens, part_o, part_ml, out, out.stride(0), out.stride(1), num_parts,
-            D=D, BLOCK_D=meta["BLOCK_D"], PARTITION=partition, BLOCK_P=triton.next_power_of_2(num_parts),
-            num_warps=NUM_WARPS,
+            D=D, BLOCK_D=meta["BLOCK_D"], PARTITION=partition,
+            BLOCK_P=min(MERGE_CHUNK, triton.next_power_of_2(num_parts)), num_warps=NUM_WARPS,
         )  # fmt: skip
     return out
+
+
+def default_partition(bound: int, block_t: int = BLOCK_T) -> int:
+    """Tokens per program for sequences of at most `bound` tokens: about TARGET_PARTS partitions,
+    a power of two in [MIN_PARTITION, MAX_PARTITION] and a multiple of `block_t`."""
+    per_part = triton.next_power_of_2(max(1, triton.cdiv(bound, TARGET_PARTS)))
+    return max(block_t, MIN_PARTITION, min(MAX_PARTITION, per_part))
 
 
 @triton.jit
@@ -149,21 +165,28 @@ def _merge_kernel(
     lens_ptr, part_o_ptr, part_ml_ptr, o_ptr, s_on, s_oh, num_parts,
     D: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr, BLOCK_P: tl.constexpr,
 ):  # fmt: skip
-    """o = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p over the partitions holding tokens."""
+    """o = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p over the partitions holding tokens,
+    BLOCK_P partitions per step (one [BLOCK_P, D] load, not one load per partition)."""
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     used = tl.cdiv(tl.load(lens_ptr + n).to(tl.int32), PARTITION)  # partitions written this call; 0 for padding
     row0 = (n * tl.num_programs(1) + h) * num_parts
     pp = tl.arange(0, BLOCK_P)
-    p_mask = pp < used
-    m = tl.load(part_ml_ptr + (row0 + pp) * 2, mask=p_mask, other=float("-inf"))
-    top = tl.where(used > 0, tl.max(m, axis=0), 0.0)
-    w = tl.where(p_mask, tl.exp2(m - top), 0.0)
-    total = tl.sum(w * tl.load(part_ml_ptr + (row0 + pp) * 2 + 1, mask=p_mask, other=0.0), axis=0)
     dd = tl.arange(0, BLOCK_D)
+    top = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
+    for p0 in range(0, used, BLOCK_P):  # the largest m over every written partition
+        m = tl.load(part_ml_ptr + (row0 + p0 + pp) * 2, mask=p0 + pp < used, other=float("-inf"))
+        top = tl.maximum(top, m)
+    top = tl.where(used > 0, tl.max(top, axis=0), 0.0)
+    total = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for p in range(0, used):
-        weight = tl.exp2(tl.load(part_ml_ptr + (row0 + p) * 2) - top)
-        acc += weight * tl.load(part_o_ptr + (row0 + p) * D + dd, mask=dd < D, other=0.0)
+    for p0 in range(0, used, BLOCK_P):
+        p_mask = p0 + pp < used
+        rows = row0 + p0 + pp
+        w = tl.where(p_mask, tl.exp2(tl.load(part_ml_ptr + rows * 2, mask=p_mask, other=0.0) - top), 0.0)
+        total += tl.sum(w * tl.load(part_ml_ptr + rows * 2 + 1, mask=p_mask, other=0.0), axis=0)
+        pd_mask = p_mask[:, None] & (dd < D)[None, :]
+        part = tl.load(part_o_ptr + rows[:, None] * D + dd[None, :], mask=pd_mask, other=0.0)
+        acc += tl.sum(w[:, None] * part, axis=0)
     o = tl.where(used > 0, acc / tl.where(used > 0, total, 1.0), 0.0)
     tl.store(o_ptr + n * s_on + h * s_oh + dd, o.to(o_ptr.dtype.element_ty), mask=dd < D)
