@@ -25,10 +25,13 @@ class CachePlan:
 def plan_caches(model: HybridDecoder, config: EngineConfig) -> CachePlan:
     slots = config.max_num_seqs
     per_seq_pages = -(-config.max_model_len // config.page_size)
-    if config.num_pages is not None:
-        return CachePlan(num_pages=config.num_pages, num_slots=slots)
     if model.device.type != "cuda":
-        return CachePlan(num_pages=slots * per_seq_pages, num_slots=slots)
+        return CachePlan(num_pages=config.num_pages or slots * per_seq_pages, num_slots=slots)
+    if config.num_pages is not None:
+        # Still one forward at the full token budget: Triton's autotuners (fla's chunked kernels) pick
+        # their configurations now, not for seconds inside the first large request.
+        _profile_step(model, config)
+        return CachePlan(num_pages=config.num_pages, num_slots=slots)
 
     # GPU: what is left of the budget after weights, LoRA slots and one profiled step.
     dev = model.device
@@ -76,15 +79,16 @@ def _page_bytes(model: HybridDecoder, page_size: int) -> int:
 
 @torch.inference_mode()
 def _profile_step(model: HybridDecoder, config: EngineConfig) -> int:
-    """Peak extra memory of one forward at the full token budget."""
-    n = min(config.max_num_batched_tokens, config.max_model_len)
-    kv = PagedKVCache(model.config, -(-n // config.page_size), config.page_size, model.dtype, model.device)
-    states = StatePool(model.config, 1, model.dtype, model.device)
-    batch = ForwardBatch.build(
-        [SequenceChunk([0] * n, 0, states.allocate(), kv.allocate(kv.num_pages))],
-        config.page_size,
-        model.device,
-    )
+    """Peak extra memory of one forward at the full token budget (several sequences when the budget
+    exceeds max_model_len, as a step of many prompts has)."""
+    n = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
+    full, rest = divmod(n, config.max_model_len)
+    lens = [config.max_model_len] * full + ([rest] if rest else [])
+    pages = [-(-m // config.page_size) for m in lens]
+    kv = PagedKVCache(model.config, sum(pages), config.page_size, model.dtype, model.device)
+    states = StatePool(model.config, len(lens), model.dtype, model.device)
+    chunks = [SequenceChunk([0] * m, 0, states.allocate(), kv.allocate(p)) for m, p in zip(lens, pages, strict=True)]
+    batch = ForwardBatch.build(chunks, config.page_size, model.device)
     torch.cuda.reset_peak_memory_stats(model.device)
     base = torch.cuda.memory_allocated(model.device)
     model.logits(model(batch, kv, states)[-1:])
