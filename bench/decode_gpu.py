@@ -315,7 +315,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--out")
     ap.add_argument("--skip-kernel-timings", action="store_true", help="skip part 2 (one-layer kernel timings)")
+    ap.add_argument(
+        "--step-tokens",
+        default="2048,8192",
+        help="max_num_batched_tokens for the workload: the first for every mode, the others with graphs only",
+    )
+    ap.add_argument("--skip-eager", action="store_true", help="workload with CUDA graphs only (no eager rows)")
     args = ap.parse_args()
+    step_tokens = [int(t) for t in args.step_tokens.split(",")]
     shape = dict(QWEN36_27B, num_hidden_layers=args.layers)
     cfg = ModelConfig.from_hf(shape)
     work = Path(tempfile.mkdtemp())
@@ -333,7 +340,9 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = LLMEngine(  # max_num_seqs 64: decode graphs for buckets up to 64 (the workload runs 32)
         demo,
-        EngineConfig(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=2048, max_loras=8, max_lora_rank=16),
+        EngineConfig(
+            max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=max(step_tokens), max_loras=8, max_lora_rank=16
+        ),
         adapters,
         progress=False,
         model=model,
@@ -350,7 +359,9 @@ def main() -> None:
     print(*result["graph_checks"], sep="\n", flush=True)
     result["decode_steps"] = decode_steps(engine)
     runs = []
-    for mode in ("triton kernels + CUDA graphs", "triton kernels", "references"):
+    engine.scheduler.config.max_num_batched_tokens = step_tokens[0]
+    modes = ["triton kernels + CUDA graphs"] + ([] if args.skip_eager else ["triton kernels", "references"])
+    for mode in modes:
         uninstall_fast_kernels(model)
         if mode != "references":
             install_triton_kernels(model, installed)
@@ -363,6 +374,15 @@ def main() -> None:
     uninstall_fast_kernels(model)
     install_triton_kernels(model, installed)
     engine.runner.decode = graphs
+    for tokens in step_tokens[1:]:  # larger prefill steps (vLLM's serving default is 8192)
+        engine.scheduler.config.max_num_batched_tokens = tokens
+        for label, adapter_of, warm in mixes:
+            name = f"{label}, triton kernels + CUDA graphs, {tokens} tokens per step"
+            row = _run_workload(engine, name, adapter_of, warm)
+            row["decode_weight_roofline_ms"] = 1e3 * weight_bytes / BW
+            runs.append(row)
+            print(row, flush=True)
+    engine.scheduler.config.max_num_batched_tokens = step_tokens[0]
     runs.append(fault_check(engine, 8) | {"run": "fault isolation (CUDA graphs)"})
     print(runs[-1], flush=True)
     result["workload"] = runs

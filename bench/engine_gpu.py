@@ -241,7 +241,12 @@ def _roomy_dir(need_bytes: int) -> Path | None:
 
 
 def throughput(
-    workdir: Path, shape: dict, n_adapters: int = 8, compare_in_memory: bool = False, checkpoint: bool = True
+    workdir: Path,
+    shape: dict,
+    n_adapters: int = 8,
+    compare_in_memory: bool = False,
+    checkpoint: bool = True,
+    step_tokens: int = 2048,
 ) -> list[dict]:
     cfg = ModelConfig.from_hf(shape)
     demo = workdir / "demo"
@@ -295,7 +300,7 @@ def throughput(
         EngineConfig(
             max_model_len=1024,
             max_num_seqs=32,
-            max_num_batched_tokens=2048,
+            max_num_batched_tokens=step_tokens,
             max_loras=n_adapters,
             max_lora_rank=16,
             dtype="bfloat16",
@@ -454,6 +459,7 @@ def main() -> None:
         help="then run the same workload through transformers and transformers + PEFT",
     )
     ap.add_argument("--shape", choices=["27b", "small"], default="27b")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
     ap.add_argument("--out")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}", flush=True)
@@ -476,7 +482,13 @@ def main() -> None:
         shape = QWEN36_27B if args.shape == "27b" else SMALL
         speed = []
         if not args.skip_27b:
-            speed = throughput(work, shape, compare_in_memory=args.compare_in_memory, checkpoint=not args.no_checkpoint)
+            speed = throughput(
+                work,
+                shape,
+                compare_in_memory=args.compare_in_memory,
+                checkpoint=not args.no_checkpoint,
+                step_tokens=args.max_num_batched_tokens,
+            )
         if args.with_transformers:
             import gc
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -41,6 +42,12 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def free_memory() -> None:
+    gc.collect()  # the engine holds reference cycles: free its KV cache and model now
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def flop_floor_s(model: HybridDecoder, tokens: int) -> float:
     """Seconds at the dense bf16 peak for the prefill's GEMMs and causal attention (GDN's chunked
     recurrence and the elementwise work are left out: the floor is a lower bound)."""
@@ -51,7 +58,10 @@ def flop_floor_s(model: HybridDecoder, tokens: int) -> float:
 
 
 def engine_for(model, tokdir: Path, adapter_dir: Path, max_len: int, chunk: int) -> LLMEngine:
-    config = EngineConfig(max_model_len=max_len + 8, max_num_seqs=2, max_num_batched_tokens=chunk, max_lora_rank=16)
+    pages = 2 * -(-(max_len + 8) // 16) + 8  # two sequences: not 90% of the card, other models follow
+    config = EngineConfig(
+        max_model_len=max_len + 8, max_num_seqs=2, max_num_batched_tokens=chunk, max_lora_rank=16, num_pages=pages
+    )
     return LLMEngine(tokdir, config, {"task": adapter_dir}, progress=False, model=model)
 
 
@@ -93,6 +103,7 @@ def prefill_speed(cfg: ModelConfig, work: Path, device: str, lengths: list[int],
             )
             print(rows[-1], flush=True)
     del engine, model
+    free_memory()
     return rows
 
 
@@ -112,8 +123,7 @@ def long_prompt(cfg: ModelConfig, work: Path, device: str, n: int, chunk: int) -
         runs[label] = (torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]], dtype=torch.float64), seconds)
         print(f"{label}: {seconds:.2f} s", flush=True)
         del engine, model
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_memory()
     ref = runs["merged fp32 (reference)"][0]
     table = {
         label: {

@@ -1,0 +1,248 @@
+"""Time every candidate configuration of hylora's decode kernels at the Qwen3.6-27B shapes (issue 10).
+
+For each kernel and shape: every candidate's median GPU time per call (20 calls in one CUDA graph),
+its bytes roofline at 4.3 TB/s, and its max relative error against the torch reference (a
+candidate that is not exact to bf16 rounding is marked, never picked). The defaults in
+`hylora/ops/*/triton.py` come from these tables (docs/BASELINE.md says which run).
+
+- GDN decode step in place by slot: batch 32 and 64, BLOCK_V x num_warps.
+- Paged decode attention: batch 32 and 64 at context 576 (bound 1024) and batch 8 at 8k (bound
+  32k), partition x BLOCK_T x num_warps.
+- LoRA shrink + expand, 8 rank-16 adapters mixed, on the 27B's linears (GDN in_proj, gate_up,
+  down): decode (32, 64 tokens) and prefill (2048, 8192 tokens in 512-token sequences), each config
+  of `hylora.ops.lora.triton.SWEEP_CONFIGS` beside the base GEMM of the same linear.
+
+    python bench/kernel_sweep_gpu.py [--out sweep.json] [--only gdn,attention,lora]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.decode_gpu import BW  # noqa: E402
+from bench.engine_gpu import QWEN36_27B  # noqa: E402
+from hylora.config import ModelConfig  # noqa: E402
+from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply_grouped  # noqa: E402
+
+DEV, DT = "cuda", torch.bfloat16
+
+
+def bench(fn, calls: int = 20, reps: int = 10) -> float:
+    """Median ms per call of `fn`, `calls` calls captured in one CUDA graph and replayed: the GPU time
+    alone (timing single eager launches with events measures Python's launch path instead)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double(), ref.double()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+SUMMARY: list[str] = []  # the best candidate of every group, printed again at the end
+
+
+def show(rows: list[dict], key: str, group: str) -> None:
+    best = min((r for r in rows if r["ok"]), key=lambda r: r["ms"], default=None)
+    for r in rows:
+        mark = "  <- best" if r is best else ("" if r["ok"] else "  (NOT EXACT)")
+        line = f"{r[key]:<44} {1e3 * r['ms']:8.1f} us  {r['ms'] / r['roofline_ms']:5.2f}x roofline  err {r['err']:.1e}"
+        print(f"  {line}{mark}", flush=True)
+        if r is best:
+            SUMMARY.append(f"{group}: {line}")
+
+
+@torch.inference_mode()
+def gdn_sweep(cfg: ModelConfig) -> list[dict]:
+    from hylora.ops.gdn_decode.reference import gdn_decode as reference
+    from hylora.ops.gdn_decode.triton import gdn_decode
+
+    hv, dk, dv, C = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_dim
+    rows = []
+    for N in (32, 64):
+        S = N + 1
+        g = torch.Generator(DEV).manual_seed(N)
+        slots = torch.randperm(S, device=DEV, generator=g)[:N]
+        qkv, b, a = (torch.randn(N, n, device=DEV, dtype=DT, generator=g) for n in (C, hv, hv))
+        w = torch.randn(C, 4, device=DEV, dtype=DT, generator=g) * 0.3
+        A_log, dt_bias = torch.rand(hv, device=DEV, generator=g).log(), torch.zeros(hv, device=DEV)
+        conv = torch.randn(S, C, 3, device=DEV, dtype=DT, generator=g)
+        rec = torch.randn(S, hv, dk, dv, device=DEV, generator=g) * 0.1
+        args = (qkv, b, a, w, A_log, dt_bias)
+        c_ref0, r_ref0 = conv.clone(), rec.clone()
+        c_ref, r_ref = conv.clone(), rec.clone()
+        o_ref = reference(*args, c_ref, r_ref, slots)
+        roofline = 1e3 * (2 * N * hv * dk * dv * 4 + 2 * N * C * 3 * 2) / BW
+        print(f"gdn_decode, batch {N} (roofline {1e3 * roofline:.1f} us)", flush=True)
+        batch_rows = []
+        for block_v, warps in itertools.product((16, 32, 64), (2, 4, 8)):
+            c1, r1 = c_ref0.clone(), r_ref0.clone()  # the state before any timing loop ran
+            err = rel_error(gdn_decode(*args, c1, r1, slots, block_v=block_v, num_warps=warps), o_ref)
+            err = max(err, rel_error(r1, r_ref))
+            ms = bench(partial(gdn_decode, *args, conv, rec, slots, block_v=block_v, num_warps=warps))
+            batch_rows.append(dict(kernel="gdn_decode", batch=N, config=f"block_v {block_v}, {warps} warps",
+                                   ms=ms, roofline_ms=roofline, err=err, ok=err < 1e-4))  # fmt: skip
+        show(batch_rows, "config", f"gdn_decode batch {N}")
+        rows += batch_rows
+    return rows
+
+
+@torch.inference_mode()
+def attention_sweep(cfg: ModelConfig) -> list[dict]:
+    from hylora.ops.paged_decode_attention.reference import paged_decode_attention as reference
+    from hylora.ops.paged_decode_attention.triton import paged_decode_attention
+
+    H, Hkv, D, page = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 16
+    rows = []
+    for N, ctx, bound in ((32, 576, 1024), (64, 576, 1024), (8, 8192, 32768)):
+        pages = bound // page
+        g = torch.Generator(DEV).manual_seed(N)
+        table = torch.randperm(N * pages, device=DEV, generator=g).to(torch.int32).reshape(N, pages)
+        kc = torch.randn(N * pages * page, Hkv, D, device=DEV, dtype=DT, generator=g)
+        vc = torch.randn(N * pages * page, Hkv, D, device=DEV, dtype=DT, generator=g)
+        q = torch.randn(N, H, D, device=DEV, dtype=DT, generator=g)
+        lens = torch.full((N,), ctx, device=DEV, dtype=torch.int32)
+        args = (q, kc, vc, table, lens, page, D**-0.5)
+        ref = reference(*args)
+        roofline = 1e3 * 2 * N * ctx * Hkv * D * 2 / BW
+        print(f"paged_decode_attention, batch {N}, context {ctx}, bound {bound} (roofline {1e3 * roofline:.1f} us)")
+        batch_rows = []
+        for partition, block_t, warps in itertools.product((64, 128, 256, 512), (16, 32), (4, 8)):
+            if bound // partition > 512:
+                continue
+
+            call = partial(
+                paged_decode_attention, *args, max_seq_len=bound, partition=partition, block_t=block_t, num_warps=warps
+            )
+            try:
+                err = rel_error(call(), ref)
+                ms = bench(call)
+            except Exception as e:  # e.g. out of shared memory for this tile
+                print(f"  partition {partition}, block_t {block_t}, {warps} warps: {type(e).__name__}: {e}"[:200])
+                continue
+            batch_rows.append(dict(kernel="paged_decode_attention", batch=N, context=ctx, bound=bound,
+                                   config=f"partition {partition}, block_t {block_t}, {warps} warps",
+                                   ms=ms, roofline_ms=roofline, err=err, ok=err < 1e-2))  # fmt: skip
+        show(batch_rows, "config", f"attention batch {N} ctx {ctx} bound {bound}")
+        rows += batch_rows
+    return rows
+
+
+def lora_linears(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "gdn in_proj": (h, [2 * hk * dk + hv * dv, hv * dv, hv, hv]),
+        "mlp gate_up": (h, [inter, inter]),
+        "mlp down": (inter, [h]),
+    }
+
+
+@torch.inference_mode()
+def lora_sweep(cfg: ModelConfig, L: int = 8, r: int = 16) -> list[dict]:
+    from hylora.ops.lora import triton as lt
+
+    configs = getattr(lt, "SWEEP_CONFIGS", {"small": lt.SMALL, "large": lt.LARGE})
+    rows = []
+    for (name, (in_f, slices)), tokens in itertools.product(lora_linears(cfg).items(), (32, 64, 2048, 8192)):
+        g = torch.Generator(DEV).manual_seed(tokens)
+        offsets, start = [], 0
+        for n in slices:
+            offsets.append((start, n))
+            start += n
+        stack = LoRAStack(
+            a=[torch.randn(L, r, in_f, device=DEV, dtype=DT, generator=g) * in_f**-0.5 for _ in slices],
+            b=[torch.randn(L, r, n, device=DEV, dtype=DT, generator=g) * 0.01 for n in slices],
+            offsets=offsets,
+            present=[[True] * len(slices) for _ in range(L)],
+        )
+        if tokens <= 64:  # decode: one token per sequence, adapters round robin
+            batch = LoRABatch.build([i % L for i in range(tokens)], [1] * tokens, DEV)
+        else:  # prefill: 512-token sequences, one adapter each
+            batch = LoRABatch.build([i % L for i in range(tokens // 512)], [512] * (tokens // 512), DEV)
+        x = torch.randn(tokens, in_f, device=DEV, dtype=DT, generator=g)
+        y0 = torch.randn(tokens, start, device=DEV, dtype=DT, generator=g)
+        w = torch.randn(start, in_f, device=DEV, dtype=DT, generator=g) * in_f**-0.5
+        zeros = torch.zeros_like(y0)  # the error on y = 0 + delta: the delta itself, rounded once
+        ref = lora_apply_grouped(x, zeros.clone(), stack, batch)
+        base_ms = bench(partial(torch.nn.functional.linear, x, w))
+        # bytes: y read + written, x read, each distinct adapter's A and B
+        roofline = 1e3 * (tokens * (2 * start + in_f) * 2 + min(L, tokens) * r * (in_f * len(slices) + start) * 2) / BW
+        print(f"lora {name} ({in_f} -> {slices}), {tokens} tokens: base GEMM {1e3 * base_ms:.1f} us, "
+              f"LoRA roofline {1e3 * roofline:.1f} us", flush=True)  # fmt: skip
+        meta = lt.LoRAKernelMeta.build(batch.token_slots, L)
+        batch_rows = []
+        for label, config in configs.items():
+            if label.startswith("large-") != (tokens >= lt.LARGE_FROM):
+                continue  # decode candidates at decode sizes, prefill candidates at prefill sizes
+            try:
+                err = rel_error(lt.lora_apply(x, zeros.clone(), stack, batch, meta=meta, config=config), ref)
+                y = y0.clone()
+                ms = bench(partial(lt.lora_apply, x, y, stack, batch, meta=meta, config=config))
+            except Exception as e:
+                print(f"  {label}: {type(e).__name__}: {e}"[:200])
+                continue
+            batch_rows.append(dict(kernel="lora", linear=name, tokens=tokens, config=label, ms=ms,
+                                   roofline_ms=roofline, base_gemm_ms=base_ms, err=err, ok=err < 1e-2))  # fmt: skip
+        default = lt.choose_config(tokens, in_f)
+        y = y0.clone()
+        batch_rows.append(dict(kernel="lora", linear=name, tokens=tokens, config=f"choose_config: {default}",
+                               ms=bench(partial(lt.lora_apply, x, y, stack, batch, meta=meta)), roofline_ms=roofline,
+                               base_gemm_ms=base_ms, err=0.0, ok=True))  # fmt: skip
+        show(batch_rows, "config", f"lora {name} {tokens} tokens")
+        rows += batch_rows
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="gdn,attention,lora")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    cfg = ModelConfig.from_hf(QWEN36_27B)
+    result = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+    sweeps = {"gdn": gdn_sweep, "attention": attention_sweep, "lora": lora_sweep}
+    for name in args.only.split(","):
+        t0 = time.perf_counter()
+        result[name] = sweeps[name](cfg)
+        print(f"[{name} sweep: {time.perf_counter() - t0:.0f} s]", flush=True)
+    print("best per group:", *SUMMARY, sep="\n")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
