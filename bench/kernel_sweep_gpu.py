@@ -172,12 +172,12 @@ def lora_linears(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
 
 
 @torch.inference_mode()
-def lora_sweep(cfg: ModelConfig, L: int = 8, r: int = 16) -> list[dict]:
+def lora_sweep(cfg: ModelConfig, L: int = 8, r: int = 16, token_counts=(32, 64, 2048, 8192)) -> list[dict]:
     from hylora.ops.lora import triton as lt
 
     configs = getattr(lt, "SWEEP_CONFIGS", {"small": lt.SMALL, "large": lt.LARGE})
     rows = []
-    for (name, (in_f, slices)), tokens in itertools.product(lora_linears(cfg).items(), (32, 64, 2048, 8192)):
+    for (name, (in_f, slices)), tokens in itertools.product(lora_linears(cfg).items(), token_counts):
         g = torch.Generator(DEV).manual_seed(tokens)
         offsets, start = [], 0
         for n in slices:
@@ -217,11 +217,13 @@ def lora_sweep(cfg: ModelConfig, L: int = 8, r: int = 16) -> list[dict]:
                 continue
             batch_rows.append(dict(kernel="lora", linear=name, tokens=tokens, config=label, ms=ms,
                                    roofline_ms=roofline, base_gemm_ms=base_ms, err=err, ok=err < 1e-2))  # fmt: skip
-        default = lt.choose_config(tokens, in_f)
+        default = lt.choose_config(tokens, in_f)  # what the engine runs at this size
         y = y0.clone()
-        batch_rows.append(dict(kernel="lora", linear=name, tokens=tokens, config=f"choose_config: {default}",
-                               ms=bench(partial(lt.lora_apply, x, y, stack, batch, meta=meta)), roofline_ms=roofline,
-                               base_gemm_ms=base_ms, err=0.0, ok=True))  # fmt: skip
+        batch_rows.append(
+            dict(kernel="lora", linear=name, tokens=tokens, config=f"choose_config (block_m {default.block_m})",
+                 ms=bench(partial(lt.lora_apply, x, y, stack, batch, meta=meta)), roofline_ms=roofline,
+                 base_gemm_ms=base_ms, err=0.0, ok=True)
+        )  # fmt: skip
         show(batch_rows, "config", f"lora {name} {tokens} tokens")
         rows += batch_rows
     return rows
