@@ -135,10 +135,18 @@ def test_paged_decode_attention_merges_more_partitions_than_one_merge_step():
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
-def test_default_partition_follows_the_length_bound():
-    p = attn_triton.default_partition
-    assert [p(b) for b in (1, 512, 1024, 2048, 4096, 32768)] == [64, 64, 128, 256, 512, 512]
-    assert p(100, block_t=128) == 128  # never shorter than one inner step
+def test_paged_decode_attention_bits_do_not_depend_on_the_length_bound():
+    """A sequence's output is the same bits whatever bound the batch passes (its neighbours' lengths in
+    an eager step, max_model_len in a CUDA graph): the partition length is fixed."""
+    q, k_cache, v_cache, table, seq_lens = paged_case(3, [300, 17, 0, 129], 4, 2, 32, 16)
+    outs = [
+        attn_triton.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 16, 0.2, max_seq_len=bound)
+        for bound in (300, 1024, 4096, None)
+    ]
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    ref = attn_reference.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 16, 0.2)
+    torch.testing.assert_close(outs[0], ref, atol=1e-6, rtol=1e-5)
 
 
 def test_paged_decode_attention_start_up_check():

@@ -35,7 +35,6 @@ def test_kernels_compile_for_sm90_without_spills():
     names = {k["kernel"] for k in kernels}
     assert names == {"_gdn_decode_kernel", "_conv_state_kernel", "_partition_kernel", "_merge_kernel",
                      "_shrink_kernel", "_expand_kernel"}  # fmt: skip
-    # gdn 2; attention direct (1) + split (2) at each of 4 partition lengths; lora 2 x (shrink, expand)
-    assert len(kernels) == 2 + 1 + 2 * 4 + 2 * 2
+    assert len(kernels) == 2 + 3 + 2 * 2  # gdn 2, attention split (2) + direct (1), lora 2 x (shrink, expand)
     spilling = [k for k in kernels if k["spill_bytes"]]
     assert not spilling, spilling

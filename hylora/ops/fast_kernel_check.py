@@ -156,14 +156,13 @@ def paged_decode_attention_error(
     dtype: torch.dtype,
     device: torch.device | str,
     batches: Sequence[int] = DECODE_BATCHES,
-    lengths: Sequence[int] = (1, 2, 15, 16, 17, 511, 512, 513, 1100),
+    lengths: Sequence[int] = (1, 2, 15, 16, 17, 127, 128, 129, 511, 512, 513, 1100),
     kernel: Callable[..., torch.Tensor] | None = None,
     **kernel_args,
 ) -> float:
-    """Sequence lengths cycle through `lengths` (straddling the 16-token steps and the 512-token
+    """Sequence lengths cycle through `lengths` (straddling the 16-token steps and the 128-token
     partitions); with N > 1 the last row is padding (length 0). Unowned pages and the rows past
     each length in its last page are NaN."""
-    variants = [kernel_args] if kernel is not None else _partition_choices(kernel_args)
     if kernel is None:
         from hylora.ops.paged_decode_attention.triton import paged_decode_attention as kernel
     worst = 0.0
@@ -196,25 +195,10 @@ def paged_decode_attention_error(
         table, seq_lens = table.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
         scale = head_dim**-0.5
         ref = attention_reference(q, k_cache, v_cache, table, seq_lens, page_size, scale)
-        for args in variants:  # the Triton kernel: every partition length it may pick
-            out = torch.full_like(q, float("nan"))
-            o = kernel(q, k_cache, v_cache, table, seq_lens, page_size, scale, out=out, **args)
-            worst = max(worst, _rel_error(o, ref) if o is out else FAILED)
+        out = torch.full_like(q, float("nan"))
+        o = kernel(q, k_cache, v_cache, table, seq_lens, page_size, scale, out=out, **kernel_args)
+        worst = max(worst, _rel_error(o, ref) if o is out else FAILED)
     return worst
-
-
-def _partition_choices(kernel_args: dict) -> list[dict]:
-    """The Triton kernel picks its partition length from the batch's length bound: check each one
-    (64 … 512 tokens), unless the caller fixed it."""
-    if "partition" in kernel_args:
-        return [kernel_args]
-    from hylora.ops.paged_decode_attention.triton import MAX_PARTITION, MIN_PARTITION
-
-    choices, p = [], MIN_PARTITION
-    while p <= MAX_PARTITION:
-        choices.append(kernel_args | {"partition": p})
-        p *= 2
-    return choices
 
 
 @torch.inference_mode()

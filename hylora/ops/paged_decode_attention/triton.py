@@ -17,12 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-# Tokens per program. A program's loop is a chain of dependent loads (K, then V after the softmax),
-# so short partitions keep many programs in flight; a long `bound` (max_model_len) gets longer ones
-# so that the programs past a sequence's end, which exit at once, stay few.
-MIN_PARTITION = 64
-MAX_PARTITION = 512
-TARGET_PARTS = 8  # partitions of the bound, at most (until MAX_PARTITION)
+# Tokens per program: a program's loop is a chain of dependent loads (K, then V after the softmax),
+# so short partitions keep many programs in flight. Fixed, never derived from the batch's length
+# bound: a sequence's partitions, and so its bits, must not depend on its neighbours' lengths or on
+# graph vs eager (whose bounds differ). 128 was within 4-10% of the best candidate at every shape of
+# bench/kernel_sweep_gpu.py on an H200 (batch 32 / 64 at 576 tokens, batch 8 at 8k; BASELINE run 10).
+PARTITION = 128
 # sm_90, D 256, GQA 6, bf16 (ptxas): 184 registers at 4 warps, no spills. 4 warps beat 8 at every
 # shape of bench/kernel_sweep_gpu.py on an H200 (docs/BASELINE.md run 10).
 BLOCK_T = 16  # tokens per inner step: K and V tiles of 16 × 256 bf16 = 8 KiB each
@@ -41,7 +41,7 @@ def paged_decode_attention(
     scale: float,
     max_seq_len: int | None = None,  # bound on seq_lens known to the host; default: the table's width
     out: torch.Tensor | None = None,
-    partition: int | None = None,  # default: `default_partition(bound)`
+    partition: int = PARTITION,
     block_t: int = BLOCK_T,
     num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
@@ -51,8 +51,6 @@ def paged_decode_attention(
         raise ValueError("paged_decode_attention: inconsistent head shapes")
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
         raise TypeError("paged_decode_attention: q and the caches need one dtype")
-    bound = block_table.shape[1] * page_size if max_seq_len is None else max_seq_len
-    partition = default_partition(bound, block_t) if partition is None else partition
     if block_t < 16 or partition % block_t:
         raise ValueError("block_t must be >= 16 (tensor-core K) and divide the partition")
     if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or block_table.stride(1) != 1:
@@ -61,6 +59,7 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     if N == 0:
         return out
+    bound = block_table.shape[1] * page_size if max_seq_len is None else max_seq_len
     num_parts = max(1, triton.cdiv(bound, partition))
     group = H // hkv
     fp32 = q.dtype == torch.float32
@@ -94,13 +93,6 @@ def paged_decode_attention(
             BLOCK_P=min(MERGE_CHUNK, triton.next_power_of_2(num_parts)), num_warps=NUM_WARPS,
         )  # fmt: skip
     return out
-
-
-def default_partition(bound: int, block_t: int = BLOCK_T) -> int:
-    """Tokens per program for sequences of at most `bound` tokens: about TARGET_PARTS partitions,
-    a power of two in [MIN_PARTITION, MAX_PARTITION] and a multiple of `block_t`."""
-    per_part = triton.next_power_of_2(max(1, triton.cdiv(bound, TARGET_PARTS)))
-    return max(block_t, MIN_PARTITION, min(MAX_PARTITION, per_part))
 
 
 @triton.jit
