@@ -176,7 +176,7 @@ def test_padded_step_equals_unpadded_and_writes_nowhere_else(causal_ckpt, adapte
     padded = runner.execute(chunks)
 
     for c, a, b in zip(chunks, padded, eager, strict=True):
-        assert a.finite and b.finite, c.request.request_id
+        assert a.is_finite() and b.is_finite(), c.request.request_id
         torch.testing.assert_close(a.sample_logits, b.sample_logits, rtol=1e-5, atol=1e-5)
     # the batch's own slots and pages: what the eager step wrote
     own_slots = [c.request.state_slot for c in chunks]
@@ -286,6 +286,8 @@ def test_fault_in_a_padded_decode_step_fails_one_request_alone(causal_ckpt, adap
     e.inject_fault("faulty")  # its slot and pages now NaN; the next step is a padded decode step
     out = run(e, {})
     assert out["faulty"].finish_reason == "error" and "numerical fault" in out["faulty"].error
+    # the faulted step still sampled every row before reading the flags: that row's draw was dropped
+    assert out["faulty"].token_ids == reference["faulty"].token_ids[:1]
     assert out["healthy"].token_ids == reference["healthy"].token_ids
     assert [x.logprob for x in out["healthy"].logprobs] == [x.logprob for x in reference["healthy"].logprobs]
     assert e.runner.decode.calls[0] == (2, 2)

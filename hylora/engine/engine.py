@@ -259,10 +259,21 @@ class LLMEngine:
             outputs.extend(self._quarantine(chunks, e))
             return outputs
 
-        to_sample: list[tuple[Request, torch.Tensor]] = []
+        # Sampling is queued before any finiteness flag is read: on a decode step the device runs the
+        # model and the sampler back to back and the host waits once. A faulted row's draw is dropped.
+        sampled: dict[str, tuple | SamplingError] = {}
+        to_sample = [(c.request, res.sample_logits) for c, res in zip(chunks, results, strict=True)]
+        to_sample = [(req, lg) for req, lg in to_sample if lg is not None]
+        if to_sample:
+            reqs, logits = self._constrain([r for r, _ in to_sample], [lg for _, lg in to_sample], outputs)
+            for req, result in zip(reqs, sample(logits, reqs, self.eos_ids) if reqs else [], strict=True):
+                sampled[req.request_id] = result
+
         for c, res in zip(chunks, results, strict=True):
             req = c.request
-            if not res.finite:
+            if req.finished:  # its grammar failed in _constrain
+                continue
+            if not res.is_finite():
                 where = f" with adapter {req.adapter!r}" if req.adapter else " on the base model"
                 self._finish(
                     req,
@@ -286,26 +297,24 @@ class LLMEngine:
             except Exception as e:
                 outputs.append(self._fail(req, f"computing prompt logprobs failed: {e!r}", FailureKind.INTERNAL))
                 continue
-            if res.sample_logits is not None:
-                to_sample.append((req, res.sample_logits))
-        if to_sample:
-            reqs, logits = self._constrain([r for r, _ in to_sample], [lg for _, lg in to_sample], outputs)
-            for req, result in zip(reqs, sample(logits, reqs, self.eos_ids) if reqs else [], strict=True):
-                if isinstance(result, SamplingError):
-                    outputs.append(self._fail(req, f"sampling failed: {result}", FailureKind.INVALID_REQUEST))
-                    continue
-                try:
-                    if req.grammar is not None:
-                        req.grammar.accept(result[0])
-                except Exception as e:
-                    outputs.append(self._fail(req, f"structured output failed: {e}", FailureKind.INTERNAL))
-                    continue
-                try:
-                    self._append_token(req, *result)
-                    outputs.append(self._output(req))
-                except Exception as e:  # detokenisation or stop handling
-                    log.exception("request %s: handling its new token failed", req.request_id)
-                    outputs.append(self._fail(req, f"detokenising the output failed: {e!r}", FailureKind.INTERNAL))
+            result = sampled.get(req.request_id)
+            if result is None:
+                continue
+            if isinstance(result, SamplingError):
+                outputs.append(self._fail(req, f"sampling failed: {result}", FailureKind.INVALID_REQUEST))
+                continue
+            try:
+                if req.grammar is not None:
+                    req.grammar.accept(result[0])
+            except Exception as e:
+                outputs.append(self._fail(req, f"structured output failed: {e}", FailureKind.INTERNAL))
+                continue
+            try:
+                self._append_token(req, *result)
+                outputs.append(self._output(req))
+            except Exception as e:  # detokenisation or stop handling
+                log.exception("request %s: handling its new token failed", req.request_id)
+                outputs.append(self._fail(req, f"detokenising the output failed: {e!r}", FailureKind.INTERNAL))
         return outputs
 
     def _constrain(

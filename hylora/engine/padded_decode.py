@@ -3,8 +3,9 @@
 `PaddedDecode.step` is exactly what a CUDA graph captures (engine/cuda_graphs.py): embeddings →
 layers → norm → logits of every row, and the per-row finiteness of the hidden states and logits,
 so that a NaN still fails its own request alone. Run eagerly here, it is the graphs' plain twin
-(the CPU tests run it) and their warm-up. No host sync inside the step; the only one is the copy of
-the finiteness flags after it.
+(the CPU tests run it) and their warm-up. No host sync inside the step, nor after it: the
+finiteness flags travel to the host behind the step, and the engine reads them after the sampler's
+one wait for the device.
 """
 
 from __future__ import annotations
@@ -19,11 +20,41 @@ from hylora.model.decoder import HybridDecoder
 from hylora.model.layers import Linear
 
 
+class HostFlags:
+    """A small device tensor on its way to the host without a wait: the copy is queued behind the
+    step, and `values()` waits for it only if no later wait (the sampler's) has already covered it."""
+
+    def __init__(self, flags: torch.Tensor, pinned: torch.Tensor | None) -> None:
+        self._ready: torch.cuda.Event | None = None
+        if pinned is not None and flags.is_cuda:
+            self._host = pinned[: flags.numel()].view(flags.shape)  # contiguous both ends: one async copy
+            self._host.copy_(flags.contiguous(), non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = flags.cpu()
+        self._values: list[list[bool]] | None = None
+
+    def values(self) -> list[list[bool]]:
+        if self._values is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._values = self._host.tolist()
+        return self._values
+
+
 @dataclass
 class DecodeOutput:
     logits: torch.Tensor  # [n, V] fp32 of the real rows (a copy: the step's buffers are reused)
-    finite_hidden: list[bool]  # per row: every hidden state finite
-    finite_logits: list[bool]  # per row: every logit finite
+    flags: HostFlags  # [2, n]: per row, every hidden state finite; every logit finite
+
+    @property
+    def finite_hidden(self) -> list[bool]:
+        return self.flags.values()[0]
+
+    @property
+    def finite_logits(self) -> list[bool]:
+        return self.flags.values()[1]
 
 
 class PaddedDecode:
@@ -37,6 +68,9 @@ class PaddedDecode:
             self.buckets[-1], kv.pages_needed(max_model_len), kv.page_size, kv.null_page, model.device
         )
         self.has_lora = any(isinstance(m, Linear) and m.lora is not None for m in model.layers.modules())
+        # the finiteness flags' landing place on the host (page-locked: the copy does not wait)
+        cuda = model.device.type == "cuda"
+        self.host_flags = torch.empty(2 * self.buckets[-1], dtype=torch.bool, pin_memory=True) if cuda else None
 
     @property
     def max_batch(self) -> int:
@@ -51,8 +85,7 @@ class PaddedDecode:
         self.buffers.fill(rows, bucket)
         logits, finite = self._forward(bucket, lora)
         real_logits = logits[:n].clone()
-        finite_hidden, finite_logits = finite[:, :n].cpu().tolist()  # the step's one device→host sync
-        return DecodeOutput(real_logits, finite_hidden, finite_logits)
+        return DecodeOutput(real_logits, HostFlags(finite[:, :n], self.host_flags))
 
     def _forward(self, bucket: int, lora: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step on the filled buffers (CUDA graphs replay it instead)."""

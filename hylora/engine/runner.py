@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -10,7 +12,7 @@ from hylora.cache import PagedKVCache, StatePool
 from hylora.engine.config import EngineConfig
 from hylora.engine.cuda_graphs import make_graph_decode
 from hylora.engine.decode_batch import DecodeRow
-from hylora.engine.padded_decode import PaddedDecode
+from hylora.engine.padded_decode import DecodeOutput, PaddedDecode
 from hylora.engine.scheduler import ScheduledChunk
 from hylora.model.decoder import HybridDecoder
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk
@@ -18,10 +20,15 @@ from hylora.model.forward_batch import ForwardBatch, SequenceChunk
 
 @dataclass
 class ChunkResult:
-    finite: bool  # every hidden state and logit of this request in this step is finite
+    # every hidden state and logit of this request in this step is finite; a decode step gives a
+    # callable, which waits for the device only if nothing has waited since (read it via is_finite)
+    finite: bool | Callable[[], bool]
     sample_logits: torch.Tensor | None = None  # [V] fp32, when the chunk samples a next token
     prompt_logits: torch.Tensor | None = None  # [n, V] fp32 rows for prompt logprobs
     prompt_positions: range = range(0)  # the prompt positions those rows belong to
+
+    def is_finite(self) -> bool:
+        return self.finite() if callable(self.finite) else self.finite
 
 
 class ModelRunner:
@@ -99,10 +106,9 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             positions = _prompt_positions(c)  # at most this one token's position
             wants_logits = bool(positions) or c.samples
-            finite = out.finite_hidden[i] and (out.finite_logits[i] or not wants_logits)
             results.append(
                 ChunkResult(
-                    finite=finite,
+                    finite=partial(_row_finite, out, i, wants_logits),
                     sample_logits=out.logits[i] if c.samples else None,
                     prompt_logits=out.logits[i : i + 1] if positions else None,
                     prompt_positions=positions,
@@ -151,3 +157,7 @@ def _prompt_positions(c: ScheduledChunk) -> range:
         return range(0)
     first_needed = max(len(r.prompt_logprobs), 1) - 1
     return range(max(c.start, first_needed), min(c.start + c.num_tokens, len(r.prompt_ids) - 1))
+
+
+def _row_finite(out: DecodeOutput, row: int, wants_logits: bool) -> bool:
+    return out.finite_hidden[row] and (out.finite_logits[row] or not wants_logits)

@@ -51,8 +51,8 @@ def sample(
     sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
     if sampled:
         p = [requests[i].params for i in sampled]
-        rows = torch.tensor(sampled, device=logits.device)
-        temperature = torch.tensor([x.temperature for x in p], device=logits.device)
+        rows = _on(sampled, logits.device)
+        temperature = _on([x.temperature for x in p], logits.device)
         probs = filtered_probs(
             work[rows] / temperature[:, None], [x.top_k for x in p], [x.top_p for x in p], [x.min_p for x in p]
         )
@@ -94,7 +94,7 @@ def _edit_row(row: torch.Tensor, req: Request, eos_ids: tuple[int, ...], vocab: 
         row[banned] = float("-inf")
     if p.logit_bias:
         ids = [t for t in p.logit_bias if 0 <= t < vocab]
-        row[ids] += torch.tensor([p.logit_bias[t] for t in ids], device=row.device)
+        row[ids] += _on([p.logit_bias[t] for t in ids], row.device)
     _penalise(row, req)
 
 
@@ -118,7 +118,7 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[To
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[TokenLogprob]:
     """logits [n, V] at prompt positions p..p+n-1 → logprob of the prompt token that follows each."""
-    next_tokens = torch.tensor(next_ids, device=logits.device)
+    next_tokens = _on(next_ids, logits.device)
     return _logprobs(torch.log_softmax(logits, dim=-1), next_tokens, [k] * len(next_ids))
 
 
@@ -132,11 +132,11 @@ def _penalise(row: torch.Tensor, req: Request) -> torch.Tensor:
     """Repetition (over prompt and output), frequency and presence (over output) penalties, in place."""
     p = req.params
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.all_ids)), dtype=torch.long, device=row.device)
+        seen = _on(sorted(set(req.all_ids)), row.device, torch.long)
         values = row[seen]
         row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
-        ids = torch.tensor(req.output_ids, dtype=torch.long, device=row.device)
+        ids = _on(req.output_ids, row.device, torch.long)
         counts = torch.zeros(row.shape[0], device=row.device).scatter_add_(
             0, ids, torch.ones_like(ids, dtype=torch.float32)
         )
@@ -151,19 +151,19 @@ def filtered_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float], m
     vocab, dev = logits.shape[-1], logits.device
     if any(0 < k < vocab for k in top_k):
         k = [k if 0 < k < vocab else vocab for k in top_k]
-        kth = logits.topk(max(k), dim=-1).values.gather(1, torch.tensor(k, device=dev)[:, None] - 1)
-        off = torch.tensor([not 0 < k < vocab for k in top_k], device=dev)[:, None]
+        kth = logits.topk(max(k), dim=-1).values.gather(1, _on(k, dev)[:, None] - 1)
+        off = _on([not 0 < k < vocab for k in top_k], dev)[:, None]
         logits = logits.masked_fill((logits < kth) & ~off, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if any(p < 1.0 for p in top_p):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above each one
-        drop = before >= torch.tensor(top_p, device=dev)[:, None]
-        drop &= torch.tensor([p < 1.0 for p in top_p], device=dev)[:, None]
+        drop = before >= _on(top_p, dev)[:, None]
+        drop &= _on([p < 1.0 for p in top_p], dev)[:, None]
         drop[:, 0] = False  # always keep the most likely token
         probs = torch.zeros_like(probs).scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
     if any(m > 0.0 for m in min_p):
-        floor = torch.tensor(min_p, device=dev)[:, None] * probs.max(-1, keepdim=True).values
+        floor = _on(min_p, dev)[:, None] * probs.max(-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs / probs.sum(-1, keepdim=True)
 
@@ -178,3 +178,10 @@ def _generator(req: Request, device: torch.device) -> torch.Generator:
         seed = req.params.seed if req.params.seed is not None else random.SystemRandom().getrandbits(63)
         req.generator = torch.Generator(device=device).manual_seed(seed)
     return req.generator
+
+
+def _on(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a tensor on `device`. On CUDA through page-locked memory, so the copy
+    is queued behind the model's step instead of waiting for it (a plain copy would)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
