@@ -24,11 +24,13 @@ class HostFlags:
     """A small device tensor on its way to the host without a wait: the copy is queued behind the
     step, and `values()` waits for it only if no later wait (the sampler's) has already covered it."""
 
-    def __init__(self, flags: torch.Tensor, pinned: torch.Tensor | None) -> None:
+    def __init__(self, flags: torch.Tensor) -> None:
         self._ready: torch.cuda.Event | None = None
-        if pinned is not None and flags.is_cuda:
-            self._host = pinned[: flags.numel()].view(flags.shape)  # contiguous both ends: one async copy
-            self._host.copy_(flags.contiguous(), non_blocking=True)
+        if flags.is_cuda:
+            # page-locked, from torch's caching host allocator: a block is reused only after this
+            # object is gone and its copy has completed, so no later step overwrites these values
+            self._host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self._host.copy_(flags.contiguous(), non_blocking=True)  # contiguous both ends: one async copy
             self._ready = torch.cuda.Event()
             self._ready.record()
         else:
@@ -68,9 +70,6 @@ class PaddedDecode:
             self.buckets[-1], kv.pages_needed(max_model_len), kv.page_size, kv.null_page, model.device
         )
         self.has_lora = any(isinstance(m, Linear) and m.lora is not None for m in model.layers.modules())
-        # the finiteness flags' landing place on the host (page-locked: the copy does not wait)
-        cuda = model.device.type == "cuda"
-        self.host_flags = torch.empty(2 * self.buckets[-1], dtype=torch.bool, pin_memory=True) if cuda else None
 
     @property
     def max_batch(self) -> int:
@@ -85,7 +84,7 @@ class PaddedDecode:
         self.buffers.fill(rows, bucket)
         logits, finite = self._forward(bucket, lora)
         real_logits = logits[:n].clone()
-        return DecodeOutput(real_logits, HostFlags(finite[:, :n], self.host_flags))
+        return DecodeOutput(real_logits, HostFlags(finite[:, :n]))
 
     def _forward(self, bucket: int, lora: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step on the filled buffers (CUDA graphs replay it instead)."""
