@@ -207,7 +207,7 @@ def test_error_cases(client, server):
     ok = client.chat.completions.create(
         model="relic", messages=messages, max_tokens=2, extra_body={"some_vendor_field": 1}, user="someone"
     )
-    assert ok.choices[0].finish_reason == "length"
+    assert ok.choices[0].finish_reason in ("length", "stop")  # random weights: EOS can be drawn first
     bad_json = httpx.post(
         f"{server}/v1/chat/completions", content=b"{not json", timeout=30, headers={"Content-Type": "application/json"}
     )
