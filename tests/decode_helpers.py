@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from hylora.engine.decode_batch import bucket_for
+from hylora.engine.padded_decode import PaddedDecode
+
+NAN = float("nan")
+
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
@@ -59,3 +64,37 @@ def paged_case(seed: int, lens: list[int], hq: int, hkv: int, D: int, page_size:
             k_cache[start:end], v_cache[start:end] = float("nan"), float("nan")
     q = torch.randn(len(lens), hq, D, generator=g).to(dtype)
     return q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def nan_fill_unowned(engine) -> None:
+    """NaN in every free state slot, every free KV page and the null page."""
+    kv, states = engine.kv, engine.states
+    free_slots = sorted(set(range(states.num_slots)) - states._slots._allocated)
+    states.conv[:, free_slots] = NAN
+    states.recurrent[:, free_slots] = NAN
+    ps = kv.page_size
+    for p in [*sorted(set(range(kv.num_pages)) - kv._pages._allocated), kv.null_page]:
+        kv.k[:, p * ps : (p + 1) * ps] = NAN
+        kv.v[:, p * ps : (p + 1) * ps] = NAN
+
+
+def padded(engine):
+    """Decode steps through PaddedDecode (as with CUDA graphs), the null page NaN before each step;
+    records (rows, bucket) of every padded step, and counts the steps planned ahead."""
+    config = engine.config
+    decode = PaddedDecode(engine.model, engine.kv, engine.states, config.max_num_seqs, config.max_model_len)
+    engine.runner.decode = decode
+    decode.calls = []
+    decode.ahead = 0
+    run_padded = decode.run
+
+    def run_recorded(rows, input_ids=None):
+        ps, null = engine.kv.page_size, engine.kv.null_page
+        engine.kv.k[:, null * ps : (null + 1) * ps] = NAN  # a live row reading it would fail its request
+        engine.kv.v[:, null * ps : (null + 1) * ps] = NAN
+        decode.calls.append((len(rows), bucket_for(len(rows), decode.buckets)))
+        decode.ahead += input_ids is not None
+        return run_padded(rows, input_ids)
+
+    decode.run = run_recorded
+    return engine

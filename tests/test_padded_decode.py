@@ -25,7 +25,7 @@ from hylora.engine import decode_batch as db  # noqa: E402
 from hylora.engine.decode_batch import DecodeBuffers, DecodeRow, bucket_for, decode_buckets  # noqa: E402
 from hylora.engine.padded_decode import PaddedDecode  # noqa: E402
 from hylora.engine.runner import ModelRunner, _decode_rows  # noqa: E402
-from tests.decode_helpers import same_bits  # noqa: E402
+from tests.decode_helpers import nan_fill_unowned, padded, same_bits  # noqa: E402
 from tests.engine_helpers import greedy, make_engine, max_logprob_diff, run  # noqa: E402
 from tests.helpers import random_ids  # noqa: E402
 
@@ -131,18 +131,6 @@ def _prefilled(causal_ckpt, adapter_root, fast: bool):
     return engine
 
 
-def _nan_fill_unowned(engine) -> None:
-    """NaN in every free state slot, every free KV page and the null page."""
-    kv, states = engine.kv, engine.states
-    free_slots = sorted(set(range(states.num_slots)) - states._slots._allocated)
-    states.conv[:, free_slots] = NAN
-    states.recurrent[:, free_slots] = NAN
-    ps = kv.page_size
-    for p in [*sorted(set(range(kv.num_pages)) - kv._pages._allocated), kv.null_page]:
-        kv.k[:, p * ps : (p + 1) * ps] = NAN
-        kv.v[:, p * ps : (p + 1) * ps] = NAN
-
-
 CASES = [  # (batch, forced bucket, Triton kernels under the interpreter: slow, so one case)
     pytest.param("base", None, False, id="base-smallest-bucket-references"),
     pytest.param("base", 8, False, id="base-bucket-8-references"),
@@ -161,7 +149,7 @@ def test_padded_step_equals_unpadded_and_writes_nowhere_else(causal_ckpt, adapte
     wanted = {f"r{i}" for i in BATCHES[mix]}
     chunks = [c for c in plan.chunks if c.request.request_id in wanted]
     assert len(chunks) == len(wanted) and all(c.num_tokens == 1 for c in chunks)
-    _nan_fill_unowned(engine)
+    nan_fill_unowned(engine)
 
     eager_kv, eager_states = copy.deepcopy(engine.kv), copy.deepcopy(engine.states)
     eager = ModelRunner(engine.model, eager_kv, eager_states).execute(chunks)
@@ -216,26 +204,6 @@ def test_decode_rows_only_for_single_token_steps_that_fit(causal_ckpt, adapter_r
 # --- the engine with padded decode steps --------------------------------------------------------
 
 
-def padded(engine):
-    """Decode steps through PaddedDecode (as with CUDA graphs), the null page NaN before each step;
-    records (rows, bucket) of every padded step."""
-    config = engine.config
-    decode = PaddedDecode(engine.model, engine.kv, engine.states, config.max_num_seqs, config.max_model_len)
-    engine.runner.decode = decode
-    decode.calls = []
-    run_padded = decode.run
-
-    def run_recorded(rows):
-        ps, null = engine.kv.page_size, engine.kv.null_page
-        engine.kv.k[:, null * ps : (null + 1) * ps] = NAN  # a live row reading it would fail its request
-        engine.kv.v[:, null * ps : (null + 1) * ps] = NAN
-        decode.calls.append((len(rows), bucket_for(len(rows), decode.buckets)))
-        return run_padded(rows)
-
-    decode.run = run_recorded
-    return engine
-
-
 def test_engine_with_padded_decode_equals_eager(causal_ckpt, adapter_root):
     # 12 pages of 16 tokens cannot hold three 60 + 24 token requests at once: preemption; a late
     # arrival joins mid-decode; one request is aborted mid-decode.
@@ -251,7 +219,7 @@ def test_engine_with_padded_decode_equals_eager(causal_ckpt, adapter_root):
         engine = make_engine(causal_ckpt[0], adapter_root, **config)
         if pad:
             padded(engine)
-            _nan_fill_unowned(engine)
+            nan_fill_unowned(engine)
         done, step = {}, 0
         while step < 2000 and (step <= max(arrivals) or engine.has_unfinished()):
             for rid, prompt, params, adapter in arrivals.get(step, []):
@@ -271,13 +239,17 @@ def test_engine_with_padded_decode_equals_eager(causal_ckpt, adapter_root):
     assert engine.kv.num_free == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
 
 
-def test_fault_in_a_padded_decode_step_fails_one_request_alone(causal_ckpt, adapter_root):
+@pytest.mark.parametrize("ahead", [True, False], ids=["decode-ahead", "no-decode-ahead"])
+def test_fault_in_a_padded_decode_step_fails_one_request_alone(causal_ckpt, adapter_root, ahead):
     def engine():
-        return padded(make_engine(causal_ckpt[0], adapter_root, max_model_len=256, max_num_seqs=3))
+        config = dict(max_model_len=256, max_num_seqs=3, async_scheduling=ahead)
+        return padded(make_engine(causal_ckpt[0], adapter_root, **config))
 
     faulty = ("faulty", random_ids(50, 320, seed=1), greedy(10), "gdn_attn")
     healthy = ("healthy", random_ids(70, 320, seed=2), greedy(10), "rs_mlp")
-    ends_there = ("faulty", faulty[1], greedy(2), "gdn_attn")  # same batch shapes as the faulted run
+    # a reference with the faulted run's batch shapes: with decode ahead, the step after the fault
+    # was queued before the fault was read, so the faulty row runs one step longer there
+    ends_there = ("faulty", faulty[1], greedy(3 if ahead else 2), "gdn_attn")
     reference = run(engine(), {0: [ends_there, healthy]})
     e = engine()
     e.add_request(*faulty)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 
 @dataclass
 class EngineConfig:
     max_model_len: int = 8192  # prompt + generated tokens per request
     max_num_seqs: int = 32  # running sequences (each holds one GDN state slot)
-    max_num_batched_tokens: int = 2048  # tokens per step: long prompts are chunked to fit
+    # tokens per step (long prompts are chunked to fit); None: 8192 on CUDA (vLLM's serving default:
+    # larger prefill steps keep the GPU busy), 2048 on the CPU
+    max_num_batched_tokens: int | None = None
     page_size: int = 16  # KV tokens per page
     num_pages: int | None = None  # None: from the memory budget (GPU) or max_num_seqs * max_model_len (CPU)
     gpu_memory_utilization: float = 0.90  # fraction of the GPU hylora may use
@@ -23,6 +25,9 @@ class EngineConfig:
     max_num_encoder_tokens: int = 16384
     encoder_cache_gb: float = 1.0  # tower outputs kept by media content (the same video for several adapters)
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's name); the CPU always runs eagerly
+    # decode ahead: queue the next decode step before reading this one's tokens, so the host's work
+    # overlaps the device's (vLLM's --async-scheduling); needs the padded decode step (CUDA)
+    async_scheduling: bool = True
     seed: int | None = None  # seeds requests that bring none, in arrival order (vLLM's --seed); None = random
 
     def __post_init__(self) -> None:
@@ -33,12 +38,14 @@ class EngineConfig:
                 if isinstance(current, bool):
                     setattr(self, f.name, env.strip().lower() in ("1", "true", "yes", "on"))
                     continue
-                kind = type(current) if current is not None else (int if f.name in ("num_pages", "seed") else str)
+                optional_ints = ("num_pages", "seed", "max_num_batched_tokens")
+                kind = type(current) if current is not None else (int if f.name in optional_ints else str)
                 setattr(self, f.name, kind(env))
+        step_tokens = self.max_num_batched_tokens
         checks = [
             (self.max_model_len >= 1, "max_model_len must be >= 1"),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
-            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (step_tokens is None or step_tokens >= 1, "max_num_batched_tokens must be >= 1"),
             (self.page_size >= 1, "page_size must be >= 1"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.max_loras >= 1 and self.max_lora_rank >= 1, "max_loras and max_lora_rank must be >= 1"),
@@ -48,3 +55,9 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def for_device(self, device: str) -> EngineConfig:
+        """This config with the device-dependent defaults filled in."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        return replace(self, max_num_batched_tokens=8192 if device.startswith("cuda") else 2048)

@@ -80,12 +80,15 @@ class DecodeBuffers:
         self._padding = np.zeros(FIELDS, dtype=np.int64)
         self._padding[[SLOT, KV_ROW, LORA]] = (-1, self.null_row, -1)
 
-    def fill(self, rows: list[DecodeRow], bucket: int) -> None:
+    def fill(self, rows: list[DecodeRow], bucket: int, input_ids: torch.Tensor | None = None) -> None:
         """Write `rows` then padding up to `bucket` rows into the buffers (stream-ordered: call before
-        the step that reads them)."""
+        the step that reads them). `input_ids` [len(rows)] on the device, if given, replaces the
+        rows' token ids by a device copy (no host wait)."""
         n = len(rows)
         if n > bucket or bucket > self.max_batch:
             raise ValueError(f"{n} rows do not fit a bucket of {bucket} (buffers hold {self.max_batch})")
+        if input_ids is not None and tuple(input_ids.shape) != (n,):
+            raise ValueError(f"input_ids has shape {list(input_ids.shape)}, expected [{n}]")
         width = max([len(r.pages) for r in rows] + [1])
         if width > self.max_pages:
             raise ValueError(f"a sequence holds {width} pages, more than max_model_len allows ({self.max_pages})")
@@ -114,6 +117,8 @@ class DecodeBuffers:
         self.staged[:end].copy_(self.host[:end], non_blocking=True)  # the step's one host→device copy
         if self._sent is not None:
             self._sent.record()
+        if input_ids is not None:
+            self.staged[ID * bucket : ID * bucket + n].copy_(input_ids)
         self.block_table[:bucket, :width].copy_(self.staged[head:end].view(bucket, width))
 
     def batch(self, bucket: int, lora: bool, max_seq_len: int) -> ForwardBatch:

@@ -21,8 +21,8 @@ from hylora.engine.encoder_cache import EncoderCache
 from hylora.engine.memory import plan_caches
 from hylora.engine.multimodal import MultimodalPrompt, Segment
 from hylora.engine.request import FailureKind, Request, SamplingParams, TokenLogprob
-from hylora.engine.runner import ModelRunner
-from hylora.engine.sampler import SamplingError, prompt_logprobs, sample
+from hylora.engine.runner import ChunkResult, ModelRunner
+from hylora.engine.sampler import PendingSample, SamplingError, launch_sample, prompt_logprobs, to_device
 from hylora.engine.scheduler import ScheduledChunk, Scheduler
 from hylora.lora.registry import AdapterRegistry, PreparedAdapter
 from hylora.model.decoder import HybridDecoder
@@ -91,6 +91,29 @@ def is_device_error(error: BaseException) -> bool:
 MAX_SUSPECT_STEPS = 3  # a request in this many failed steps fails itself
 
 
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose results the host has not read yet."""
+
+    number: int
+    chunks: list[ScheduledChunk]
+    results: list[ChunkResult]
+    sample: PendingSample | None  # the draw of the chunks that sample (None: none samples)
+
+
+def _plannable_ahead(req: Request) -> bool:
+    """Its next draw needs nothing that only the host knows once the current draw is in: no grammar
+    (its mask follows the token), no penalties (they count the tokens), min_tokens already met."""
+    p = req.params
+    return (
+        req.grammar is None
+        and p.repetition_penalty == 1.0
+        and not p.frequency_penalty
+        and not p.presence_penalty
+        and len(req.output_ids) >= p.min_tokens
+    )
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -102,8 +125,9 @@ class LLMEngine:
     ):
         """Serve the checkpoint in `model_dir`, or `model` (already built, e.g. random weights for a
         benchmark) with the tokenizer of `model_dir`."""
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.config = config = config.for_device(device)
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
         self.model_dir = Path(model_dir)
         vision = model is None and ModelConfig.from_dir(model_dir).vision is not None
@@ -130,6 +154,7 @@ class LLMEngine:
         self._compiler_lock = threading.Lock()
         self._seeds = random.Random(config.seed) if config.seed is not None else None
         self.step_count = 0
+        self._inflight: LaunchedStep | None = None  # a decode step queued ahead, not read yet
 
     # --- requests --------------------------------------------------------------------------
     def add_request(
@@ -205,6 +230,7 @@ class LLMEngine:
         """End every request with `error` and free what it holds (after an internal error, a device
         fault, or at shutdown). Returns their final outputs."""
         outputs, self._pending = self._pending, []
+        self._inflight = None  # its requests end here; what it queued is never read
         for rid in list(self.requests):
             req = self.requests[rid]
             try:
@@ -241,37 +267,116 @@ class LLMEngine:
     # --- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine step. Whatever goes wrong for one request ends that request alone; only a
-        device fault (DeviceFault) escapes, since it may have corrupted every request's memory."""
+        device fault (DeviceFault) escapes, since it may have corrupted every request's memory.
+
+        Decode ahead (`async_scheduling`): when the next step can only be one more token for each
+        request of a decode step, that step is queued on the device behind the current one, its
+        input tokens read there from the current step's draw, before the host waits for the
+        current step's tokens. Detokenising, stop checks and scheduling then overlap the device's
+        work; a request that stopped meanwhile has its extra token dropped. The outputs of the step
+        in flight come with the next call."""
         outputs, self._pending = self._pending, []
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            outputs.extend(self._decode_ahead_and_finish(step))
+            if self._inflight is not None:
+                return outputs
         plan = self.scheduler.schedule()
-        self.step_count += 1
         for req in plan.failed:
             self._finish(req, "error", error=req.error, failure=req.failure)
             outputs.append(self._output(req))
         chunks = self._prepare_media(plan.chunks, outputs) if any(c.media for c in plan.chunks) else plan.chunks
         if not chunks:
             return outputs
+        step = self._launch(chunks, outputs)
+        if step is not None:
+            outputs.extend(self._decode_ahead_and_finish(step))
+        return outputs
+
+    def _decode_ahead_and_finish(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Queue the step after `step` if it can be planned ahead (it becomes `_inflight`), then
+        wait for `step`'s results and hand them out."""
+        ahead_error: Exception | None = None
         try:
-            results = self._execute(chunks)
+            self._inflight = self._launch_ahead(step)
+        except DeviceFault:
+            raise
+        except Exception as e:  # queued nothing usable: its requests recompute, as after any failed step
+            ahead_error = e
+        outputs = self._finish_step(step)
+        if ahead_error is not None:
+            live = [c for c in step.chunks if not c.request.finished]
+            outputs.extend(self._quarantine(live, ahead_error) if live else [])
+        return outputs
+
+    def _launch(
+        self, chunks: list[ScheduledChunk], outputs: list[RequestOutput], input_ids: torch.Tensor | None = None
+    ) -> LaunchedStep | None:
+        """Queue the forward and the sampler of `chunks` on the device (nothing waits for it). None:
+        the forward raised, and its requests were failed or requeued into `outputs`."""
+        self.step_count += 1
+        try:
+            results = self._execute(chunks, input_ids)
         except Exception as e:
             if is_device_error(e):
                 raise DeviceFault(f"device fault at engine step {self.step_count}: {e}") from e
+            if input_ids is not None:
+                raise  # a step planned ahead: the caller requeues its requests after the step before
             outputs.extend(self._quarantine(chunks, e))
-            return outputs
-
-        # Sampling is queued before any finiteness flag is read: on a decode step the device runs the
-        # model and the sampler back to back and the host waits once. A faulted row's draw is dropped.
-        sampled: dict[str, tuple | SamplingError] = {}
+            return None
+        # Sampling is queued before any finiteness flag is read: the device runs the model and the
+        # sampler back to back and the host waits once. A faulted row's draw is dropped.
         to_sample = [(c.request, res.sample_logits) for c, res in zip(chunks, results, strict=True)]
         to_sample = [(req, lg) for req, lg in to_sample if lg is not None]
+        pending = None
         if to_sample:
             reqs, logits = self._constrain([r for r, _ in to_sample], [lg for _, lg in to_sample], outputs)
-            for req, result in zip(reqs, sample(logits, reqs, self.eos_ids) if reqs else [], strict=True):
-                sampled[req.request_id] = result
+            pending = launch_sample(logits, reqs, self.eos_ids) if reqs else None
+        return LaunchedStep(self.step_count, chunks, results, pending)
 
-        for c, res in zip(chunks, results, strict=True):
+    def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
+        """Queue the decode step that follows `step` — one more token for each of its requests — if
+        nothing but its draw decides that step: no request waits to start, every running request
+        is in `step` and samples, its rows need nothing that only the host knows (grammar,
+        penalties, min_tokens), and pages are free. A request that ends by length in `step` is
+        left out; one that stops on a token is found when `step` is read and its draw dropped."""
+        decode = self.runner.decode
+        if not self.config.async_scheduling or decode is None or step.sample is None or self.scheduler.waiting:
+            return None  # (the CPU runs no padded decode step: it never plans ahead)
+        if len(step.chunks) > decode.max_batch or any(c.num_tokens != 1 for c in step.chunks):
+            return None
+        drawn = {id(r): i for i, r in enumerate(step.sample.requests)}
+        chunks, rows = [], []
+        for c in step.chunks:
             req = c.request
-            if req.finished:  # its grammar failed in _constrain
+            if req.finished:
+                continue
+            if id(req) not in drawn or not _plannable_ahead(req):
+                return None
+            after = len(req.output_ids) + 1  # generated tokens once `step`'s draw is appended
+            if after >= req.params.max_tokens or req.num_tokens + 1 >= self.config.max_model_len:
+                continue  # ends by length in `step`
+            chunks.append(ScheduledChunk(req, c.start + 1, 1, ahead=True))
+            rows.append(drawn[id(req)])
+        live = sum(not c.request.finished for c in step.chunks)
+        if not chunks or len(self.scheduler.running) != live:
+            return None  # nothing to continue, or another running request needs the scheduler
+        for c in chunks:
+            if not self.scheduler.ensure_pages(c.request, c.start + 1):
+                return None  # the scheduler decides who is preempted
+        input_ids = step.sample.tokens[to_device(rows, step.sample.tokens.device)]
+        return self._launch(chunks, [], input_ids)
+
+    def _finish_step(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Wait for `step`'s draw and flags, then check, append and stream each request's token."""
+        outputs: list[RequestOutput] = []
+        sampled: dict[int, tuple | SamplingError] = {}
+        if step.sample is not None:
+            for req, result in zip(step.sample.requests, step.sample.results(), strict=True):
+                sampled[id(req)] = result
+        for c, res in zip(step.chunks, step.results, strict=True):
+            req = c.request
+            if req.finished:  # stopped or aborted since this step was queued, or its grammar failed
                 continue
             if not res.is_finite():
                 where = f" with adapter {req.adapter!r}" if req.adapter else " on the base model"
@@ -282,7 +387,7 @@ class LLMEngine:
                     failure=FailureKind.NUMERICAL_FAULT,
                     error=(
                         f"numerical fault: non-finite values (NaN/Inf) in request {req.request_id!r}{where} at "
-                        f"engine step {self.step_count}; the request was stopped and its cache scrubbed, other "
+                        f"engine step {step.number}; the request was stopped and its cache scrubbed, other "
                         "requests are unaffected"
                     ),
                 )
@@ -297,7 +402,7 @@ class LLMEngine:
             except Exception as e:
                 outputs.append(self._fail(req, f"computing prompt logprobs failed: {e!r}", FailureKind.INTERNAL))
                 continue
-            result = sampled.get(req.request_id)
+            result = sampled.get(id(req))
             if result is None:
                 continue
             if isinstance(result, SamplingError):
@@ -422,7 +527,7 @@ class LLMEngine:
             req.mm.ready[seg.id] = rows  # type: ignore[union-attr]
             self.encoder_cache.put(self._media_key(req, seg), rows)
 
-    def _execute(self, chunks: list[ScheduledChunk]):
+    def _execute(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None = None):
         for c in chunks:
             kind = self._faults.pop(c.request.request_id, None)
             if kind == "nan":
@@ -432,7 +537,7 @@ class LLMEngine:
                 raise RuntimeError(f"injected fault in the forward of request {c.request.request_id!r}")
             elif kind == "device":
                 raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
-        return self.runner.execute(chunks)
+        return self.runner.execute(chunks, input_ids)
 
     def _quarantine(self, chunks: list[ScheduledChunk], error: Exception) -> list[RequestOutput]:
         """The forward raised. A request that was alone fails with the error; a batch goes back to the

@@ -16,47 +16,23 @@ import torch
 
 from hylora.cache import PagedKVCache, StatePool
 from hylora.engine.decode_batch import DecodeBuffers, DecodeRow, bucket_for, decode_buckets
+from hylora.engine.host_copy import HostCopy
 from hylora.model.decoder import HybridDecoder
 from hylora.model.layers import Linear
-
-
-class HostFlags:
-    """A small device tensor on its way to the host without a wait: the copy is queued behind the
-    step, and `values()` waits for it only if no later wait (the sampler's) has already covered it."""
-
-    def __init__(self, flags: torch.Tensor) -> None:
-        self._ready: torch.cuda.Event | None = None
-        if flags.is_cuda:
-            # page-locked, from torch's caching host allocator: a block is reused only after this
-            # object is gone and its copy has completed, so no later step overwrites these values
-            self._host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-            self._host.copy_(flags.contiguous(), non_blocking=True)  # contiguous both ends: one async copy
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-        else:
-            self._host = flags.cpu()
-        self._values: list[list[bool]] | None = None
-
-    def values(self) -> list[list[bool]]:
-        if self._values is None:
-            if self._ready is not None:
-                self._ready.synchronize()
-            self._values = self._host.tolist()
-        return self._values
 
 
 @dataclass
 class DecodeOutput:
     logits: torch.Tensor  # [n, V] fp32 of the real rows (a copy: the step's buffers are reused)
-    flags: HostFlags  # [2, n]: per row, every hidden state finite; every logit finite
+    flags: HostCopy  # of [2, n]: per row, every hidden state finite; every logit finite
 
     @property
     def finite_hidden(self) -> list[bool]:
-        return self.flags.values()[0]
+        return self.flags.values()[0][0]
 
     @property
     def finite_logits(self) -> list[bool]:
-        return self.flags.values()[1]
+        return self.flags.values()[0][1]
 
 
 class PaddedDecode:
@@ -75,16 +51,18 @@ class PaddedDecode:
     def max_batch(self) -> int:
         return self.buckets[-1]
 
-    def run(self, rows: list[DecodeRow]) -> DecodeOutput:
+    def run(self, rows: list[DecodeRow], input_ids: torch.Tensor | None = None) -> DecodeOutput:
+        """`input_ids` [len(rows)] on the device replaces the rows' token ids: the tokens a step
+        still in flight is sampling (the engine's decode ahead)."""
         n = len(rows)
         bucket = bucket_for(n, self.buckets)
         lora = any(r.lora_slot >= 0 for r in rows)
         if lora and not self.has_lora:
             raise ValueError("a row asks for an adapter but the model has no LoRA slots")
-        self.buffers.fill(rows, bucket)
+        self.buffers.fill(rows, bucket, input_ids)
         logits, finite = self._forward(bucket, lora)
         real_logits = logits[:n].clone()
-        return DecodeOutput(real_logits, HostFlags(finite[:, :n]))
+        return DecodeOutput(real_logits, HostCopy(finite[:, :n]))
 
     def _forward(self, bucket: int, lora: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step on the filled buffers (CUDA graphs replay it instead)."""

@@ -39,10 +39,14 @@ class ModelRunner:
         self.decode: PaddedDecode | None = None if config is None else make_graph_decode(model, kv, states, config)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
+    def execute(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None = None) -> list[ChunkResult]:
+        """`input_ids` [len(chunks)] on the device: the input tokens of a decode step planned ahead
+        (every chunk `ahead`), which only the padded decode step can take."""
         rows = _decode_rows(chunks, self.decode.max_batch) if self.decode is not None else None
         if rows is not None:
-            return self._execute_decode(chunks, rows)
+            return self._execute_decode(chunks, rows, input_ids)
+        if input_ids is not None:
+            raise ValueError("a decode step planned ahead needs the padded decode step")
         seqs = []
         for c in chunks:
             r = c.request
@@ -97,11 +101,13 @@ class ModelRunner:
             )
         return results
 
-    def _execute_decode(self, chunks: list[ScheduledChunk], rows: list[DecodeRow]) -> list[ChunkResult]:
+    def _execute_decode(
+        self, chunks: list[ScheduledChunk], rows: list[DecodeRow], input_ids: torch.Tensor | None = None
+    ) -> list[ChunkResult]:
         """A decode step through the padded static step (row i = chunk i): same results as `execute`'s
         eager path: each row's logits serve its prompt logprob and/or its next token."""
         assert self.decode is not None
-        out = self.decode.run(rows)
+        out = self.decode.run(rows, input_ids)
         results = []
         for i, c in enumerate(chunks):
             positions = _prompt_positions(c)  # at most this one token's position
@@ -144,7 +150,10 @@ def _decode_rows(chunks: list[ScheduledChunk], max_batch: int) -> list[DecodeRow
             positions = (t, h, w)
         lora_slot = r.lora.slot if r.lora is not None else -1
         n_prompt = len(r.prompt_ids)  # (not all_ids: that copies the whole sequence)
-        token = r.prompt_ids[c.start] if c.start < n_prompt else r.output_ids[c.start - n_prompt]
+        if c.ahead:
+            token = 0  # on the device only: the runner's caller passes it as input_ids
+        else:
+            token = r.prompt_ids[c.start] if c.start < n_prompt else r.output_ids[c.start - n_prompt]
         rows.append(DecodeRow(token, c.start, r.state_slot, r.pages, lora_slot, positions))
     return rows
 

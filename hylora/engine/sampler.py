@@ -11,6 +11,7 @@ import random
 
 import torch
 
+from hylora.engine.host_copy import HostCopy
 from hylora.engine.request import Request, TokenLogprob
 
 
@@ -31,10 +32,53 @@ def sample(
 ) -> list[tuple[int, TokenLogprob | None] | SamplingError]:
     """logits [N, V] fp32 (finite, or -inf where a grammar forbids), one row per request → (token
     id, logprob info or None) per request, or the SamplingError that ends that request alone.
-    `eos_ids` are suppressed, with the request's stop_token_ids, until its min_tokens are out.
+    `eos_ids` are suppressed, with the request's stop_token_ids, until its min_tokens are out."""
+    return launch_sample(logits, requests, eos_ids).results()
 
-    The whole batch is processed at once on the logits' device; the host waits for it once, when the
-    chosen tokens come back (a per-row loop would wait for the device three times per request)."""
+
+class PendingSample:
+    """A batch's draw, queued on the device: `tokens` [N] stays there (the next decode step can read
+    it before the host has), `results()` brings it to the host with one wait."""
+
+    def __init__(
+        self,
+        requests: list[Request],
+        tokens: torch.Tensor,  # [N] int64, on the device
+        code: torch.Tensor,  # [N] why a row cannot be sampled (_OK: it can)
+        failed: dict[int, SamplingError],
+        logprobs: tuple[list[int], list[int], tuple[torch.Tensor, ...]] | None,  # rows, k, device tensors
+    ) -> None:
+        self.requests, self.tokens, self._failed, self._logprobs = requests, tokens, failed, logprobs
+        self._host = HostCopy(torch.stack([tokens, code]), *(logprobs[2] if logprobs else ()))
+
+    def results(self) -> list[tuple[int, TokenLogprob | None] | SamplingError]:
+        (tokens_host, code_host), *lp_host = self._host.values()  # the one wait for the device
+        infos = {}
+        if self._logprobs is not None:
+            wants, ks, _ = self._logprobs
+            infos = dict(zip(wants, _logprobs_from_host(*lp_host, [tokens_host[i] for i in wants], ks), strict=True))
+        out: list[tuple[int, TokenLogprob | None] | SamplingError] = []
+        for i, req in enumerate(self.requests):
+            if i in self._failed:
+                out.append(self._failed[i])
+            elif code_host[i] == _NO_MASS:
+                p = req.params
+                out.append(
+                    SamplingError(
+                        "no token has a finite, positive probability after penalties, temperature "
+                        f"{p.temperature:g}, top_k / top_p / min_p; relax them"
+                    )
+                )
+            elif code_host[i] != _OK:
+                out.append(SamplingError(_MESSAGES[code_host[i]]))
+            else:
+                out.append((tokens_host[i], infos.get(i)))
+        return out
+
+
+def launch_sample(logits: torch.Tensor, requests: list[Request], eos_ids: tuple[int, ...] = ()) -> PendingSample:
+    """`sample`, queued: the whole batch is processed at once on the logits' device and nothing
+    here waits for it (a per-row loop would wait three times per request)."""
     n, vocab = logits.shape
     failed: dict[int, SamplingError] = {}
     wants = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
@@ -51,8 +95,8 @@ def sample(
     sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
     if sampled:
         p = [requests[i].params for i in sampled]
-        rows = _on(sampled, logits.device)
-        temperature = _on([x.temperature for x in p], logits.device)
+        rows = to_device(sampled, logits.device)
+        temperature = to_device([x.temperature for x in p], logits.device)
         probs = filtered_probs(
             work[rows] / temperature[:, None], [x.top_k for x in p], [x.top_p for x in p], [x.min_p for x in p]
         )
@@ -64,26 +108,11 @@ def sample(
         for j, i in enumerate(sampled):
             q[j].exponential_(generator=_generator(requests[i], logits.device))
         tokens[rows] = (torch.nan_to_num(probs, nan=0.0) / q.clamp_(min=1e-30)).argmax(-1)
-    info = _logprobs(raw, tokens[wants], [requests[i].params.logprobs or 0 for i in wants]) if wants else None
-    tokens_host, code_host = torch.stack([tokens, code]).tolist()  # the one wait for the device
-    infos = dict(zip(wants, info, strict=True)) if info is not None else {}
-    out: list[tuple[int, TokenLogprob | None] | SamplingError] = []
-    for i, req in enumerate(requests):
-        if i in failed:
-            out.append(failed[i])
-        elif code_host[i] == _NO_MASS:
-            p = req.params
-            out.append(
-                SamplingError(
-                    "no token has a finite, positive probability after penalties, temperature "
-                    f"{p.temperature:g}, top_k / top_p / min_p; relax them"
-                )
-            )
-        elif code_host[i] != _OK:
-            out.append(SamplingError(_MESSAGES[code_host[i]]))
-        else:
-            out.append((tokens_host[i], infos.get(i)))
-    return out
+    logprobs = None
+    if wants:
+        ks = [requests[i].params.logprobs or 0 for i in wants]
+        logprobs = (wants, ks, _logprob_tensors(raw, tokens[to_device(wants, logits.device)], max(ks)))
+    return PendingSample(requests, tokens, code, failed, logprobs)
 
 
 def _edit_row(row: torch.Tensor, req: Request, eos_ids: tuple[int, ...], vocab: int) -> None:
@@ -91,34 +120,45 @@ def _edit_row(row: torch.Tensor, req: Request, eos_ids: tuple[int, ...], vocab: 
     p = req.params
     if p.min_tokens and len(req.output_ids) < p.min_tokens and not (req.grammar and req.grammar.is_terminated()):
         banned = [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < vocab]
-        row[banned] = float("-inf")
+        row[to_device(banned, row.device, torch.long)] = float("-inf")
     if p.logit_bias:
         ids = [t for t in p.logit_bias if 0 <= t < vocab]
-        row[ids] += _on([p.logit_bias[t] for t in ids], row.device)
+        row[to_device(ids, row.device, torch.long)] += to_device([p.logit_bias[t] for t in ids], row.device)
     _penalise(row, req)
+
+
+def _logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """raw [n, V] logprobs, tokens [n] chosen → (their logprobs [n], ranks [n], top-k logprobs and
+    ids [n, k]), on the device."""
+    values = raw.gather(1, tokens[:, None])[:, 0]
+    ranks = (raw > values[:, None]).sum(-1) + 1
+    top_values, top_ids = raw.topk(k, dim=-1)
+    return values, ranks, top_values, top_ids
+
+
+def _logprobs_from_host(
+    values: list[float], ranks: list[int], top_values: list, top_ids: list, tokens: list[int], ks: list[int]
+) -> list[TokenLogprob]:
+    return [
+        TokenLogprob(
+            token_id=int(t),
+            logprob=values[j],
+            top=dict(zip(top_ids[j][: ks[j]], top_values[j][: ks[j]], strict=True)),
+            rank=ranks[j],
+        )
+        for j, t in enumerate(tokens)
+    ]
 
 
 def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TokenLogprob]:
     """raw [n, V] logprobs, tokens [n] chosen → each row's TokenLogprob with its top-k alternatives."""
-    values = raw.gather(1, tokens[:, None])  # [n, 1]
-    ranks = (raw > values).sum(-1) + 1
-    top_values, top_ids = raw.topk(max(ks), dim=-1)  # [n, k_max]
-    values_h, ranks_h = values[:, 0].tolist(), ranks.tolist()
-    top_values_h, top_ids_h = top_values.tolist(), top_ids.tolist()
-    return [
-        TokenLogprob(
-            token_id=int(t),
-            logprob=values_h[j],
-            top=dict(zip(top_ids_h[j][: ks[j]], top_values_h[j][: ks[j]], strict=True)),
-            rank=ranks_h[j],
-        )
-        for j, t in enumerate(tokens.tolist())
-    ]
+    host = HostCopy(*_logprob_tensors(raw, tokens, max(ks)), tokens).values()
+    return _logprobs_from_host(*host, ks)
 
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[TokenLogprob]:
     """logits [n, V] at prompt positions p..p+n-1 → logprob of the prompt token that follows each."""
-    next_tokens = _on(next_ids, logits.device)
+    next_tokens = to_device(next_ids, logits.device)
     return _logprobs(torch.log_softmax(logits, dim=-1), next_tokens, [k] * len(next_ids))
 
 
@@ -132,11 +172,11 @@ def _penalise(row: torch.Tensor, req: Request) -> torch.Tensor:
     """Repetition (over prompt and output), frequency and presence (over output) penalties, in place."""
     p = req.params
     if p.repetition_penalty != 1.0:
-        seen = _on(sorted(set(req.all_ids)), row.device, torch.long)
+        seen = to_device(sorted(set(req.all_ids)), row.device, torch.long)
         values = row[seen]
         row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
-        ids = _on(req.output_ids, row.device, torch.long)
+        ids = to_device(req.output_ids, row.device, torch.long)
         counts = torch.zeros(row.shape[0], device=row.device).scatter_add_(
             0, ids, torch.ones_like(ids, dtype=torch.float32)
         )
@@ -151,19 +191,19 @@ def filtered_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float], m
     vocab, dev = logits.shape[-1], logits.device
     if any(0 < k < vocab for k in top_k):
         k = [k if 0 < k < vocab else vocab for k in top_k]
-        kth = logits.topk(max(k), dim=-1).values.gather(1, _on(k, dev)[:, None] - 1)
-        off = _on([not 0 < k < vocab for k in top_k], dev)[:, None]
+        kth = logits.topk(max(k), dim=-1).values.gather(1, to_device(k, dev)[:, None] - 1)
+        off = to_device([not 0 < k < vocab for k in top_k], dev)[:, None]
         logits = logits.masked_fill((logits < kth) & ~off, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if any(p < 1.0 for p in top_p):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above each one
-        drop = before >= _on(top_p, dev)[:, None]
-        drop &= _on([p < 1.0 for p in top_p], dev)[:, None]
+        drop = before >= to_device(top_p, dev)[:, None]
+        drop &= to_device([p < 1.0 for p in top_p], dev)[:, None]
         drop[:, 0] = False  # always keep the most likely token
         probs = torch.zeros_like(probs).scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
     if any(m > 0.0 for m in min_p):
-        floor = _on(min_p, dev)[:, None] * probs.max(-1, keepdim=True).values
+        floor = to_device(min_p, dev)[:, None] * probs.max(-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs / probs.sum(-1, keepdim=True)
 
@@ -180,7 +220,7 @@ def _generator(req: Request, device: torch.device) -> torch.Generator:
     return req.generator
 
 
-def _on(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A small host list as a tensor on `device`. On CUDA through page-locked memory, so the copy
     is queued behind the model's step instead of waiting for it (a plain copy would)."""
     t = torch.tensor(values, dtype=dtype)

@@ -60,11 +60,14 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     media: list[Segment] = field(default_factory=list)  # segments to take from the cache or encode first
+    # a decode token planned ahead: its input is the token the step in flight is still sampling
+    # (engine.py's decode ahead), so it lies one past the request's tokens known on the host
+    ahead: bool = False
+    # this chunk reaches the end of the request's tokens: a next token is sampled from it
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """This chunk reaches the end of the request's tokens: a next token is sampled from it."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.ahead or self.start + self.num_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -113,7 +116,7 @@ class Scheduler:
             if n == 0:  # its next visual tokens wait for encoder budget
                 i += 1
                 continue
-            while not self._ensure_pages(req, req.num_computed + n):
+            while not self.ensure_pages(req, req.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 plan.preempted.append(victim)
@@ -189,7 +192,7 @@ class Scheduler:
                 return Admission.NO_ROOM
             req.state_slot = self.states.allocate()
         n, media = self._fit_media(req, min(req.num_uncomputed, budget))
-        if n == 0 or not self._ensure_pages(req, req.num_computed + n):
+        if n == 0 or not self.ensure_pages(req, req.num_computed + n):
             return Admission.NO_ROOM
         self.waiting.remove(req)
         req.status = Status.RUNNING
@@ -241,7 +244,7 @@ class Scheduler:
             req.lora = None
         req.status = Status.FINISHED
 
-    def _ensure_pages(self, req: Request, num_tokens: int) -> bool:
+    def ensure_pages(self, req: Request, num_tokens: int) -> bool:
         need = self.kv.pages_needed(num_tokens) - len(req.pages)
         if need <= 0:
             return True
