@@ -382,6 +382,16 @@ def main() -> None:
             row["decode_weight_roofline_ms"] = 1e3 * weight_bytes / BW
             runs.append(row)
             print(row, flush=True)
+    engine.config.async_scheduling = False  # the same, each step read before the next is queued
+    for tokens in step_tokens:
+        engine.scheduler.config.max_num_batched_tokens = tokens
+        for label, adapter_of, warm in mixes:
+            name = f"{label}, triton kernels + CUDA graphs, {tokens} tokens per step, no decode ahead"
+            row = _run_workload(engine, name, adapter_of, warm)
+            row["decode_weight_roofline_ms"] = 1e3 * weight_bytes / BW
+            runs.append(row)
+            print(row, flush=True)
+    engine.config.async_scheduling = True
     engine.scheduler.config.max_num_batched_tokens = step_tokens[0]
     runs.append(fault_check(engine, 8) | {"run": "fault isolation (CUDA graphs)"})
     print(runs[-1], flush=True)

@@ -44,6 +44,23 @@ def gpu_busy_ms(prof) -> float:
     return total / 1e3
 
 
+WATCHED = ("aten::zero_", "aten::fill_", "aten::copy_", "cudaStreamSynchronize", "aten::item", "aten::index_put_")
+
+
+def call_sites(prof, frames: int = 3, rows: int = 25) -> str:
+    """Count the watched ops of a profile by the innermost Python frames that called them."""
+    sites: dict[tuple[str, str], list[float]] = {}
+    for e in prof.events():
+        if e.name not in WATCHED:
+            continue
+        stack = [f for f in (e.stack or []) if ".py(" in f and "torch/" not in f][:frames]
+        entry = sites.setdefault((e.name, " < ".join(stack) or "?"), [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.cpu_time_total / 1e3
+    top = sorted(sites.items(), key=lambda kv: -kv[1][1])[:rows]
+    return "\n".join(f"{n:5d} calls {ms:7.2f} ms host  {name:24s} {where}" for (name, where), (n, ms) in top)
+
+
 enqueue: list[float] = []  # host ms of the last model forward (the kernels enqueued, not finished)
 
 
@@ -74,13 +91,22 @@ def profile_workload(engine: LLMEngine, label: str, adapter_of, rows: int = 25) 
         engine.add_request(f"{label}{i}", p, params, adapter_of(i))
     result: dict = {"run": label}
     # 2. the first prefill step under the profiler
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         wall, _ = timed_step(engine)
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
     print(f"\n=== {label}: one prefill step ({wall:.1f} ms wall, {gpu_busy_ms(prof):.1f} ms GPU busy)\n{table}")
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70)
     print(f"\n=== {label}: the same prefill step by host time\n{table}")
     result["prefill_step_profiled"] = {"wall_ms": wall, "gpu_busy_ms": gpu_busy_ms(prof)}
+    print(f"\n=== {label}: where that step's fills, copies and host waits come from\n{call_sites(prof)}")
+    # the second prefill step under cProfile: which Python functions take the host's time
+    profiler = cProfile.Profile()
+    profiler.enable()
+    wall, _ = timed_step(engine)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    print(f"\n=== {label}: the next prefill step ({wall:.1f} ms wall) under cProfile, by own time\n{text.getvalue()}")
     # 1. the remaining steps, timed; 3. decode steps under cProfile
     prefill, decode, forward_host = [], [], []
     profiler = cProfile.Profile()
