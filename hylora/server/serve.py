@@ -131,6 +131,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=d["async_scheduling"].default,
+        help="queue the next decode step before reading this one's tokens (CUDA graphs only)",
+    )
 
 
 def lora_modules(items: list[str], base_name: str) -> dict[str, str]:
@@ -231,6 +237,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         max_num_encoder_tokens=args.max_num_encoder_tokens,
         encoder_cache_gb=args.encoder_cache_gb,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         seed=args.seed,
     )
     defaults = generation_defaults(args.generation_config, model_dir, args.override_generation_config)
