@@ -80,7 +80,9 @@ def test_engine_with_graphs_equals_enforce_eager(causal_ckpt, adapter_root, dtyp
     }
     outputs = {}
     for eager in (True, False):
-        engine = cuda_engine(causal_ckpt, adapter_root, DTYPES[dtype], enforce_eager=eager)
+        # without decode ahead: with it, step() calls hand out a step's tokens one call later, so the
+        # late arrival would join one device step later than in the eager run (another batch mix)
+        engine = cuda_engine(causal_ckpt, adapter_root, DTYPES[dtype], enforce_eager=eager, async_scheduling=False)
         assert (engine.runner.decode is None) == eager
         outputs[eager] = run(engine, arrivals)
     tolerance = {"fp32": 1e-4, "bf16": 5e-2}[dtype]
@@ -88,6 +90,30 @@ def test_engine_with_graphs_equals_enforce_eager(causal_ckpt, adapter_root, dtyp
         ref = outputs[True][rid]
         assert out.error is None and out.token_ids == ref.token_ids, rid
         assert max_logprob_diff(out, ref) <= tolerance, (rid, max_logprob_diff(out, ref))
+
+
+def test_decode_ahead_changes_no_bit(causal_ckpt, adapter_root):
+    # every request arrives at once and ends by length: the same batches run with and without it
+    arrivals = {
+        0: [(f"r{i}", random_ids(20 + 37 * i, 320, seed=i), greedy(12 + 5 * i), a) for i, a in enumerate(ADAPTER_OF)]
+    }
+    outputs = {}
+    for ahead in (False, True):
+        engine = cuda_engine(causal_ckpt, adapter_root, async_scheduling=ahead)
+        replay, planned_ahead = engine.runner.decode.run, []
+
+        def counted(rows, input_ids=None, replay=replay, planned_ahead=planned_ahead):
+            planned_ahead.append(input_ids is not None)
+            return replay(rows, input_ids)
+
+        engine.runner.decode.run = counted
+        outputs[ahead] = run(engine, arrivals)
+        assert sum(planned_ahead) >= (20 if ahead else 0) and (ahead or not any(planned_ahead))
+        assert engine.kv.num_free == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
+    for rid, out in outputs[True].items():
+        ref = outputs[False][rid]
+        assert out.error is None and out.token_ids == ref.token_ids, rid
+        assert [x.logprob for x in out.logprobs] == [x.logprob for x in ref.logprobs], rid
 
 
 def test_fault_inside_a_graph_fails_one_request_and_a_probe_is_bit_identical(causal_ckpt, adapter_root):
