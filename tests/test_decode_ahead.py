@@ -56,6 +56,21 @@ def test_decode_ahead_gives_the_same_tokens_and_logprobs(causal_ckpt, engine_ada
         assert fast.text == plain.text
 
 
+def test_a_full_server_with_a_queue_still_decodes_ahead(causal_ckpt, engine_adapter_root):
+    # two running places, five requests: three wait the whole time the first two decode
+    arrivals = {0: [(f"q{i}", random_ids(15 + 7 * i, 320, seed=50 + i), greedy(10 + 3 * i), None) for i in range(5)]}
+    outs = {}
+    for ahead in (False, True):
+        e = engine(causal_ckpt, engine_adapter_root, ahead, max_num_seqs=2)
+        outs[ahead] = run(e, arrivals)
+        assert_all_freed(e)
+        if ahead:
+            assert e.runner.decode.ahead >= 35  # also while requests waited (20 once none waits)
+    for rid, plain in outs[False].items():
+        assert outs[True][rid].error is None and outs[True][rid].token_ids == plain.token_ids, rid
+        assert max_logprob_diff(outs[True][rid], plain) <= 1e-4, rid
+
+
 def test_a_stop_while_the_next_step_is_in_flight_leaks_nothing(causal_ckpt, engine_adapter_root):
     prompt = random_ids(30, 320, seed=11)
     probe = run(engine(causal_ckpt, engine_adapter_root, False), {0: [("p", prompt, greedy(12), None)]})["p"]

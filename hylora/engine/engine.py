@@ -336,12 +336,13 @@ class LLMEngine:
 
     def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
         """Queue the decode step that follows `step` — one more token for each of its requests — if
-        nothing but its draw decides that step: no request waits to start, every running request
-        is in `step` and samples, its rows need nothing that only the host knows (grammar,
-        penalties, min_tokens), and pages are free. A request that ends by length in `step` is
-        left out; one that stops on a token is found when `step` is read and its draw dropped."""
+        nothing but its draw decides that step: no waiting request could start (none waits, or
+        every running place or state slot is taken), every running request is in `step` and
+        samples, its rows need nothing that only the host knows (grammar, penalties, min_tokens),
+        and pages are free. A request that ends by length in `step` is left out; one that stops
+        on a token is found when `step` is read and its draw dropped."""
         decode = self.runner.decode
-        if not self.config.async_scheduling or decode is None or step.sample is None or self.scheduler.waiting:
+        if not self.config.async_scheduling or decode is None or step.sample is None or self.scheduler.can_admit():
             return None  # (the CPU runs no padded decode step: it never plans ahead)
         if len(step.chunks) > decode.max_batch or any(c.num_tokens != 1 for c in step.chunks):
             return None

@@ -101,6 +101,11 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def can_admit(self) -> bool:
+        """A request waits and the next schedule may start it (a running place and a state slot are
+        free); False: the next step can only continue the running requests."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs and self.states.num_free > 0
+
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self._encoder_budget = self.config.max_num_encoder_tokens
