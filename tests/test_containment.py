@@ -21,8 +21,16 @@ BASE = "hylora-demo"
 NEIGHBOUR_TOKENS = 160
 
 
+@pytest.fixture(scope="module", params=["eager-decode", "padded-decode-ahead"])
+def decode_mode(request):
+    """Every test runs against the demo server twice: as it serves on the CPU, and with decode steps
+    padded as with CUDA graphs, so that decode ahead (the next step queued before the current one is
+    read) runs under the same offenders."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def root(tmp_path_factory, demo_dir):
+def root(decode_mode, tmp_path_factory, demo_dir):
     """The adapter root: copies of the demo adapters that tests change, break or load."""
     root = tmp_path_factory.mktemp("adapter-root")
     for name in ("changing", "vanishing", "spare"):
@@ -31,11 +39,14 @@ def root(tmp_path_factory, demo_dir):
 
 
 @pytest.fixture(scope="module")
-def server(demo_cache_dir, root, tmp_path_factory):
+def server(decode_mode, demo_cache_dir, root, tmp_path_factory):
     args = ["--demo", "--max-model-len", "512", "--max-num-seqs", "16", "--max-loras", "2", "--max-cpu-loras", "2"]
     args += ["--adapter-root", str(root), "--dtype", "float32", "--device", "cpu"]
     log = tmp_path_factory.mktemp("logs") / "server.log"
-    with running_server(args, demo_cache_dir, log, env={"HYLORA_ENABLE_FAULT_INJECTION": "1"}) as handle:
+    env = {"HYLORA_ENABLE_FAULT_INJECTION": "1"}
+    if decode_mode == "padded-decode-ahead":
+        env["HYLORA_PADDED_DECODE"] = "1"
+    with running_server(args, demo_cache_dir, log, env=env) as handle:
         yield handle.url
 
 
@@ -405,3 +416,15 @@ def test_failed_stream_ends_with_error_event_and_finish_reason(server):
     finishes = [c["finish_reason"] for e in events for c in e.get("choices", []) if c["finish_reason"]]
     assert finishes == ["error"]
     assert events[-1]["error"]["code"] == "numerical_fault" and lines[-1] == "data: [DONE]"
+
+
+def test_decode_ahead_ran_on_the_padded_server(server, decode_mode):
+    # last in this module: the offenders above ran beside neighbours whose decode steps were planned ahead
+    metrics = httpx.get(f"{server}/metrics", timeout=30).text
+    ahead = next(
+        float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("hylora_decode_steps_ahead ")
+    )
+    if decode_mode == "padded-decode-ahead":
+        assert ahead > 50
+    else:
+        assert ahead == 0  # the CPU runs decode eagerly: nothing to queue ahead

@@ -11,6 +11,7 @@ sync with the host and cannot be captured, so without them decode stays eager.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -90,9 +91,14 @@ def decode_kernels_graphable(model: HybridDecoder) -> str | None:
 
 def make_graph_decode(
     model: HybridDecoder, kv: PagedKVCache, states: StatePool, config: EngineConfig
-) -> CudaGraphDecode | None:
-    """The engine's decode graphs, or None (with the reason logged) when decode runs eagerly."""
+) -> PaddedDecode | None:
+    """The engine's decode graphs, or None (with the reason logged) when decode runs eagerly.
+
+    HYLORA_PADDED_DECODE=1 on the CPU runs decode steps through the graphs' eager twin instead, so
+    that the CPU tests can drive the paths that only padded steps take (decode ahead)."""
     if model.device.type != "cuda":
+        if os.environ.get("HYLORA_PADDED_DECODE") == "1":
+            return PaddedDecode(model, kv, states, config.max_num_seqs, config.max_model_len)
         return None
     if config.enforce_eager:
         log.info("CUDA graphs off (enforce_eager): decode runs eagerly")

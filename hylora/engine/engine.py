@@ -155,6 +155,7 @@ class LLMEngine:
         self._seeds = random.Random(config.seed) if config.seed is not None else None
         self.step_count = 0
         self._inflight: LaunchedStep | None = None  # a decode step queued ahead, not read yet
+        self.steps_ahead = 0  # decode steps queued before the step before them was read
 
     # --- requests --------------------------------------------------------------------------
     def add_request(
@@ -366,7 +367,9 @@ class LLMEngine:
             if not self.scheduler.ensure_pages(c.request, c.start + 1):
                 return None  # the scheduler decides who is preempted
         input_ids = step.sample.tokens[to_device(rows, step.sample.tokens.device)]
-        return self._launch(chunks, [], input_ids)
+        launched = self._launch(chunks, [], input_ids)
+        self.steps_ahead += 1
+        return launched
 
     def _finish_step(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for `step`'s draw and flags, then check, append and stream each request's token."""

@@ -56,6 +56,11 @@ class ServerMetrics:
             "encoder_misses": ("hylora_encoder_cache_misses", "Media segments the vision tower encoded (cumulative)"),
             "encoder_bytes": ("hylora_encoder_cache_bytes", "Bytes of vision-tower outputs in the encoder cache"),
             "encoder_entries": ("hylora_encoder_cache_entries", "Media segments in the encoder cache"),
+            "engine_steps": ("hylora_engine_steps", "Engine steps run (cumulative)"),
+            "steps_ahead": (
+                "hylora_decode_steps_ahead",
+                "Decode steps queued before the step before them was read (async scheduling; cumulative)",
+            ),
         }
         self.gauges = {key: Gauge(name, doc, registry=r) for key, (name, doc) in g.items()}
         self.adapter_on_device = Gauge(
@@ -104,6 +109,8 @@ def engine_snapshot(engine) -> dict[str, Any]:
         "encoder_misses": engine.encoder_cache.misses,
         "encoder_bytes": engine.encoder_cache.bytes,
         "encoder_entries": len(engine.encoder_cache),
+        "engine_steps": engine.step_count,
+        "steps_ahead": engine.steps_ahead,
         "on_device": {name: int(name in stats["on_device"]) for name in stats["loaded"]},
         "running_by_adapter": running,
         "waiting_by_adapter": waiting,
