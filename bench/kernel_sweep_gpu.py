@@ -5,7 +5,7 @@ its bytes roofline at 4.3 TB/s, and its max relative error against the torch ref
 candidate that is not exact to bf16 rounding is marked, never picked). The defaults in
 `hylora/ops/*/triton.py` come from these tables (docs/BASELINE.md says which run).
 
-- GDN decode step in place by slot: batch 32 and 64, BLOCK_V x num_warps x the reductions side by side or not.
+- GDN decode step in place by slot: batch 32 and 64, BLOCK_V x num_warps.
 - Paged decode attention: batch 32 and 64 at context 576 (bound 1024) and batch 8 at 8k (bound
   32k), partition x BLOCK_T x num_warps.
 - LoRA shrink + expand, 8 rank-16 adapters mixed, on the 27B's linears (GDN in_proj, gate_up,
@@ -107,14 +107,14 @@ def gdn_sweep(cfg: ModelConfig) -> list[dict]:
         roofline = 1e3 * (2 * N * hv * dk * dv * 4 + 2 * N * C * 3 * 2) / BW
         print(f"gdn_decode, batch {N} (roofline {1e3 * roofline:.1f} us)", flush=True)
         batch_rows = []
-        for block_v, warps, side in itertools.product((16, 32, 64, 128), (2, 4, 8), (False, True)):
-            knobs = dict(block_v=block_v, num_warps=warps, side_by_side=side)
+        for block_v, warps in itertools.product((16, 32, 64, 128), (2, 4, 8)):
+            knobs = dict(block_v=block_v, num_warps=warps)
             c1, r1 = c_ref0.clone(), r_ref0.clone()  # the state before any timing loop ran
             err = rel_error(gdn_decode(*args, c1, r1, slots, **knobs), o_ref)
             err = max(err, rel_error(r1, r_ref))
             ms = bench(partial(gdn_decode, *args, conv, rec, slots, **knobs))
-            config = f"block_v {block_v}, {warps} warps{', side by side' if side else ''}"
-            batch_rows.append(dict(kernel="gdn_decode", batch=N, config=config, knobs=(block_v, warps, side),
+            config = f"block_v {block_v}, {warps} warps"
+            batch_rows.append(dict(kernel="gdn_decode", batch=N, config=config, knobs=(block_v, warps),
                                    ms=ms, roofline_ms=roofline, err=err, ok=err < 1e-4))  # fmt: skip
         show(batch_rows, "config", f"gdn_decode batch {N}")
         rows += batch_rows
@@ -124,19 +124,15 @@ def gdn_sweep(cfg: ModelConfig) -> list[dict]:
             total[r["knobs"]] = total.get(r["knobs"], 0.0) + r["ms"]
     both = [k for k in total if sum(r["knobs"] == k and r["ok"] for r in rows) == 2]  # exact at batch 32 and 64
     best = min(both, key=total.get)
-    SUMMARY.append(f"gdn_decode, batch 32 + 64, best without register spills: block_v {best[0]}, {best[1]} warps, "
-                   f"side by side {best[2]} ({1e3 * total[best]:.1f} us)")  # fmt: skip
+    SUMMARY.append(f"gdn_decode, batch 32 + 64, best without register spills: block_v {best[0]}, {best[1]} warps "
+                   f"({1e3 * total[best]:.1f} us)")  # fmt: skip
     GDN_BEST.append(best)
     return rows
 
 
-# (block_v, num_warps, side_by_side) that sm_90 compiles without register spills at the 27B shape
-# (ptxas -v through tests/sm90_compile.py); the sweep's pick for HYLORA_GDN_DECODE_CONFIG is one
-GDN_NO_SPILLS = {
-    (16, 2, False), (16, 4, False), (16, 8, False), (32, 2, False), (32, 4, False), (32, 8, False), (64, 4, False),
-    (64, 8, False), (128, 8, False), (16, 2, True), (16, 4, True), (16, 8, True), (32, 4, True), (32, 8, True),
-    (64, 8, True),
-}  # fmt: skip
+# (block_v, num_warps) that sm_90 compiles without register spills at the 27B shape (ptxas -v
+# through tests/sm90_compile.py); the sweep's pick for HYLORA_GDN_DECODE_CONFIG is one of them
+GDN_NO_SPILLS = {(16, 2), (16, 4), (16, 8), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)}
 GDN_BEST: list[tuple] = []
 
 
@@ -265,8 +261,8 @@ def main() -> None:
         print(f"[{name} sweep: {time.perf_counter() - t0:.0f} s]", flush=True)
     print("best per group:", *SUMMARY, sep="\n")
     if args.gdn_best_out and GDN_BEST:
-        block_v, warps, side = GDN_BEST[0]
-        Path(args.gdn_best_out).write_text(f"{block_v},{warps},{int(side)}")
+        block_v, warps = GDN_BEST[0]
+        Path(args.gdn_best_out).write_text(f"{block_v},{warps}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1, default=str))
 

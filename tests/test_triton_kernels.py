@@ -51,9 +51,8 @@ GDN_SHAPES = {
 }
 
 
-@pytest.mark.parametrize("side_by_side", [False, True], ids=["reductions-in-turn", "reductions-side-by-side"])
 @pytest.mark.parametrize("shape", GDN_SHAPES, ids=str)
-def test_gdn_decode_triton_equals_reference(shape, side_by_side):
+def test_gdn_decode_triton_equals_reference(shape):
     hk, hv, dk, dv, block_v, block_c, N, padding = GDN_SHAPES[shape]
     args, conv, recurrent, slots = gdn_inputs(N, hk, hv, dk, dv, seed=N, padding=padding)
     conv0, rec0 = conv.clone(), recurrent.clone()
@@ -61,9 +60,8 @@ def test_gdn_decode_triton_equals_reference(shape, side_by_side):
     o_ref = gdn_reference.gdn_decode(**args, conv_state=conv_ref, recurrent_state=rec_ref, slots=slots)
     out = torch.full((N, hv, dv), NAN)
     o = gdn_triton.gdn_decode(
-        **args, conv_state=conv, recurrent_state=recurrent, slots=slots, out=out, block_v=block_v, block_c=block_c,
-        side_by_side=side_by_side,
-    )  # fmt: skip
+        **args, conv_state=conv, recurrent_state=recurrent, slots=slots, out=out, block_v=block_v, block_c=block_c
+    )
     assert o is out
     torch.testing.assert_close(o, o_ref, atol=1e-6, rtol=1e-5)
     for i in padding:
@@ -425,11 +423,11 @@ def test_causal_conv1d_by_slot_equals_reference(lens, kernel):
 def test_gdn_decode_config_from_the_environment(monkeypatch):
     import importlib
 
-    monkeypatch.setenv("HYLORA_GDN_DECODE_CONFIG", "32,8,1")  # what bench/kernel_sweep_gpu.py picks
+    monkeypatch.setenv("HYLORA_GDN_DECODE_CONFIG", "32,8")  # what bench/kernel_sweep_gpu.py picks
     tuned = importlib.reload(gdn_triton)
     try:
-        assert (tuned.BLOCK_V, tuned.NUM_WARPS, tuned.SIDE_BY_SIDE) == (32, 8, True)
+        assert (tuned.BLOCK_V, tuned.NUM_WARPS) == (32, 8)
     finally:
         monkeypatch.delenv("HYLORA_GDN_DECODE_CONFIG")
         importlib.reload(gdn_triton)
-    assert (gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS, gdn_triton.SIDE_BY_SIDE) == (64, 4, False)
+    assert (gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS) == (64, 4)

@@ -29,11 +29,10 @@ from hylora.ops.gdn_decode.reference import num_key_heads
 BLOCK_V = 64  # dv block of one program: the [dk, 64] fp32 state tile is 32 KiB at dk 128
 BLOCK_C = 256  # channels per program of the conv-state shift
 NUM_WARPS = 4
-SIDE_BY_SIDE = False  # the two dk reductions side by side (see the kernel)
-# HYLORA_GDN_DECODE_CONFIG="block_v,num_warps,side_by_side" replaces the three (for tuning runs)
+# HYLORA_GDN_DECODE_CONFIG="block_v,num_warps" replaces both (tuning on another card: the sweep
+# writes its pick with --gdn-best-out)
 if os.environ.get("HYLORA_GDN_DECODE_CONFIG"):
-    _bv, _w, _sbs = os.environ["HYLORA_GDN_DECODE_CONFIG"].split(",")
-    BLOCK_V, NUM_WARPS, SIDE_BY_SIDE = int(_bv), int(_w), _sbs.strip() in ("1", "true", "True")
+    BLOCK_V, NUM_WARPS = (int(x) for x in os.environ["HYLORA_GDN_DECODE_CONFIG"].split(","))
 
 
 def gdn_decode(
@@ -51,7 +50,6 @@ def gdn_decode(
     block_v: int | None = None,
     block_c: int = BLOCK_C,
     num_warps: int | None = None,
-    side_by_side: bool | None = None,
 ) -> torch.Tensor:
     N, hv = b.shape
     conv_dim, K = conv_weight.shape
@@ -73,13 +71,12 @@ def gdn_decode(
     block_k = triton.next_power_of_2(dk)
     block_v = min(BLOCK_V if block_v is None else block_v, triton.next_power_of_2(dv))
     num_warps = NUM_WARPS if num_warps is None else num_warps
-    side_by_side = SIDE_BY_SIDE if side_by_side is None else side_by_side
     _gdn_decode_kernel[(N, hv, triton.cdiv(dv, block_v))](
         qkv, b, a, conv_weight, A_log, dt_bias, conv_state, recurrent_state, slots, out,
         qkv.stride(0), b.stride(0), a.stride(0), conv_weight.stride(0), conv_weight.stride(1),
         *conv_state.stride(), *recurrent_state.stride(), out.stride(0), out.stride(1), out.stride(2),
         scale,
-        HK=hk, HV=hv, DK=dk, DV=dv, K=K, BLOCK_K=block_k, BLOCK_V=block_v, SIDE_BY_SIDE=side_by_side,
+        HK=hk, HV=hv, DK=dk, DV=dv, K=K, BLOCK_K=block_k, BLOCK_V=block_v,
         num_warps=num_warps,
     )  # fmt: skip
     _conv_state_kernel[(N, triton.cdiv(conv_dim, block_c))](
@@ -113,7 +110,7 @@ def _gdn_decode_kernel(
     s_on, s_oh, s_ov,
     scale,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, SIDE_BY_SIDE: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -145,18 +142,9 @@ def _gdn_decode_kernel(
     g = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus
 
     state = state * tl.exp(g)
-    if SIDE_BY_SIDE:
-        # both reductions over dk read the decayed state, so they run side by side instead of one
-        # after the state update: q·(S + k⊗δ) = q·S + (q·k)δ (more registers live at once)
-        kS = tl.sum(state * k[:, None], axis=0)  # [BLOCK_V]
-        qS = tl.sum(state * q[:, None], axis=0)
-        delta = (v - kS) * beta
-        state += k[:, None] * delta[None, :]
-        o = qS + tl.sum(q * k) * delta
-    else:
-        delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
-        state += k[:, None] * delta[None, :]
-        o = tl.sum(state * q[:, None], axis=0)
+    delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
+    state += k[:, None] * delta[None, :]
+    o = tl.sum(state * q[:, None], axis=0)
     tl.store(s_ptrs, state, mask=s_mask)
     o = tl.where(live, o, 0.0)
     tl.store(o_ptr + n * s_on + h * s_oh + vv * s_ov, o.to(o_ptr.dtype.element_ty), mask=vv < DV)
