@@ -165,3 +165,20 @@ def test_flags_and_device_defaults(causal_ckpt):
     assert EngineConfig(max_num_batched_tokens=512).for_device("cuda").max_num_batched_tokens == 512
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(max_num_batched_tokens=0)
+
+
+def test_a_request_under_a_grammar_is_not_planned_ahead(causal_ckpt, engine_adapter_root):
+    from hylora.structured import StructuredSpec
+
+    prompt, other = random_ids(20, 320, seed=61), ("y", random_ids(18, 320, seed=62), greedy(12), None)
+    outs = {}
+    for ahead in (False, True):
+        e = engine(causal_ckpt, engine_adapter_root, ahead)
+        grammar = e.grammar_compiler().compile_blocking(StructuredSpec("regex", "[a-z ]{1,40}"))
+        e.add_request("x", prompt, greedy(12), None, grammar=grammar)  # its mask follows each token
+        e.add_request(*other)
+        outs[ahead] = run(e, {})
+        if ahead:
+            assert e.runner.decode.ahead == 0
+    assert outs[True]["x"].text == outs[False]["x"].text and outs[True]["x"].error is None
+    assert all(c.isalpha() or c == " " for c in outs[True]["x"].text)
