@@ -251,10 +251,12 @@ def main() -> None:
     ap.add_argument("--only", default="gdn,attention,lora")
     ap.add_argument("--out")
     ap.add_argument("--gdn-best-out", help="write the GDN sweep's pick as HYLORA_GDN_DECODE_CONFIG's value")
+    ap.add_argument("--lora-tokens", default="32,64,2048,8192", help="token counts of the LoRA sweep")
     args = ap.parse_args()
     cfg = ModelConfig.from_hf(QWEN36_27B)
     result = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
-    sweeps = {"gdn": gdn_sweep, "attention": attention_sweep, "lora": lora_sweep}
+    tokens = tuple(int(t) for t in args.lora_tokens.split(","))
+    sweeps = {"gdn": gdn_sweep, "attention": attention_sweep, "lora": partial(lora_sweep, token_counts=tokens)}
     for name in args.only.split(","):
         t0 = time.perf_counter()
         result[name] = sweeps[name](cfg)

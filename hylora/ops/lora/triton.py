@@ -59,7 +59,8 @@ class KernelConfig:
 # tiles and 8 column tiles per program, the next one's y loads in flight while one is stored; the
 # shrink (a stream over x) takes tall M tiles, split K and pipelined K steps. H200, rank 16, 8 slots,
 # T 2048: the expand ~2x its y-traffic floor, 3-5x faster than the 64x64 one-tile programs it replaces.
-SMALL = KernelConfig(block_m=16, block_n=64, block_k=128, split_k=8, n_per_program=2)
+SMALL = KernelConfig(block_m=16, block_n=64, block_k=128, split_k=8, n_per_program=4)
+LONG_K_FROM = 16384  # in_features from which a decode shrink takes K steps of 64 over 16 splits
 LARGE = KernelConfig(
     block_m=16, block_n=128, block_k=64, split_k=4, num_warps=4, n_per_program=8,
     shrink_block_m=128, shrink_num_warps=8, shrink_num_stages=4,
@@ -74,7 +75,7 @@ def _large(**changes) -> KernelConfig:
 # Candidates for a GPU sweep; all compile for sm_90 without register spills (bf16, ranks 16 and 64,
 # checked with tests/sm90_compile.py's helpers). "large-*": prefill (T 2048-8192, in 5120, out up to
 # 34816, rank 16, 8 slots): expand variants with LARGE's shrink, then shrink variants with LARGE's
-# expand. "small-*": decode (T 1-64); choose_config caps their split_k at in_features // 1024. The
+# expand. "small-*": decode (T 1-64); choose_config caps their split_k at in_features // 640. The
 # name, not block_m, tells the two kinds apart (both use 16-token expand tiles).
 SWEEP_CONFIGS: dict[str, KernelConfig] = {
     "large-default": LARGE,
@@ -91,16 +92,22 @@ SWEEP_CONFIGS: dict[str, KernelConfig] = {
     "large-shrink32k128-split2-w4": _large(shrink_block_m=32, block_k=128, split_k=2, shrink_num_warps=4),
     "small-default": SMALL,
     "small-old": dataclasses.replace(SMALL, n_per_program=1),
-    "small-m16n64x4": dataclasses.replace(SMALL, n_per_program=4),
-    "small-m16n128x2": dataclasses.replace(SMALL, block_n=128),
-    "small-m16n64x4-k64-split16": dataclasses.replace(SMALL, block_k=64, split_k=16, n_per_program=4),
+    "small-m16n64x2": dataclasses.replace(SMALL, n_per_program=2),  # the default of run 10
+    "small-m16n128x2": dataclasses.replace(SMALL, block_n=128, n_per_program=2),
+    "small-m16n64x4-k64-split16": dataclasses.replace(SMALL, block_k=64, split_k=16),
 }
 
 
 def choose_config(num_tokens: int, in_features: int) -> KernelConfig:
+    """The configuration for a batch of `num_tokens` tokens through a linear of `in_features` inputs
+    (0: the expand alone, which only reads the M/N fields). From the H200 sweep of docs/BASELINE.md
+    run 10 at rank 16, 8 slots: at 32-64 tokens, 4 column tiles per expand program and split K 8
+    (in 5120) or K steps of 64 over 16 splits (in 17408) were the fastest candidates."""
     if num_tokens >= LARGE_FROM:
         return LARGE
-    return dataclasses.replace(SMALL, split_k=max(1, min(SMALL.split_k, in_features // 1024)))
+    if in_features >= LONG_K_FROM:
+        return dataclasses.replace(SMALL, block_k=64, split_k=16)
+    return dataclasses.replace(SMALL, split_k=max(1, min(SMALL.split_k, in_features // 640)))
 
 
 def max_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
