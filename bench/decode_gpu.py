@@ -359,6 +359,14 @@ def main() -> None:
     print(*result["graph_checks"], sep="\n", flush=True)
     result["decode_steps"] = decode_steps(engine)
     runs = []
+
+    def measure(mode: str) -> None:  # the workload, base and 8 mixed adapters
+        for label, adapter_of, warm in mixes:
+            row = _run_workload(engine, f"{label}, {mode}", adapter_of, warm)
+            row["decode_weight_roofline_ms"] = 1e3 * weight_bytes / BW
+            runs.append(row)
+            print(row, flush=True)
+
     engine.scheduler.config.max_num_batched_tokens = step_tokens[0]
     modes = ["triton kernels + CUDA graphs"] + ([] if args.skip_eager else ["triton kernels", "references"])
     for mode in modes:
@@ -366,31 +374,17 @@ def main() -> None:
         if mode != "references":
             install_triton_kernels(model, installed)
         engine.runner.decode = graphs if mode.endswith("graphs") else None
-        for label, adapter_of, warm in mixes:
-            row = _run_workload(engine, f"{label}, {mode}", adapter_of, warm)
-            row["decode_weight_roofline_ms"] = 1e3 * weight_bytes / BW
-            runs.append(row)
-            print(row, flush=True)
+        measure(mode)
     uninstall_fast_kernels(model)
     install_triton_kernels(model, installed)
     engine.runner.decode = graphs
-    for tokens in step_tokens[1:]:  # larger prefill steps (vLLM's serving default is 8192)
+    for tokens in step_tokens[1:]:  # other prefill step sizes (vLLM's serving default is 8192)
         engine.scheduler.config.max_num_batched_tokens = tokens
-        for label, adapter_of, warm in mixes:
-            name = f"{label}, triton kernels + CUDA graphs, {tokens} tokens per step"
-            row = _run_workload(engine, name, adapter_of, warm)
-            row["decode_weight_roofline_ms"] = 1e3 * weight_bytes / BW
-            runs.append(row)
-            print(row, flush=True)
+        measure(f"triton kernels + CUDA graphs, {tokens} tokens per step")
     engine.config.async_scheduling = False  # the same, each step read before the next is queued
     for tokens in step_tokens:
         engine.scheduler.config.max_num_batched_tokens = tokens
-        for label, adapter_of, warm in mixes:
-            name = f"{label}, triton kernels + CUDA graphs, {tokens} tokens per step, no decode ahead"
-            row = _run_workload(engine, name, adapter_of, warm)
-            row["decode_weight_roofline_ms"] = 1e3 * weight_bytes / BW
-            runs.append(row)
-            print(row, flush=True)
+        measure(f"triton kernels + CUDA graphs, {tokens} tokens per step, no decode ahead")
     engine.config.async_scheduling = True
     engine.scheduler.config.max_num_batched_tokens = step_tokens[0]
     runs.append(fault_check(engine, 8) | {"run": "fault isolation (CUDA graphs)"})
