@@ -1,4 +1,5 @@
-"""The engine loop: schedule → run → check → sample → stream. One step at a time, one thread."""
+"""The engine loop: schedule → run → check → sample → stream, on one thread. A decode step may be
+queued on the device before the one before it is read (decode ahead, `LLMEngine.step`)."""
 
 from __future__ import annotations
 
