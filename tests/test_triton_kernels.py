@@ -21,7 +21,9 @@ pytest.importorskip("triton", reason="triton is not installed (pip install '.[te
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-from hylora.lora.apply import LoRABatch, lora_apply_grouped  # noqa: E402
+from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply_grouped  # noqa: E402
+from hylora.model.device_lora import DeviceLoRABatch  # noqa: E402
+from hylora.model.layers import STACKED_LORA_BELOW, Linear  # noqa: E402
 from hylora.ops import fast_kernel_check as check  # noqa: E402
 from hylora.ops.causal_conv1d import reference as conv_reference  # noqa: E402
 from hylora.ops.causal_conv1d import triton as conv_triton  # noqa: E402
@@ -48,20 +50,21 @@ GDN_SHAPES = {
     "group2-dv2blocks-conv2blocks": (2, 4, 16, 16, 8, 64, 3, (1,)),
     "group3-dk24-dv40tail-conv168": (1, 3, 24, 40, 32, 64, 2, ()),
     "group1-one-row": (2, 2, 16, 16, 16, 256, 1, ()),
+    "group3-dv40-block16": (1, 3, 16, 40, 16, 64, 2, (0,)),  # with 2 blocks a program: one all masked
 }
 
 
+@pytest.mark.parametrize("v_blocks", [1, 2], ids=lambda v: f"v_blocks{v}")
 @pytest.mark.parametrize("shape", GDN_SHAPES, ids=str)
-def test_gdn_decode_triton_equals_reference(shape):
+def test_gdn_decode_triton_equals_reference(shape, v_blocks):
     hk, hv, dk, dv, block_v, block_c, N, padding = GDN_SHAPES[shape]
     args, conv, recurrent, slots = gdn_inputs(N, hk, hv, dk, dv, seed=N, padding=padding)
     conv0, rec0 = conv.clone(), recurrent.clone()
     conv_ref, rec_ref = conv.clone(), recurrent.clone()
     o_ref = gdn_reference.gdn_decode(**args, conv_state=conv_ref, recurrent_state=rec_ref, slots=slots)
     out = torch.full((N, hv, dv), NAN)
-    o = gdn_triton.gdn_decode(
-        **args, conv_state=conv, recurrent_state=recurrent, slots=slots, out=out, block_v=block_v, block_c=block_c
-    )
+    states = dict(conv_state=conv, recurrent_state=recurrent, slots=slots, out=out)
+    o = gdn_triton.gdn_decode(**args, **states, block_v=block_v, block_c=block_c, v_blocks=v_blocks)
     assert o is out
     torch.testing.assert_close(o, o_ref, atol=1e-6, rtol=1e-5)
     for i in padding:
@@ -310,6 +313,41 @@ def test_lora_more_slices_than_one_launch_takes():
 
 def test_lora_start_up_check():
     assert check.lora_error(64, [48, 16], 64, torch.float32, "cpu", tokens=(1, 128)) < 1e-6
+    stacked = check.lora_error(64, [48, 16], 64, torch.float32, "cpu", tokens=(1, 65), kernel=check.stacked_lora_apply)
+    assert stacked < 1e-6
+
+
+def stacked_linear(T: int, seed: int) -> tuple[Linear, torch.Tensor, torch.Tensor, LoRABatch]:
+    """A Linear whose LoRA A lives under its weight (Linear.stack_lora_a), loaded with lora_case's
+    adapters (slot 2 NaN, unused). Returns it, x, the reference output and the batch."""
+    x, _, stack, batch = lora_case(T, seed)
+    linear = Linear(x.shape[1], {"s0": 48, "s1": 16, "s2": 33})
+    linear.weight = torch.nn.Parameter(torch.randn(97, x.shape[1], generator=torch.Generator().manual_seed(seed)))
+    weight = linear.weight.detach().clone()
+    a = linear.stack_lora_a(4, stack.a[0].shape[1])
+    for dst, src in zip(a, stack.a, strict=True):
+        dst.copy_(src)
+    linear.lora = LoRAStack(a=a, b=stack.b, offsets=stack.offsets, present=stack.present)
+    linear.lora_backend = "triton"
+    assert torch.equal(linear.weight, weight)  # the weight moved, its values did not
+    ref = lora_apply_grouped(x, torch.nn.functional.linear(x, weight), stack, batch)
+    return linear, x, ref, batch
+
+
+@pytest.mark.parametrize("T", [1, 17, 65, 127, 128, 129], ids=lambda t: f"T{t}")
+def test_lora_shrink_inside_the_base_gemm_equals_grouped(T):
+    """Decode steps' LoRA: one GEMM over [W; A] gives y and every slot's h, the expand reads each
+    token's own slot. Eager steps below 128 tokens and every padded (graph) step take it; an unused
+    NaN slot's h is computed for every token and must never be read."""
+    linear, x, ref, batch = stacked_linear(T, seed=T)
+    device_batch = DeviceLoRABatch(token_slots=batch.token_slots)
+    outputs = [linear(x, device_batch)] + ([linear(x, batch)] if T < STACKED_LORA_BELOW else [])
+    base = batch.token_slots < 0
+    plain = torch.nn.functional.linear(x, linear.stacked_weight)[:, : linear.out_features]
+    for y in outputs:
+        assert y.shape == ref.shape and y.isfinite().all()
+        assert same_bits(y[base], plain[base])  # base rows: the GEMM's own output
+        torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-5)
 
 
 # --- bf16 ----------------------------------------------------------------------------------------
@@ -350,6 +388,7 @@ def test_bf16_start_up_checks(gpu_bf16):
     )
     assert attention < 1e-3
     assert check.lora_error(64, [48, 16], 16, bf16, "cpu", tokens=(1, 128)) < 1e-3
+    assert check.lora_error(64, [48, 16], 16, bf16, "cpu", tokens=(1, 65), kernel=check.stacked_lora_apply) < 1e-2
 
 
 # --- norms and the MLP activation ---------------------------------------------------------------
@@ -420,14 +459,15 @@ def test_causal_conv1d_by_slot_equals_reference(lens, kernel):
     assert torch.isnan(pool[unowned]).all()
 
 
-def test_gdn_decode_config_from_the_environment(monkeypatch):
+@pytest.mark.parametrize(("value", "config"), [("32,8", (32, 8, 1)), ("16,2,4", (16, 2, 4))])
+def test_gdn_decode_config_from_the_environment(monkeypatch, value, config):
     import importlib
 
-    monkeypatch.setenv("HYLORA_GDN_DECODE_CONFIG", "32,8")  # what bench/kernel_sweep_gpu.py picks
+    monkeypatch.setenv("HYLORA_GDN_DECODE_CONFIG", value)  # what bench/kernel_sweep_gpu.py --gdn-best-out writes
     tuned = importlib.reload(gdn_triton)
     try:
-        assert (tuned.BLOCK_V, tuned.NUM_WARPS) == (32, 8)
+        assert config == (tuned.BLOCK_V, tuned.NUM_WARPS, tuned.V_BLOCKS)
     finally:
         monkeypatch.delenv("HYLORA_GDN_DECODE_CONFIG")
         importlib.reload(gdn_triton)
-    assert (gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS) == (64, 4)
+    assert (gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS, gdn_triton.V_BLOCKS) == (32, 4, 4)

@@ -3,10 +3,10 @@
 Same signature and result as `reference.gdn_decode` (see there for the maths and the padding
 convention: a negative slot reads nothing, writes nothing and outputs zeros). Two launches:
 
-1. `_gdn_decode_kernel`, grid (sequence, value head, dv block): the causal conv of the q/k channels
-   of its key head and of its own v channels (read-only on the conv state), gating, q/k L2 norm,
-   and the delta rule on its [dk, BLOCK_V] tile of the fp32 recurrent state, read and written in
-   place at `slots[n]`. All arithmetic in fp32, offsets in int64.
+1. `_gdn_decode_kernel`, grid (sequence, value head, group of V_BLOCKS dv blocks): the causal conv
+   of the q/k channels of its key head and of its own v channels (read-only on the conv state),
+   gating, q/k L2 norm, and the delta rule on each [dk, BLOCK_V] tile of the fp32 recurrent state,
+   read and written in place at `slots[n]`. All arithmetic in fp32, offsets in int64.
 2. `_conv_state_kernel`, grid (sequence, channel block): shifts the conv state by the new input.
 
 The conv state is written by a second launch because the q/k channels of one key head are read
@@ -23,16 +23,18 @@ import triton.language as tl
 
 from hylora.ops.gdn_decode.reference import num_key_heads
 
-# sm_90, 27B shape (ptxas): 254 registers, no spills → 2 CTAs of 4 warps per SM, 64 KiB of state
-# tiles in flight per SM; grid 32 x 48 x 2 = 3072 programs at batch 32. Fastest of BLOCK_V 16/32/64
-# x 2/4/8 warps at batch 32 and 64 on an H200 (bench/kernel_sweep_gpu.py, docs/BASELINE.md run 10).
-BLOCK_V = 64  # dv block of one program: the [dk, 64] fp32 state tile is 32 KiB at dk 128
+# sm_90, 27B shape (ptxas): 246 registers, no spills. One program per (sequence, value head) walks
+# the four [dk, 32] tiles of its dv 128, loading the next while it computes the current: fastest of
+# 29 spill-free (BLOCK_V, warps, blocks a program) at batch 32 and 64 on an H200, 71.5 / 138.6 us
+# against 81.3 / 151.0 for one [dk, 64] tile a program (bench/kernel_sweep_gpu.py, BASELINE run 12).
+BLOCK_V = 32  # dv block: the [dk, 32] fp32 state tile is 16 KiB at dk 128
 BLOCK_C = 256  # channels per program of the conv-state shift
 NUM_WARPS = 4
-# HYLORA_GDN_DECODE_CONFIG="block_v,num_warps" replaces both (tuning on another card: the sweep
-# writes its pick with --gdn-best-out)
+V_BLOCKS = 4  # dv blocks one program walks, loading each next tile while it computes the current
+# HYLORA_GDN_DECODE_CONFIG="block_v,num_warps[,v_blocks]" replaces them (tuning on another card: the
+# sweep writes its pick with --gdn-best-out)
 if os.environ.get("HYLORA_GDN_DECODE_CONFIG"):
-    BLOCK_V, NUM_WARPS = (int(x) for x in os.environ["HYLORA_GDN_DECODE_CONFIG"].split(","))
+    BLOCK_V, NUM_WARPS, V_BLOCKS = ([int(x) for x in os.environ["HYLORA_GDN_DECODE_CONFIG"].split(",")] + [1])[:3]
 
 
 def gdn_decode(
@@ -50,6 +52,7 @@ def gdn_decode(
     block_v: int | None = None,
     block_c: int = BLOCK_C,
     num_warps: int | None = None,
+    v_blocks: int | None = None,
 ) -> torch.Tensor:
     N, hv = b.shape
     conv_dim, K = conv_weight.shape
@@ -71,12 +74,13 @@ def gdn_decode(
     block_k = triton.next_power_of_2(dk)
     block_v = min(BLOCK_V if block_v is None else block_v, triton.next_power_of_2(dv))
     num_warps = NUM_WARPS if num_warps is None else num_warps
-    _gdn_decode_kernel[(N, hv, triton.cdiv(dv, block_v))](
+    v_blocks = min(V_BLOCKS if v_blocks is None else v_blocks, triton.cdiv(dv, block_v))
+    _gdn_decode_kernel[(N, hv, triton.cdiv(dv, block_v * v_blocks))](
         qkv, b, a, conv_weight, A_log, dt_bias, conv_state, recurrent_state, slots, out,
         qkv.stride(0), b.stride(0), a.stride(0), conv_weight.stride(0), conv_weight.stride(1),
         *conv_state.stride(), *recurrent_state.stride(), out.stride(0), out.stride(1), out.stride(2),
         scale,
-        HK=hk, HV=hv, DK=dk, DV=dv, K=K, BLOCK_K=block_k, BLOCK_V=block_v,
+        HK=hk, HV=hv, DK=dk, DV=dv, K=K, BLOCK_K=block_k, BLOCK_V=block_v, V_BLOCKS=v_blocks,
         num_warps=num_warps,
     )  # fmt: skip
     _conv_state_kernel[(N, triton.cdiv(conv_dim, block_c))](
@@ -110,7 +114,7 @@ def _gdn_decode_kernel(
     s_on, s_oh, s_ov,
     scale,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_BLOCKS: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -120,18 +124,17 @@ def _gdn_decode_kernel(
     slot = tl.maximum(slot, 0)  # padding rows: every load and store below is masked off
 
     kk = tl.arange(0, BLOCK_K)
-    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     k_mask = (kk < DK) & live
-    v_mask = (vv < DV) & live
-    # The state tile is this program's one large read: issue it before the conv and gating so that
-    # its latency overlaps their small loads and arithmetic.
-    s_mask = k_mask[:, None] & v_mask[None, :]
-    s_ptrs = rec_ptr + slot * s_rs + h * s_rh + kk[:, None].to(tl.int64) * s_rk + vv[None, :] * s_rv
-    state = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    v0 = tl.program_id(2) * (BLOCK_V * V_BLOCKS)
+    # The state tiles are this program's large reads: each is issued one tile ahead (the first
+    # before the conv and gating) so that its latency overlaps the arithmetic before it.
+    h_ptr = rec_ptr + slot * s_rs + h * s_rh + kk[:, None].to(tl.int64) * s_rk
+    vv = v0 + tl.arange(0, BLOCK_V)
+    s_mask = k_mask[:, None] & ((vv < DV) & live)[None, :]
+    state = tl.load(h_ptr + vv[None, :] * s_rv, mask=s_mask, other=0.0)
     row = qkv_ptr + n * s_qkv
     q = _conv(row, conv_ptr, w_ptr, slot, kh * DK + kk, k_mask, s_cs, s_cc, s_ck, s_wc, s_wk, K)
     k = _conv(row, conv_ptr, w_ptr, slot, HK * DK + kh * DK + kk, k_mask, s_cs, s_cc, s_ck, s_wc, s_wk, K)
-    v = _conv(row, conv_ptr, w_ptr, slot, 2 * HK * DK + h * DV + vv, v_mask, s_cs, s_cc, s_ck, s_wc, s_wk, K)
     q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
 
@@ -139,15 +142,26 @@ def _gdn_decode_kernel(
     beta = tl.sigmoid(b).to(b_ptr.dtype.element_ty).to(tl.float32)  # the model rounds beta to its dtype
     x = tl.load(a_ptr + n * s_a + h, mask=live, other=0.0).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold
-    g = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus
+    decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
 
-    state = state * tl.exp(g)
-    delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
-    state += k[:, None] * delta[None, :]
-    o = tl.sum(state * q[:, None], axis=0)
-    tl.store(s_ptrs, state, mask=s_mask)
-    o = tl.where(live, o, 0.0)
-    tl.store(o_ptr + n * s_on + h * s_oh + vv * s_ov, o.to(o_ptr.dtype.element_ty), mask=vv < DV)
+    for i in tl.static_range(V_BLOCKS):
+        vv = v0 + i * BLOCK_V + tl.arange(0, BLOCK_V)
+        v_mask = (vv < DV) & live
+        s_mask = k_mask[:, None] & v_mask[None, :]
+        if i + 1 < V_BLOCKS:
+            next_vv = vv + BLOCK_V
+            next_mask = k_mask[:, None] & ((next_vv < DV) & live)[None, :]
+            next_state = tl.load(h_ptr + next_vv[None, :] * s_rv, mask=next_mask, other=0.0)
+        v = _conv(row, conv_ptr, w_ptr, slot, 2 * HK * DK + h * DV + vv, v_mask, s_cs, s_cc, s_ck, s_wc, s_wk, K)
+        state = state * decay
+        delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
+        state += k[:, None] * delta[None, :]
+        o = tl.sum(state * q[:, None], axis=0)
+        tl.store(h_ptr + vv[None, :] * s_rv, state, mask=s_mask)
+        o = tl.where(live, o, 0.0)
+        tl.store(o_ptr + n * s_on + h * s_oh + vv * s_ov, o.to(o_ptr.dtype.element_ty), mask=vv < DV)
+        if i + 1 < V_BLOCKS:
+            state = next_state
 
 
 @triton.jit
