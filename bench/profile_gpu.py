@@ -44,21 +44,40 @@ def gpu_busy_ms(prof) -> float:
     return total / 1e3
 
 
-WATCHED = ("aten::zero_", "aten::fill_", "aten::copy_", "cudaStreamSynchronize", "aten::item", "aten::index_put_")
+# glue around the GEMMs and kernels: copies, fills, small elementwise ops, indexing, host waits
+WATCHED = (
+    "aten::zero_", "aten::fill_", "aten::copy_", "aten::cat", "aten::index", "aten::index_put_", "aten::mul",
+    "aten::add", "aten::sub", "aten::neg", "aten::exp", "aten::sigmoid", "aten::softplus", "aten::where",
+    "cudaStreamSynchronize", "aten::item",
+)  # fmt: skip
 
 
-def call_sites(prof, frames: int = 3, rows: int = 25) -> str:
-    """Count the watched ops of a profile by the innermost Python frames that called them."""
-    sites: dict[tuple[str, str], list[float]] = {}
+def call_sites(prof, frames: int = 2, rows: int = 30) -> str:
+    """The watched ops of a profile by op, first input's shape and the innermost Python frames that
+    called them (a watched op inside another, e.g. the copy_ of a to(), counts with the outer one),
+    sorted by device time. Needs a profile taken with with_stack=True and record_shapes=True."""
+    sites: dict[tuple[str, str, str], list[float]] = {}
     for e in prof.events():
         if e.name not in WATCHED:
             continue
-        stack = [f for f in (e.stack or []) if ".py(" in f and "torch/" not in f][:frames]
-        entry = sites.setdefault((e.name, " < ".join(stack) or "?"), [0, 0.0])
+        parent, chain, nested = e.cpu_parent, [], False
+        while parent is not None:
+            nested |= parent.name in WATCHED
+            if ".py(" in parent.name:
+                chain.append("/".join(parent.name.split("/")[-2:]))
+            parent = parent.cpu_parent
+        if nested:
+            continue
+        shape = str(e.input_shapes[0]) if e.input_shapes else ""
+        entry = sites.setdefault((e.name, shape, " < ".join(chain[:frames]) or "?"), [0, 0.0, 0.0])
         entry[0] += 1
         entry[1] += e.cpu_time_total / 1e3
-    top = sorted(sites.items(), key=lambda kv: -kv[1][1])[:rows]
-    return "\n".join(f"{n:5d} calls {ms:7.2f} ms host  {name:24s} {where}" for (name, where), (n, ms) in top)
+        entry[2] += e.device_time_total / 1e3
+    top = sorted(sites.items(), key=lambda kv: (-kv[1][2], -kv[1][1]))[:rows]
+    return "\n".join(
+        f"{n:5d} calls {dev:7.2f} ms device {host:7.2f} ms host  {name:22s} {shape:22s} {where}"
+        for (name, shape, where), (n, host, dev) in top
+    )
 
 
 enqueue: list[float] = []  # host ms of the last model forward (the kernels enqueued, not finished)
@@ -91,7 +110,7 @@ def profile_workload(engine: LLMEngine, label: str, adapter_of, rows: int = 25) 
         engine.add_request(f"{label}{i}", p, params, adapter_of(i))
     result: dict = {"run": label}
     # 2. the first prefill step under the profiler
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, record_shapes=True) as prof:
         wall, _ = timed_step(engine)
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
     print(f"\n=== {label}: one prefill step ({wall:.1f} ms wall, {gpu_busy_ms(prof):.1f} ms GPU busy)\n{table}")

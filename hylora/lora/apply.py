@@ -88,19 +88,31 @@ def lora_apply(
     `backend` is what the start-up kernel check installed on the linear ("triton" when hylora's LoRA
     kernels passed); HYLORA_LORA_BACKEND=grouped|masked|triton overrides it. Default: masked on
     CUDA, grouped on CPU."""
-    chosen = os.environ.get("HYLORA_LORA_BACKEND", "auto")
-    if chosen == "auto":
-        chosen = backend or ("masked" if x.is_cuda else "grouped")
+    chosen = resolve_backend(x, backend)
     if chosen == "triton":
-        from hylora.ops.lora.triton import LoRAKernelMeta
         from hylora.ops.lora.triton import lora_apply as triton_apply
 
-        num_slots = stack.a[0].shape[0]
-        meta = batch.memo(("triton", num_slots), lambda: LoRAKernelMeta.build(batch.token_slots, num_slots))
-        return triton_apply(x, y, stack, batch, meta=meta)
+        return triton_apply(x, y, stack, batch, meta=triton_meta(batch, stack))
     if chosen == "masked":
         return lora_apply_masked(x, y, stack, batch)
     return lora_apply_grouped(x, y, stack, batch)
+
+
+def resolve_backend(x: torch.Tensor, backend: str | None) -> str:
+    """HYLORA_LORA_BACKEND if set, else what the start-up check installed, else masked on CUDA and
+    grouped on the CPU."""
+    chosen = os.environ.get("HYLORA_LORA_BACKEND", "auto")
+    if chosen == "auto":
+        chosen = backend or ("masked" if x.is_cuda else "grouped")
+    return chosen
+
+
+def triton_meta(batch: LoRABatch, stack: LoRAStack):  # -> hylora.ops.lora.triton.LoRAKernelMeta
+    """The Triton kernels' token grouping of this batch, built once per step."""
+    from hylora.ops.lora.triton import LoRAKernelMeta
+
+    num_slots = stack.a[0].shape[0]
+    return batch.memo(("triton", num_slots), lambda: LoRAKernelMeta.build(batch.token_slots, num_slots))
 
 
 def lora_apply_grouped(x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:

@@ -261,8 +261,12 @@ class AdapterRegistry:
     def _new_stack(self, linear: Linear | VisionLinear) -> LoRAStack:
         dev, dtype, r = linear.weight.device, linear.weight.dtype, self.max_lora_rank
         offsets = linear.slice_offsets if isinstance(linear, Linear) else [(0, linear.out_features)]
+        if isinstance(linear, Linear):  # A stacked under the base weight: decode's shrink rides in its GEMM
+            a = linear.stack_lora_a(self.max_loras, r)
+        else:
+            a = [torch.zeros(self.max_loras, r, linear.in_features, device=dev, dtype=dtype) for _ in offsets]
         return LoRAStack(
-            a=[torch.zeros(self.max_loras, r, linear.in_features, device=dev, dtype=dtype) for _ in offsets],
+            a=a,
             b=[torch.zeros(self.max_loras, r, rows, device=dev, dtype=dtype) for _, rows in offsets],
             offsets=offsets,
             present=[[False] * len(offsets) for _ in range(self.max_loras)],

@@ -8,12 +8,16 @@ zeroes them), base and padding rows (slot -1) get no program, and y + 0 == y bit
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
-from hylora.lora.apply import LoRABatch, LoRAStack
+from hylora.lora.apply import LoRABatch, resolve_backend, triton_meta
+
+if TYPE_CHECKING:
+    from hylora.model.layers import Linear
 
 
 @dataclass
@@ -26,19 +30,23 @@ class DeviceLoRABatch(LoRABatch):
     def has_adapters(self) -> bool:
         return True  # unknown on the host: apply, and let slot -1 rows stay unchanged
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, backend: str | None) -> torch.Tensor:
-        """y[:, slice] += each token's adapter delta on every slice. `backend` as `lora_apply` takes it
-        (HYLORA_LORA_BACKEND overrides): "triton" runs hylora's shrink/expand kernels; anything else
-        runs the masked two-GEMM form (the grouped reference has no graph-safe form)."""
-        chosen = os.environ.get("HYLORA_LORA_BACKEND", "auto")
-        if chosen == "auto":
-            chosen = backend or "masked"
+    def forward(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        """linear(x) + each token's adapter delta on every slice. The backend is the one the start-up
+        kernel check installed on the linear (HYLORA_LORA_BACKEND overrides): "triton" runs hylora's
+        kernels, with the shrink inside the base GEMM when the weight is stacked with the A matrices
+        (`Linear.stack_lora_a`); anything else runs the masked two-GEMM form (the grouped reference has
+        no graph-safe form)."""
+        stack = linear.lora
         num_slots = stack.a[0].shape[0]
-        if chosen == "triton":
-            from hylora.ops.lora.triton import LoRAKernelMeta, lora_expand, lora_shrink
+        if resolve_backend(x, linear.lora_backend) == "triton":
+            from hylora.ops.lora.triton import lora_apply_stacked, lora_expand, lora_shrink
 
-            meta = self.memo(("triton", num_slots), lambda: LoRAKernelMeta.build(self.token_slots, num_slots))
+            meta = triton_meta(self, stack)
+            if linear.stacked_weight is not None:
+                return lora_apply_stacked(x, linear.stacked_weight, linear.out_features, stack, meta)
+            y = F.linear(x, linear.weight)
             return lora_expand(lora_shrink(x, stack.a, meta), stack.b, stack.offsets, y, meta)
+        y = F.linear(x, linear.weight)
         xf = x.float()
         for a, b, (start, n) in zip(stack.a, stack.b, stack.offsets, strict=True):
             rank = a.shape[1]

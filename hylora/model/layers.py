@@ -6,10 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply
+from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply, resolve_backend, triton_meta
 from hylora.model.device_lora import DeviceLoRABatch
 from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
 from hylora.ops.silu_mul.reference import silu_mul
+
+# Steps of fewer tokens run the LoRA shrink inside the base GEMM when the triton backend is installed
+# (Linear.stack_lora_a): h is then rounded to the model dtype once. Longer steps (prefill) keep the
+# shrink kernel and its fp32 h, which the precision targets of docs/BASELINE.md were measured with.
+STACKED_LORA_BELOW = 128
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -32,6 +37,8 @@ class Linear(nn.Module):
         self.weight = _param(self.out_features, in_features)
         self.lora: LoRAStack | None = None  # set by the adapter registry
         self.lora_backend: str | None = None  # set by the start-up kernel check ("triton" if it passed)
+        # [W; every slice's A]: `weight` and the LoRA stack's A tensors are views of it (stack_lora_a)
+        self.stacked_weight: torch.Tensor | None = None
 
     @property
     def slice_offsets(self) -> list[tuple[int, int]]:
@@ -41,12 +48,37 @@ class Linear(nn.Module):
             start += rows
         return offsets
 
+    def stack_lora_a(self, num_slots: int, rank: int) -> list[torch.Tensor]:
+        """Move the weight into [W; A_0; A_1; ...] ([out + slices * num_slots * rank, in]) and return
+        each slice's A [num_slots, rank, in] as a zeroed view of it. One GEMM over the whole buffer then
+        gives y and every slot's x·Aᵀ: a decode step's LoRA shrink rides in the base GEMM. `weight`
+        stays [out, in] (a view) with the same values."""
+        n, slices = self.out_features, len(self.slices)
+        stacked = torch.zeros(
+            n + slices * num_slots * rank, self.in_features, dtype=self.weight.dtype, device=self.weight.device
+        )
+        stacked[:n] = self.weight
+        self.weight = nn.Parameter(stacked[:n], requires_grad=False)
+        self.stacked_weight = stacked
+        a = stacked[n:].view(slices, num_slots, rank, self.in_features)
+        return [a[i] for i in range(slices)]  # (not unbind: its views may not be written in place)
+
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        y = F.linear(x, self.weight)
         if lora is None or self.lora is None:
-            return y
+            return F.linear(x, self.weight)
         if isinstance(lora, DeviceLoRABatch):  # a padded decode step (CUDA graph): every slice, no host decision
-            return lora.apply(x, y, self.lora, self.lora_backend)
+            return lora.forward(x, self)
+        if (
+            lora.has_adapters
+            and self.stacked_weight is not None
+            and x.shape[0] < STACKED_LORA_BELOW
+            and resolve_backend(x, self.lora_backend) == "triton"
+        ):  # a decode-sized step run eagerly: the arithmetic of its CUDA graph
+            from hylora.ops.lora.triton import lora_apply_stacked
+
+            meta = triton_meta(lora, self.lora)
+            return lora_apply_stacked(x, self.stacked_weight, self.out_features, self.lora, meta)
+        y = F.linear(x, self.weight)
         if lora.has_adapters:
             y = lora_apply(x, y, self.lora, lora, self.lora_backend)
         return y

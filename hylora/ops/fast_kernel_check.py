@@ -15,8 +15,9 @@ import os
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
-from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply_grouped
+from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply_grouped, triton_meta
 from hylora.model.decoder import HybridDecoder
 from hylora.model.layers import Linear
 from hylora.ops.attention.reference import paged_attention as attention_prefill_reference
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 DECODE_BATCHES = (1, 2, 3, 31, 32, 33, 64)
 LORA_TOKENS = (1, 64, 65, 127, 128, 129, 400, 474, 2048)
 LORA_RANKS = (8, 16, 32, 64)
+STACKED_TOKENS = (1, 64, 65, 127, 128, 129, 256)  # decode steps: eager below 128 tokens, graph buckets above
 NORM_TOKENS = (1, 3, 64, 129, 2048)
 FAST_KERNELS = (
     "gdn_decode", "paged_decode_attention", "lora", "rms_norm", "silu_mul", "prefill_attention", "causal_conv1d",
@@ -68,7 +70,13 @@ def select_fast_kernels(model: HybridDecoder, page_size: int) -> dict[str, str]:
             c.num_attention_heads, c.num_key_value_heads, c.head_dim, page_size, dtype, dev
         ),
         "lora": lambda: max(
-            lora_error(in_f, rows, rank, dtype, dev) for in_f, rows in lora_shapes(model) for rank in LORA_RANKS
+            error
+            for in_f, rows in lora_shapes(model)
+            for rank in LORA_RANKS
+            for error in (
+                lora_error(in_f, rows, rank, dtype, dev),
+                lora_error(in_f, rows, rank, dtype, dev, tokens=STACKED_TOKENS, kernel=stacked_lora_apply),
+            )
         ),
         "rms_norm": lambda: rms_norm_error(
             c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.linear_num_value_heads,
@@ -199,6 +207,17 @@ def paged_decode_attention_error(
         o = kernel(q, k_cache, v_cache, table, seq_lens, page_size, scale, out=out, **kernel_args)
         worst = max(worst, _rel_error(o, ref) if o is out else FAILED)
     return worst
+
+
+def stacked_lora_apply(x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
+    """The decode steps' LoRA (`lora_apply_stacked`, Linear.stack_lora_a) with the base output given:
+    every slot's h from one GEMM over the slices' A rows, the expand reading each token's own slot."""
+    from hylora.ops.lora.triton import lora_expand
+
+    L, R, _ = stack.a[0].shape
+    h = F.linear(x, torch.cat([a.reshape(L * R, -1) for a in stack.a]))  # [T, slices * L * r]
+    h = h.view(1, x.shape[0], len(stack.a), L, R)
+    return lora_expand(h, stack.b, stack.offsets, y, triton_meta(batch, stack))
 
 
 @torch.inference_mode()
