@@ -81,9 +81,11 @@ def compile_sm90(fn: jit.JITFunction, args: tuple, kwargs: dict) -> dict:
 
 def launches_27b() -> None:
     from hylora.lora.apply import LoRABatch, LoRAStack
+    from hylora.ops.causal_conv1d import triton as conv
     from hylora.ops.gdn_decode import triton as gdn
     from hylora.ops.lora import triton as lora
     from hylora.ops.paged_decode_attention import triton as attention
+    from hylora.ops.rmsnorm import triton as rmsnorm
 
     dt, N = torch.bfloat16, 4
 
@@ -109,6 +111,9 @@ def launches_27b() -> None:
     for T in (32, 512):  # the small and the large configuration
         meta = lora.LoRAKernelMeta.build(torch.zeros(T, dtype=torch.long), 8)
         lora.lora_apply(e(T, 5120), e(T, sum(rows)), stack, LoRABatch.build([0], [T], "cpu"), meta=meta)
+    q = e(N, 24, 512)[..., :256]  # the query half of [query | gate] heads
+    rmsnorm.rms_norm(q, e(256), 1e-6, rotary=(e(N, 64), e(N, 64)))  # q norm + rotary (partial: 64 of 256)
+    conv.causal_conv1d_by_slot(e(N, C), e(C, 4), e(S, C, 3), slots, [1] * N, splits=(hk * dk, hk * dk, hv * dv))
 
 
 if __name__ == "__main__":

@@ -118,22 +118,28 @@ def test_norm_and_activation_checks():
     assert check.rms_norm_error(*NORM, tokens=tokens, kernels=(rms_norm, gated_rms_norm)) == 0.0
     assert check.silu_mul_error(24, torch.float32, "cpu", tokens=tokens, kernel=silu_mul) == 0.0
 
-    def no_weight(x, w, eps, residual=None):  # forgets the (1 + w) scale
-        return rms_norm(x, torch.zeros_like(w), eps, residual)
+    def no_weight(x, w, eps, residual=None, rotary=None):  # forgets the (1 + w) scale
+        return rms_norm(x, torch.zeros_like(w), eps, residual, rotary=rotary)
 
-    def contiguous_only(x, w, eps, residual=None):  # reads strided heads as if they were dense
+    def contiguous_only(x, w, eps, residual=None, rotary=None):  # reads strided heads as if they were dense
         flat = torch.as_strided(x, x.shape, x.contiguous().stride()) if x.ndim == 3 else x
-        return rms_norm(flat, w, eps, residual)
+        return rms_norm(flat, w, eps, residual, rotary=rotary)
 
-    def drops_residual(x, w, eps, residual=None):
-        return rms_norm(x, w, eps) if residual is None else (rms_norm(x, w, eps), x)
+    def drops_residual(x, w, eps, residual=None, rotary=None):
+        return rms_norm(x, w, eps, rotary=rotary) if residual is None else (rms_norm(x, w, eps), x)
+
+    def rotates_the_wrong_half(x, w, eps, residual=None, rotary=None):
+        if rotary is None:
+            return rms_norm(x, w, eps, residual)
+        cos, sin = rotary
+        return rms_norm(x, w, eps, rotary=(cos, -sin))
 
     def nan_tail(gate_up):
         out = silu_mul(gate_up)
         out[-1, -1] = float("nan")
         return out
 
-    for bad in (no_weight, contiguous_only, drops_residual):
+    for bad in (no_weight, contiguous_only, drops_residual, rotates_the_wrong_half):
         assert check.rms_norm_error(*NORM, tokens=tokens, kernels=(bad, gated_rms_norm)) > 0.05, bad.__name__
     assert check.rms_norm_error(*NORM, tokens=tokens, kernels=(rms_norm, lambda x, z, w, e: x)) > 0.05
     assert check.silu_mul_error(24, torch.float32, "cpu", tokens=tokens, kernel=nan_tail) == check.FAILED
@@ -160,17 +166,22 @@ def test_causal_conv1d_check():
     batches = ((1,), (2, 1, 3, 9))
     assert check.causal_conv1d_error(*conv, batches=batches, kernel=causal_conv1d_by_slot) == 0.0
 
-    def forgets_state(x, w, pool, slots, lens):  # treats every chunk as a sequence start
+    def forgets_state(x, w, pool, slots, lens, splits=None):  # treats every chunk as a sequence start
         pool[slots] = 0.0
-        return causal_conv1d_by_slot(x, w, pool, slots, lens)
+        return causal_conv1d_by_slot(x, w, pool, slots, lens, splits=splits)
 
-    def writes_everywhere(x, w, pool, slots, lens):
-        out = causal_conv1d_by_slot(x, w, pool, slots, lens)
+    def writes_everywhere(x, w, pool, slots, lens, splits=None):
+        out = causal_conv1d_by_slot(x, w, pool, slots, lens, splits=splits)
         pool[torch.isnan(pool)] = 0.0
         return out
 
+    def strided_splits(x, w, pool, slots, lens, splits=None):  # views of one [T, C] output
+        out = causal_conv1d_by_slot(x, w, pool, slots, lens)
+        return out if splits is None else out.split(list(splits), dim=-1)
+
     assert check.causal_conv1d_error(*conv, batches=batches, kernel=forgets_state) > 0.05
     assert check.causal_conv1d_error(*conv, batches=batches, kernel=writes_everywhere) == check.FAILED
+    assert check.causal_conv1d_error(*conv, batches=batches, kernel=strided_splits) == check.FAILED
 
 
 def test_verdict_names_what_runs():

@@ -389,6 +389,7 @@ def test_bf16_start_up_checks(gpu_bf16):
     assert attention < 1e-3
     assert check.lora_error(64, [48, 16], 16, bf16, "cpu", tokens=(1, 128)) < 1e-3
     assert check.lora_error(64, [48, 16], 16, bf16, "cpu", tokens=(1, 65), kernel=check.stacked_lora_apply) < 1e-2
+    assert check.rms_norm_error(48, 4, 2, 16, 6, 8, 1e-6, bf16, "cpu", tokens=(1, 5), rotary_dim=8) < 1e-2
 
 
 # --- norms and the MLP activation ---------------------------------------------------------------
@@ -417,6 +418,12 @@ def test_rms_norms_equal_reference(tokens, dtype):
     q = fused.chunk(2, dim=-1)[0]
     wh = rand(16)
     torch.testing.assert_close(norm_triton.rms_norm(q, wh, eps), norm_reference.rms_norm(q, wh, eps), **tol)
+    for r in (4, 16):  # partial rotary (the rest passed through) and rotary over the whole head
+        angles = torch.rand(tokens, r // 2, generator=g) * 100
+        rotary = (torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype))
+        got = norm_triton.rms_norm(q, wh, eps, rotary=rotary)
+        torch.testing.assert_close(got, norm_reference.rms_norm(q, wh, eps, rotary=rotary), **tol)
+        assert not torch.allclose(got, norm_triton.rms_norm(q, wh, eps), **tol)  # the rotation did something
     o, z = rand(tokens, 3, 40), rand(tokens, 2 * 120)[:, 120:].reshape(tokens, 3, 40)
     wv = rand(40) + 1
     got = norm_triton.gated_rms_norm(o, z, wv, eps)
@@ -450,9 +457,16 @@ def test_causal_conv1d_by_slot_equals_reference(lens, kernel):
     pool = torch.full((S, C, kernel - 1), NAN)
     pool[slots] = torch.randn(len(lens), C, kernel - 1, generator=g)
     ref_pool = pool.clone()
+    pool0 = pool.clone()
     ref = conv_reference.causal_conv1d_by_slot(x, weight, ref_pool, slots, lens)
     got = conv_triton.causal_conv1d_by_slot(x, weight, pool, slots, lens, block_t=8, block_c=16)
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+    # q | k | v groups (widths 12, 12, 16: group edges inside the 16-channel blocks), each contiguous
+    split_pool = pool0.clone()
+    blocks = dict(block_t=8, block_c=16)
+    parts = conv_triton.causal_conv1d_by_slot(x, weight, split_pool, slots, lens, **blocks, splits=(12, 12, 16))
+    assert [p.shape for p in parts] == [(sum(lens), n) for n in (12, 12, 16)] and all(p.is_contiguous() for p in parts)
+    assert same_bits(torch.cat(parts, dim=1), got) and same_bits(split_pool, pool)
     assert same_bits(pool, ref_pool) or torch.allclose(pool[slots], ref_pool[slots])
     unowned = torch.ones(S, dtype=torch.bool)
     unowned[slots] = False

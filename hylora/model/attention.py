@@ -12,7 +12,6 @@ from hylora.cache.paged_kv import PagedKVCache
 from hylora.config import ModelConfig
 from hylora.model.forward_batch import ForwardBatch
 from hylora.model.layers import Linear, RMSNorm
-from hylora.model.rotary import apply_rotary
 from hylora.ops.paged_decode_attention.reference import paged_decode_attention as paged_decode_attention_reference
 
 
@@ -39,8 +38,8 @@ class GatedAttention(nn.Module):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x, batch.lora).split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
         q, gate = q.reshape(T, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(k.reshape(T, self.kv_heads, self.head_dim)), cos, sin)
+        q = self.q_norm(q, rotary=(cos, sin))  # norm + rotary in one kernel (ops.rmsnorm)
+        k = self.k_norm(k.reshape(T, self.kv_heads, self.head_dim), rotary=(cos, sin))
         v = v.reshape(T, self.kv_heads, self.head_dim)
 
         layer = kv.layer_index[self.layer_idx]

@@ -59,8 +59,9 @@ class GatedDeltaNet(nn.Module):
             o = self.norm(o, z.reshape(T, self.hv, self.dv))
             return self.out_proj(o.reshape(T, self.value_dim), batch.lora)
 
-        mixed = self.conv(qkv, self.conv1d.weight[:, 0], states.conv[layer], slots, batch.seq_lens)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        # q, k, v as three contiguous tensors: the delta-rule kernels would copy strided views
+        splits = (self.key_dim, self.key_dim, self.value_dim)
+        q, k, v = self.conv(qkv, self.conv1d.weight[:, 0], states.conv[layer], slots, batch.seq_lens, splits=splits)
         q, k = q.reshape(T, self.hk, self.dk), k.reshape(T, self.hk, self.dk)
         v = v.reshape(T, self.hv, self.dv)
 

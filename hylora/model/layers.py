@@ -86,7 +86,8 @@ class Linear(nn.Module):
 
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm: norm(x) * (1 + w), computed in fp32. With `residual`, the residual add
-    is fused in front: returns (norm(residual + x), residual + x)."""
+    is fused in front: returns (norm(residual + x), residual + x). With `rotary`, the rotary
+    embedding is applied to the normed heads (the attention's q/k norms)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -95,8 +96,13 @@ class RMSNorm(nn.Module):
         self.kernel = rms_norm  # ops.rmsnorm: the Triton kernel once the start-up check installs it
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin) [T, R], x [T, H, D]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if rotary is not None:
+            return self.kernel(x, self.weight, self.eps, residual, rotary=rotary)
         return self.kernel(x, self.weight, self.eps, residual)
 
 

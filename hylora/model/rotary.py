@@ -29,13 +29,3 @@ class MRotaryEmbedding:
         freqs = pos.T.float() * self.inv_freq  # [T, dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; rotate-half on the first rotary_dim dims, pass the rest through."""
-    r = cos.shape[-1]
-    rot, rest = x[..., :r], x[..., r:]
-    half = r // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)

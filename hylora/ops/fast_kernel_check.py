@@ -80,7 +80,7 @@ def select_fast_kernels(model: HybridDecoder, page_size: int) -> dict[str, str]:
         ),
         "rms_norm": lambda: rms_norm_error(
             c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.linear_num_value_heads,
-            c.linear_value_head_dim, c.rms_norm_eps, dtype, dev,
+            c.linear_value_head_dim, c.rms_norm_eps, dtype, dev, rotary_dim=c.rotary_dim,
         ),
         "silu_mul": lambda: silu_mul_error(c.intermediate_size, dtype, dev),
         "causal_conv1d": lambda: causal_conv1d_error(c.linear_conv_dim, c.linear_conv_kernel_dim, dtype, dev),
@@ -281,10 +281,12 @@ def rms_norm_error(
     device: torch.device | str,
     tokens: Sequence[int] = NORM_TOKENS,
     kernels: tuple[Callable, Callable] | None = None,
+    rotary_dim: int | None = None,
 ) -> float:
     """Every norm of the model as it is called: the hidden norm alone and with the residual add, the
-    attention's q/k norms on their strided head views of the fused projection, the GDN output's
-    gated norm with its strided gate."""
+    attention's q/k norms on their strided head views of the fused projection, alone and with the
+    rotary embedding (over `rotary_dim`, default a quarter of the head), the GDN output's gated norm
+    with its strided gate."""
     if kernels is None:
         from hylora.ops.rmsnorm.triton import gated_rms_norm, rms_norm
 
@@ -305,8 +307,14 @@ def rms_norm_error(
         q = qkv[:, : heads * head_dim * 2].reshape(T, heads, 2 * head_dim).chunk(2, dim=-1)[0]
         k = qkv[:, heads * head_dim * 2 : heads * head_dim * 2 + kv_heads * head_dim].reshape(T, kv_heads, head_dim)
         wh = rand(head_dim) * 0.1
+        r = rotary_dim or max(2, head_dim // 8 * 2)
+        angles = torch.rand(T, r // 2, generator=g, device=device) * 1000
+        angles = torch.cat([angles, angles], dim=-1)
+        rotary = (angles.cos().to(dtype), angles.sin().to(dtype))
         for view in (q, k):
             worst = max(worst, _rel_error(norm(view, wh, eps), norm_reference(view, wh, eps)))
+            got, ref = norm(view, wh, eps, rotary=rotary), norm_reference(view, wh, eps, rotary=rotary)
+            worst = max(worst, _rel_error(got, ref))
         o, z = rand(T, hv, dv), rand(T, 2 * hv * dv)[:, hv * dv :].reshape(T, hv, dv)
         wv = rand(dv) + 1
         worst = max(worst, _rel_error(gated(o, z, wv, eps), gated_reference(o, z, wv, eps)))
@@ -355,6 +363,15 @@ def causal_conv1d_error(
         ref = conv_reference(x, weight, ref_pool, slots, list(lens))
         got = kernel(x, weight, pool, slots, list(lens))
         worst = max(worst, _rel_error(got, ref), _rel_error(pool, ref_pool))
+        # the GDN layer's form: q | k | v channel groups, each a contiguous tensor
+        splits = (channels // 4, channels // 4, channels - 2 * (channels // 4))
+        pool.copy_(_nan_unowned(torch.randn(pool.shape, generator=g, device=device).to(dtype), slots))
+        ref_pool = pool.clone()
+        ref = conv_reference(x, weight, ref_pool, slots, list(lens), splits=splits)
+        got = kernel(x, weight, pool, slots, list(lens), splits=splits)
+        if not all(p.is_contiguous() for p in got):
+            return FAILED
+        worst = max(worst, *(_rel_error(a, b) for a, b in zip(got, ref, strict=True)), _rel_error(pool, ref_pool))
     return worst
 
 

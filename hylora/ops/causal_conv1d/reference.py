@@ -8,6 +8,8 @@ to TF32 on GPUs). Single-token sequences (decode) are done together.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -55,9 +57,19 @@ def causal_conv1d_by_slot(
     conv_state: torch.Tensor,  # [S, C, K-1] the state pool, updated in place
     slots: torch.Tensor,  # [N] pool slot of each sequence
     seq_lens: list[int],
-) -> torch.Tensor:
+    splits: Sequence[int] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """`causal_conv1d_varlen` reading and writing the pool's rows at `slots` (the signature of the
-    fused kernel, `triton.causal_conv1d_by_slot`). Returns silu(conv(x)) [T, C]."""
+    fused kernel, `triton.causal_conv1d_by_slot`). Returns silu(conv(x)) [T, C], or with `splits`
+    (channel counts summing to C, at most 3) one contiguous [T, split] tensor per group of channels."""
     out, new_states = causal_conv1d_varlen(x, weight, conv_state[slots], seq_lens)
     conv_state[slots] = new_states
-    return out
+    if splits is None:
+        return out
+    check_splits(splits, x.shape[1])
+    return tuple(part.contiguous() for part in out.split(list(splits), dim=-1))
+
+
+def check_splits(splits: Sequence[int], channels: int) -> None:
+    if len(splits) > 3 or sum(splits) != channels or min(splits) <= 0:
+        raise ValueError(f"causal_conv1d_by_slot: splits {list(splits)} are not 1-3 positive parts of {channels}")

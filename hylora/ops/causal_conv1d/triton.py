@@ -3,7 +3,9 @@ place in the pool by slot (no gather / scatter copies), every sequence of the st
 
 1. `_conv_kernel`, grid (token block, channel block): out[t, c] = silu(sum_j w[c, j] * in[pos - K + 1
    + j]) where inputs before the chunk's first token come from the sequence's conv state.
-   Accumulated in fp32 in the reference's order.
+   Accumulated in fp32 in the reference's order. With `splits` (the GDN layer's q | k | v), each
+   group of channels is stored as its own contiguous [T, width] tensor, which fla's kernels take
+   without the copy they would make of a strided view.
 2. `_state_kernel`, grid (sequence, channel block): the state becomes the last K-1 inputs (of the
    old state followed by the chunk). It runs after (1) on the stream, so (1) reads the old state;
    each program loads all K-1 values before it stores any, so its in-place shift is safe.
@@ -14,12 +16,15 @@ Per-token sequence indices come from the step's lengths, built once per step (`_
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from hylora.ops.causal_conv1d.reference import check_splits
 from hylora.ops.varlen import seq_starts
 
 BLOCK_T, BLOCK_C = 16, 256
@@ -33,7 +38,8 @@ def causal_conv1d_by_slot(
     seq_lens: list[int],
     block_t: int = BLOCK_T,
     block_c: int = BLOCK_C,
-) -> torch.Tensor:
+    splits: Sequence[int] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     T, C = x.shape
     K = weight.shape[1]
     N = len(seq_lens)
@@ -41,19 +47,23 @@ def causal_conv1d_by_slot(
         raise ValueError("causal_conv1d_by_slot: inconsistent shapes")
     if x.stride(1) != 1 or not conv_state.is_contiguous():
         raise ValueError("causal_conv1d_by_slot: x needs unit stride along C and the state pool must be contiguous")
-    out = torch.empty(T, C, dtype=x.dtype, device=x.device)
-    if T == 0:
-        return out
-    token_seq, starts = _token_meta(tuple(seq_lens), x.device)
-    w = weight.contiguous()
-    _conv_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
-        x, w, conv_state, slots, token_seq, starts, out, T, C, x.stride(0),
-        K=K, BLOCK_T=block_t, BLOCK_C=block_c,
-    )  # fmt: skip
-    _state_kernel[(N, triton.cdiv(C, block_c))](
-        x, conv_state, slots, starts, C, x.stride(0), K=K, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(K - 1),
-    )  # fmt: skip
-    return out
+    if splits is not None:
+        check_splits(splits, C)
+    # channel groups written one after the other, each [T, width] contiguous: [0, B1), [B1, B2), [B2, C)
+    firsts = list(itertools.accumulate(splits or [C], initial=0))[:-1]
+    bounds = (firsts[1:] + [C, C])[:2]
+    out = torch.empty(T * C, dtype=x.dtype, device=x.device)
+    parts = tuple(out[T * lo : T * (lo + n)].view(T, n) for lo, n in zip(firsts, splits or [C], strict=True))
+    if T > 0:
+        token_seq, starts = _token_meta(tuple(seq_lens), x.device)
+        _conv_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
+            x, weight.contiguous(), conv_state, slots, token_seq, starts, out, T, C, x.stride(0), *bounds,
+            K=K, BLOCK_T=block_t, BLOCK_C=block_c,
+        )  # fmt: skip
+        _state_kernel[(N, triton.cdiv(C, block_c))](
+            x, conv_state, slots, starts, C, x.stride(0), K=K, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(K - 1),
+        )  # fmt: skip
+    return parts if splits is not None else parts[0]
 
 
 @functools.lru_cache(maxsize=1)  # every GDN layer of a step asks with the same lengths
@@ -67,7 +77,7 @@ def _token_meta(seq_lens: tuple[int, ...], device: torch.device) -> tuple[torch.
 
 @triton.jit
 def _conv_kernel(
-    x_ptr, w_ptr, state_ptr, slots_ptr, token_seq_ptr, starts_ptr, out_ptr, T, C, stride_xt,
+    x_ptr, w_ptr, state_ptr, slots_ptr, token_seq_ptr, starts_ptr, out_ptr, T, C, stride_xt, B1, B2,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # [BT]
@@ -96,7 +106,11 @@ def _conv_kernel(
         wj = tl.load(w_ptr + c * K + j, mask=c_ok, other=0.0).to(tl.float32)
         acc += value * wj[None, :]
     y = acc / (1.0 + tl.exp(-acc))
-    tl.store(out_ptr + t[:, None] * C + c[None, :], y.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
+    # channel c's group [first, first + width) is stored [T, width] from element T * first
+    first = tl.where(c >= B2, B2, tl.where(c >= B1, B1, 0)).to(tl.int64)
+    width = tl.where(c >= B2, C, tl.where(c >= B1, B2, B1)).to(tl.int64) - first
+    out = out_ptr + T * first[None, :] + t[:, None] * width[None, :] + (c - first)[None, :]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit

@@ -1,7 +1,8 @@
 """RMSNorm in plain torch, in fp32, rounded once to the input's dtype.
 
 `rms_norm`: the decoder's zero-centred norm, norm(x) * (1 + w); given `residual` it first forms
-s = residual + x (in x's dtype, as an unfused `x = x + h` would) and returns (norm(s), s).
+s = residual + x (in x's dtype, as an unfused `x = x + h` would) and returns (norm(s), s); given
+`rotary` (the attention's q/k norms) it applies the rotary embedding to the normed heads.
 `gated_rms_norm`: the GDN output norm, w * norm(x) * silu(z), with the roundings of the layer it
 replaces (norm(x) rounded to x's dtype, then times w in that dtype, then times silu(z) in fp32).
 """
@@ -17,13 +18,27 @@ def rms_norm(
     weight: torch.Tensor,  # [D]
     eps: float,
     residual: torch.Tensor | None = None,  # [..., D], same shape as x
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin) [T, R] for x [T, H, D]
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if residual is not None:
         x = residual + x
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     out = (out * (1.0 + weight.float())).to(x.dtype)
+    if rotary is not None:
+        out = apply_rotary(out, *rotary)
     return out if residual is None else (out, x)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; rotate-half on the first rotary_dim (= cos.shape[-1]) dims, the rest passed
+    through; in x's dtype, one rounding per op as transformers' apply_rotary_pos_emb."""
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
 
 
 def gated_rms_norm(

@@ -15,12 +15,23 @@ ELEMENTS_PER_PROGRAM = 4096
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"rms_norm: residual {list(residual.shape)} != x {list(x.shape)}")
+    if rotary is not None:
+        cos, sin = rotary
+        r = cos.shape[-1]
+        if residual is not None or x.ndim != 3 or cos.shape != (x.shape[0], r) or sin.shape != cos.shape:
+            raise ValueError("rms_norm: rotary takes x [T, H, D] and cos, sin [T, R], without a residual")
+        if r % 2 or r > x.shape[-1] or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError(f"rms_norm: rotary dim {r} must be even, at most {x.shape[-1]}, cos/sin contiguous")
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
-    out = _launch(x, weight, eps, residual=residual, total=total)
+    out = _launch(x, weight, eps, residual=residual, total=total, rotary=rotary)
     return out if residual is None else (out, total)
 
 
@@ -48,6 +59,7 @@ def _launch(
     residual: torch.Tensor | None = None,
     total: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     if x.ndim > 3:
         x = x.reshape(-1, *x.shape[-2:])
@@ -66,21 +78,23 @@ def _launch(
     block_d = triton.next_power_of_2(D)
     block_rows = max(1, min(64, ELEMENTS_PER_PROGRAM // block_d))
     grid = (triton.cdiv(rows, block_rows),)
+    cos, sin = rotary if rotary is not None else (x, x)
     _rms_norm_kernel[grid](
         x, residual if residual is not None else x, gate if gate is not None else x, weight, out,
-        total if total is not None else out,
-        rows, B, sxa, sxb, sra, srb, sga, sgb, D, eps,
-        HAS_RESIDUAL=residual is not None, GATED=gate is not None, BLOCK_D=block_d, ROWS=block_rows,
-        num_warps=8 if block_d >= 4096 else 4,
+        total if total is not None else out, cos, sin,
+        rows, B, sxa, sxb, sra, srb, sga, sgb, D, eps, cos.shape[-1] if rotary is not None else 0,
+        HAS_RESIDUAL=residual is not None, GATED=gate is not None, ROTARY=rotary is not None,
+        BLOCK_D=block_d, ROWS=block_rows, num_warps=8 if block_d >= 4096 else 4,
     )  # fmt: skip
     return out
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, total_ptr,
-    rows, B, sxa, sxb, sra, srb, sga, sgb, D, eps,
-    HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+    x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, total_ptr, cos_ptr, sin_ptr,
+    rows, B, sxa, sxb, sra, srb, sga, sgb, D, eps, R,
+    HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ROTARY: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS]
     a, b = r // B, r % B
@@ -102,4 +116,19 @@ def _rms_norm_kernel(
         y = scaled * (z / (1.0 + tl.exp(-z)))
     else:
         y = xf * rstd[:, None] * (1.0 + w.to(tl.float32))[None, :]
+    if ROTARY:  # rotate-half on the first R dims of head b of token a, rounded as the unfused ops
+        half = R // 2
+        in_rot = d < R
+        partner = tl.where(d < half, d + half, d - half)  # the element rotate_half brings to d
+        r_mask = mask & in_rot[None, :]
+        xp = tl.load(x_ptr + (a * sxa + b * sxb)[:, None] + partner[None, :], mask=r_mask, other=0.0)
+        wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0).to(tl.float32)
+        normed_p = (xp.to(tl.float32) * rstd[:, None] * (1.0 + wp)[None, :]).to(x.dtype).to(tl.float32)
+        rotated = tl.where((d < half)[None, :], -normed_p, normed_p)
+        cs = a[:, None] * R + d[None, :]
+        c = tl.load(cos_ptr + cs, mask=r_mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + cs, mask=r_mask, other=0.0).to(tl.float32)
+        normed = y.to(x.dtype).to(tl.float32)
+        turned = (normed * c).to(x.dtype).to(tl.float32) + (rotated * s).to(x.dtype).to(tl.float32)
+        y = tl.where(in_rot[None, :], turned, normed)
     tl.store(out_ptr + dense, y.to(out_ptr.dtype.element_ty), mask=mask)
