@@ -38,7 +38,7 @@ from hylora.lora.registry import AdapterRegistry  # noqa: E402
 from hylora.model.decoder import HybridDecoder  # noqa: E402
 from hylora.model.loader import checkpoint_layout, load_model  # noqa: E402
 from hylora.model.packing import LORA_TARGETS, layer_sublayers, projection_shapes  # noqa: E402
-from hylora.ops.kernel_check import select_gdn_kernel  # noqa: E402
+from hylora.ops.kernel_check import select_gdn_kernel, select_kernels  # noqa: E402
 
 QWEN36_27B = dict(
     model_type="qwen3_5_text",
@@ -98,8 +98,11 @@ def correctness(workdir: Path) -> list[dict]:
     models = {}
     for name, (device, dtype) in variants.items():
         model = load_model(demo, dtype=dtype, device=device, progress=False)
-        print(f"{name}: gated delta rule kernel = {select_gdn_kernel(model)}", flush=True)
         registry = AdapterRegistry(model, max_loras=len(lora), max_lora_rank=16)
+        if device == "cuda":  # every fast kernel that passes its start-up check, as the engine serves
+            print(f"{name}: kernels = {select_kernels(model, page_size=16)}", flush=True)
+        else:
+            print(f"{name}: gated delta rule kernel = {select_gdn_kernel(model)}", flush=True)
         for a, path in lora.items():
             registry.load(a, path)
         models[name] = (model, registry)
