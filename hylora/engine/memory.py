@@ -36,6 +36,9 @@ def plan_caches(model: HybridDecoder, config: EngineConfig) -> CachePlan:
     # GPU: what is left of the budget after weights, LoRA slots and one profiled step.
     dev = model.device
     torch.cuda.synchronize(dev)
+    # Give back blocks the caching allocator holds but nothing uses (the weights' first homes, which
+    # Linear.stack_lora_a replaced): mem_get_info counts them as used, which would cost KV pages.
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)
     used_before = total - free
     activation_peak = _profile_step(model, config)

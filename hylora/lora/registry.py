@@ -126,6 +126,11 @@ class AdapterRegistry:
         }
         for linear in self._linears.values():
             linear.lora = self._new_stack(linear)
+            if linear.weight.is_cuda:
+                # Linear.stack_lora_a moved the weight into a larger buffer: hand its first home back
+                # to the driver now, before the caching allocator splits it for the next stacks and
+                # keeps most of a second copy of the weights out of the KV cache's reach.
+                torch.cuda.empty_cache()
 
     # --- loading ---------------------------------------------------------------------------
     def load(self, name: str, path: str | Path, pin: bool = False) -> AdapterVersion:
