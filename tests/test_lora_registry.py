@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hylora.generate import CachedRunner
 from hylora.lora.adapter import AdapterError
 from hylora.lora.registry import AdapterRegistry, NoFreeLoRASlot, UnknownAdapter
+from hylora.model.layers import Linear
 from hylora.model.loader import load_model
 from tests.helpers import random_ids
 from tests.lora_helpers import peft_adapter
@@ -35,6 +37,32 @@ def reference(model, adapter_dir, ids):
     runner = CachedRunner(model, num_slots=1, num_pages=32, adapters=registry)
     name = registry.load("ref", adapter_dir).name if adapter_dir else None
     return runner.step([(runner.add(name), ids)], all_logits=True)[0]
+
+
+def test_a_matrices_live_under_the_weight(model, adapter_dirs):
+    """Linear.stack_lora_a: every LoRA-capable linear keeps [W; A of every slot] in one buffer, so
+    one GEMM gives the base output and each slot's x·Aᵀ (decode's shrink). The weight keeps its
+    values; an adapter loaded into a slot writes its A rows there; eviction zeroes them."""
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    before = {n: m.weight.detach().clone() for n, m in linears.items()}
+    registry = AdapterRegistry(model, max_loras=2, max_lora_rank=8)
+    for name, m in linears.items():
+        assert torch.equal(m.weight, before[name]) and m.weight.data_ptr() == m.stacked_weight.data_ptr()
+        rows = m.stacked_weight[m.out_features :].view(len(m.slices), 2, 8, m.in_features)
+        assert all(a.data_ptr() == rows[i].data_ptr() for i, a in enumerate(m.lora.a))
+    registry.load("a", adapter_dirs["a"])  # targets in_proj_qkv (the GDN in_proj's first slice), out_proj
+    lease = registry.acquire("a")
+    in_proj = next(m for n, m in linears.items() if n.endswith("linear_attn.in_proj"))
+    x = torch.randn(3, in_proj.in_features)
+    full = F.linear(x, in_proj.stacked_weight)
+    torch.testing.assert_close(full[:, : in_proj.out_features], F.linear(x, in_proj.weight), rtol=0, atol=0)
+    h = full[:, in_proj.out_features :].view(3, len(in_proj.slices), 2, 8)
+    a = in_proj.lora.a[0][lease.slot]  # [8, in]
+    assert a.abs().sum() > 0
+    torch.testing.assert_close(h[:, 0, lease.slot], x @ a.T, rtol=1e-5, atol=1e-5)
+    registry.release(lease)
+    registry.unload("a")
+    assert not in_proj.stacked_weight[in_proj.out_features :].any()  # the slot was cleared
 
 
 def test_reload_and_unload_during_requests_keep_running_outputs(model, adapter_dirs):
