@@ -15,11 +15,15 @@ M tiles (up to BLOCK_M tokens of ONE slot) that hold tokens, in a tensor of a si
   stores the current one. Each slice's columns of y come as their own pointer, so that the
   launcher's 16-byte alignment specialization vectorizes the y accesses.
 
+- `lora_apply_stacked` (decode steps): no shrink launch; h of every slot comes from the base GEMM
+  over [W; A] (`Linear.stack_lora_a`), in the model dtype, and the expand reads each token's own
+  slot's h through a slot stride.
+
 Rules from the Hopper NaN reports on other engines' LoRA kernels: fp32 accumulation rounded once
-into y, h stays fp32 into the expand dot (no cast down before a dot; tf32x3 ≈ fp32 on 16-bit
-models, ieee on fp32 models), int64 row offsets, every load masked with other=0, no split-K
-atomics. Base tokens (slot -1) belong to no tile: their rows of y are untouched bit for bit.
-Programs of the tile list's unused tail exit at once.
+into y, h is fp32 in the expand dot (no cast down before a dot; tf32x3 ≈ fp32 on 16-bit models,
+ieee on fp32 models), int64 row offsets, every load masked with other=0, no split-K atomics.
+Base tokens (slot -1) belong to no tile: their rows of y are untouched bit for bit. Programs of the
+tile list's unused tail exit at once.
 """
 
 from __future__ import annotations
