@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -344,6 +345,8 @@ def _run_workload(engine: LLMEngine, label: str, adapter_of, warm: int) -> dict:
     while engine.has_unfinished():
         engine.step()
     torch.cuda.synchronize()
+    traced, execute = [], engine._execute
+    engine._execute = partial(_traced_execute, execute, traced)  # what each step until the first tokens ran
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"{label}{i}", p, params, adapter_of(i))
@@ -354,12 +357,14 @@ def _run_workload(engine: LLMEngine, label: str, adapter_of, warm: int) -> dict:
         dt = time.perf_counter() - s0
         if first_token_at is None and sum(1 for o in outs if o.num_output_tokens) == 32:
             first_token_at = time.perf_counter() - t0
+            engine._execute = execute
         elif first_token_at is not None:
             decode_steps += 1
             decode_time += dt
         finite &= all(o.error is None for o in outs)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    engine._execute = execute
     return {
         "run": label,
         "wall_s": wall,
@@ -367,7 +372,23 @@ def _run_workload(engine: LLMEngine, label: str, adapter_of, warm: int) -> dict:
         "prefill_s": first_token_at,
         "decode_step_ms": 1e3 * decode_time / max(decode_steps, 1),
         "no_errors": finite,
+        "prefill_steps": [
+            {"sequences": n, "tokens": t, "host_ms": round(host, 2), "device_ms": round(a.elapsed_time(b), 2)}
+            for n, t, host, a, b in traced
+        ],
     }
+
+
+def _traced_execute(execute, traced: list, chunks, input_ids=None):
+    """`engine._execute`, noting each step's sequences, tokens, host time to return and device time
+    (CUDA events: no added sync)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    out = execute(chunks, input_ids)
+    end.record()
+    traced.append((len(chunks), sum(c.num_tokens for c in chunks), 1e3 * (time.perf_counter() - t0), start, end))
+    return out
 
 
 def transformers_throughput(shape: dict, n_adapters: int) -> list[dict]:
