@@ -82,6 +82,7 @@ def compile_sm90(fn: jit.JITFunction, args: tuple, kwargs: dict) -> dict:
 def launches_27b() -> None:
     from hylora.lora.apply import LoRABatch, LoRAStack
     from hylora.ops.causal_conv1d import triton as conv
+    from hylora.ops.gated_delta_rule import triton as recurrent
     from hylora.ops.gdn_decode import triton as gdn
     from hylora.ops.lora import triton as lora
     from hylora.ops.paged_decode_attention import triton as attention
@@ -114,6 +115,10 @@ def launches_27b() -> None:
     q = e(N, 24, 512)[..., :256]  # the query half of [query | gate] heads
     rmsnorm.rms_norm(q, e(256), 1e-6, rotary=(e(N, 64), e(N, 64)))  # q norm + rotary (partial: 64 of 256)
     conv.causal_conv1d_by_slot(e(N, C), e(C, 4), e(S, C, 3), slots, [1] * N, splits=(hk * dk, hk * dk, hv * dv))
+    ba = e(N, 2 * hv)  # b | a: columns of the GDN in_proj output
+    recurrent.recurrent_by_slot(e(N, hk, dk), e(N, hk, dk), e(N, hv, dv), ba[:, :hv], ba[:, hv:],
+                                e(hv, dtype=torch.float32), e(hv), e(S, hv, dk, dv, dtype=torch.float32), slots,
+                                [1] * N, dk**-0.5)  # fmt: skip
 
 
 if __name__ == "__main__":

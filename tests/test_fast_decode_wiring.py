@@ -22,10 +22,12 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 @pytest.mark.parametrize("chunk", [2048, 20], ids=["whole-prompts", "chunked-prefill"])
 def test_engine_decode_through_triton_kernels_equals_reference(causal_ckpt, engine_adapter_root, chunk):
     """chunk 20: prompts prefill over several steps, each chunk after a cached prefix (the conv state
-    carried in place, attention over earlier pages) with other requests' decode rows in the step."""
+    carried in place, attention over earlier pages) with other requests' decode rows in the step;
+    every such step is short enough for the token-by-token GDN kernel. Whole prompts: the 80-token
+    one sends its step through the chunked delta rule."""
     requests = [
         (f"r{i}", random_ids(n, 320, seed=40 + i), SamplingParams(max_tokens=6, temperature=0, logprobs=1), adapter)
-        for i, (n, adapter) in enumerate([(13, None), (16, "gdn_attn"), (31, "all_linear"), (47, None)])
+        for i, (n, adapter) in enumerate([(13, None), (16, "gdn_attn"), (31, "all_linear"), (47, None), (80, None)])
     ]
     outputs = []
     for fast in (False, True):
@@ -40,9 +42,11 @@ def test_engine_decode_through_triton_kernels_equals_reference(causal_ckpt, engi
                 "silu_mul",
                 "prefill_attention",
                 "causal_conv1d",
+                "gdn_recurrent",
             ]
             install_triton_kernels(engine.model, fast_kernels)
             assert engine.model.layers[0].linear_attn.decode_step is not None
+            assert engine.model.layers[0].linear_attn.short_prefill is not None
             assert engine.model.norm.kernel.__module__ == "hylora.ops.rmsnorm.triton"
         outputs.append(run(engine, {0: requests}))
     reference, fast = outputs
@@ -62,7 +66,8 @@ def test_uninstall_returns_every_op_to_its_reference(causal_ckpt, engine_adapter
     kernel_check.uninstall_fast_kernels(model)
     gdn = next(layer.linear_attn for layer in model.layers if layer.is_linear)
     attn = next(layer.self_attn for layer in model.layers if not layer.is_linear)
-    assert gdn.decode_step is None and attn.decode_attention is None and attn.prefill_attention is paged_attention
+    assert gdn.decode_step is None and gdn.short_prefill is None
+    assert attn.decode_attention is None and attn.prefill_attention is paged_attention
     assert model.norm.kernel is rms_norm and gdn.norm.kernel is gated_rms_norm
     assert all(getattr(m, "lora_backend", None) is None for m in model.modules())
 

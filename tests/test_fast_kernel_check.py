@@ -186,3 +186,43 @@ def test_causal_conv1d_check():
 
 def test_verdict_names_what_runs():
     assert check._verdict("prefill_attention", lambda: 1e-4, 2e-2).startswith("flash (max rel. error")
+
+
+def test_gdn_recurrent_check():
+    from hylora.ops.gated_delta_rule.reference import recurrent_by_slot
+
+    def error(kernel) -> float:
+        return check.gdn_recurrent_error(2, 4, 8, 8, torch.float32, "cpu", batches=((1,), (3, 0, 9, 1)), kernel=kernel)
+
+    def into(out, o):
+        out.copy_(o)
+        return out
+
+    def leaves_a_token_unwritten(*args, out):
+        into(out, recurrent_by_slot(*args))[-1, 0, 0] = float("nan")
+        return out
+
+    def writes_a_foreign_slot(q, k, v, b, a, A_log, dt_bias, pool, slots, lens, scale, out):
+        into(out, recurrent_by_slot(q, k, v, b, a, A_log, dt_bias, pool, slots, lens, scale))
+        pool[torch.isnan(pool[:, 0, 0, 0])] = 0.0
+        return out
+
+    def forgets_the_state(
+        q, k, v, b, a, A_log, dt_bias, pool, slots, lens, scale, out
+    ):  # as if each chunk began a prompt
+        pool[slots] = 0.0
+        return into(out, recurrent_by_slot(q, k, v, b, a, A_log, dt_bias, pool, slots, lens, scale))
+
+    def contiguous_gates(q, k, v, b, a, A_log, dt_bias, pool, slots, lens, scale, out):  # b, a read with a wrong stride
+        b, a = (torch.as_strided(x, x.shape, (x.shape[1], 1)) for x in (b, a))
+        return into(out, recurrent_by_slot(q, k, v, b, a, A_log, dt_bias, pool, slots, lens, scale))
+
+    def new_buffer(*args, out):
+        return recurrent_by_slot(*args)
+
+    assert error(lambda *args, out: into(out, recurrent_by_slot(*args))) == 0.0
+    assert error(leaves_a_token_unwritten) == check.FAILED
+    assert error(writes_a_foreign_slot) == check.FAILED
+    assert error(new_buffer) == check.FAILED
+    assert error(forgets_the_state) > 0.05
+    assert error(contiguous_gates) > 0.05

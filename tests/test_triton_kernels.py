@@ -8,6 +8,7 @@ unwritten shows; what a kernel must not write is compared bit for bit afterwards
 
 from __future__ import annotations
 
+import copy
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (the CPU has no Triton backend)
@@ -21,12 +22,18 @@ pytest.importorskip("triton", reason="triton is not installed (pip install '.[te
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
+from hylora.cache import StatePool  # noqa: E402
+from hylora.config import ModelConfig  # noqa: E402
 from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply_grouped  # noqa: E402
 from hylora.model.device_lora import DeviceLoRABatch  # noqa: E402
+from hylora.model.forward_batch import ForwardBatch  # noqa: E402
+from hylora.model.gdn import GatedDeltaNet  # noqa: E402
 from hylora.model.layers import STACKED_LORA_BELOW, Linear  # noqa: E402
 from hylora.ops import fast_kernel_check as check  # noqa: E402
 from hylora.ops.causal_conv1d import reference as conv_reference  # noqa: E402
 from hylora.ops.causal_conv1d import triton as conv_triton  # noqa: E402
+from hylora.ops.gated_delta_rule import reference as gdn_prefill_reference  # noqa: E402
+from hylora.ops.gated_delta_rule import triton as gdn_prefill_triton  # noqa: E402
 from hylora.ops.gdn_decode import reference as gdn_reference  # noqa: E402
 from hylora.ops.gdn_decode import triton as gdn_triton  # noqa: E402
 from hylora.ops.lora import reference as lora_reference  # noqa: E402
@@ -37,6 +44,8 @@ from hylora.ops.rmsnorm import reference as norm_reference  # noqa: E402
 from hylora.ops.rmsnorm import triton as norm_triton  # noqa: E402
 from hylora.ops.silu_mul import reference as silu_reference  # noqa: E402
 from hylora.ops.silu_mul import triton as silu_triton  # noqa: E402
+from hylora.ops.varlen import RECURRENT_MAX_TOKENS  # noqa: E402
+from tests.conftest import text_config  # noqa: E402
 from tests.decode_helpers import gdn_inputs, paged_case, same_bits  # noqa: E402
 from tests.test_lora_apply import random_stack  # noqa: E402
 
@@ -87,6 +96,113 @@ def test_gdn_decode_triton_padding_only_writes_nothing():
 def test_gdn_decode_start_up_check():
     """The start-up check itself, with fewer rows than on the GPU (the interpreter is slow)."""
     assert check.gdn_decode_error(2, 4, 16, 16, 4, torch.float32, "cpu", batches=(1, 3), block_v=16) < 1e-6
+
+
+# --- GDN short prefill: the delta rule token by token, states by slot ----------------------------
+
+RECURRENT_SHAPES = {
+    # name: (hk, hv, dk, dv, block_v)
+    "group2-dv2blocks": (2, 4, 16, 16, 8),
+    "group3-dk24-dv40tail": (1, 3, 24, 40, 16),
+}
+
+
+def recurrent_case(lens: list[int], hk: int, hv: int, dk: int, dv: int, seed: int):
+    """Inputs as the GDN layer gives them (b and a strided columns of one projection output) and a
+    pool whose slots no sequence owns are NaN."""
+    g = torch.Generator().manual_seed(seed)
+    T, N = sum(lens), len(lens)
+    ba = torch.randn(T, 2 * hv + 3, generator=g)
+    args = dict(
+        q=torch.randn(T, hk, dk, generator=g),
+        k=torch.randn(T, hk, dk, generator=g),
+        v=torch.randn(T, hv, dv, generator=g),
+        b=ba[:, :hv],
+        a=ba[:, hv : 2 * hv],
+        A_log=torch.empty(hv).uniform_(0.01, 4.0, generator=g).log(),
+        dt_bias=torch.randn(hv, generator=g) * 0.5,
+    )
+    slots = torch.randperm(N + 3, generator=g)[:N]
+    pool = torch.full((N + 3, hv, dk, dv), NAN)
+    pool[slots] = torch.randn(N, hv, dk, dv, generator=g) * 0.1
+    return args, pool, slots
+
+
+@pytest.mark.parametrize("lens", [[1], [64], [3, 1, 17], [1, 0, 2, 63, 1]], ids=str)
+@pytest.mark.parametrize("shape", RECURRENT_SHAPES, ids=str)
+def test_gdn_recurrent_triton_equals_reference(shape, lens):
+    """Decode rows, a prompt's last tokens, an empty chunk and the 64-token limit in one step; the
+    value-head groups and the dv tail straddled; the reference runs the chunked form on these."""
+    hk, hv, dk, dv, block_v = RECURRENT_SHAPES[shape]
+    args, pool, slots = recurrent_case(lens, hk, hv, dk, dv, seed=sum(lens) + hv)
+    pool0, ref_pool = pool.clone(), pool.clone()
+    o_ref = gdn_prefill_reference.recurrent_by_slot(**args, state_pool=ref_pool, slots=slots, seq_lens=lens, scale=0.3)
+    out = torch.full((sum(lens), hv, dv), NAN)
+    o = gdn_prefill_triton.recurrent_by_slot(
+        **args, state_pool=pool, slots=slots, seq_lens=lens, scale=0.3, out=out, block_v=block_v
+    )
+    assert o is out
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-4)
+    owned = torch.zeros(len(pool), dtype=torch.bool)
+    owned[slots] = True
+    torch.testing.assert_close(pool[owned], ref_pool[owned], atol=1e-5, rtol=1e-4)
+    assert same_bits(pool[~owned], pool0[~owned])
+    if 0 in lens:  # an empty chunk leaves its state bit for bit
+        i = lens.index(0)
+        assert same_bits(pool[slots[i]], pool0[slots[i]])
+
+
+def test_gdn_recurrent_padding_row_writes_nothing():
+    args, pool, slots = recurrent_case([2, 3], 1, 2, 16, 16, seed=9)
+    slots[0] = -1
+    pool0 = pool.clone()
+    o = gdn_prefill_triton.recurrent_by_slot(**args, state_pool=pool, slots=slots, seq_lens=[2, 3], scale=0.25)
+    assert torch.equal(o[:2], torch.zeros_like(o[:2])) and torch.isfinite(o[2:]).all()
+    assert same_bits(pool[pool0.isnan().flatten(1).all(1)], pool0[pool0.isnan().flatten(1).all(1)])
+
+
+def test_gdn_recurrent_start_up_check():
+    batches = ((1,), (3, 0, 64, 1))
+    assert check.gdn_recurrent_error(2, 4, 16, 16, torch.float32, "cpu", batches=batches, block_v=8) < 1e-5
+
+
+@pytest.mark.parametrize("lens", [[64, 1, 5], [65, 1]], ids=str)
+def test_gdn_layer_with_the_short_form_equals_its_chunked_path(lens):
+    """The GDN layer with the kernel installed: a step whose chunks all have at most
+    RECURRENT_MAX_TOKENS tokens runs token by token, a longer one through the chunked delta rule;
+    outputs and states equal the layer without the kernel either way."""
+    config = ModelConfig.from_hf({"model_type": "qwen3_5_text", **text_config()})
+    g = torch.Generator().manual_seed(len(lens))
+    layer = GatedDeltaNet(config, config.gdn_layers[0])
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.5 if name == "dt_bias" else 0.2))
+        layer.A_log.copy_(torch.empty(config.linear_num_value_heads).uniform_(0.01, 4.0, generator=g).log())
+    T, N = sum(lens), len(lens)
+    x = torch.randn(T, config.hidden_size, generator=g)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(T, dtype=torch.long),
+        positions=torch.zeros(3, T, dtype=torch.long),
+        seq_lens=lens,
+        context_lens=[3] * N,
+        state_slots=torch.tensor([4, 0, 2][:N]),
+        block_table=torch.zeros(N, 1, dtype=torch.int32),
+        kv_slot_mapping=torch.zeros(T, dtype=torch.long),
+        page_size=16,
+    )
+    pool = StatePool(config, num_slots=5, dtype=torch.float32, device="cpu")
+    pool.conv.copy_(torch.randn(pool.conv.shape, generator=g))
+    pool.recurrent.copy_(torch.randn(pool.recurrent.shape, generator=g) * 0.1)
+    ref_pool = copy.deepcopy(pool)
+    calls = []
+    with torch.no_grad():
+        y_ref = layer(x, batch, ref_pool)
+        layer.short_prefill = lambda *args, **kw: calls.append(1) or gdn_prefill_triton.recurrent_by_slot(*args, **kw)
+        y = layer(x, batch, pool)
+    assert bool(calls) == (max(lens) <= RECURRENT_MAX_TOKENS)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(pool.recurrent, ref_pool.recurrent, atol=1e-5, rtol=1e-4)
+    assert same_bits(pool.conv, ref_pool.conv)
 
 
 # --- paged decode attention --------------------------------------------------------------------
@@ -390,6 +506,7 @@ def test_bf16_start_up_checks(gpu_bf16):
     assert check.lora_error(64, [48, 16], 16, bf16, "cpu", tokens=(1, 128)) < 1e-3
     assert check.lora_error(64, [48, 16], 16, bf16, "cpu", tokens=(1, 65), kernel=check.stacked_lora_apply) < 1e-2
     assert check.rms_norm_error(48, 4, 2, 16, 6, 8, 1e-6, bf16, "cpu", tokens=(1, 5), rotary_dim=8) < 1e-2
+    assert check.gdn_recurrent_error(2, 4, 16, 16, bf16, "cpu", batches=((3, 1, 17),), block_v=16) < 1e-3
 
 
 # --- norms and the MLP activation ---------------------------------------------------------------

@@ -35,8 +35,9 @@ def test_kernels_compile_for_sm90_without_spills():
     names = {k["kernel"] for k in kernels}
     assert names == {"_gdn_decode_kernel", "_conv_state_kernel", "_partition_kernel", "_merge_kernel",
                      "_shrink_kernel", "_expand_kernel", "_rms_norm_kernel", "_conv_kernel",
-                     "_state_kernel"}  # fmt: skip
-    # gdn 2, attention split (2) + direct (1), lora 2 x (shrink, expand), q norm + rotary 1, prefill conv 2
-    assert len(kernels) == 2 + 3 + 2 * 2 + 1 + 2
+                     "_state_kernel", "_recurrent_kernel"}  # fmt: skip
+    # gdn 2, attention split (2) + direct (1), lora 2 x (shrink, expand), q norm + rotary 1, prefill conv 2,
+    # short-prefill delta rule 1
+    assert len(kernels) == 2 + 3 + 2 * 2 + 1 + 2 + 1
     spilling = [k for k in kernels if k["spill_bytes"]]
     assert not spilling, spilling

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hylora import ops
@@ -13,7 +12,9 @@ from hylora.cache.state_pool import StatePool
 from hylora.config import ModelConfig
 from hylora.model.forward_batch import ForwardBatch
 from hylora.model.layers import GatedRMSNorm, Linear, _param
+from hylora.ops.gated_delta_rule.reference import gating
 from hylora.ops.gdn_decode.reference import gdn_decode as gdn_decode_reference
+from hylora.ops.varlen import RECURRENT_MAX_TOKENS
 
 
 class DepthwiseConv(nn.Module):
@@ -46,6 +47,9 @@ class GatedDeltaNet(nn.Module):
         self.decode_step: Callable[..., torch.Tensor] | None = None
         # the prefill conv, conv state in place by slot: the torch reference unless a kernel passed
         self.conv = ops.causal_conv1d_by_slot
+        # the delta rule token by token, states in place by slot, for steps whose chunks are all
+        # short (ops.gated_delta_rule.triton), when it passed its check: no fla launch path there
+        self.short_prefill: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states: StatePool) -> torch.Tensor:
         T = x.shape[0]
@@ -65,10 +69,14 @@ class GatedDeltaNet(nn.Module):
         q, k = q.reshape(T, self.hk, self.dk), k.reshape(T, self.hk, self.dk)
         v = v.reshape(T, self.hv, self.dv)
 
-        beta = b.sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-
-        o, recurrent = self.delta_rule(q, k, v, g, beta, states.recurrent[layer, slots], batch.seq_lens, self.dk**-0.5)
-        states.recurrent[layer, slots] = recurrent
+        if self.short_prefill is not None and max(batch.seq_lens) <= RECURRENT_MAX_TOKENS:
+            o = self.short_prefill(
+                q, k, v, b, a, self.A_log, self.dt_bias, states.recurrent[layer], slots, batch.seq_lens, self.dk**-0.5
+            )
+        else:
+            g, beta = gating(b, a, self.A_log, self.dt_bias)  # [T, Hv] each
+            initial = states.recurrent[layer, slots]
+            o, recurrent = self.delta_rule(q, k, v, g, beta, initial, batch.seq_lens, self.dk**-0.5)
+            states.recurrent[layer, slots] = recurrent
         o = self.norm(o, z.reshape(T, self.hv, self.dv))
         return self.out_proj(o.reshape(T, self.value_dim), batch.lora)

@@ -22,6 +22,7 @@ from hylora.model.decoder import HybridDecoder
 from hylora.model.layers import Linear
 from hylora.ops.attention.reference import paged_attention as attention_prefill_reference
 from hylora.ops.causal_conv1d.reference import causal_conv1d_by_slot as conv_reference
+from hylora.ops.gated_delta_rule.reference import recurrent_by_slot as recurrent_reference
 from hylora.ops.gdn_decode.reference import gdn_decode as gdn_decode_reference
 from hylora.ops.paged_decode_attention.reference import paged_decode_attention as attention_reference
 from hylora.ops.rmsnorm.reference import gated_rms_norm as gated_reference
@@ -36,7 +37,11 @@ STACKED_TOKENS = (1, 64, 65, 127, 128, 129, 256)  # decode steps: eager below 12
 NORM_TOKENS = (1, 3, 64, 129, 2048)
 FAST_KERNELS = (
     "gdn_decode", "paged_decode_attention", "lora", "rms_norm", "silu_mul", "prefill_attention", "causal_conv1d",
+    "gdn_recurrent",
 )  # fmt: skip
+# sequence lengths of short prefill steps (the token-by-token GDN form): decode rows, a prompt's last
+# tokens, empty chunks, up to the 64-token limit
+RECURRENT_BATCHES = ((1,), (64,), (1, 1, 16, 1), (3, 0, 64, 1, 17, 2, 63))
 IMPLEMENTATION = {"prefill_attention": "flash"}  # what a passing kernel is, when not hylora's Triton
 # (cached tokens, new tokens) per sequence of one prefill batch: fresh prompts, chunks after a
 # cached prefix across page boundaries, and a decode row mixed in
@@ -84,6 +89,9 @@ def select_fast_kernels(model: HybridDecoder, page_size: int) -> dict[str, str]:
         ),
         "silu_mul": lambda: silu_mul_error(c.intermediate_size, dtype, dev),
         "causal_conv1d": lambda: causal_conv1d_error(c.linear_conv_dim, c.linear_conv_kernel_dim, dtype, dev),
+        "gdn_recurrent": lambda: gdn_recurrent_error(
+            c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, dtype, dev
+        ),
         "prefill_attention": lambda: prefill_attention_error(
             c.num_attention_heads, c.num_key_value_heads, c.head_dim, page_size, dtype, dev
         ),
@@ -152,6 +160,52 @@ def gdn_decode_error(
         worst = max(worst, _rel_error(o, o_ref), _rel_error(conv, conv_ref), _rel_error(recurrent, rec_ref))
         if o is not out:
             return FAILED
+    return worst
+
+
+@torch.inference_mode()
+def gdn_recurrent_error(
+    hk: int,
+    hv: int,
+    dk: int,
+    dv: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    batches: Sequence[Sequence[int]] = RECURRENT_BATCHES,
+    kernel: Callable[..., torch.Tensor] | None = None,
+    **kernel_args,
+) -> float:
+    """The short-prefill delta rule by slot: b and a strided as the layer's projection split gives
+    them; pool slots the batch does not own are NaN and must stay so."""
+    if kernel is None:
+        from hylora.ops.gated_delta_rule.triton import recurrent_by_slot as kernel
+    worst = 0.0
+    for lens in batches:
+        g = _generator(device, sum(lens) + len(lens))
+        T, N = sum(lens), len(lens)
+
+        def rand(*shape, scale=1.0, g=g):
+            return torch.randn(*shape, generator=g, device=device) * scale
+
+        slots = torch.randperm(N + 3, generator=g, device=device)[:N]
+        ba = rand(T, 2 * hv + 5).to(dtype)
+        args = (
+            rand(T, hk, dk).to(dtype),  # q
+            rand(T, hk, dk).to(dtype),  # k
+            rand(T, hv, dv).to(dtype),  # v
+            ba[:, :hv],  # b
+            ba[:, hv : 2 * hv],  # a
+            torch.rand(hv, generator=g, device=device).mul(4).add(0.01).log(),  # A_log
+            rand(hv, scale=0.5),  # dt_bias
+        )
+        pool = _nan_unowned(rand(N + 3, hv, dk, dv, scale=0.1), slots)
+        ref_pool = pool.clone()
+        o_ref = recurrent_reference(*args, ref_pool, slots, list(lens), dk**-0.5)
+        out = torch.full_like(o_ref, float("nan"))
+        o = kernel(*args, pool, slots, list(lens), dk**-0.5, out=out, **kernel_args)
+        if o is not out:
+            return FAILED
+        worst = max(worst, _rel_error(o, o_ref), _rel_error(pool, ref_pool))
     return worst
 
 
@@ -444,9 +498,11 @@ __all__ = [
     "LORA_RANKS",
     "LORA_TOKENS",
     "gdn_decode_error",
+    "gdn_recurrent_error",
     "lora_error",
     "paged_decode_attention_error",
     "prefill_attention_error",
+    "RECURRENT_BATCHES",
     "rms_norm_error",
     "select_fast_kernels",
     "silu_mul_error",

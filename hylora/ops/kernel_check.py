@@ -62,6 +62,12 @@ def install_triton_kernels(model: HybridDecoder, names: list[str]) -> None:
         for layer in model.layers:
             if layer.is_linear:
                 layer.linear_attn.conv = causal_conv1d_by_slot
+    if "gdn_recurrent" in names:
+        from hylora.ops.gated_delta_rule.triton import recurrent_by_slot
+
+        for layer in model.layers:
+            if layer.is_linear:
+                layer.linear_attn.short_prefill = recurrent_by_slot
     if "prefill_attention" in names:
         from hylora.ops.attention.flash import paged_attention
 
@@ -95,6 +101,7 @@ def uninstall_fast_kernels(model: HybridDecoder) -> None:
     for layer in model.layers:
         if layer.is_linear:
             layer.linear_attn.decode_step = None
+            layer.linear_attn.short_prefill = None
             layer.linear_attn.conv = causal_conv1d_by_slot
         else:
             layer.self_attn.decode_attention = None

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# the longest chunk a step may hold for the GDN layers to run it token by token
+# (ops.gated_delta_rule.triton, fla's chunk size) instead of through fla's chunked kernels
+RECURRENT_MAX_TOKENS = 64
+
 
 def seq_starts(seq_lens: list[int]) -> list[int]:
     """[N + 1] offsets of each sequence's tokens in the flat batch (cu_seqlens)."""

@@ -127,5 +127,34 @@ def varlen_gated_delta_rule(
     return out.to(v.dtype), final
 
 
+def gating(
+    b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GDN layer's (g, beta) from its projections b, a [T, Hv]: beta = sigmoid(b) in b's dtype,
+    g = -exp(A_log) * softplus(a + dt_bias) in fp32 (the log decay)."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
+def recurrent_by_slot(
+    q: torch.Tensor,  # [T, Hk, dk] raw
+    k: torch.Tensor,  # [T, Hk, dk] raw
+    v: torch.Tensor,  # [T, Hv, dv]
+    b: torch.Tensor,  # [T, Hv] beta before its sigmoid
+    a: torch.Tensor,  # [T, Hv] decay input before softplus
+    A_log: torch.Tensor,  # [Hv]
+    dt_bias: torch.Tensor,  # [Hv]
+    state_pool: torch.Tensor,  # [S, Hv, dk, dv] fp32, sequence i's state at slots[i], in place
+    slots: torch.Tensor,  # [N]
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """The layer's prefill delta rule with the gating, states read and written in the pool by slot:
+    what `triton.recurrent_by_slot` computes token by token. Returns o [T, Hv, dv] in v's dtype."""
+    g, beta = gating(b, a, A_log, dt_bias)
+    o, final = varlen_gated_delta_rule(q, k, v, g, beta, state_pool[slots], seq_lens, scale)
+    state_pool[slots] = final
+    return o
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

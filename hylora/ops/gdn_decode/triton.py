@@ -91,6 +91,40 @@ def gdn_decode(
 
 
 @triton.jit
+def program_slot(slots_ptr, HK: tl.constexpr, HV: tl.constexpr):
+    """(sequence n, value head h, its key head, state slot, live) of a program of grid (sequence,
+    value head, ...). A negative slot is a padding row: the slot comes back as 0 and not live, and the
+    caller masks every load and store of it off."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    return n, h, h // (HV // HK), tl.maximum(slot, 0), slot >= 0
+
+
+@triton.jit
+def l2norm(x):
+    return x * tl.rsqrt(tl.sum(x * x) + 1e-6)
+
+
+@triton.jit
+def gates(b, x, neg_A, b_ptr):
+    """fp32 (beta, decay) of one token and head: beta = sigmoid(b) rounded to b's dtype as the model
+    rounds it, decay = exp(-exp(A_log) * softplus(x)) with x = a + dt_bias and torch's threshold."""
+    beta = tl.sigmoid(b).to(b_ptr.dtype.element_ty).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    return beta, tl.exp(neg_A * softplus)
+
+
+@triton.jit
+def delta_rule(state, q, k, v, decay, beta):
+    """One token of the gated delta rule on an fp32 [dk, BLOCK_V] state tile: (new state, o = Sᵀq)."""
+    state = state * decay
+    delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
+    state += k[:, None] * delta[None, :]
+    return state, tl.sum(state * q[:, None], axis=0)
+
+
+@triton.jit
 def _conv(qkv_row, conv_ptr, w_ptr, slot, ch, mask, s_cs, s_cc, s_ck, s_wc, s_wk, K: tl.constexpr):
     """silu(depthwise causal conv) of channels `ch` over the window [conv state | new input], fp32,
     rounded to the input dtype like the reference's activations."""
@@ -116,12 +150,7 @@ def _gdn_decode_kernel(
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_BLOCKS: tl.constexpr,
 ):  # fmt: skip
-    n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    kh = h // (HV // HK)
-    slot = tl.load(slots_ptr + n).to(tl.int64)
-    live = slot >= 0
-    slot = tl.maximum(slot, 0)  # padding rows: every load and store below is masked off
+    n, h, kh, slot, live = program_slot(slots_ptr, HK, HV)
 
     kk = tl.arange(0, BLOCK_K)
     k_mask = (kk < DK) & live
@@ -135,14 +164,12 @@ def _gdn_decode_kernel(
     row = qkv_ptr + n * s_qkv
     q = _conv(row, conv_ptr, w_ptr, slot, kh * DK + kk, k_mask, s_cs, s_cc, s_ck, s_wc, s_wk, K)
     k = _conv(row, conv_ptr, w_ptr, slot, HK * DK + kh * DK + kk, k_mask, s_cs, s_cc, s_ck, s_wc, s_wk, K)
-    q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
-    k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+    q = l2norm(q) * scale
+    k = l2norm(k)
 
     b = tl.load(b_ptr + n * s_b + h, mask=live, other=0.0).to(tl.float32)
-    beta = tl.sigmoid(b).to(b_ptr.dtype.element_ty).to(tl.float32)  # the model rounds beta to its dtype
     x = tl.load(a_ptr + n * s_a + h, mask=live, other=0.0).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold
-    decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
+    beta, decay = gates(b, x, -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)), b_ptr)
 
     for i in tl.static_range(V_BLOCKS):
         vv = v0 + i * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -153,10 +180,7 @@ def _gdn_decode_kernel(
             next_mask = k_mask[:, None] & ((next_vv < DV) & live)[None, :]
             next_state = tl.load(h_ptr + next_vv[None, :] * s_rv, mask=next_mask, other=0.0)
         v = _conv(row, conv_ptr, w_ptr, slot, 2 * HK * DK + h * DV + vv, v_mask, s_cs, s_cc, s_ck, s_wc, s_wk, K)
-        state = state * decay
-        delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
-        state += k[:, None] * delta[None, :]
-        o = tl.sum(state * q[:, None], axis=0)
+        state, o = delta_rule(state, q, k, v, decay, beta)
         tl.store(h_ptr + vv[None, :] * s_rv, state, mask=s_mask)
         o = tl.where(live, o, 0.0)
         tl.store(o_ptr + n * s_on + h * s_oh + vv * s_ov, o.to(o_ptr.dtype.element_ty), mask=vv < DV)

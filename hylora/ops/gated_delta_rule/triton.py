@@ -1,0 +1,112 @@
+"""The gated delta rule token by token in Triton, states in place in the pool by slot: for steps whose
+chunks are all short (`ops.varlen.RECURRENT_MAX_TOKENS`), e.g. decode rows with the last few tokens of a prompt.
+
+Same signature and result as `reference.recurrent_by_slot`. fla's chunked kernels are the fast form
+for long chunks, but each call costs ~2 ms of host time in its Python launch path (several autotuned
+launches, per GDN layer) and needs the states gathered out of the pool and scattered back; a step of a
+few dozen tokens runs eagerly and spends most of its time there. Here one launch per layer does it.
+
+Grid (sequence, value head, dv block): the program keeps its [dk, BLOCK_V] fp32 state tile in
+registers across the sequence's tokens. Per token: q/k L2 norm, beta = sigmoid(b) rounded to the
+model dtype, decay = exp(-exp(A_log) softplus(a + dt_bias)), the delta rule on the tile, o = Sᵀq.
+fp32 arithmetic, int64 offsets, masked loads. A negative slot reads nothing, writes no state, and
+outputs zeros. A sequence of 0 tokens leaves its state as it was.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from hylora.ops.gdn_decode.triton import delta_rule, gates, l2norm, program_slot
+from hylora.ops.varlen import seq_starts
+
+BLOCK_V = 32
+NUM_WARPS = 4
+
+
+def recurrent_by_slot(
+    q: torch.Tensor,  # [T, Hk, dk] raw
+    k: torch.Tensor,  # [T, Hk, dk] raw
+    v: torch.Tensor,  # [T, Hv, dv]
+    b: torch.Tensor,  # [T, Hv]
+    a: torch.Tensor,  # [T, Hv]
+    A_log: torch.Tensor,  # [Hv]
+    dt_bias: torch.Tensor,  # [Hv]
+    state_pool: torch.Tensor,  # [S, Hv, dk, dv] fp32, in place
+    slots: torch.Tensor,  # [N]
+    seq_lens: list[int],
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, Hv, dv]
+    block_v: int = BLOCK_V,
+    num_warps: int = NUM_WARPS,
+) -> torch.Tensor:
+    T, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if state_pool.dtype != torch.float32:
+        raise TypeError(f"the recurrent state must be fp32, got {state_pool.dtype}")
+    if k.shape != q.shape or v.shape[0] != T or b.shape != (T, hv) or a.shape != (T, hv) or hv % hk:
+        raise ValueError("recurrent_by_slot: inconsistent shapes")
+    if state_pool.shape[1:] != (hv, dk, dv) or len(seq_lens) != slots.shape[0] or sum(seq_lens) != T:
+        raise ValueError("recurrent_by_slot: the state pool, slots or lengths do not fit the tokens")
+    if any(x.stride(-1) != 1 for x in (q, k, v, b, a)):
+        raise ValueError("recurrent_by_slot: q, k, v, b and a need unit stride along their last dimension")
+    if out is None:
+        out = torch.empty(T, hv, dv, dtype=v.dtype, device=v.device)
+    N = len(seq_lens)
+    if N == 0:
+        return out
+    block_v = min(block_v, triton.next_power_of_2(dv))
+    _recurrent_kernel[(N, hv, triton.cdiv(dv, block_v))](
+        q, k, v, b, a, A_log, dt_bias, state_pool, slots, _cu_seqlens(tuple(seq_lens), v.device), out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), b.stride(0), a.stride(0),
+        *state_pool.stride(), out.stride(0), out.stride(1), scale,
+        HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+@functools.lru_cache(maxsize=1)  # every GDN layer of a step asks with the same lengths
+def _cu_seqlens(seq_lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(seq_starts(list(seq_lens)), dtype=torch.int64).to(device, non_blocking=True)
+
+
+@triton.jit
+def _recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, rec_ptr, slots_ptr, cu_ptr, o_ptr,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_bt, s_at,
+    s_rs, s_rh, s_rk, s_rv,
+    s_ot, s_oh,
+    scale,
+    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    n, h, kh, slot, live = program_slot(slots_ptr, HK, HV)
+    start = tl.load(cu_ptr + n).to(tl.int64)
+    end = tl.load(cu_ptr + n + 1).to(tl.int64)
+
+    kk = tl.arange(0, BLOCK_K)
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_mask = kk < DK
+    v_mask = vv < DV
+    s_mask = (k_mask & live)[:, None] & v_mask[None, :]
+    s_ptr = rec_ptr + slot * s_rs + h * s_rh + kk[:, None].to(tl.int64) * s_rk + vv[None, :] * s_rv
+    state = tl.load(s_ptr, mask=s_mask, other=0.0)
+    neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+
+    for t in range(start, end):
+        q = tl.load(q_ptr + t * s_qt + kh * s_qh + kk, mask=k_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * s_kt + kh * s_kh + kk, mask=k_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * s_vt + h * s_vh + vv, mask=v_mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + t * s_bt + h).to(tl.float32)
+        x = tl.load(a_ptr + t * s_at + h).to(tl.float32) + dt_bias
+        beta, decay = gates(b, x, neg_A, b_ptr)
+        state, o = delta_rule(state, l2norm(q) * scale, l2norm(k), v, decay, beta)
+        o = tl.where(live, o, 0.0)
+        tl.store(o_ptr + t * s_ot + h * s_oh + vv, o.to(o_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(s_ptr, state, mask=s_mask)
