@@ -13,6 +13,9 @@
    bit; the engine with graphs vs eager (tokens, logprobs); the decode step alone at batch 1, 8, 32,
    64 (context 576), base and 8 mixed adapters, graph vs eager, beside its bytes roofline (weights
    without the embedding table + distinct adapters + KV + GDN state + logits).
+5. Short prefill steps (decode rows with a prompt's last tokens, short prompts), one GDN layer: the
+   token-by-token delta rule by slot vs fla's chunked kernel with the gating and the state
+   gather/scatter around it, device and host ms.
 
     python bench/decode_gpu.py [--layers 16] [--out results.json]
 """
@@ -109,6 +112,76 @@ def _gdn_row(cfg: ModelConfig, N: int, dev: str = "cuda", dt: torch.dtype = torc
     except Exception as e:  # fla not installed
         row["fla_gather_scatter_ms"] = f"n/a ({type(e).__name__})"
     return row
+
+
+SHORT_STEPS = {  # chunk lengths of one step: decode rows with a prompt's last tokens, short prompts
+    "31 x 1 + 16": [1] * 31 + [16],
+    "1 x 64": [64],
+    "8 x 64": [64] * 8,
+    "32 x 16": [16] * 32,
+    "32 x 64": [64] * 32,
+}
+
+
+@torch.inference_mode()
+def short_prefill_timings(cfg: ModelConfig) -> list[dict]:
+    """One GDN layer's delta rule on a short step: the token-by-token kernel by slot against what runs
+    without it (the gating, the states gathered, fla's chunked kernel, scattered back). Device ms
+    (events) and host ms per call (enqueue time of 20 calls, no sync between)."""
+    rows = []
+    for name, lens in SHORT_STEPS.items():
+        rows.append(_short_prefill_row(cfg, name, lens))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _short_prefill_row(cfg: ModelConfig, name: str, lens: list[int], dev: str = "cuda") -> dict:
+    from hylora.ops.gated_delta_rule.reference import gating
+    from hylora.ops.gated_delta_rule.triton import recurrent_by_slot
+
+    hk, hv, dk, dv = (
+        cfg.linear_num_key_heads,
+        cfg.linear_num_value_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim,
+    )
+    T, N, dt = sum(lens), len(lens), torch.bfloat16
+    slots = torch.randperm(2 * N, device=dev)[:N]
+    q, k = (torch.randn(T, hk, dk, device=dev, dtype=dt) for _ in range(2))
+    v = torch.randn(T, hv, dv, device=dev, dtype=dt)
+    ba = torch.randn(T, 2 * hv, device=dev, dtype=dt)
+    b, a = ba[:, :hv], ba[:, hv:]
+    A_log, dt_bias = torch.rand(hv, device=dev).log(), torch.zeros(hv, device=dev, dtype=dt)
+    pool = torch.randn(2 * N, hv, dk, dv, device=dev) * 0.1
+    scale = dk**-0.5
+
+    def short() -> None:
+        recurrent_by_slot(q, k, v, b, a, A_log, dt_bias, pool, slots, lens, scale)
+
+    row = {"step": name, "tokens": T, "short_ms": bench(short), "short_host_ms": host_ms(short)}
+    try:
+        from hylora.ops.gated_delta_rule.fla import varlen_gated_delta_rule
+    except Exception as e:  # fla not installed
+        return row | {"fla_ms": f"n/a ({type(e).__name__})"}
+
+    def chunked() -> None:
+        g, beta = gating(b, a, A_log, dt_bias)
+        _, final = varlen_gated_delta_rule(q, k, v, g, beta, pool[slots], lens, scale)
+        pool[slots] = final
+
+    return row | {"fla_ms": bench(chunked), "fla_host_ms": host_ms(chunked)}
+
+
+def host_ms(fn, reps: int = 20) -> float:
+    """Host ms per call to enqueue `fn` (the device may still be running when the clock stops)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = (time.perf_counter() - t0) / reps
+    torch.cuda.synchronize()
+    return 1e3 * host
 
 
 def _attention_row(cfg: ModelConfig, N: int, ctx: int = 576, dev: str = "cuda") -> dict:
@@ -331,6 +404,7 @@ def main() -> None:
     write_tokenizer(demo, 1024)
     result: dict = {"card": torch.cuda.get_device_name(), "layers": args.layers, "date": time.strftime("%Y-%m-%d")}
     result["kernel_timings"] = [] if args.skip_kernel_timings else kernel_timings(cfg)
+    result["short_prefill"] = short_prefill_timings(cfg)
     model = random_model(cfg, "cuda", torch.bfloat16)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     adapters = {}
