@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+
+import torch
+
 # the longest chunk a step may hold for the GDN layers to run it token by token
 # (ops.gated_delta_rule.triton, fla's chunk size) instead of through fla's chunked kernels
 RECURRENT_MAX_TOKENS = 64
@@ -18,3 +22,9 @@ def seq_starts(seq_lens: list[int]) -> list[int]:
 def single_token_seqs(seq_lens: list[int]) -> list[int]:
     """Sequences with exactly one new token (decode steps): the ops handle these all at once."""
     return [i for i, n in enumerate(seq_lens) if n == 1]
+
+
+@functools.lru_cache(maxsize=1)  # every layer of a step asks with the same lengths
+def device_seq_starts(seq_lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """`seq_starts` as an int64 tensor on `device` (cu_seqlens), built once per step."""
+    return torch.tensor(seq_starts(list(seq_lens)), dtype=torch.int64).to(device, non_blocking=True)

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from hylora.ops.varlen import seq_starts
+from hylora.ops.varlen import device_seq_starts
 
 
 def is_available() -> bool:
@@ -78,6 +78,6 @@ FLA_CHUNK = 64  # chunk_gated_delta_rule's default chunk size
 def _varlen_meta(seq_lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(cu_seqlens [N + 1], chunk_indices [chunks, 2]: (sequence, chunk within it)) on `device`."""
     pairs = [(i, j) for i, n in enumerate(seq_lens) for j in range(-(-n // FLA_CHUNK))]
-    cu_seqlens = torch.tensor(seq_starts(list(seq_lens)), dtype=torch.long).to(device, non_blocking=True)
+    cu_seqlens = device_seq_starts(seq_lens, device)
     chunk_indices = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).to(device, non_blocking=True)
     return cu_seqlens, chunk_indices

@@ -2,7 +2,7 @@
 chunks are all short (`ops.varlen.RECURRENT_MAX_TOKENS`), e.g. decode rows with the last few tokens of a prompt.
 
 Same signature and result as `reference.recurrent_by_slot`. fla's chunked kernels are the fast form
-for long chunks, but each call costs ~2 ms of host time in its Python launch path (several autotuned
+for long chunks, but each call costs ~1 ms of host time in its Python launch path (several autotuned
 launches, per GDN layer) and needs the states gathered out of the pool and scattered back; a step of a
 few dozen tokens runs eagerly and spends most of its time there. Here one launch per layer does it.
 
@@ -15,14 +15,12 @@ outputs zeros. A sequence of 0 tokens leaves its state as it was.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from hylora.ops.gdn_decode.triton import delta_rule, gates, l2norm, program_slot
-from hylora.ops.varlen import seq_starts
+from hylora.ops.varlen import device_seq_starts
 
 BLOCK_V = 32
 NUM_WARPS = 4
@@ -61,18 +59,13 @@ def recurrent_by_slot(
         return out
     block_v = min(block_v, triton.next_power_of_2(dv))
     _recurrent_kernel[(N, hv, triton.cdiv(dv, block_v))](
-        q, k, v, b, a, A_log, dt_bias, state_pool, slots, _cu_seqlens(tuple(seq_lens), v.device), out,
+        q, k, v, b, a, A_log, dt_bias, state_pool, slots, device_seq_starts(tuple(seq_lens), v.device), out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), b.stride(0), a.stride(0),
         *state_pool.stride(), out.stride(0), out.stride(1), scale,
         HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
         num_warps=num_warps,
     )  # fmt: skip
     return out
-
-
-@functools.lru_cache(maxsize=1)  # every GDN layer of a step asks with the same lengths
-def _cu_seqlens(seq_lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(seq_starts(list(seq_lens)), dtype=torch.int64).to(device, non_blocking=True)
 
 
 @triton.jit
