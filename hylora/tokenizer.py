@@ -2,9 +2,40 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# apply_chat_template's own arguments: a request may not set them through chat_template_kwargs
+# (a template of the client's choosing is prompt forgery and unbounded work on a shared worker;
+# vLLM refuses it too). Everything else is a variable the template may read, e.g. enable_thinking.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "chat_template",
+        "conversation",
+        "messages",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "padding",
+        "truncation",
+        "max_length",
+    }
+)
+
+
+class PromptTooLong(ValueError):
+    """The rendered prompt has more characters than can fit in the context (checked before tokenising)."""
+
+    def __init__(self, chars: int, max_chars: int):
+        super().__init__(f"the rendered prompt has {chars} characters, more than can fit ({max_chars})")
+        self.chars, self.max_chars = chars, max_chars
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
@@ -14,16 +45,52 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def chat_prompt(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
-) -> list[int]:
-    """Token ids of `messages` rendered with the model's chat template, ready for the reply
-    (`template_kwargs` reach the template, e.g. enable_thinking=False)."""
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """A request's chat_template_kwargs as template variables; ValueError for anything else."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise ValueError("chat_template_kwargs must be a JSON object of template variables")
+    reserved = sorted(k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ValueError(
+            f"chat_template_kwargs may not set {reserved}: the server renders with its own chat template; "
+            "send template variables only (e.g. enable_thinking)"
+        )
+    bad = sorted(str(k)[:40] for k in kwargs if not isinstance(k, str) or not k.isidentifier())
+    if bad:
+        raise ValueError(f"chat_template_kwargs keys must be identifiers, got {bad}")
+    return dict(kwargs)
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> str:
+    """`messages` as text through the model's chat template (`template_kwargs` are template variables)."""
     if not tokenizer.chat_template:
         raise ValueError("this model directory has no chat template; send a plain completion prompt instead")
-    text = tokenizer.apply_chat_template(
+    return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
+
+
+def chat_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    *,
+    max_chars: int | None = None,
+    **template_kwargs: Any,
+) -> list[int]:
+    """Token ids of `messages` rendered with the model's chat template, ready for the reply
+    (`template_kwargs` reach the template, e.g. enable_thinking=False). With `max_chars`, a rendered
+    text longer than that raises PromptTooLong before any tokenising."""
+    text = render_chat(tokenizer, messages, add_generation_prompt, **template_kwargs)
+    if max_chars is not None and len(text) > max_chars:
+        raise PromptTooLong(len(text), max_chars)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

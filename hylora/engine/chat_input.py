@@ -30,7 +30,7 @@ from hylora.media import (
     process_image,
     process_video,
 )
-from hylora.tokenizer import chat_prompt
+from hylora.tokenizer import PromptTooLong, chat_prompt
 
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
 
@@ -95,9 +95,13 @@ async def multimodal_prompt(
     tokenizer,
     messages: list[Mapping[str, Any]],
     overrides: Mapping[str, Any] | None = None,
+    *,
+    max_chars: int | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[list[int], MultimodalPrompt]:
     """Fetch and preprocess every image and video (concurrently, off the event loop), render the chat
-    template and expand its placeholders. Raises MediaError for anything the client must fix."""
+    template and expand its placeholders. Raises MediaError for anything the client must fix, and
+    PromptTooLong when the rendered text has more than `max_chars` characters (checked before tokenising)."""
     normalised, refs = normalise(messages)
     for kind in ("image", "video"):
         count, limit = sum(r.kind == kind for r in refs), settings.limit_per_prompt.get(kind, 0)
@@ -110,7 +114,7 @@ async def multimodal_prompt(
     kwargs = settings.processor_kwargs | dict(overrides or {})
     items = await asyncio.gather(*(asyncio.to_thread(_load, settings, ref, kwargs) for ref in refs))
     check_visual_tokens(items, settings.limits)
-    ids = await asyncio.to_thread(_render, tokenizer, normalised)
+    ids = await asyncio.to_thread(_render, tokenizer, normalised, max_chars, dict(template_kwargs or {}))
     expanded = expand_prompt_ids(ids, items, tokenizer, settings.tokens)
     try:
         return expanded, build_multimodal_prompt(expanded, items, settings.vision)
@@ -124,9 +128,13 @@ def _load(settings: MediaSettings, ref: MediaRef, kwargs: dict[str, Any]) -> Pro
     return process(data, settings.config, settings.limits, kwargs)
 
 
-def _render(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+def _render(
+    tokenizer, messages: list[dict[str, Any]], max_chars: int | None, template_kwargs: dict[str, Any]
+) -> list[int]:
     try:
-        return chat_prompt(tokenizer, messages)
+        return chat_prompt(tokenizer, messages, max_chars=max_chars, **template_kwargs)
+    except PromptTooLong:
+        raise
     except Exception as e:
         raise MediaError(f"the chat template cannot render these messages: {e}") from None
 

@@ -185,6 +185,9 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise RequestError(f"stop_token_ids must be in [0, {vocab})")
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            outside = sorted(t for t in params.logit_bias if not 0 <= t < vocab)[:5]
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab}); got {outside}")
         limit = self.config.max_model_len
         if len(ids) + params.max_tokens > limit:
             raise RequestError(

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -37,9 +41,10 @@ from hylora.server.routing import ConflictError, RouteError, TaskRouter
 from hylora.server.security import Forbidden, adapter_dir_under, key_matches
 from hylora.server.streaming import EventStream
 from hylora.structured import CompiledGrammar, StructuredOutputError, parse_structured_outputs
-from hylora.tokenizer import chat_prompt, max_token_chars
+from hylora.tokenizer import PromptTooLong, chat_prompt, check_template_kwargs, max_token_chars
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -64,6 +69,18 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.max_token_chars = max_token_chars(self.engine.tokenizer)
+        # Text requests render and tokenise on their own threads: media fetches and decodes, which
+        # have pools of their own, and the loop's default executor can never make them wait.
+        self.text_pool = ThreadPoolExecutor(min(8, (os.cpu_count() or 1) + 2), thread_name_prefix="hylora-text")
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """More characters than this cannot fit in the context even at the longest token's length."""
+        return self.engine.config.max_model_len * self.max_token_chars
+
+    async def run_text(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the text pool (rendering, tokenising, detokenising)."""
+        return await asyncio.get_running_loop().run_in_executor(self.text_pool, functools.partial(fn, *args, **kwargs))
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -73,6 +90,7 @@ def build_app(state: ServerState) -> FastAPI:
             state.aengine.start()
         yield
         await state.aengine.shutdown(state.shutdown_grace_s)
+        state.text_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="hylora", lifespan=lifespan)
     app.state.hylora = state
@@ -195,7 +213,7 @@ def build_app(state: ServerState) -> FastAPI:
         prompt = body.single_prompt()
         if isinstance(prompt, str):
             _check_chars(state, len(prompt))
-            prompt_ids = await asyncio.to_thread(_tokenize, state, prompt)
+            prompt_ids = await state.run_text(_tokenize, state, prompt)
         else:
             prompt_ids = list(prompt)
         max_tokens = _max_tokens(state, len(prompt_ids), body.max_tokens if body.max_tokens is not None else 16)
@@ -218,14 +236,14 @@ def build_app(state: ServerState) -> FastAPI:
         if body.prompt is not None:
             _check_chars(state, len(body.prompt))
             add = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = await asyncio.to_thread(_tokenize, state, body.prompt, add)
+            ids = await state.run_text(_tokenize, state, body.prompt, add)
         else:
             try:
                 messages = [{"role": m.role, "content": m.text()} for m in body.messages or []]
             except Unsupported as e:
                 raise APIError(400, str(e)) from None
             _check_chars(state, sum(len(m["content"]) for m in messages))
-            ids = await asyncio.to_thread(_render_chat, state, messages, body.add_generation_prompt)
+            ids = await state.run_text(_render_chat, state, messages, body.add_generation_prompt)
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {
             "count": len(ids),
@@ -239,7 +257,7 @@ def build_app(state: ServerState) -> FastAPI:
         vocab = state.engine.model.config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})")
-        return {"prompt": await asyncio.to_thread(state.engine.tokenizer.decode, body.tokens)}
+        return {"prompt": await state.run_text(state.engine.tokenizer.decode, body.tokens)}
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -252,7 +270,10 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 async def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], MultimodalPrompt | None]:
-    """Prompt ids of the conversation; with images / videos also their preprocessed media."""
+    """Prompt ids of the conversation; with images / videos also their preprocessed media. The
+    characters are bounded before anything else happens and again, rendered, before tokenising."""
+    template_kwargs = _template_kwargs(body)
+    _check_chars(state, sum(m.text_chars() for m in body.messages))
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
     if has_media(messages):
         if state.media is None:
@@ -261,36 +282,66 @@ async def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple
         for kind_kwargs in (body.media_io_kwargs or {}).values():
             overrides |= kind_kwargs if isinstance(kind_kwargs, dict) else {}
         try:
-            return await multimodal_prompt(state.media, state.engine.tokenizer, messages, overrides)
+            return await multimodal_prompt(
+                state.media,
+                state.engine.tokenizer,
+                messages,
+                overrides,
+                max_chars=state.max_prompt_chars,
+                template_kwargs=template_kwargs,
+            )
         except MediaError as e:
             raise APIError(400, str(e), code="invalid_media") from None
+        except PromptTooLong as e:
+            raise _too_long(state, e.chars) from None
     try:
         texts = [{"role": m.role, "content": m.text()} for m in body.messages]
     except Unsupported as e:
         raise APIError(400, str(e)) from None
-    _check_chars(state, sum(len(m["content"]) for m in texts))
-    kwargs = body.chat_template_kwargs or {}
-    return await asyncio.to_thread(_render_chat, state, texts, body.add_generation_prompt, **kwargs), None
+    ids = await state.run_text(_render_chat, state, texts, body.add_generation_prompt, **template_kwargs)
+    return ids, None
+
+
+def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The request's chat template variables; a template of the client's own is refused (as vLLM)."""
+    if (body.model_extra or {}).get("chat_template") is not None:
+        raise APIError(
+            400,
+            "chat_template: this server renders every request with its own chat template; a request "
+            "cannot replace it",
+            param="chat_template",
+        )
+    try:
+        return check_template_kwargs(body.chat_template_kwargs)
+    except ValueError as e:
+        raise APIError(400, str(e), param="chat_template_kwargs") from None
 
 
 def _check_chars(state: ServerState, chars: int) -> None:
     """Refuse, before tokenising, text that cannot fit in the context even at the most characters
     any single token covers."""
-    limit = state.engine.config.max_model_len * state.max_token_chars
-    if chars > limit:
-        raise APIError(
-            400,
-            f"the prompt has {chars} characters, more than fit in this model's maximum context length of "
-            f"{state.engine.config.max_model_len} tokens; shorten the prompt",
-            code="context_length_exceeded",
-        )
+    if chars > state.max_prompt_chars:
+        raise _too_long(state, chars)
+
+
+def _too_long(state: ServerState, chars: int) -> APIError:
+    return APIError(
+        400,
+        f"the prompt has {chars} characters, more than fit in this model's maximum context length of "
+        f"{state.engine.config.max_model_len} tokens; shorten the prompt",
+        code="context_length_exceeded",
+    )
 
 
 def _render_chat(
     state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
 ) -> list[int]:
     try:
-        return chat_prompt(state.engine.tokenizer, messages, add_generation_prompt, **template_kwargs)
+        return chat_prompt(
+            state.engine.tokenizer, messages, add_generation_prompt, max_chars=state.max_prompt_chars, **template_kwargs
+        )
+    except PromptTooLong as e:
+        raise _too_long(state, e.chars) from None
     except Exception as e:  # the template's own checks (e.g. roles must alternate) and jinja errors
         raise APIError(400, f"the chat template cannot render these messages: {e}") from None
 

@@ -28,9 +28,17 @@ FAILURE_STATUS: dict[FailureKind, tuple[int, str]] = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ):
+        """`param`: the request field at fault, as OpenAI's error bodies name it."""
         super().__init__(message)
-        self.status, self.message, self.kind, self.code = status, message, kind, code
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
 
     @classmethod
     def from_failure(cls, failure: FailureKind | None, message: str | None) -> APIError:
@@ -39,29 +47,31 @@ class APIError(Exception):
         return cls(status, message or "the request failed", kind, failure.value)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def error_response(
-    status: int, message: str, kind: str = "invalid_request_error", code: str | None = None
+    status: int, message: str, kind: str = "invalid_request_error", code: str | None = None, param: str | None = None
 ) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
 
 
 def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
         metrics.rejected.labels(code=str(e.status)).inc()
-        return error_response(e.status, e.message, e.kind, e.code)
+        return error_response(e.status, e.message, e.kind, e.code, e.param)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         metrics.rejected.labels(code="400").inc()
-        problems = []
+        problems, fields = [], []
         for err in e.errors():
             where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
             problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        return error_response(400, "invalid request: " + "; ".join(problems))
+            fields.append(where)
+        return error_response(400, "invalid request: " + "; ".join(problems), param=fields[0] if fields else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -157,6 +157,12 @@ class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
+    def text_chars(self) -> int:
+        """Characters of the message's text (its text parts; media parts count 0), without raising."""
+        if isinstance(self.content, str):
+            return len(self.content)
+        return sum(len(str(p.get("text", ""))) for p in self.content or [] if isinstance(p, dict))
+
     def text(self) -> str:
         """The content of a text-only message (image / video parts take the multimodal path)."""
         if self.content is None:

@@ -1,0 +1,111 @@
+"""Issue 22: one crafted request can only ever fail itself. Each class of hostile request runs
+beside a streaming neighbour on an adapter and a non-streaming one with an image; the offender gets
+its 4xx promptly, the neighbours' outputs equal a run without it, /health answers within 1 s
+throughout, and a fresh text request sent during the attack is not delayed by more than 1 s."""
+
+from __future__ import annotations
+
+import base64
+import shutil
+
+import httpx
+import pytest
+
+from tests.hostile_helpers import Watch, assert_error, neighbour_bodies, run_neighbours
+from tests.server_helpers import running_server
+
+MAX_MODEL_LEN = 512
+NEIGHBOUR_TOKENS = 96
+
+
+@pytest.fixture(scope="module")
+def media_root(tmp_path_factory, demo_dir):
+    root = tmp_path_factory.mktemp("media-root")
+    shutil.copy(demo_dir / "media" / "relic.png", root / "relic.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(demo_cache_dir, demo_dir, media_root, tmp_path_factory):
+    args = ["--demo", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--dtype", "float32"]
+    args += ["--device", "cpu", "--allowed-local-media-path", str(media_root)]
+    args += ["--allowed-media-domains", "127.0.0.1", "--media-fetch-timeout", "3"]
+    args += ["--adapter-root", str(tmp_path_factory.mktemp("adapter-root"))]
+    with running_server(args, demo_cache_dir, tmp_path_factory.mktemp("logs") / "server.log") as handle:
+        yield handle.url
+
+
+@pytest.fixture(scope="module")
+def image_url(demo_dir):
+    return "data:image/png;base64," + base64.b64encode((demo_dir / "media" / "relic.png").read_bytes()).decode()
+
+
+@pytest.fixture(scope="module")
+def bodies(image_url):
+    return neighbour_bodies(image_url, NEIGHBOUR_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def quiet(server, bodies):
+    """The neighbours' outputs and a fresh request's time with no offender about."""
+    return run_neighbours(server, bodies)
+
+
+@pytest.fixture
+def watch(server, bodies, quiet):
+    baseline, quiet_s = quiet
+    return Watch(server, bodies, baseline, quiet_s)
+
+
+def chat(url: str, content, model: str = "relic", **extra) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4} | extra
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+
+
+# --- chat templates ------------------------------------------------------------------------------
+
+
+def test_a_request_cannot_replace_or_steer_the_chat_template(server, watch):
+    forged = "{% for m in messages %}SYSTEM OVERRIDE {{ m.content }}{% endfor %}"
+    slow = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+    huge = "{{ 'ab ' * 3000000 }}"
+    with watch as w:
+        results = w.attack(
+            lambda: chat(server, "x", chat_template_kwargs={"chat_template": forged}),
+            lambda: chat(server, "x", chat_template_kwargs={"chat_template": slow}),
+            lambda: chat(server, "x", chat_template_kwargs={"chat_template": huge}),
+            lambda: chat(server, "x", chat_template=forged),
+            lambda: chat(server, "x", chat_template_kwargs={"tokenize": True}),
+            lambda: chat(server, "x", chat_template_kwargs={"add_generation_prompt": False}),
+            lambda: chat(server, "x", chat_template_kwargs=["enable_thinking"]),
+        )
+        for r in results[:3]:
+            assert assert_error(r, 400, "chat_template", within=5)["param"] == "chat_template_kwargs"
+        assert assert_error(results[3], 400, "own chat template", within=5)["param"] == "chat_template"
+        assert_error(results[4], 400, "tokenize", within=5)
+        assert_error(results[5], 400, "add_generation_prompt", within=5)
+        assert_error(results[6], 400, within=5)
+    # template variables still reach the template
+    assert chat(server, "x", chat_template_kwargs={"enable_thinking": False}).status_code == 200
+
+
+def test_text_beside_an_image_is_bounded_before_tokenising(server, watch, image_url):
+    image = {"type": "image_url", "image_url": {"url": image_url}}
+    text = "relic " * 1_300_000  # 7.8 MB, far more than 512 tokens can hold
+    with watch as w:
+        (r,) = w.attack(lambda: chat(server, [image, {"type": "text", "text": text}]))
+        assert_error(r, 400, "characters, more than fit", within=3)
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_logit_bias_ids_outside_the_vocabulary_are_refused(server, watch):
+    with watch as w:
+        r1, r2, r3 = w.attack(
+            lambda: chat(server, "x", logit_bias={"999999999": 5}),
+            lambda: chat(server, "x", logit_bias={"-1": 5}),
+            lambda: chat(server, "x", logit_bias={"nine": 5}),
+        )
+        assert_error(r1, 400, "logit_bias", within=5)
+        assert_error(r2, 400, "logit_bias", within=5)
+        assert_error(r3, 400, "logit_bias", within=5)
+    assert chat(server, "x", logit_bias={"5": 2}).status_code == 200
