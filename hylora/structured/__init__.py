@@ -30,15 +30,46 @@ of 248,077 tokens in 248,320 model rows (Qwen3.5's sizes).
 llguidance is therefore a core dependency (`llguidance>=1.9.1,<2`). Regex syntax is Rust's
 `regex` crate (no look-around or back-references: those are a 400); as in Python's `re`,
 `\\d`/`\\w` are Unicode-aware — write `[0-9]` for ASCII digits.
+
+llguidance compiles natively and recursively: a deep enough spec overflows the stack and kills
+the process, others compile and fail at the first token. Such specs are refused before or while
+compiling, never in the engine: limits.py and rules.py (pre-compile bounds), probe.py (a test
+compile and drive of the first tokens), worker.py / sandbox.py (the probe, in a worker process
+with a small stack), compiler.py (the queue, the cache, the server-side compile).
 """
 
-from hylora.structured.compiler import CompiledGrammar, GrammarCompiler
-from hylora.structured.mask import allocate_bitmask, apply_bitmask, apply_token_masks, fill_bitmask
-from hylora.structured.matcher import GrammarError, GrammarMatcher
-from hylora.structured.spec import StructuredOutputError, StructuredSpec, parse_structured_outputs
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hylora.structured.compiler import CompiledGrammar, GrammarCompiler
+    from hylora.structured.errors import CompilerBusy, CompileTimeout, StructuredOutputError
+    from hylora.structured.mask import allocate_bitmask, apply_bitmask, apply_token_masks, fill_bitmask
+    from hylora.structured.matcher import GrammarError, GrammarMatcher
+    from hylora.structured.spec import StructuredSpec, parse_structured_outputs
+
+# Imported on first use: the grammar worker process (structured/worker.py) imports the light
+# modules of this package and must not pay for torch / transformers.
+_HOMES = {
+    "CompiledGrammar": "compiler",
+    "GrammarCompiler": "compiler",
+    "CompileTimeout": "errors",
+    "CompilerBusy": "errors",
+    "StructuredOutputError": "errors",
+    "allocate_bitmask": "mask",
+    "apply_bitmask": "mask",
+    "apply_token_masks": "mask",
+    "fill_bitmask": "mask",
+    "GrammarError": "matcher",
+    "GrammarMatcher": "matcher",
+    "StructuredSpec": "spec",
+    "parse_structured_outputs": "spec",
+}
 
 __all__ = [
     "CompiledGrammar",
+    "CompileTimeout",
+    "CompilerBusy",
     "GrammarCompiler",
     "GrammarError",
     "GrammarMatcher",
@@ -50,3 +81,12 @@ __all__ = [
     "fill_bitmask",
     "parse_structured_outputs",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value

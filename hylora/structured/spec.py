@@ -20,11 +20,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from hylora.structured.errors import StructuredOutputError
+from hylora.structured.limits import MAX_JSON_DEPTH, json_text_depth, object_depth
+
+__all__ = [
+    "KINDS",
+    "MAX_CHOICES",
+    "MAX_SPEC_CHARS",
+    "StructuredOutputError",
+    "StructuredSpec",
+    "parse_structured_outputs",
+]
+
 Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 MAX_SPEC_CHARS = 256 * 1024  # a schema / regex / grammar / all choices together, as text
-MAX_CHOICES = 4096
+# llguidance's Earley rows hold at most 2000 items (LLParserLimits.max_items_in_row) and a choice list
+# of n entries that share their first token puts n + 1 items in the row after that token: 2000
+# choices compile and fail at the first token. 1024 keeps the row at half the limit.
+MAX_CHOICES = 1024
 
 _SO_CONSTRAINTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 _SO_OPTIONS = {"disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "disable_fallback"}
@@ -34,10 +49,6 @@ _GUIDED = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
-
-
-class StructuredOutputError(ValueError):
-    """The requested output format cannot be served as given (HTTP 400); the message says why."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,10 @@ class StructuredSpec:
         if self.kind == "choice":
             if not isinstance(self.payload, tuple) or not all(isinstance(c, str) for c in self.payload):
                 raise StructuredOutputError("choice needs a list of strings")
+            if len(self.payload) > MAX_CHOICES:
+                raise StructuredOutputError(
+                    f"the choice list has {len(self.payload)} entries; at most {MAX_CHOICES} are accepted"
+                )
             size = sum(len(c) for c in self.payload)
         else:
             if not isinstance(self.payload, str):
@@ -179,16 +194,27 @@ def _schema_text(schema: Any, where: str) -> str:
     if isinstance(schema, str):
         if len(schema) > MAX_SPEC_CHARS:
             raise StructuredOutputError(f"{where}: the JSON schema is longer than {MAX_SPEC_CHARS} characters")
+        depth = json_text_depth(schema)  # before json.loads, which recurses once per level
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep(where, str(depth))
         try:
             schema = json.loads(schema)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise StructuredOutputError(f"{where} is not valid JSON: {e}") from None
     if not isinstance(schema, Mapping):
         raise StructuredOutputError(f"{where} must be a JSON schema object, got {type(schema).__name__}")
+    if object_depth(schema, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:  # before json.dumps, which recurses too
+        raise _too_deep(where, f"more than {MAX_JSON_DEPTH}")
     try:
         return json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise StructuredOutputError(f"{where} cannot be serialised as JSON: {e}") from None
+
+
+def _too_deep(where: str, depth: str) -> StructuredOutputError:
+    return StructuredOutputError(
+        f"{where}: the JSON schema is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted"
+    )
 
 
 def _choices(value: Any, where: str) -> tuple[str, ...]:
