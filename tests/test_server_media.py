@@ -154,7 +154,7 @@ def test_bad_media_get_4xx_and_the_next_request_is_unchanged(server, media, demo
         (messages(("image_url", "data:image/png;base64,not base64 !!")), "not valid base64"),
         (messages(("image_url", "data:image/png,plain")), "data URL must look like"),
         (messages(("image_url", data_url(_png(4000, 16), "image/png"))), "aspect ratio"),
-        (messages(("image_url", outside.as_uri())), "outside the allowed local media path"),
+        (messages(("image_url", outside.as_uri())), "no readable file"),  # as for a missing one
         (messages(("image_url", "http://example.com/x.png")), "not allowed on this server"),
         (messages(("image_url", "ftp://x/y.png")), "unsupported media URL scheme"),
         (messages(*[("image_url", media["image"])] * 3), "allows 2 per prompt"),

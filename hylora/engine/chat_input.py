@@ -3,13 +3,20 @@
 
 vLLM's request shapes: content parts `{"type": "image_url", "image_url": {"url": ...}}` and
 `{"type": "video_url", "video_url": {"url": ...}}` (data:, file:// under the allowed local path,
-http(s) to allowed hosts). Fetching and preprocessing run on worker threads; every bad input is a
-MediaError, which the server answers with a 400 that says what to fix.
+http(s) to allowed hosts). Every bad input is a MediaError, which the server answers with a 400 that says
+what to fix.
+
+Where the work runs (hylora/media/pools.py): http(s) transfers on the event loop, data: / file:// reads on
+the media fetch pool, decoding on the decode pool, the chat template and tokenising on the render pool, never
+on the loop's default executor. A request's items load concurrently, within its per-request slots, as one
+task group: the first failure cancels the rest (their fetches at once, their decodes at the next frame), and
+so does the caller's cancellation (the client left).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,18 +25,24 @@ from typing import Any
 from hylora.config import VisionConfig
 from hylora.engine.multimodal import MultimodalPrompt, build_multimodal_prompt
 from hylora.media import (
+    CancelFlag,
+    Cancelled,
     FetchPolicy,
     MediaConfig,
     MediaError,
     MediaLimits,
+    MediaPools,
     ProcessedMedia,
     VisionTokens,
     check_visual_tokens,
     expand_prompt_ids,
-    fetch_bytes,
+    fetch_url,
+    http_client,
     process_image,
     process_video,
+    shared_pools,
 )
+from hylora.media.pools import RequestSlots
 from hylora.tokenizer import PromptTooLong, chat_prompt
 
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
@@ -46,6 +59,7 @@ class MediaSettings:
     policy: FetchPolicy = field(default_factory=FetchPolicy)
     limit_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 2})
     processor_kwargs: dict[str, Any] = field(default_factory=dict)  # server defaults (--mm-processor-kwargs)
+    pools: MediaPools = field(default_factory=shared_pools)
 
     @classmethod
     def for_model(cls, model_dir: Path, vision: VisionConfig, tokenizer, **settings: Any) -> MediaSettings:
@@ -99,9 +113,10 @@ async def multimodal_prompt(
     max_chars: int | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[list[int], MultimodalPrompt]:
-    """Fetch and preprocess every image and video (concurrently, off the event loop), render the chat
+    """Fetch and preprocess every image and video (concurrently, on the media pools), render the chat
     template and expand its placeholders. Raises MediaError for anything the client must fix, and
-    PromptTooLong when the rendered text has more than `max_chars` characters (checked before tokenising)."""
+    PromptTooLong when the rendered text has more than `max_chars` characters (checked before tokenising).
+    The first of these cancels the request's other media work, as does cancelling this coroutine."""
     normalised, refs = normalise(messages)
     for kind in ("image", "video"):
         count, limit = sum(r.kind == kind for r in refs), settings.limit_per_prompt.get(kind, 0)
@@ -112,20 +127,70 @@ async def multimodal_prompt(
     if overrides is not None and not isinstance(overrides, Mapping):
         raise MediaError("mm_processor_kwargs must be a JSON object")
     kwargs = settings.processor_kwargs | dict(overrides or {})
-    items = await asyncio.gather(*(asyncio.to_thread(_load, settings, ref, kwargs) for ref in refs))
+    pools, cancel = settings.pools, CancelFlag()
+    try:
+        async with _client_for(refs, pools) as client, asyncio.TaskGroup() as group:
+            slots = pools.request_slots()
+            loads = [group.create_task(_load(settings, ref, kwargs, slots, client, cancel)) for ref in refs]
+            render = group.create_task(
+                pools.run(pools.render, _render, tokenizer, normalised, max_chars, dict(template_kwargs or {}))
+            )
+    except BaseExceptionGroup as failed:
+        cancel.set()
+        raise _first(failed) from None
+    except BaseException:  # cancelled: the client left
+        cancel.set()
+        raise
+    items = [task.result() for task in loads]
     check_visual_tokens(items, settings.limits)
-    ids = await asyncio.to_thread(_render, tokenizer, normalised, max_chars, dict(template_kwargs or {}))
+    return await pools.run(pools.render, _expand, settings, tokenizer, render.result(), items)
+
+
+async def _load(
+    settings: MediaSettings,
+    ref: MediaRef,
+    kwargs: dict[str, Any],
+    slots: RequestSlots,
+    client,
+    cancel: CancelFlag,
+) -> ProcessedMedia:
+    pools = settings.pools
+    try:
+        async with slots.fetch:
+            data = await fetch_url(ref.url, settings.policy, settings.limits.max_bytes, client=client, pools=pools)
+        process = process_image if ref.kind == "image" else process_video
+        async with slots.decode:
+            return await pools.run(pools.decode, process, data, settings.config, settings.limits, kwargs, cancel)
+    except BaseException:  # this item failed or the request is going away: every decode of it stops
+        cancel.set()
+        raise
+
+
+def _client_for(refs: list[MediaRef], pools: MediaPools) -> contextlib.AbstractAsyncContextManager:
+    """One http client for the request's http(s) items (none without them)."""
+    if not any(ref.url[:8].lower().startswith(("http://", "https://")) for ref in refs):
+        return contextlib.nullcontext()
+
+    @contextlib.asynccontextmanager
+    async def opened():
+        async with await http_client(pools) as client:
+            yield client
+
+    return opened()
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    """The first exception of a failed task group that is not a decode stopped because of it."""
+    flat = [_first(e) if isinstance(e, BaseExceptionGroup) else e for e in group.exceptions]
+    return next((e for e in flat if not isinstance(e, Cancelled)), flat[0])
+
+
+def _expand(settings: MediaSettings, tokenizer, ids: list[int], items: list[ProcessedMedia]):
     expanded = expand_prompt_ids(ids, items, tokenizer, settings.tokens)
     try:
         return expanded, build_multimodal_prompt(expanded, items, settings.vision)
     except ValueError as e:  # placeholders typed into the text, for instance
         raise MediaError(f"the prompt's image / video placeholders do not fit its media: {e}") from None
-
-
-def _load(settings: MediaSettings, ref: MediaRef, kwargs: dict[str, Any]) -> ProcessedMedia:
-    data = fetch_bytes(ref.url, settings.policy, settings.limits.max_bytes)
-    process = process_image if ref.kind == "image" else process_video
-    return process(data, settings.config, settings.limits, kwargs)
 
 
 def _render(

@@ -110,6 +110,10 @@ class MediaLimits:
     max_bytes: int = 64 << 20  # one image or video as fetched
     max_source_pixels: int = 8192 * 8192  # width × height of one decoded image or video frame
     max_source_frames: int = 18_000  # frames decoded from one video (10 min at 30 fps)
+    # width × height × frames decoded from one video or animated image, every frame at its full canvas size:
+    # a 10-minute 720p video at 30 fps (1280·720·18,000 = 1.66e10) is the most it allows, so an 8000² GIF of
+    # 500 one-pixel frames (3.2e10) is refused from its header. At 1-3 ns a pixel for FFmpeg, tens of seconds.
+    max_decode_pixels: int = 1280 * 720 * 18_000
     max_frames: int = 768  # frames sampled from one video
     max_fps: float = 30.0  # a request's fps override
     max_visual_tokens: int = 65_536  # one request, all items together

@@ -1,43 +1,96 @@
 """The bytes behind an `image_url` / `video_url`, the way vLLM users send them.
 
-`data:<mime>;base64,...` always; `file://` only under an allowed local root (symlinks resolved); `http(s)://`
-only to allowed hosts (every redirect hop checked), with a timeout. The byte cap applies to all of them.
+`data:<mime>;base64,...` always; `file://` only under an allowed local root (symlinks resolved; a path outside
+it gets the same answer as a missing one, and the root is never named); `http(s)://` only to allowed hosts,
+every redirect hop checked. The byte cap applies to all of them, for http(s) to the raw and to the decoded
+body alike (encoding.py).
+
+http(s) runs on the event loop with httpx.AsyncClient, under one deadline for the whole fetch (connect,
+headers, body, every redirect): no thread waits on the network. Host names are resolved on the media fetch
+pool, not the loop's default executor; data: and file:// are read there too (pools.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
-import time
+import functools
+import ipaddress
+import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
+from hylora.media.encoding import BodyDecoder
 from hylora.media.errors import MediaError
+from hylora.media.pools import MediaPools, shared_pools
 
 if TYPE_CHECKING:
+    import ssl
+    from concurrent.futures import Executor
+
     import httpx
+
+REDIRECTS = (301, 302, 303, 307, 308)
+ACCEPT_ENCODING = "gzip, deflate"  # what encoding.py decodes
 
 
 @dataclass(frozen=True)
 class FetchPolicy:
     allowed_local_root: Path | None = None  # vLLM's --allowed-local-media-path
     allowed_domains: frozenset[str] = frozenset()  # exact host names, vLLM's --allowed-media-domains
-    timeout_s: float = 10.0
+    timeout_s: float = 10.0  # one http(s) fetch, all of it: connect, headers, body, redirects
     max_redirects: int = 3
 
 
-def fetch_bytes(url: str, policy: FetchPolicy, max_bytes: int, client: httpx.Client | None = None) -> bytes:
-    """The bytes at `url`, or a MediaError that says why the server will not fetch them."""
+async def fetch_url(
+    url: str,
+    policy: FetchPolicy,
+    max_bytes: int,
+    *,
+    client: httpx.AsyncClient | None = None,
+    pools: MediaPools | None = None,
+) -> bytes:
+    """The bytes at `url`, or a MediaError that says why the server will not fetch them. `client` is reused
+    for http(s) when given (`http_client`); otherwise one is opened for this fetch."""
+    pools = pools or shared_pools()
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
-        return _data_url(url, max_bytes)
+        return await pools.run(pools.fetch, _data_url, url, max_bytes)
     if scheme == "file":
-        return _local_file(url, policy, max_bytes)
+        return await pools.run(pools.fetch, _local_file, url, policy, max_bytes)
     if scheme in ("http", "https"):
-        return _http(url, policy, max_bytes, client)
+        _check_url(url, policy)  # before waiting for a slot
+        async with pools.http_slots():
+            if client is not None:
+                return await _http(client, url, policy, max_bytes)
+            async with await http_client(pools) as own:
+                return await _http(own, url, policy, max_bytes)
     raise MediaError(f"unsupported media URL scheme {scheme or url[:16]!r}: use data:, http(s):// or file://")
+
+
+def fetch_bytes(url: str, policy: FetchPolicy, max_bytes: int, client: httpx.AsyncClient | None = None) -> bytes:
+    """`fetch_url` for synchronous callers (scripts, tests): runs its own event loop."""
+    return asyncio.run(fetch_url(url, policy, max_bytes, client=client))
+
+
+async def http_client(pools: MediaPools | None = None) -> httpx.AsyncClient:
+    """An AsyncClient whose host name lookups run on the media fetch pool (close it when done)."""
+    import httpcore
+    import httpx
+
+    pools = pools or shared_pools()
+    ctx = await pools.run(pools.fetch, _ssl_context)
+    transport = httpx.AsyncHTTPTransport(verify=ctx)
+    # httpx has no argument for the network backend: the pool it would build, with ours
+    transport._pool = httpcore.AsyncConnectionPool(ssl_context=ctx, network_backend=_PoolResolver(pools.fetch))
+    return httpx.AsyncClient(transport=transport, follow_redirects=False)
+
+
+# --- data: and file:// (on the fetch pool) -----------------------------------------------------------------
 
 
 def _data_url(url: str, max_bytes: int) -> bytes:
@@ -57,72 +110,186 @@ def _data_url(url: str, max_bytes: int) -> bytes:
 def _local_file(url: str, policy: FetchPolicy, max_bytes: int) -> bytes:
     if policy.allowed_local_root is None:
         raise MediaError("file:// URLs are disabled on this server (no allowed local media path)")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:
+        raise MediaError(f"malformed file:// URL {_show(url)!r}: {e}") from None
     if parts.netloc not in ("", "localhost"):
-        raise MediaError(f"file:// URL with host {parts.netloc!r}: only local files are allowed")
+        raise MediaError(f"file:// URL with host {parts.netloc[:100]!r}: only local files are allowed")
+    name = unquote(parts.path)
+    shown = repr(name[:200])
+    if "\0" in name:
+        raise MediaError(f"the file:// path {shown} contains a NUL byte")
+    # One answer for missing, outside the root (symlinks resolved) and unreadable: which of them it is,
+    # and where the root is, are the server's business.
+    refused = MediaError(f"no readable file {shown} under the server's allowed local media path")
     root = Path(policy.allowed_local_root).resolve()
     try:
-        path = Path(unquote(parts.path)).resolve(strict=True)
-    except (OSError, RuntimeError) as e:
-        raise MediaError(f"no such local file: {unquote(parts.path)}") from e
-    if not path.is_relative_to(root):
-        raise MediaError(f"{unquote(parts.path)} is outside the allowed local media path {root}")
-    if not path.is_file():
-        raise MediaError(f"{unquote(parts.path)} is not a regular file")
-    if (size := path.stat().st_size) > max_bytes:
-        raise MediaError(f"{unquote(parts.path)} is {size} bytes; the server accepts at most {max_bytes}")
-    return _capped(path.read_bytes(), max_bytes)
-
-
-def _http(url: str, policy: FetchPolicy, max_bytes: int, client: httpx.Client | None) -> bytes:
-    import httpx  # only http(s) media needs it
-
-    own = client is None
-    client = client or httpx.Client()
-    deadline = time.monotonic() + policy.timeout_s  # httpx's timeout is per read; this one is for the whole body
+        path = Path(name).resolve(strict=True)
+        found = path.is_relative_to(root) and path.is_file()  # not a directory, FIFO or device
+        size = path.stat().st_size if found else 0
+    except (OSError, RuntimeError, ValueError):  # missing, a symlink loop, permissions, a name too long
+        found = False
+    if not found:
+        raise refused
+    if size > max_bytes:
+        raise MediaError(f"{shown} is {size} bytes; the server accepts at most {max_bytes}")
     try:
-        for _ in range(policy.max_redirects + 1):
-            _check_host(url, policy)
-            with client.stream("GET", url, timeout=policy.timeout_s, follow_redirects=False) as response:
-                if response.is_redirect:
-                    url = str(response.url.join(response.headers.get("location", "")))
-                    continue
-                if response.status_code != 200:
-                    raise MediaError(f"fetching {url} failed: HTTP {response.status_code}")
-                declared = response.headers.get("content-length")
-                if declared and declared.isdigit() and int(declared) > max_bytes:
-                    raise MediaError(f"{url} is {declared} bytes; the server accepts at most {max_bytes}")
-                body = bytearray()
-                for chunk in response.iter_bytes():
-                    body += chunk
-                    if len(body) > max_bytes:
-                        raise MediaError(f"{url} is larger than {max_bytes} bytes, the most the server accepts")
-                    if time.monotonic() > deadline:
-                        raise httpx.ReadTimeout("deadline", request=response.request)
-                return bytes(body)
-        raise MediaError(f"{url}: more than {policy.max_redirects} redirects")
-    except httpx.TimeoutException as e:
-        raise MediaError(f"fetching {url} timed out after {policy.timeout_s} s") from e
-    except httpx.HTTPError as e:
-        raise MediaError(f"fetching {url} failed: {e}") from e
-    finally:
-        if own:
-            client.close()
-
-
-def _check_host(url: str, policy: FetchPolicy) -> None:
-    import httpx  # parse the host exactly as the request will
-
-    try:
-        host = (httpx.URL(url).host or "").lower()
-    except httpx.InvalidURL as e:
-        raise MediaError(f"invalid media URL {url[:200]!r}: {e}") from e
-    if host not in {d.lower() for d in policy.allowed_domains}:
-        allowed = ", ".join(sorted(policy.allowed_domains)) or "none"
-        raise MediaError(f"media host {host!r} is not allowed on this server (allowed: {allowed})")
+        with path.open("rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError:
+        raise refused from None
+    return _capped(data, max_bytes)
 
 
 def _capped(data: bytes, max_bytes: int) -> bytes:
     if len(data) > max_bytes:
         raise MediaError(f"the media is {len(data)} bytes; the server accepts at most {max_bytes}")
     return data
+
+
+# --- http(s) (on the event loop) ---------------------------------------------------------------------------
+
+
+async def _http(client: httpx.AsyncClient, url: str, policy: FetchPolicy, max_bytes: int) -> bytes:
+    import httpx
+
+    first = url
+    try:
+        async with asyncio.timeout(policy.timeout_s):
+            for _ in range(policy.max_redirects + 1):
+                _check_url(url, policy)
+                async with client.stream(
+                    "GET", url, headers={"Accept-Encoding": ACCEPT_ENCODING}, timeout=policy.timeout_s
+                ) as response:
+                    if response.status_code in REDIRECTS:
+                        url = _redirect(response, url)
+                        continue
+                    if response.status_code != 200:
+                        raise MediaError(f"fetching {_show(url)} failed: HTTP {response.status_code}")
+                    return await _body(response, url, max_bytes)
+            raise MediaError(f"{_show(first)}: more than {policy.max_redirects} redirects")
+    except MediaError:
+        raise
+    except (TimeoutError, httpx.TimeoutException):
+        raise MediaError(
+            f"fetching {_show(url)} timed out: the server allows {policy.timeout_s} s for connecting, headers and body"
+        ) from None
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:  # httpx parses a Location even unfollowed
+        raise MediaError(f"fetching {_show(url)} failed: {type(e).__name__}: {e}") from None
+
+
+async def _body(response: httpx.Response, url: str, max_bytes: int) -> bytes:
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise MediaError(f"{_show(url)} is {declared} bytes; the server accepts at most {max_bytes}")
+    size = int(declared) if declared.isdigit() else None
+    decoder = BodyDecoder(response.headers.get_list("content-encoding"), max_bytes, _show(url), size)
+    async for raw in response.aiter_raw():
+        for _ in decoder.feed(raw):
+            await asyncio.sleep(0)  # a highly compressed chunk decodes in slices; let the loop breathe
+    return decoder.finish()
+
+
+def _redirect(response: httpx.Response, url: str) -> str:
+    import httpx
+
+    location = response.headers.get("location")
+    if not location:
+        raise MediaError(f"fetching {_show(url)} failed: HTTP {response.status_code} without a Location header")
+    try:
+        return str(response.url.join(location))
+    except (httpx.InvalidURL, ValueError) as e:
+        raise MediaError(f"{_show(url)} redirects to a malformed Location {location[:200]!r}: {e}") from None
+
+
+def _check_url(url: str, policy: FetchPolicy) -> None:
+    import httpx  # parse the host exactly as the request will
+
+    try:
+        parsed = httpx.URL(url)
+        scheme, host, port = parsed.scheme, (parsed.host or "").lower(), parsed.port
+    except (httpx.InvalidURL, ValueError) as e:  # IDNA errors are ValueErrors
+        raise MediaError(f"invalid media URL {_show(url)}: {e}") from None
+    if scheme not in ("http", "https"):
+        raise MediaError(f"media URL {_show(url)}: only http(s) may be fetched from the network")
+    if port is not None and not 0 < port < 65536:
+        raise MediaError(f"invalid media URL {_show(url)}: port {port} is out of range")
+    if host not in {d.lower() for d in policy.allowed_domains}:
+        allowed = ", ".join(sorted(policy.allowed_domains)) or "none"
+        raise MediaError(f"media host {host[:200]!r} is not allowed on this server (allowed: {allowed})")
+
+
+def _show(url: str) -> str:
+    return url if len(url) <= 200 else url[:200] + "..."
+
+
+_ssl_lock = threading.Lock()
+
+
+@functools.cache
+def _ssl_context_once() -> ssl.SSLContext:
+    import httpx
+
+    return httpx.create_ssl_context()
+
+
+def _ssl_context() -> ssl.SSLContext:
+    with _ssl_lock:  # built once (certifi's store), on the fetch pool
+        return _ssl_context_once()
+
+
+# --- name resolution on the fetch pool ---------------------------------------------------------------------
+
+
+def _addresses(host: str, port: int) -> list[str]:
+    try:
+        ipaddress.ip_address(host)
+        return [host]
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        import httpcore
+
+        raise httpcore.ConnectError(f"cannot resolve {host!r}: {e}") from None
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+class _PoolResolver:
+    """httpcore's anyio network backend, with host names resolved on `executor` (anyio would resolve them on
+    the loop's default executor); connects to each address in turn."""
+
+    def __init__(self, executor: Executor):
+        import httpcore
+
+        self._inner = httpcore.AnyIOBackend()
+        self._executor = executor
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> Any:
+        import httpcore
+
+        addresses = await asyncio.get_running_loop().run_in_executor(self._executor, _addresses, host, port)
+        error: Exception = httpcore.ConnectError(f"no address for {host!r}")
+        for address in addresses:
+            try:
+                return await self._inner.connect_tcp(address, port, timeout, local_address, socket_options)
+            except (httpcore.NetworkError, httpcore.TimeoutException) as e:
+                error = e
+            except Exception as e:  # anyio's own errors (an exception group, say): this address failed
+                error = httpcore.ConnectError(f"{type(e).__name__}: {e}")
+        raise error
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options: Any = None) -> Any:
+        return await self._inner.connect_unix_socket(path, timeout, socket_options)
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)

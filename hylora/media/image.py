@@ -3,31 +3,41 @@
 Follows transformers' `Qwen2VLImageProcessorPil` (after `load_image`'s EXIF transpose): alpha is composited
 onto white, PIL resizes, rescale and normalise run in numpy exactly as there. One deliberate difference:
 16-bit grayscale is scaled to 8 bits (PIL's own conversion, used by transformers, clips it to white).
+
+Only the still-image formats in `FORMATS` are opened (a container such as ICO can hold an image larger than
+its header says), the size is checked from the header before any pixel is decoded, and Pillow's own
+decompression-bomb limit is the server's `max_source_pixels`. An animated image decodes its first frame only.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import warnings
 
 import numpy as np
 from PIL import Image, ImageOps
 
+from hylora.media.budget import CancelFlag
 from hylora.media.config import ImageConfig, MediaLimits, VisionParams
 from hylora.media.errors import MediaError
 
 MAX_ASPECT_RATIO = 200
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # Pillow's names; JPEG includes MPO, PNG APNG
+# Pillow warns between MAX_IMAGE_PIXELS and twice that; hylora refuses above it itself (decode_image)
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
-def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
+def decode_image(data: bytes, limits: MediaLimits, cancel: CancelFlag | None = None) -> Image.Image:
     """Decode `data` into an upright RGB image; the size is checked from the header before decoding."""
+    Image.MAX_IMAGE_PIXELS = limits.max_source_pixels  # Pillow's backstop: the server's cap, not Pillow's 89 M
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
     except Image.DecompressionBombError as e:
         raise MediaError(f"image is too large to decode: {e}") from e
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SyntaxError) as e:
         raise MediaError(
-            f"could not decode image: not a supported format (PNG, JPEG, WebP, GIF, ...) or corrupt ({e})"
+            f"could not decode image: not a supported format ({', '.join(FORMATS)}) or corrupt ({e})"
         ) from e
     width, height = image.size
     if width * height > limits.max_source_pixels:
@@ -35,6 +45,8 @@ def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
             f"image is {width}x{height} = {width * height} pixels; the server accepts at most "
             f"{limits.max_source_pixels} pixels per image"
         )
+    if cancel is not None:
+        cancel.check()
     try:
         image.load()
         image = ImageOps.exif_transpose(image)

@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from hylora.media import image, video
+from hylora.media.budget import CancelFlag
 from hylora.media.config import MediaConfig, MediaLimits, VisionParams, apply_overrides
 from hylora.media.errors import MediaError
 
@@ -41,20 +42,30 @@ class ProcessedMedia:
 
 
 def process_image(
-    data: bytes, cfg: MediaConfig, limits: MediaLimits, overrides: Mapping[str, Any] | None = None
+    data: bytes,
+    cfg: MediaConfig,
+    limits: MediaLimits,
+    overrides: Mapping[str, Any] | None = None,
+    cancel: CancelFlag | None = None,
 ) -> ProcessedMedia:
+    """One image's rows. `cancel` (set by the request's coroutine) stops the work before it decodes."""
     _check_bytes("image", data, limits)
     params = apply_overrides(cfg.image, overrides, limits)
-    rows, grid = image.preprocess_image(image.decode_image(data, limits), params)
+    rows, grid = image.preprocess_image(image.decode_image(data, limits, cancel), params)
     return _finish("image", rows, grid, params, media_key("image", data, params), limits)
 
 
 def process_video(
-    data: bytes, cfg: MediaConfig, limits: MediaLimits, overrides: Mapping[str, Any] | None = None
+    data: bytes,
+    cfg: MediaConfig,
+    limits: MediaLimits,
+    overrides: Mapping[str, Any] | None = None,
+    cancel: CancelFlag | None = None,
 ) -> ProcessedMedia:
+    """One video's (or animated image's) rows, within the decode budget; `cancel` stops it at the next frame."""
     _check_bytes("video", data, limits)
     params = apply_overrides(cfg.video, overrides, limits)
-    sampled = video.read_video(data, params, limits)
+    sampled = video.read_video(data, params, limits, cancel)
     return _video_rows(sampled, params, media_key("video", data, params), limits)
 
 

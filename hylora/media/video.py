@@ -4,6 +4,12 @@ Rules from transformers' `Qwen3VLVideoProcessor` (sampling, smart_resize, patch 
 `Qwen3VLProcessor._calculate_timestamps`; metadata as its PyAV reader reads it (`stream.frames`,
 `stream.average_rate`). Frames are resized with PIL bicubic (transformers uses torchvision, which is not
 usable here) as they are decoded, so memory holds the resized frames only.
+
+Decoding is bounded by `MediaLimits.max_decode_pixels` (budget.py): the plan (frame count × frame size) is
+checked from the header before the first frame, counting packets where the header has no frame count, and
+every decoded frame is charged at its full size; the request's cancel flag is checked at every frame.
+A header without a frame count (webm, matroska) costs two passes, each within the budget: one to count the
+frames, one to decode the sampled ones.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image
 
+from hylora.media.budget import CancelFlag, DecodeBudget
 from hylora.media.config import MediaLimits, VideoConfig
 from hylora.media.errors import MediaError
 from hylora.media.image import check_aspect_ratio, resize
@@ -98,22 +105,26 @@ def rescale_and_normalize(frames: np.ndarray, cfg: VideoConfig) -> np.ndarray:
     return x * np.float32(cfg.rescale_factor) if cfg.do_rescale else x
 
 
-def read_video(data: bytes, cfg: VideoConfig, limits: MediaLimits) -> SampledVideo:
+def read_video(data: bytes, cfg: VideoConfig, limits: MediaLimits, cancel: CancelFlag | None = None) -> SampledVideo:
     """Decode the sampled frames of `data`, resized to the size the budget allows.
 
-    Refuses by stream metadata before decoding where it can (pixels, frame count); a header that says 0 frames
-    (webm / matroska) is counted by decoding, stopping at `limits.max_source_frames`.
+    Refuses by stream metadata before decoding where it can (pixels, frame count, pixels × frames); a header
+    that says 0 frames (webm / matroska) is checked by counting packets, then counted by decoding, stopping at
+    `limits.max_source_frames`.
     """
     with _open(data) as container:
         stream = _video_stream(container)
-        _check_pixels(stream.codec_context.width, stream.codec_context.height, limits)
+        width, height = stream.codec_context.width, stream.codec_context.height
+        _check_pixels(width, height, limits)
         rate = stream.average_rate or stream.guessed_rate
         fps = float(rate) if rate else DEFAULT_FPS
         total = stream.frames
-    if total > limits.max_source_frames:
-        raise MediaError(f"video has {total} frames; the server decodes at most {limits.max_source_frames}")
+        if total > limits.max_source_frames:
+            raise MediaError(f"video has {total} frames; the server decodes at most {limits.max_source_frames}")
+        planned = total if total > 0 else _count_packets(container, stream, limits, width * height, cancel)
+        _budget(limits, cancel).check_plan(planned, width, height)
     if total <= 0:
-        total = _count_frames(data, limits)
+        total = _count_frames(data, limits, _budget(limits, cancel))
     if total == 0:
         raise MediaError("video has no decodable frames")
     indices = sample_indices(total, fps, cfg)
@@ -124,7 +135,7 @@ def read_video(data: bytes, cfg: VideoConfig, limits: MediaLimits) -> SampledVid
             f"video has {len(indices)} frame(s) to sample; it needs at least {cfg.temporal_patch_size} "
             "(send a single frame as an image)"
         )
-    frames = _decode_frames(data, indices, cfg, limits, total)
+    frames = _decode_frames(data, indices, cfg, limits, total, _budget(limits, cancel))
     return SampledVideo(frames=frames, indices=indices, fps=fps, total_frames=total)
 
 
@@ -155,39 +166,73 @@ def _check_pixels(width: int, height: int, limits: MediaLimits) -> None:
         )
 
 
-def _frames(container: av.container.InputContainer, stream: av.VideoStream) -> Iterator[av.VideoFrame]:
+def _budget(limits: MediaLimits, cancel: CancelFlag | None) -> DecodeBudget:
+    return DecodeBudget(limits.max_decode_pixels, cancel)
+
+
+def _count_packets(
+    container: av.container.InputContainer, stream: av.VideoStream, limits: MediaLimits, pixels: int, cancel
+) -> int:
+    """Packets of the video stream (one a frame for most codecs; an animated GIF's frames are packets), read
+    without decoding, stopping once they are more than the frame cap or the decode budget allows."""
+    import av
+
+    most = min(limits.max_source_frames, limits.max_decode_pixels // max(pixels, 1))
+    count = 0
+    try:
+        for packet in container.demux(stream):
+            if cancel is not None:
+                cancel.check()
+            count += packet.size > 0
+            if count > most:
+                break
+    except (av.FFmpegError, OSError, ValueError):
+        pass  # a corrupt tail: decoding says so, with a better message
+    if count > limits.max_source_frames:
+        raise MediaError(f"video has more than {limits.max_source_frames} frames, the most the server decodes")
+    return count
+
+
+def _frames(
+    container: av.container.InputContainer, stream: av.VideoStream, limits: MediaLimits, budget: DecodeBudget
+) -> Iterator[av.VideoFrame]:
     import av
 
     decoded = 0
     try:
         for frame in container.decode(stream):
+            _check_pixels(frame.width, frame.height, limits)
+            budget.charge(frame.width, frame.height)
             yield frame
             decoded += 1
     except (av.FFmpegError, OSError, ValueError) as e:
+        if isinstance(e, MediaError):
+            raise
         raise MediaError(f"video data is corrupt or truncated: decoding failed after {decoded} frames ({e})") from e
 
 
-def _count_frames(data: bytes, limits: MediaLimits) -> int:
+def _count_frames(data: bytes, limits: MediaLimits, budget: DecodeBudget) -> int:
     with _open(data) as container:
         count = 0
-        for _ in _frames(container, _video_stream(container)):
+        for _ in _frames(container, _video_stream(container), limits, budget):
             count += 1
             if count > limits.max_source_frames:
                 raise MediaError(f"video has more than {limits.max_source_frames} frames, the most the server decodes")
         return count
 
 
-def _decode_frames(data: bytes, indices: np.ndarray, cfg: VideoConfig, limits: MediaLimits, total: int) -> np.ndarray:
+def _decode_frames(
+    data: bytes, indices: np.ndarray, cfg: VideoConfig, limits: MediaLimits, total: int, budget: DecodeBudget
+) -> np.ndarray:
     wanted = Counter(indices.tolist())  # an explicit num_frames above the total repeats indices
     last = int(indices[-1])
     out: list[np.ndarray] = []
     source_size = target = None
     with _open(data) as container:
         index = -1
-        for index, frame in enumerate(_frames(container, _video_stream(container))):
+        for index, frame in enumerate(_frames(container, _video_stream(container), limits, budget)):
             if index in wanted:
                 if source_size is None:
-                    _check_pixels(frame.width, frame.height, limits)
                     source_size = (frame.height, frame.width)
                     target = smart_resize(len(indices), frame.height, frame.width, cfg)
                 elif (frame.height, frame.width) != source_size:

@@ -1,0 +1,99 @@
+"""The bounded thread pools media work runs on, and the limits on how much of them one request may hold.
+
+Three pools, separate from each other, from text-only requests and from the event loop's default executor:
+
+- fetch (4 threads): data: URL base64, file:// reads, DNS lookups of http(s) hosts. The http(s) transfers
+  themselves run on the event loop (httpx.AsyncClient) and hold no thread; at most `http_fetches` are in
+  flight in the process, each under one deadline (fetch.py).
+- decode (one thread per core, 2 to 8): image and video decoding and preprocessing, the CPU-heavy part; a
+  request uses at most half of them at once, so one request's videos cannot hold them all.
+- render (2 threads): the chat template, tokenising, placeholder expansion and M-RoPE positions of media
+  requests.
+
+Each request takes at most `fetches_per_request` fetch slots and `decodes_per_request` decode slots at once
+(`RequestSlots`). A pool's size is the global limit for its kind of work: a cancelled request's running decode
+keeps its thread only until its next frame (budget.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def available_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@dataclass
+class RequestSlots:
+    """One request's share of the pools (made per request, on its event loop)."""
+
+    fetch: asyncio.Semaphore
+    decode: asyncio.Semaphore
+
+
+class MediaPools:
+    def __init__(
+        self,
+        decode_threads: int | None = None,
+        fetch_threads: int = 4,
+        render_threads: int = 2,
+        http_fetches: int = 32,
+        fetches_per_request: int = 4,
+        decodes_per_request: int | None = None,
+    ):
+        decode_threads = decode_threads or max(2, min(8, available_cpus()))
+        sizes = dict(
+            decode_threads=decode_threads,
+            fetch_threads=fetch_threads,
+            render_threads=render_threads,
+            http_fetches=http_fetches,
+            fetches_per_request=fetches_per_request,
+            decodes_per_request=decodes_per_request or max(1, decode_threads // 2),
+        )
+        for name, value in sizes.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MediaPools.{name} must be a positive integer, got {value!r}")
+        self.sizes = sizes
+        self.fetch = ThreadPoolExecutor(fetch_threads, thread_name_prefix="hylora-media-fetch")
+        self.decode = ThreadPoolExecutor(decode_threads, thread_name_prefix="hylora-media-decode")
+        self.render = ThreadPoolExecutor(render_threads, thread_name_prefix="hylora-media-render")
+        # asyncio primitives belong to one loop; offline callers run a fresh loop per call
+        self._http: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def http_slots(self) -> asyncio.Semaphore:
+        """The process-wide limit on http(s) transfers in flight, for the running loop."""
+        loop = asyncio.get_running_loop()
+        if loop not in self._http:
+            self._http[loop] = asyncio.Semaphore(self.sizes["http_fetches"])
+        return self._http[loop]
+
+    def request_slots(self) -> RequestSlots:
+        return RequestSlots(
+            asyncio.Semaphore(self.sizes["fetches_per_request"]), asyncio.Semaphore(self.sizes["decodes_per_request"])
+        )
+
+    async def run(self, executor: ThreadPoolExecutor, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on `executor`; cancelling the await drops it if it has not started."""
+        return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        for pool in (self.fetch, self.decode, self.render):
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+@functools.cache
+def shared_pools() -> MediaPools:
+    """The process's pools, for callers that do not bring their own (the offline LLM, tools, tests)."""
+    return MediaPools()
