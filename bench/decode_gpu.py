@@ -40,11 +40,15 @@ from hylora.demo import write_tokenizer  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from hylora.engine.decode_batch import DecodeRow  # noqa: E402
 from hylora.engine.padded_decode import PaddedDecode  # noqa: E402
-from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply_grouped, lora_apply_masked  # noqa: E402
+from hylora.kernels import as_text  # noqa: E402
+from hylora.lora import LoRABatch, LoRAStack  # noqa: E402
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
-from hylora.model.layers import Linear  # noqa: E402
+from hylora.model.kernels import ModelKernels  # noqa: E402
+from hylora.model.layers import (
+    Linear,  # noqa: E402
+    add_lora,  # noqa: E402
+)
 from hylora.ops.gdn_decode.reference import gdn_decode as gdn_reference  # noqa: E402
-from hylora.ops.kernel_check import install_triton_kernels, uninstall_fast_kernels  # noqa: E402
 from hylora.ops.paged_decode_attention.reference import paged_decode_attention as attention_reference  # noqa: E402
 
 BW = 4.3e12  # bytes/s, measured copy rate on this card (KINDS.md)
@@ -225,9 +229,9 @@ def _lora_row(cfg: ModelConfig, tokens: int, L: int = 8, r: int = 16, dev: str =
     return {
         "kernel": f"lora gate_up ({L} adapters mixed, r{r})",
         "tokens": 32 * per_seq,
-        "triton_ms": bench(lambda: lora_triton(x, y, stack, batch, meta=meta)),
-        "masked_ms": bench(lambda: lora_apply_masked(x, y, stack, batch)),
-        "grouped_ms": bench(lambda: lora_apply_grouped(x, y, stack, batch), reps=10),
+        "triton_ms": bench(lambda: lora_triton(x, y, stack.a, stack.b, stack.offsets, meta)),
+        "masked_ms": bench(lambda: add_lora(x, y, stack, batch, "masked")),
+        "grouped_ms": bench(lambda: add_lora(x, y, stack, batch, "grouped"), reps=10),
         "base_gemm_ms": bench(lambda: torch.nn.functional.linear(x, w)),
         "adapter_bytes_roofline_ms": 1e3 * L * r * (h + 2 * inter) * 2 * 2 / BW,
     }
@@ -422,12 +426,13 @@ def main() -> None:
         model=model,
     )
     result["engine_setup_s"] = time.perf_counter() - t0
-    print(f"kernels: {engine.kernels}; engine set-up {result['engine_setup_s']:.1f} s", flush=True)
-    result["kernels"] = engine.kernels
+    print(f"kernels: {as_text(engine.kernels)}; engine set-up {result['engine_setup_s']:.1f} s", flush=True)
+    result["kernels"] = as_text(engine.kernels)
     graphs = engine.runner.decode
     if graphs is None:
         raise SystemExit("no CUDA graphs were captured (see the log)")
-    installed = [k for k, v in engine.kernels.items() if k != "gated_delta_rule" and not v.startswith("reference")]
+    fast = model.kernels  # what passed its start-up check
+    no_fast = ModelKernels(delta_rule=fast.delta_rule)  # the references, fla's delta rule kept
     mixes = [("base", lambda i: None, 1), ("8 adapters mixed", lambda i: f"a{i % 8}", 8)]
     result["graph_checks"] = [graph_equivalence(engine, adapter_of, label) for label, adapter_of, _ in mixes]
     print(*result["graph_checks"], sep="\n", flush=True)
@@ -444,13 +449,10 @@ def main() -> None:
     engine.scheduler.config.max_num_batched_tokens = step_tokens[0]
     modes = ["triton kernels + CUDA graphs"] + ([] if args.skip_eager else ["triton kernels", "references"])
     for mode in modes:
-        uninstall_fast_kernels(model)
-        if mode != "references":
-            install_triton_kernels(model, installed)
+        model.use_kernels(no_fast if mode == "references" else fast)
         engine.runner.decode = graphs if mode.endswith("graphs") else None
         measure(mode)
-    uninstall_fast_kernels(model)
-    install_triton_kernels(model, installed)
+    model.use_kernels(fast)
     engine.runner.decode = graphs
     for tokens in step_tokens[1:]:  # other prefill step sizes (vLLM's serving default is 8192)
         engine.scheduler.config.max_num_batched_tokens = tokens

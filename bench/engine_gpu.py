@@ -23,7 +23,6 @@ import shutil
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,15 +30,17 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hylora.adapters.registry import AdapterRegistry  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import DEMO_ADAPTERS, write_demo  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from hylora.engine.observer import StepObserver  # noqa: E402
 from hylora.generate import CachedRunner  # noqa: E402
-from hylora.lora.registry import AdapterRegistry  # noqa: E402
+from hylora.kernels import as_text, select_kernels  # noqa: E402
+from hylora.kernels.select import select_gdn_kernel  # noqa: E402
 from hylora.model.decoder import HybridDecoder  # noqa: E402
 from hylora.model.loader import checkpoint_layout, load_model  # noqa: E402
 from hylora.model.packing import LORA_TARGETS, layer_sublayers, projection_shapes  # noqa: E402
-from hylora.ops.kernel_check import select_gdn_kernel, select_kernels  # noqa: E402
 
 QWEN36_27B = dict(
     model_type="qwen3_5_text",
@@ -101,7 +102,7 @@ def correctness(workdir: Path) -> list[dict]:
         model = load_model(demo, dtype=dtype, device=device, progress=False)
         registry = AdapterRegistry(model, max_loras=len(lora), max_lora_rank=16)
         if device == "cuda":  # every fast kernel that passes its start-up check, as the engine serves
-            print(f"{name}: kernels = {select_kernels(model, page_size=16)}", flush=True)
+            print(f"{name}: kernels = {as_text(select_kernels(model, page_size=16))}", flush=True)
         else:
             print(f"{name}: gated delta rule kernel = {select_gdn_kernel(model)}", flush=True)
         for a, path in lora.items():
@@ -269,9 +270,8 @@ def throughput(
             progress=False,
             model=model,
         )
-        print(
-            f"in-memory model, kernels {quick.kernels}: {_run_workload(quick, 'base', lambda i: None, 1)}", flush=True
-        )
+        row = _run_workload(quick, "base", lambda i: None, 1)
+        print(f"in-memory model, kernels {as_text(quick.kernels)}: {row}", flush=True)
         del quick
         torch.cuda.empty_cache()
     ckpt = _roomy_dir(weight_bytes + (8 << 30)) if checkpoint else None
@@ -314,7 +314,7 @@ def throughput(
         model=model,
     )
     setup_s = time.perf_counter() - t0
-    print(f"kernels: {engine.kernels}; LoRA apply: masked (CUDA)", flush=True)
+    print(f"kernels: {as_text(engine.kernels)}; LoRA apply: masked (CUDA)", flush=True)
     print(
         f"27B-shape model built in {build_s:.1f}s ({weight_bytes / 1e9:.1f} GB), adapters written in "
         f"{write_s:.1f}s, engine set up (adapter load + cache plan) in {setup_s:.1f}s; "
@@ -345,8 +345,8 @@ def _run_workload(engine: LLMEngine, label: str, adapter_of, warm: int) -> dict:
     while engine.has_unfinished():
         engine.step()
     torch.cuda.synchronize()
-    traced, execute = [], engine._execute
-    engine._execute = partial(_traced_execute, execute, traced)  # what each step until the first tokens ran
+    timer = StepTimer()
+    engine.add_observer(timer)  # what each step until the first tokens ran
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"{label}{i}", p, params, adapter_of(i))
@@ -357,14 +357,15 @@ def _run_workload(engine: LLMEngine, label: str, adapter_of, warm: int) -> dict:
         dt = time.perf_counter() - s0
         if first_token_at is None and sum(1 for o in outs if o.num_output_tokens) == 32:
             first_token_at = time.perf_counter() - t0
-            engine._execute = execute
+            engine.remove_observer(timer)
         elif first_token_at is not None:
             decode_steps += 1
             decode_time += dt
         finite &= all(o.error is None for o in outs)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    engine._execute = execute
+    if first_token_at is None:
+        engine.remove_observer(timer)
     return {
         "run": label,
         "wall_s": wall,
@@ -374,21 +375,28 @@ def _run_workload(engine: LLMEngine, label: str, adapter_of, warm: int) -> dict:
         "no_errors": finite,
         "prefill_steps": [
             {"sequences": n, "tokens": t, "host_ms": round(host, 2), "device_ms": round(a.elapsed_time(b), 2)}
-            for n, t, host, a, b in traced
+            for n, t, host, a, b in timer.steps
         ],
     }
 
 
-def _traced_execute(execute, traced: list, chunks, input_ids=None):
-    """`engine._execute`, noting each step's sequences, tokens, host time to return and device time
-    (CUDA events: no added sync)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    out = execute(chunks, input_ids)
-    end.record()
-    traced.append((len(chunks), sum(c.num_tokens for c in chunks), 1e3 * (time.perf_counter() - t0), start, end))
-    return out
+class StepTimer(StepObserver):
+    """Notes each forward's sequences, tokens, host time to queue it and device time (CUDA events:
+    no added sync)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple] = []
+
+    def before_forward(self, chunks) -> None:
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._t0 = time.perf_counter()
+        self._start.record()
+
+    def after_forward(self, chunks) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        host_ms = 1e3 * (time.perf_counter() - self._t0)
+        self.steps.append((len(chunks), sum(c.num_tokens for c in chunks), host_ms, self._start, end))
 
 
 def transformers_throughput(shape: dict, n_adapters: int) -> list[dict]:

@@ -33,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.decode_gpu import BW  # noqa: E402
 from bench.engine_gpu import QWEN36_27B  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
-from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply_grouped  # noqa: E402
+from hylora.lora import LoRABatch, LoRAStack  # noqa: E402
 from hylora.model.layers import STACKED_LORA_BELOW  # noqa: E402
+from hylora.ops.lora.reference import lora_apply_grouped  # noqa: E402
 
 DEV, DT = "cuda", torch.bfloat16
 
@@ -221,7 +222,7 @@ def lora_sweep(cfg: ModelConfig, L: int = 8, r: int = 16, token_counts=(32, 64, 
         y0 = torch.randn(tokens, start, device=DEV, dtype=DT, generator=g)
         w = torch.randn(start, in_f, device=DEV, dtype=DT, generator=g) * in_f**-0.5
         zeros = torch.zeros_like(y0)  # the error on y = 0 + delta: the delta itself, rounded once
-        ref = lora_apply_grouped(x, zeros.clone(), stack, batch)
+        ref = lora_apply_grouped(x, zeros.clone(), stack.a, stack.b, offsets, stack.present, batch.groups)
         base_ms = bench(partial(torch.nn.functional.linear, x, w))
         # bytes: y read + written, x read, each distinct adapter's A and B
         roofline = 1e3 * (tokens * (2 * start + in_f) * 2 + min(L, tokens) * r * (in_f * len(slices) + start) * 2) / BW
@@ -233,9 +234,9 @@ def lora_sweep(cfg: ModelConfig, L: int = 8, r: int = 16, token_counts=(32, 64, 
             if label.startswith("large-") != (tokens >= lt.LARGE_FROM):
                 continue  # decode candidates at decode sizes, prefill candidates at prefill sizes
             try:
-                err = rel_error(lt.lora_apply(x, zeros.clone(), stack, batch, meta=meta, config=config), ref)
+                err = rel_error(lt.lora_apply(x, zeros.clone(), stack.a, stack.b, offsets, meta, config), ref)
                 y = y0.clone()
-                ms = bench(partial(lt.lora_apply, x, y, stack, batch, meta=meta, config=config))
+                ms = bench(partial(lt.lora_apply, x, y, stack.a, stack.b, offsets, meta, config))
             except Exception as e:
                 print(f"  {label}: {type(e).__name__}: {e}"[:200])
                 continue
@@ -247,8 +248,8 @@ def lora_sweep(cfg: ModelConfig, L: int = 8, r: int = 16, token_counts=(32, 64, 
             stacked = LoRAStack(a=[views[i] for i in range(len(slices))], b=stack.b, offsets=offsets,
                                 present=stack.present)  # fmt: skip
             zero_w = torch.cat([torch.zeros_like(w), stacked_w[start:]])  # y = 0 + delta, as ref
-            err = rel_error(lt.lora_apply_stacked(x, zero_w, start, stacked, meta), ref)
-            ms = bench(partial(lt.lora_apply_stacked, x, stacked_w, start, stacked, meta)) - base_ms
+            err = rel_error(lt.lora_apply_stacked(x, zero_w, start, stacked.b, offsets, meta), ref)
+            ms = bench(partial(lt.lora_apply_stacked, x, stacked_w, start, stacked.b, offsets, meta)) - base_ms
             batch_rows.append(
                 dict(kernel="lora", linear=name, tokens=tokens, config="stacked: GEMM over [W; A] + expand, minus base",
                      ms=ms, roofline_ms=roofline, base_gemm_ms=base_ms, err=err, ok=err < 1e-2)
@@ -257,7 +258,7 @@ def lora_sweep(cfg: ModelConfig, L: int = 8, r: int = 16, token_counts=(32, 64, 
         y = y0.clone()
         batch_rows.append(
             dict(kernel="lora", linear=name, tokens=tokens, config=f"choose_config (block_m {default.block_m})",
-                 ms=bench(partial(lt.lora_apply, x, y, stack, batch, meta=meta)), roofline_ms=roofline,
+                 ms=bench(partial(lt.lora_apply, x, y, stack.a, stack.b, offsets, meta)), roofline_ms=roofline,
                  base_gemm_ms=base_ms, err=0.0, ok=True)
         )  # fmt: skip
         show(batch_rows, "config", f"lora {name} {tokens} tokens")
@@ -269,7 +270,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="gdn,attention,lora")
     ap.add_argument("--out")
-    ap.add_argument("--gdn-best-out", help="write the GDN sweep's pick as HYLORA_GDN_DECODE_CONFIG's value")
+    ap.add_argument("--gdn-best-out", help="write the GDN sweep's pick as --gdn-decode-launch's value")
     ap.add_argument("--lora-tokens", default="32,64,2048,8192", help="token counts of the LoRA sweep")
     args = ap.parse_args()
     cfg = ModelConfig.from_hf(QWEN36_27B)

@@ -31,6 +31,7 @@ from bench.vision_gpu import fold  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import write_tokenizer  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from hylora.kernels import as_text  # noqa: E402
 from hylora.model.decoder import HybridDecoder  # noqa: E402
 from hylora.model.layers import Linear  # noqa: E402
 
@@ -83,7 +84,7 @@ def one_prompt(engine: LLMEngine, ids: list[int], adapter: str | None, prompt_lo
 def prefill_speed(cfg: ModelConfig, work: Path, device: str, lengths: list[int], chunk: int) -> list[dict]:
     model = random_model(cfg, device, torch.bfloat16)
     engine = engine_for(model, work, work / "task", max(lengths), chunk)
-    print(f"kernels: {engine.kernels}", flush=True)
+    print(f"kernels: {as_text(engine.kernels)}", flush=True)
     rows = []
     g = torch.Generator().manual_seed(0)
     for n in lengths:

@@ -34,6 +34,7 @@ from bench.engine_gpu import QWEN36_27B, random_model, write_random_adapter  # n
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import write_tokenizer  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from hylora.kernels import as_text  # noqa: E402
 
 
 def gpu_busy_ms(prof) -> float:
@@ -193,7 +194,7 @@ def main() -> None:
         max_lora_rank=16,
     )  # fmt: skip
     engine = LLMEngine(demo, config, adapters, progress=False, model=model)
-    print(f"kernels: {engine.kernels}; engine set-up {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"kernels: {as_text(engine.kernels)}; engine set-up {time.perf_counter() - t0:.1f} s", flush=True)
     for i in range(8):  # warm-up: every adapter loaded, every kernel compiled
         engine.add_request(f"warm{i}", list(range(1, 40)), SamplingParams(max_tokens=3), f"a{i}")
     engine.add_request("warm-base", list(range(1, 600)), SamplingParams(max_tokens=3))

@@ -27,12 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_gpu import QWEN36_27B, write_random_adapter  # noqa: E402
+from hylora.adapters.files import read_adapter  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import write_tokenizer  # noqa: E402
 from hylora.doctor.merged import touched_rows  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from hylora.engine.multimodal import build_multimodal_prompt  # noqa: E402
-from hylora.lora.adapter import read_adapter  # noqa: E402
+from hylora.kernels import as_text  # noqa: E402
 from hylora.media import MediaConfig, MediaLimits  # noqa: E402
 from hylora.media.config import VideoConfig  # noqa: E402
 from hylora.media.processor import process_frames  # noqa: E402
@@ -144,7 +145,7 @@ def run(model, tokdir, adapter_dir, ids, mm_of, adapter: str | None, label: str)
     if out.error:
         raise RuntimeError(out.error)
     logprobs = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]], dtype=torch.float64)
-    print(f"{label}: kernels {engine.kernels}", flush=True)
+    print(f"{label}: kernels {as_text(engine.kernels)}", flush=True)
     return {
         "label": label,
         "logprobs": logprobs,

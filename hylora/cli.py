@@ -63,7 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_merge(args: argparse.Namespace) -> None:
-    from hylora.lora.merge import merge_adapter
+    from hylora.adapters.merge import merge_adapter
 
     out = merge_adapter(args.model_dir, args.adapter_dir, args.out_dir)
     print(f"wrote {args.model_dir} + {args.adapter_dir} merged to {out}")
@@ -76,6 +76,10 @@ def cmd_doctor(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    if args.replicas is not None:  # Ray Serve: replicas of the same server behind one endpoint
+        from hylora.deploy.launch import run
+
+        sys.exit(run(args))
     from hylora.server.serve import serve
 
     serve(args)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from hylora.env import cache_dir
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -109,8 +110,7 @@ class DemoShape:
 
 
 def default_demo_dir() -> Path:
-    root = os.environ.get("HYLORA_CACHE_DIR") or Path.home() / ".cache" / "hylora"
-    return Path(root) / "demo"
+    return cache_dir() / "demo"
 
 
 def ensure_demo(path: Path | None = None) -> Path:

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hylora.adapters.registry import AdapterLease, AdapterRegistry
 from hylora.cache import PagedKVCache, StatePool
-from hylora.lora.registry import AdapterLease, AdapterRegistry
 from hylora.model.decoder import HybridDecoder
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk
 from hylora.model.mrope import MRopePositions

@@ -12,6 +12,7 @@ ADAPTERS = ("gdn_attn", "rs_mlp", "all_linear")
 def make_engine(ckpt: Path, adapter_root: Path | None = None, **config) -> LLMEngine:
     config.setdefault("device", "cpu")
     config.setdefault("max_lora_rank", 16)
+    config.setdefault("fault_injection", True)  # the fault-isolation tests make requests fault on purpose
     lora = {name: adapter_root / name for name in ADAPTERS} if adapter_root else None
     return LLMEngine(ckpt, EngineConfig(**config), lora_modules=lora, progress=False)
 

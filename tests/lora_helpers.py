@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from hylora.lora import LoRABatch, LoRAStack
+from hylora.ops.lora.reference import lora_apply_grouped
 
 # name → LoraConfig kwargs; different ranks, target sets, patterns and one rsLoRA
 ADAPTER_SPECS = {
@@ -53,3 +58,36 @@ def peft_adapter(base_model, out_dir: Path, seed: int, **lora_kwargs):
     peft_model = get_peft_model(copy.deepcopy(base_model), cfg).eval()
     peft_model.save_pretrained(out_dir)
     return peft_model
+
+
+def random_stack(g, in_f, rows, num_slots, max_rank, ranks, present):
+    """ranks[slot] (0 = empty slot), present[slot][slice]; A/B zero outside each slot's rank and
+    for absent slices, as the registry lays them out."""
+    a = [torch.zeros(num_slots, max_rank, in_f) for _ in rows]
+    b = [torch.zeros(num_slots, max_rank, r) for r in rows]
+    for slot, rank in enumerate(ranks):
+        for i in range(len(rows)):
+            if present[slot][i]:
+                a[i][slot, :rank] = torch.randn(rank, in_f, generator=g)
+                b[i][slot, :rank] = torch.randn(rank, rows[i], generator=g)
+    offsets, start = [], 0
+    for r in rows:
+        offsets.append((start, r))
+        start += r
+    return LoRAStack(a=a, b=b, offsets=offsets, present=[list(p) for p in present])
+
+
+def grouped_reference(x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
+    """The grouped fp32 LoRA reference on a stack and a batch."""
+    return lora_apply_grouped(x, y, stack.a, stack.b, stack.offsets, stack.present, batch.groups)
+
+
+@contextmanager
+def lora_backend(model, backend: str):
+    """Run `model`'s linears (decoder and tower) with one LoRA backend, then restore its kernels."""
+    before = model.kernels
+    model.use_kernels(dataclasses.replace(before, lora_backend=backend, tower_lora_backend=backend))
+    try:
+        yield
+    finally:
+        model.use_kernels(before)

@@ -80,7 +80,6 @@ def compile_sm90(fn: jit.JITFunction, args: tuple, kwargs: dict) -> dict:
 
 
 def launches_27b() -> None:
-    from hylora.lora.apply import LoRABatch, LoRAStack
     from hylora.ops.causal_conv1d import triton as conv
     from hylora.ops.gated_delta_rule import triton as recurrent
     from hylora.ops.gdn_decode import triton as gdn
@@ -103,15 +102,11 @@ def launches_27b() -> None:
         attention.paged_decode_attention(q, cache, cache, torch.zeros(N, pages, dtype=torch.int32), lens, 16, 0.0625)
     rows = (12288, 1024, 1024)  # q_proj | k_proj | v_proj
     r = 64  # the largest rank: the most registers
-    stack = LoRAStack(
-        a=[e(8, r, 5120)] * 3,
-        b=[e(8, r, n) for n in rows],
-        offsets=[(0, 12288), (12288, 1024), (13312, 1024)],
-        present=[[True] * 3] * 8,
-    )
+    a, b = [e(8, r, 5120)] * 3, [e(8, r, n) for n in rows]
+    offsets = [(0, 12288), (12288, 1024), (13312, 1024)]
     for T in (32, 512):  # the small and the large configuration
         meta = lora.LoRAKernelMeta.build(torch.zeros(T, dtype=torch.long), 8)
-        lora.lora_apply(e(T, 5120), e(T, sum(rows)), stack, LoRABatch.build([0], [T], "cpu"), meta=meta)
+        lora.lora_apply(e(T, 5120), e(T, sum(rows)), a, b, offsets, meta)
     q = e(N, 24, 512)[..., :256]  # the query half of [query | gate] heads
     rmsnorm.rms_norm(q, e(256), 1e-6, rotary=(e(N, 64), e(N, 64)))  # q norm + rotary (partial: 64 of 256)
     conv.causal_conv1d_by_slot(e(N, C), e(C, 4), e(S, C, 3), slots, [1] * N, splits=(hk * dk, hk * dk, hv * dv))

@@ -3,7 +3,7 @@
 - gdn_decode == causal_conv1d_varlen + the gating of model/gdn.py + varlen_gated_delta_rule on
   one-token sequences, and == the GatedDeltaNet layer itself (fp32 and bf16);
 - paged_decode_attention == the decode rows of ops.paged_attention;
-- ops.lora's shrink/expand == lora_apply_grouped.
+- ops.lora's shrink/expand == the grouped LoRA reference.
 Padding rows (slot < 0, length 0) read nothing, write nothing and output zeros; unowned pool
 slots and KV pages hold NaN so that any read of them shows.
 """
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hylora import ops
 from hylora.cache.state_pool import StatePool
 from hylora.config import ModelConfig
-from hylora.lora.apply import LoRABatch, lora_apply_grouped
+from hylora.lora import LoRABatch
 from hylora.model.forward_batch import ForwardBatch
 from hylora.model.gdn import GatedDeltaNet
 from hylora.ops.gdn_decode.reference import gdn_decode
@@ -25,7 +25,7 @@ from hylora.ops.lora import reference as lora_reference
 from hylora.ops.paged_decode_attention.reference import paged_decode_attention
 from tests.conftest import text_config
 from tests.decode_helpers import gdn_inputs, paged_case, same_bits
-from tests.test_lora_apply import random_stack
+from tests.lora_helpers import grouped_reference, random_stack
 
 
 @pytest.mark.parametrize("group", [1, 2, 3])
@@ -135,8 +135,8 @@ def test_lora_reference_equals_grouped(T):
     x = torch.randn(T, 40, generator=g)
     base = torch.randn(T, sum(rows), generator=g)
     batch = LoRABatch.build(seq_slots, seq_lens, "cpu")
-    ref = lora_apply_grouped(x, base.clone(), stack, batch)
-    got = lora_reference.lora_apply(x, base.clone(), stack, batch)
+    ref = grouped_reference(x, base.clone(), stack, batch)
+    got = lora_reference.lora_apply(x, base.clone(), stack.a, stack.b, stack.offsets, batch.token_slots)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     base_rows = batch.token_slots == -1
     assert same_bits(got[base_rows], base[base_rows])

@@ -76,8 +76,8 @@ def test_hylora_applies_demo_adapters_as_peft_does(demo_dir, name):
     from peft import PeftModel
     from transformers import Qwen3_5ForConditionalGeneration
 
+    from hylora.adapters.registry import AdapterRegistry
     from hylora.generate import CachedRunner
-    from hylora.lora.registry import AdapterRegistry
 
     peft = PeftModel.from_pretrained(
         Qwen3_5ForConditionalGeneration.from_pretrained(demo_dir), demo_dir / "adapters" / name

@@ -94,10 +94,13 @@ def test_in_process_failures_fail_the_run(demo_dir):
     from hylora.doctor.reference import Reference
     from hylora.doctor.scores import TokenTexts
     from hylora.engine import EngineConfig, LLMEngine
+    from hylora.kernels import KernelVerdict
 
     adapters = {"relic": demo_dir / "adapters" / "relic"}
-    engine = LLMEngine(demo_dir, EngineConfig(max_model_len=600, device="cpu"), lora_modules=adapters, progress=False)
-    engine.kernels = dict(engine.kernels, lora="reference (rel. error 3.00e-01 > 1e-04)")
+    config = EngineConfig(max_model_len=600, device="cpu", fault_injection=True)
+    engine = LLMEngine(demo_dir, config, lora_modules=adapters, progress=False)
+    failed = KernelVerdict("lora", "reference", "rel. error 3.00e-01 > 1e-04", 0.3, 1e-4, check_failed=True)
+    engine.kernels = dict(engine.kernels, lora=failed)
     sequence = doctor_sequence(engine.tokenizer, 600)
     reference = Reference(engine, {"relic": demo_dir / "adapters" / "tomb"}, sequence, 129)
     options = DoctorOptions(lengths=[1, 65, 129], tolerance=Tolerance.for_dtypes("float32"), short_max=65)

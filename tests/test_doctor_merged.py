@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hylora.adapters.files import read_adapter
+from hylora.adapters.merge import merge_adapter
 from hylora.demo import DEMO_ADAPTERS
 from hylora.doctor.merged import merged, touched_bytes, touched_rows
-from hylora.lora.adapter import read_adapter
-from hylora.lora.merge import merge_adapter
 from hylora.model.loader import load_model
 
 

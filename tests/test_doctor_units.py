@@ -14,10 +14,11 @@ from hylora.doctor.compare import EXACT, diff_reference, diff_served
 from hylora.doctor.deployment import LoadStats
 from hylora.doctor.endpoint import ECHO, PROMPT_LOGPROBS, Budget, BudgetExhausted, Endpoint
 from hylora.doctor.html import render_html
-from hylora.doctor.kernels import check_kernels, parse_verdict
+from hylora.doctor.kernels import check_kernels
 from hylora.doctor.prompts import Probe, sweep_lengths
 from hylora.doctor.report import render_text, write_json
 from hylora.doctor.scores import ReferenceScores, Scores, TokenTexts
+from hylora.kernels import KernelVerdict
 
 FP32 = Tolerance.for_dtypes("float32")
 VOCAB = 50
@@ -171,23 +172,17 @@ def test_requests_are_bounded_in_count_and_time():
 
 
 def test_kernel_verdicts():
-    v = parse_verdict("gated_delta_rule", "fla (max rel. error 3.1e-03 vs the reference)")
-    assert v.fast and v.error == 3.1e-3 and not v.check_failed
-    v = parse_verdict("lora", "reference (rel. error 4.00e-01 > 2e-02)")
-    assert not v.fast and v.check_failed
-    v = parse_verdict(
-        "gated_delta_rule", "reference (fla's gated delta rule disagrees with the reference (rel. err x))"
-    )
-    assert v.check_failed
-    assert not parse_verdict("gdn_decode", "reference (no CUDA or no triton)").check_failed
-
+    fla = KernelVerdict("gated_delta_rule", "fla", error=3.1e-3, tolerance=2e-2)
+    failed = KernelVerdict("lora", "reference", "rel. error 4.00e-01 > 2e-02", 0.4, 2e-2, check_failed=True)
+    absent = KernelVerdict("gdn_decode", "reference", "no CUDA or no triton")
     assert check_kernels(None).status is Status.SKIP
-    assert check_kernels({"gated_delta_rule": "reference"}).status is Status.SKIP
-    ok = check_kernels({"gated_delta_rule": "fla (max rel. error 3.1e-03 vs the reference)", "lora": "reference"})
+    assert check_kernels({"gdn_decode": absent}).status is Status.SKIP
+    ok = check_kernels({"gated_delta_rule": fla, "gdn_decode": absent})
     assert ok.status is Status.PASS and ok.compared == 1
-    bad = check_kernels({"gated_delta_rule": "fla (max rel. error 3e-3)", "lora": "reference (rel. error inf > 1e-02)"})
+    assert ok.data["gated_delta_rule"]["error"] == 3.1e-3  # the record, as data
+    bad = check_kernels({"gated_delta_rule": fla, "lora": failed})
     assert bad.status is Status.FAIL and bad.failures[0].startswith("lora: the fast kernel failed its start-up check")
-    unchecked = check_kernels({"paged_decode_attention": "triton"})
+    unchecked = check_kernels({"paged_decode_attention": KernelVerdict("paged_decode_attention", "triton")})
     assert unchecked.status is Status.FAIL and "recorded no check" in unchecked.failures[0]
 
 

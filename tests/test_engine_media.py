@@ -193,7 +193,10 @@ def test_tower_lora_adapter_through_the_engine_equals_peft_merged_and_keys_the_c
     merged = merged.merge_and_unload().eval()
     lora = {"survey": adapter_dir[0], "tower": tower_dir}
     e = LLMEngine(
-        vl_media_ckpt[0], EngineConfig(device="cpu", max_model_len=512, max_num_batched_tokens=9), lora, progress=False
+        vl_media_ckpt[0],
+        EngineConfig(device="cpu", max_model_len=512, max_num_batched_tokens=9, fault_injection=True),
+        lora,
+        progress=False,
     )
     assert e.adapters.get("tower").has_tower_lora and not e.adapters.get("survey").has_tower_lora
     p = prompts["image_video_text"]
@@ -215,7 +218,7 @@ def test_media_requests_survive_preemption_and_a_faulting_neighbour(vl_media_ckp
         e = engine(vl_media_ckpt[0])
         request(e, name, prompts[name], name, max_tokens=12)
         alone.update(run(e, {}))
-    e = engine(vl_media_ckpt[0], num_pages=9, page_size=16, max_num_batched_tokens=24)
+    e = engine(vl_media_ckpt[0], num_pages=9, page_size=16, max_num_batched_tokens=24, fault_injection=True)
     for name in PROMPTS:
         request(e, name, prompts[name], name, max_tokens=12)
     request(e, "poisoned", prompts["image"], "image", max_tokens=12)

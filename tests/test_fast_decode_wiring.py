@@ -12,7 +12,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel modul
 import pytest
 
 from hylora.engine import SamplingParams
-from hylora.ops.kernel_check import install_triton_kernels
+from hylora.kernels import FAST_KERNELS, model_kernels
+from hylora.kernels.select import fast_verdicts
+from hylora.model.kernels import ModelKernels
 from tests.engine_helpers import make_engine, run
 from tests.helpers import random_ids
 
@@ -44,7 +46,7 @@ def test_engine_decode_through_triton_kernels_equals_reference(causal_ckpt, engi
                 "causal_conv1d",
                 "gdn_recurrent",
             ]
-            install_triton_kernels(engine.model, fast_kernels)
+            engine.model.use_kernels(model_kernels(fast_verdicts(fast_kernels)))
             assert engine.model.layers[0].linear_attn.decode_step is not None
             assert engine.model.layers[0].linear_attn.short_prefill is not None
             assert engine.model.norm.kernel.__module__ == "hylora.ops.rmsnorm.triton"
@@ -56,23 +58,17 @@ def test_engine_decode_through_triton_kernels_equals_reference(causal_ckpt, engi
         assert diff <= 1e-4, (rid, diff)
 
 
-def test_uninstall_returns_every_op_to_its_reference(causal_ckpt, engine_adapter_root):
-    from hylora.ops import kernel_check, paged_attention
+def test_the_default_kernels_are_the_references(causal_ckpt, engine_adapter_root):
+    from hylora.ops import paged_attention
     from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
 
     engine = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=128, page_size=16)
     model = engine.model
-    kernel_check.install_triton_kernels(model, list(kernel_check_names()))
-    kernel_check.uninstall_fast_kernels(model)
+    model.use_kernels(model_kernels(fast_verdicts(list(FAST_KERNELS))))
+    model.use_kernels(ModelKernels())
     gdn = next(layer.linear_attn for layer in model.layers if layer.is_linear)
     attn = next(layer.self_attn for layer in model.layers if not layer.is_linear)
     assert gdn.decode_step is None and gdn.short_prefill is None
     assert attn.decode_attention is None and attn.prefill_attention is paged_attention
     assert model.norm.kernel is rms_norm and gdn.norm.kernel is gated_rms_norm
     assert all(getattr(m, "lora_backend", None) is None for m in model.modules())
-
-
-def kernel_check_names() -> tuple[str, ...]:
-    from hylora.ops.fast_kernel_check import FAST_KERNELS
-
-    return FAST_KERNELS

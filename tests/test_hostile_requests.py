@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.hostile_helpers import Watch, assert_error, neighbour_bodies, run_neighbours
+from tests.media_helpers import HostileServer, hostile_gif, ico_wrapping, png_header_bomb
 from tests.server_helpers import running_server
 
 MAX_MODEL_LEN = 512
@@ -21,6 +22,7 @@ NEIGHBOUR_TOKENS = 96
 @pytest.fixture(scope="module")
 def media_root(tmp_path_factory, demo_dir):
     root = tmp_path_factory.mktemp("media-root")
+    (root.parent / "secret.png").write_bytes((demo_dir / "media" / "relic.png").read_bytes())
     shutil.copy(demo_dir / "media" / "relic.png", root / "relic.png")
     return root
 
@@ -37,7 +39,7 @@ def server(demo_cache_dir, demo_dir, media_root, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def image_url(demo_dir):
-    return "data:image/png;base64," + base64.b64encode((demo_dir / "media" / "relic.png").read_bytes()).decode()
+    return data_url((demo_dir / "media" / "relic.png").read_bytes(), "image/png")
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +111,85 @@ def test_logit_bias_ids_outside_the_vocabulary_are_refused(server, watch):
         assert_error(r2, 400, "logit_bias", within=5)
         assert_error(r3, 400, "logit_bias", within=5)
     assert chat(server, "x", logit_bias={"5": 2}).status_code == 200
+
+
+# --- media -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def host():
+    with HostileServer() as server:
+        yield server
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def video_part(url: str) -> dict:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def test_media_hosts_that_never_answer_or_trickle_starve_no_one(server, watch, host):
+    """8 images on a host that accepts and never answers, and hosts that trickle headers or body:
+    each request fails at the one fetch deadline (3 s: connect, headers and body together)."""
+    silent = [image_part(host.url("/silent")) for _ in range(8)]
+    with watch as w:
+        r_silent, r_headers, r_body = w.attack(
+            lambda: chat(server, [*silent, {"type": "text", "text": "What is it?"}]),
+            lambda: chat(server, [image_part(host.url("/trickle-headers")), {"type": "text", "text": "x"}]),
+            lambda: chat(server, [image_part(host.url("/trickle-body")), {"type": "text", "text": "x"}]),
+            settle_s=1.0,
+        )
+        for r in (r_silent, r_headers, r_body):
+            assert_error(r, 400, "timed out", within=6)
+
+
+def test_compressed_and_decoding_bombs_are_refused_cheaply(server, watch, host):
+    with watch as w:
+        gzip2, bomb, gif, ico, br = w.attack(
+            lambda: chat(server, [image_part(host.url("/gzip-gzip")), {"type": "text", "text": "x"}]),
+            lambda: chat(server, [image_part(host.url("/gzip-bomb")), {"type": "text", "text": "x"}]),
+            lambda: chat(server, [video_part(data_url(hostile_gif(8000, 8000, 500), "image/gif"))]),
+            lambda: chat(server, [image_part(data_url(ico_wrapping(png_header_bomb(12000)), "image/x-icon"))]),
+            lambda: chat(server, [image_part(host.url("/br")), {"type": "text", "text": "x"}]),
+        )
+        assert_error(gzip2, 400, "gzip", within=5)
+        assert_error(bomb, 400, within=5)
+        assert_error(gif, 400, within=5)
+        assert_error(ico, 400, within=5)
+        assert_error(br, 400, "br", within=5)
+
+
+def test_file_urls_are_no_existence_oracle(server, watch, media_root):
+    outside = (media_root.parent / "secret.png").as_uri()
+    missing = (media_root / "missing.png").as_uri()
+    with watch as w:
+        r_outside, r_missing, r_nul, r_redirect = w.attack(
+            lambda: chat(server, [image_part(outside)]),
+            lambda: chat(server, [image_part(missing)]),
+            lambda: chat(server, [image_part("file://" + str(media_root) + "/relic.png%00.txt")]),
+            lambda: chat(server, [image_part("http://127.0.0.1:1/a\u0000b")]),
+        )
+    a, b = assert_error(r_outside, 400, within=5), assert_error(r_missing, 400, within=5)
+    outside_path, missing_path = str(media_root.parent / "secret.png"), str(media_root / "missing.png")
+    # the same answer whether the file exists outside the root or is missing inside it
+    assert a["message"].replace(outside_path, "P") == b["message"].replace(missing_path, "P")
+    assert str(media_root) not in a["message"]  # the root is never shown (only the path the client sent)
+    assert_error(r_nul, 400, "NUL", within=5)
+    assert_error(r_redirect, 400, within=5)
+
+
+def test_malformed_redirects_are_client_errors(server, watch, host):
+    with watch as w:
+        results = w.attack(
+            lambda: chat(server, [image_part(host.url("/bad-redirect"))]),
+            lambda: chat(server, [image_part(host.url("/no-location"))]),
+            lambda: chat(server, [image_part(host.url("/loop"))]),
+        )
+        for r in results:
+            assert_error(r, 400, within=5)
+
+
+def data_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()

@@ -1,29 +1,14 @@
-"""The masked all-adapters LoRA path equals the grouped reference, and leaves base rows and absent
-slices bit-identical."""
+"""The layer's LoRA backends: the masked all-adapters path equals the grouped reference, and leaves
+base rows and absent slices bit-identical."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply_grouped, lora_apply_masked
-
-
-def random_stack(g, in_f, rows, num_slots, max_rank, ranks, present):
-    """ranks[slot] (0 = empty slot), present[slot][slice]; A/B zero outside each slot's rank and
-    for absent slices, as the registry lays them out."""
-    a = [torch.zeros(num_slots, max_rank, in_f) for _ in rows]
-    b = [torch.zeros(num_slots, max_rank, r) for r in rows]
-    for slot, rank in enumerate(ranks):
-        for i in range(len(rows)):
-            if present[slot][i]:
-                a[i][slot, :rank] = torch.randn(rank, in_f, generator=g)
-                b[i][slot, :rank] = torch.randn(rank, rows[i], generator=g)
-    offsets, start = [], 0
-    for r in rows:
-        offsets.append((start, r))
-        start += r
-    return LoRAStack(a=a, b=b, offsets=offsets, present=[list(p) for p in present])
+from hylora.lora import LoRABatch
+from hylora.model.layers import add_lora
+from tests.lora_helpers import random_stack
 
 
 @pytest.mark.parametrize("T", [1, 2, 63, 64, 65, 127, 128, 129, 257], ids=lambda t: f"T{t}")
@@ -41,8 +26,8 @@ def test_masked_equals_grouped(T):
     x = torch.randn(sum(seq_lens), 40, generator=g)
     base = torch.randn(sum(seq_lens), sum(rows), generator=g)
     batch = LoRABatch.build(seq_slots, seq_lens, "cpu")
-    ref = lora_apply_grouped(x, base.clone(), stack, batch)
-    got = lora_apply_masked(x, base.clone(), stack, batch)
+    ref = add_lora(x, base.clone(), stack, batch, "grouped")
+    got = add_lora(x, base.clone(), stack, batch, "masked")
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     base_rows = batch.token_slots == -1
     assert torch.equal(got[base_rows], base[base_rows])
@@ -54,5 +39,5 @@ def test_masked_skips_slices_no_adapter_in_the_batch_targets():
     g = torch.Generator().manual_seed(0)
     stack = random_stack(g, 8, [4, 4], 2, 2, ranks=[2, 2], present=[[True, False], [False, True]])
     x, base = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)
-    out = lora_apply_masked(x, base.clone(), stack, LoRABatch.build([0], [3], "cpu"))
+    out = add_lora(x, base.clone(), stack, LoRABatch.build([0], [3], "cpu"), "masked")
     assert torch.equal(out[:, 4:], base[:, 4:]) and not torch.equal(out[:, :4], base[:, :4])

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hylora.adapters.merge import merge_adapter
+from hylora.adapters.registry import AdapterRegistry
 from hylora.generate import CachedRunner
-from hylora.lora.merge import merge_adapter
-from hylora.lora.registry import AdapterRegistry
 from hylora.model.loader import load_model
 from tests.helpers import hf_logits, random_ids
-from tests.lora_helpers import ADAPTER_SPECS, peft_adapter
+from tests.lora_helpers import ADAPTER_SPECS, lora_backend, peft_adapter
 
 ATOL = 1e-4
 LENGTHS = [1, 64, 65, 128, 129, 400, 513, 1024, 2048]
@@ -45,12 +45,11 @@ def run_alone(model, registry, adapter, ids):
 
 @pytest.mark.parametrize("n", LENGTHS, ids=lambda n: f"len{n}")
 @pytest.mark.parametrize("name", list(ADAPTER_SPECS))
-def test_dynamic_equals_peft_equals_merged(setup, name, n, monkeypatch):
-    if n in (129, 2048):  # also through the masked path the GPU uses
-        monkeypatch.setenv("HYLORA_LORA_BACKEND", "masked")
+def test_dynamic_equals_peft_equals_merged(setup, name, n):
     model, registry, peft, merged, ref = setup
     ids = random_ids(n, model.config.vocab_size, seed=n + 1)
-    ours = run_alone(model, registry, name, ids)
+    with lora_backend(model, "masked" if n in (129, 2048) else "grouped"):  # also the masked path the GPU uses
+        ours = run_alone(model, registry, name, ids)
     with_peft, with_merged = hf_logits(peft[name], ids), hf_logits(merged[name], ids)
     assert torch.isfinite(ours).all()
     # the two transformers oracles must agree among themselves, or this case cannot resolve ATOL
@@ -72,11 +71,15 @@ def test_merged_directory_is_complete(setup, causal_ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["grouped", "masked"])
-def test_mixed_batch_equals_each_request_alone(setup, backend, monkeypatch):
+def test_mixed_batch_equals_each_request_alone(setup, backend):
     """Three adapters (different ranks / targets, one rsLoRA) and base requests in one batch,
     prefill (with chunks) and decode together."""
-    monkeypatch.setenv("HYLORA_LORA_BACKEND", backend)
     model, registry, *_ = setup
+    with lora_backend(model, backend):
+        check_mixed_batch(model, registry)
+
+
+def check_mixed_batch(model, registry) -> None:
     plan = [
         ("gdn_attn", 130),
         (None, 64),

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from hylora.adapters.files import AdapterError, read_adapter
+from hylora.adapters.registry import AdapterRegistry
 from hylora.generate import CachedRunner
-from hylora.lora.adapter import AdapterError, read_adapter
-from hylora.lora.apply import LoRABatch
-from hylora.lora.registry import AdapterRegistry
+from hylora.lora import LoRABatch
 from hylora.model.loader import load_model
 from tests.helpers import hf_logits, random_ids
 from tests.lora_helpers import peft_adapter
@@ -228,7 +228,7 @@ def test_merge_vl_checkpoint_keeps_layout_and_vision(twin_checkpoints, tmp_path)
 
 
 def test_merge_refuses_to_overwrite(twin_checkpoints):
-    from hylora.lora.merge import merge_adapter
+    from hylora.adapters.merge import merge_adapter
 
     bases, adapters, _ = twin_checkpoints
     with pytest.raises(ValueError, match="must differ"):

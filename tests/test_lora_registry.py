@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hylora.adapters.files import AdapterError
+from hylora.adapters.registry import AdapterRegistry, NoFreeLoRASlot, UnknownAdapter
 from hylora.generate import CachedRunner
-from hylora.lora.adapter import AdapterError
-from hylora.lora.registry import AdapterRegistry, NoFreeLoRASlot, UnknownAdapter
 from hylora.model.layers import Linear
 from hylora.model.loader import load_model
 from tests.helpers import random_ids

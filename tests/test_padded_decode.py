@@ -122,9 +122,10 @@ PROMPT_LENS = [13, 16, 31, 47, 20]  # 16: the new token opens a page
 def _prefilled(causal_ckpt, adapter_root, fast: bool):
     engine = make_engine(causal_ckpt[0], adapter_root, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=512)
     if fast:
-        from hylora.ops.kernel_check import install_triton_kernels
+        from hylora.kernels import model_kernels
+        from hylora.kernels.select import fast_verdicts
 
-        install_triton_kernels(engine.model, ["gdn_decode", "paged_decode_attention", "lora"])
+        engine.model.use_kernels(model_kernels(fast_verdicts(["gdn_decode", "paged_decode_attention", "lora"])))
     for i, (n, adapter) in enumerate(zip(PROMPT_LENS, ADAPTER_OF, strict=True)):
         engine.add_request(f"r{i}", random_ids(n, 320, seed=80 + i), greedy(8), adapter)
     engine.step()  # every prompt prefilled, one token sampled each

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
+from hylora.adapters.registry import UnknownAdapter
 from hylora.engine import RequestError, SamplingParams
 from hylora.engine.async_engine import AsyncEngine, EngineDead
 from hylora.engine.detokenizer import TextStream
 from hylora.engine.request import FailureKind
-from hylora.lora.registry import UnknownAdapter
 from hylora.tokenizer import load_tokenizer
 from tests.engine_helpers import make_engine, run, run_alone
 from tests.helpers import random_ids

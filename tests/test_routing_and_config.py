@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from hylora.engine.config import EngineConfig
+from hylora.kernels import KernelsConfig
 from hylora.server.routing import ConflictError, RouteError, TaskRouter
 
 
@@ -48,13 +49,14 @@ def test_bad_task_map_files(tmp_path):
         TaskRouter.read_task_map(tmp_path / "broken.json")
 
 
-def test_environment_replaces_defaults_but_not_explicit_values(monkeypatch):
-    monkeypatch.setenv("HYLORA_MAX_NUM_SEQS", "7")
-    monkeypatch.setenv("HYLORA_DEVICE", "cpu")
-    assert EngineConfig().max_num_seqs == 7 and EngineConfig().device == "cpu"
-    assert EngineConfig(max_num_seqs=3).max_num_seqs == 3
+def test_the_environment_does_not_override_explicit_values(monkeypatch):
+    """Knobs are flags: an environment variable never beats an explicit value (equal to the default or not)."""
+    monkeypatch.setenv("HYLORA_MAX_NUM_SEQS", "64")
+    assert EngineConfig(max_num_seqs=32).max_num_seqs == 32 and EngineConfig().max_num_seqs == 32
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         EngineConfig(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="lora_backend must be one of"):
+        KernelsConfig(lora_backend="fast")
 
 
 def test_serve_reports_a_task_for_a_missing_adapter_without_traceback(causal_ckpt):

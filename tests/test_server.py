@@ -70,7 +70,7 @@ def server(cache_dir, adapter_root, tmp_path_factory):
         "--device",
         "cpu",
     ]
-    with running_server(args, cache_dir, log, env={"HYLORA_ENABLE_FAULT_INJECTION": "1"}) as handle:
+    with running_server([*args, "--enable-fault-injection"], cache_dir, log) as handle:
         yield handle.url
 
 

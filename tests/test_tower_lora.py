@@ -11,16 +11,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from hylora.adapters.files import AdapterError, read_adapter
+from hylora.adapters.merge import merge_adapter
+from hylora.adapters.registry import AdapterRegistry
 from hylora.config import ModelConfig
 from hylora.generate import CachedRunner
-from hylora.lora.adapter import AdapterError, read_adapter
-from hylora.lora.merge import merge_adapter
-from hylora.lora.registry import AdapterRegistry
 from hylora.model.loader import load_model
 from hylora.model.mrope import mrope_positions
 from hylora.model.multimodal import placeholder_embeds
 from hylora.model.vision import VisionTower
-from tests.lora_helpers import TOWER_ADAPTER_SPECS, peft_adapter
+from tests.lora_helpers import TOWER_ADAPTER_SPECS, lora_backend, peft_adapter
 from tests.vl_helpers import build_prompt, hf_vl_logits, pixels
 
 TOWER_ATOL = 1e-5  # fp32 tower output
@@ -68,40 +68,40 @@ def test_adapter_files_hold_tower_keys(setup):
 
 @pytest.mark.parametrize("backend", ["grouped", "masked"])
 @pytest.mark.parametrize("name", list(TOWER_ADAPTER_SPECS))
-def test_tower_equals_peft_merged(setup, name, backend, monkeypatch):
-    monkeypatch.setenv("HYLORA_LORA_BACKEND", backend)
+def test_tower_equals_peft_merged(setup, name, backend):
     model, registry, merged, slots, ref, _ = setup
     assert registry.get(name).has_tower_lora
     px = pixels(GRIDS, seed=1)
-    got = ours(model.visual, GRIDS, px, [slots[name]] * len(GRIDS))
+    with lora_backend(model, backend):
+        got = ours(model.visual, GRIDS, px, [slots[name]] * len(GRIDS))
     err = (got - theirs(merged[name], GRIDS, px)).abs().max().item()
     assert err <= TOWER_ATOL, err
     assert (got - theirs(ref, GRIDS, px)).abs().max().item() > 1e-2  # the tower LoRA really does something
 
 
 @pytest.mark.parametrize("backend", ["grouped", "masked"])
-def test_mixed_items_in_one_call_equal_each_alone(setup, backend, monkeypatch):
+def test_mixed_items_in_one_call_equal_each_alone(setup, backend):
     """Items for adapters A, B, C and the base tower in one call: each == its own oracle and == itself
     encoded alone; the base items are bit-identical to a call without any adapter."""
-    monkeypatch.setenv("HYLORA_LORA_BACKEND", backend)
     model, _, merged, slots, ref, _ = setup
-    plan = [("explicit", (1, 8, 12)), (None, (2, 6, 8)), ("all_linear", (1, 4, 4)), ("tower_only", (3, 4, 6))]
-    plan += [(None, (1, 4, 4)), ("explicit", (2, 4, 4)), ("all_linear", (1, 16, 6))]
-    grids = [g for _, g in plan]
-    item_px = [pixels([g], seed=10 + i) for i, g in enumerate(grids)]
-    item_slots = [slots[a] if a else -1 for a, _ in plan]
-    together = ours(model.visual, grids, torch.cat(item_px), item_slots)
-    base_call = ours(model.visual, grids, torch.cat(item_px))
-    sizes = [t * h * w // 4 for t, h, w in grids]
-    for (adapter, grid), px, slot, got, base in zip(
-        plan, item_px, item_slots, together.split(sizes), base_call.split(sizes), strict=True
-    ):
-        alone = ours(model.visual, [grid], px, [slot])
-        assert (got - alone).abs().max().item() <= 1e-6, (adapter, grid)
-        oracle = theirs(merged[adapter] if adapter else ref, [grid], px)
-        assert (got - oracle).abs().max().item() <= TOWER_ATOL, (adapter, grid)
-        if adapter is None:
-            assert torch.equal(got, base)
+    with lora_backend(model, backend):
+        plan = [("explicit", (1, 8, 12)), (None, (2, 6, 8)), ("all_linear", (1, 4, 4)), ("tower_only", (3, 4, 6))]
+        plan += [(None, (1, 4, 4)), ("explicit", (2, 4, 4)), ("all_linear", (1, 16, 6))]
+        grids = [g for _, g in plan]
+        item_px = [pixels([g], seed=10 + i) for i, g in enumerate(grids)]
+        item_slots = [slots[a] if a else -1 for a, _ in plan]
+        together = ours(model.visual, grids, torch.cat(item_px), item_slots)
+        base_call = ours(model.visual, grids, torch.cat(item_px))
+        sizes = [t * h * w // 4 for t, h, w in grids]
+        for (adapter, grid), px, slot, got, base in zip(
+            plan, item_px, item_slots, together.split(sizes), base_call.split(sizes), strict=True
+        ):
+            alone = ours(model.visual, [grid], px, [slot])
+            assert (got - alone).abs().max().item() <= 1e-6, (adapter, grid)
+            oracle = theirs(merged[adapter] if adapter else ref, [grid], px)
+            assert (got - oracle).abs().max().item() <= TOWER_ATOL, (adapter, grid)
+            if adapter is None:
+                assert torch.equal(got, base)
 
 
 def test_base_only_call_runs_no_lora(setup, monkeypatch):
@@ -112,7 +112,7 @@ def test_base_only_call_runs_no_lora(setup, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("LoRA code ran in a call without adapters")
 
-    monkeypatch.setattr("hylora.model.vision.lora_apply", fail)
+    monkeypatch.setattr("hylora.model.vision.add_lora", fail)
     assert torch.equal(ours(model.visual, GRIDS, px, [-1] * len(GRIDS)), expected)
 
 

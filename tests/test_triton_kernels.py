@@ -24,12 +24,11 @@ from triton.runtime import interpreter  # noqa: E402
 
 from hylora.cache import StatePool  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
-from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply_grouped  # noqa: E402
-from hylora.model.device_lora import DeviceLoRABatch  # noqa: E402
+from hylora.kernels import checks as check  # noqa: E402
+from hylora.lora import DeviceLoRABatch, LoRABatch, LoRAStack  # noqa: E402
 from hylora.model.forward_batch import ForwardBatch  # noqa: E402
 from hylora.model.gdn import GatedDeltaNet  # noqa: E402
 from hylora.model.layers import STACKED_LORA_BELOW, Linear  # noqa: E402
-from hylora.ops import fast_kernel_check as check  # noqa: E402
 from hylora.ops.causal_conv1d import reference as conv_reference  # noqa: E402
 from hylora.ops.causal_conv1d import triton as conv_triton  # noqa: E402
 from hylora.ops.gated_delta_rule import reference as gdn_prefill_reference  # noqa: E402
@@ -47,7 +46,7 @@ from hylora.ops.silu_mul import triton as silu_triton  # noqa: E402
 from hylora.ops.varlen import RECURRENT_MAX_TOKENS  # noqa: E402
 from tests.conftest import text_config  # noqa: E402
 from tests.decode_helpers import gdn_inputs, paged_case, same_bits  # noqa: E402
-from tests.test_lora_apply import random_stack  # noqa: E402
+from tests.lora_helpers import grouped_reference, random_stack  # noqa: E402
 
 NAN = float("nan")
 
@@ -312,8 +311,8 @@ def assert_lora_matches(got: torch.Tensor, y0: torch.Tensor, ref: torch.Tensor, 
 def test_lora_triton_equals_grouped(T):
     """Default configuration choice (switches at 128 tokens), absent slices, an unused NaN slot."""
     x, y0, stack, batch = lora_case(T, seed=T)
-    ref = lora_apply_grouped(x, y0.clone(), stack, batch)
-    assert_lora_matches(lora_triton.lora_apply(x, y0.clone(), stack, batch), y0, ref, batch)
+    ref = grouped_reference(x, y0.clone(), stack, batch)
+    assert_lora_matches(check.triton_lora_apply(x, y0.clone(), stack, batch), y0, ref, batch)
 
 
 KC = lora_triton.KernelConfig
@@ -336,8 +335,8 @@ def test_lora_configs_at_tile_boundaries(config, rank):
     rows = (130, 17)  # 130: past one 128 tile and two 64 tiles; 96 inputs: 3 K splits, 2 K steps of 64
     for T in sorted({cfg.block_m - 1, cfg.block_m + 1, cfg.shrink_m + 1}):  # the adapters' shares straddle too
         x, y0, stack, batch = lora_case(T, seed=rank + T, rows=rows, in_features=96, rank=rank, ranks=(rank, 5, 0, 1))
-        ref = lora_apply_grouped(x, y0.clone(), stack, batch)
-        got = lora_triton.lora_apply(x, y0.clone(), stack, batch, config=cfg)
+        ref = grouped_reference(x, y0.clone(), stack, batch)
+        got = check.triton_lora_apply(x, y0.clone(), stack, batch, config=cfg)
         assert_lora_matches(got, y0, ref, batch)
 
 
@@ -355,7 +354,7 @@ def test_lora_slot_counts_straddle_the_m_tiles(config):
         h = lora_triton.lora_shrink(x, stack.a, meta, cfg)
         h[:, batch.token_slots < 0] = NAN
         got = lora_triton.lora_expand(h, stack.b, stack.offsets, y0.clone(), meta, cfg)
-        assert_lora_matches(got, y0, lora_apply_grouped(x, y0.clone(), stack, batch), batch)
+        assert_lora_matches(got, y0, grouped_reference(x, y0.clone(), stack, batch), batch)
 
 
 @pytest.mark.parametrize("name", lora_triton.SWEEP_CONFIGS, ids=str)
@@ -364,8 +363,8 @@ def test_lora_sweep_candidates(name):
     cfg = lora_triton.SWEEP_CONFIGS[name]
     T = max(cfg.block_m, cfg.shrink_m) + 1
     x, y0, stack, batch = lora_case(T, seed=T, rows=(130, 17), in_features=96, rank=16, ranks=(16, 5, 0, 1))
-    ref = lora_apply_grouped(x, y0.clone(), stack, batch)
-    assert_lora_matches(lora_triton.lora_apply(x, y0.clone(), stack, batch, config=cfg), y0, ref, batch)
+    ref = grouped_reference(x, y0.clone(), stack, batch)
+    assert_lora_matches(check.triton_lora_apply(x, y0.clone(), stack, batch, config=cfg), y0, ref, batch)
 
 
 TILE_MAP_CASES = {
@@ -423,8 +422,8 @@ def test_lora_shrink_and_expand_each_equal_the_reference():
 def test_lora_more_slices_than_one_launch_takes():
     rows = (24, 40, 16, 8, 33)  # 5 slices: two launches of up to 4
     x, y0, stack, batch = lora_case(37, seed=2, rows=rows)
-    ref = lora_apply_grouped(x, y0.clone(), stack, batch)
-    assert_lora_matches(lora_triton.lora_apply(x, y0.clone(), stack, batch), y0, ref, batch)
+    ref = grouped_reference(x, y0.clone(), stack, batch)
+    assert_lora_matches(check.triton_lora_apply(x, y0.clone(), stack, batch), y0, ref, batch)
 
 
 def test_lora_start_up_check():
@@ -446,7 +445,7 @@ def stacked_linear(T: int, seed: int) -> tuple[Linear, torch.Tensor, torch.Tenso
     linear.lora = LoRAStack(a=a, b=stack.b, offsets=stack.offsets, present=stack.present)
     linear.lora_backend = "triton"
     assert torch.equal(linear.weight, weight)  # the weight moved, its values did not
-    ref = lora_apply_grouped(x, torch.nn.functional.linear(x, weight), stack, batch)
+    ref = grouped_reference(x, torch.nn.functional.linear(x, weight), stack, batch)
     return linear, x, ref, batch
 
 
@@ -591,14 +590,15 @@ def test_causal_conv1d_by_slot_equals_reference(lens, kernel):
 
 
 @pytest.mark.parametrize(("value", "config"), [("32,8", (32, 8, 1)), ("16,2,4", (16, 2, 4))])
-def test_gdn_decode_config_from_the_environment(monkeypatch, value, config):
-    import importlib
+def test_gdn_decode_launch_flag(value, config):
+    """--gdn-decode-launch (what bench/kernel_sweep_gpu.py --gdn-best-out writes) reaches every call."""
+    from hylora.kernels import KernelsConfig, model_kernels
+    from hylora.kernels.config import parse_launch
+    from hylora.kernels.select import fast_verdicts
 
-    monkeypatch.setenv("HYLORA_GDN_DECODE_CONFIG", value)  # what bench/kernel_sweep_gpu.py --gdn-best-out writes
-    tuned = importlib.reload(gdn_triton)
-    try:
-        assert config == (tuned.BLOCK_V, tuned.NUM_WARPS, tuned.V_BLOCKS)
-    finally:
-        monkeypatch.delenv("HYLORA_GDN_DECODE_CONFIG")
-        importlib.reload(gdn_triton)
-    assert (gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS, gdn_triton.V_BLOCKS) == (32, 4, 4)
+    assert parse_launch(value) == config
+    kernels = model_kernels(fast_verdicts(["gdn_decode"]), KernelsConfig(gdn_decode_launch=config))
+    assert kernels.gdn_decode.keywords == dict(zip(("block_v", "num_warps", "v_blocks"), config, strict=True))
+    assert model_kernels(fast_verdicts(["gdn_decode"])).gdn_decode is gdn_triton.gdn_decode
+    with pytest.raises(ValueError):
+        parse_launch("32")

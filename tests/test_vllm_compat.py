@@ -235,7 +235,8 @@ def test_generation_config_defaults_apply_when_a_request_sets_nothing(demo_dir, 
     model = tmp_path / "model"
     shutil.copytree(demo_dir, model)
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.0, "top_k": 1}))
-    body = {"model": "model", "messages": [{"role": "user", "content": "Describe the relic."}], "max_tokens": 12}
+    # the served name is the model argument exactly as given (vLLM's rule)
+    body = {"model": str(model), "messages": [{"role": "user", "content": "Describe the relic."}], "max_tokens": 12}
     with running_server([str(model), "--device", "cpu", "--max-model-len", "256"], demo_cache_dir, tmp_path / "a") as s:
         greedy = httpx.post(f"{s.url}/v1/chat/completions", json=body | {"temperature": 0}, timeout=60).json()
         unset = [httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60).json() for _ in range(2)]

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from hylora.env import hylora_variables
 
 TRUE = {"1", "true", "yes", "on"}
 
@@ -83,4 +84,4 @@ class ReplicaPlan:
 
 def hylora_env() -> dict[str, str]:
     """HYLORA_* settings of this process, handed to every replica (they may start on other nodes)."""
-    return {k: v for k, v in os.environ.items() if k.startswith("HYLORA_")}
+    return hylora_variables()

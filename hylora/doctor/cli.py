@@ -146,6 +146,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         max_num_seqs=2 if endpoint else args.max_num_seqs,
         max_loras=1 if endpoint else max(4, len(x.adapters)),
         max_lora_rank=1 if endpoint else args.max_lora_rank,
+        fault_injection=endpoint is None,  # in-process, the pollution check faults one request on purpose
     )
     # the reference's engine; in-process it is also the deployment checked
     engine = LLMEngine(x.model_dir, config, lora_modules=None if endpoint else x.adapters)

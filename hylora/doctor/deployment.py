@@ -12,7 +12,7 @@ from typing import Protocol
 
 from hylora.doctor.prompts import Probe, video_messages
 from hylora.doctor.scores import Scores
-from hylora.engine.chat_input import MediaSettings, multimodal_prompt
+from hylora.engine.chat_input import multimodal_prompt
 from hylora.engine.engine import LLMEngine, RequestError, RequestOutput
 from hylora.engine.multimodal import MultimodalPrompt
 from hylora.engine.request import SamplingParams
@@ -93,10 +93,9 @@ class EngineDeployment:
         return results  # type: ignore[return-value]
 
     def _video_prompt(self, path: Path) -> tuple[list[int], MultimodalPrompt]:
-        vision = self.engine.model.config.vision
-        if self.engine.model.visual is None or vision is None:
+        settings = self.engine.media_settings()
+        if settings is None:
             raise ValueError("this model has no vision tower: no video can be sent")
-        settings = MediaSettings.for_model(self.engine.model_dir, vision, self.engine.tokenizer)
         return asyncio.run(multimodal_prompt(settings, self.engine.tokenizer, video_messages(path)))
 
     def _until_done(self, ids: set[str]) -> list[RequestOutput]:

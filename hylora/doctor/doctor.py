@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from hylora.doctor.reference import Reference
 from hylora.doctor.result import CheckResult, Status
 from hylora.doctor.scores import TokenTexts
 from hylora.doctor.sweep import SweepData, TargetSweep, check_fidelity, label
+from hylora.kernels import KernelVerdict
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +90,7 @@ def run_doctor(
     adapters: list[str],
     options: DoctorOptions,
     texts: TokenTexts,
-    kernels: dict[str, str] | None = None,
+    kernels: Mapping[str, KernelVerdict] | None = None,
 ) -> Report:
     """Run every check on `deployment` (kernels: the engine's record, in-process only)."""
     started = time.monotonic()

@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 from safetensors import safe_open
 
-from hylora.lora.adapter import LoRAAdapter, LoRAWeight
+from hylora.adapters.files import LoRAAdapter, LoRAWeight
 from hylora.model.loader import checkpoint_layout, parameter_name, weight_files
 
 log = logging.getLogger(__name__)

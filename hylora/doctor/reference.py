@@ -8,11 +8,11 @@ import logging
 import time
 from pathlib import Path
 
+from hylora.adapters.files import read_adapter
 from hylora.doctor.merged import Restore, merged
 from hylora.doctor.scores import ReferenceScores
 from hylora.engine.engine import LLMEngine
 from hylora.engine.request import SamplingParams
-from hylora.lora.adapter import read_adapter
 
 log = logging.getLogger(__name__)
 REFERENCE_TOP_K = 20  # to place a served top-1 that (nearly) ties with the reference's, and the gap when it does not

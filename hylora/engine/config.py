@@ -1,9 +1,10 @@
-"""Engine configuration: every knob in one place; environment overrides use the HYLORA_ prefix."""
+"""Engine configuration: every engine knob in one place (set by `hylora serve` flags)."""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, replace
+
+from hylora.kernels.config import KernelsConfig
 
 
 @dataclass
@@ -29,18 +30,13 @@ class EngineConfig:
     # overlaps the device's (vLLM's --async-scheduling); needs the padded decode step (CUDA)
     async_scheduling: bool = True
     seed: int | None = None  # seeds requests that bring none, in arrival order (vLLM's --seed); None = random
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)  # which fast kernels may serve
+    # decode steps padded as a CUDA graph pads them, run eagerly (the CPU tests drive decode ahead this way)
+    padded_decode: bool = False
+    # testing aid: a request may ask to fault in its next step (engine/faults.py); never on in production
+    fault_injection: bool = False
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # HYLORA_MAX_NUM_SEQS=64 replaces the default of max_num_seqs, etc.
-            env = os.environ.get(f"HYLORA_{f.name.upper()}")
-            if env is not None and getattr(self, f.name) == f.default:  # explicit values win
-                current = getattr(self, f.name)
-                if isinstance(current, bool):
-                    setattr(self, f.name, env.strip().lower() in ("1", "true", "yes", "on"))
-                    continue
-                optional_ints = ("num_pages", "seed", "max_num_batched_tokens")
-                kind = type(current) if current is not None else (int if f.name in optional_ints else str)
-                setattr(self, f.name, kind(env))
         step_tokens = self.max_num_batched_tokens
         checks = [
             (self.max_model_len >= 1, "max_model_len must be >= 1"),

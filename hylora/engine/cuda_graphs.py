@@ -11,7 +11,6 @@ sync with the host and cannot be captured, so without them decode stays eager.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -83,9 +82,9 @@ def decode_kernels_graphable(model: HybridDecoder) -> str | None:
     """None if every decode kernel of the model can be captured, else why not (for the log)."""
     for layer in model.layers:
         if layer.is_linear and layer.linear_attn.decode_step is None:
-            return "the Triton GDN decode kernel is not installed (start-up check or HYLORA_FAST_KERNELS=off)"
+            return "the Triton GDN decode kernel is not installed (start-up check or --fast-kernels off)"
         if not layer.is_linear and layer.self_attn.decode_attention is None:
-            return "the Triton paged decode attention is not installed (start-up check or HYLORA_FAST_KERNELS=off)"
+            return "the Triton paged decode attention is not installed (start-up check or --fast-kernels off)"
     return None
 
 
@@ -94,10 +93,10 @@ def make_graph_decode(
 ) -> PaddedDecode | None:
     """The engine's decode graphs, or None (with the reason logged) when decode runs eagerly.
 
-    HYLORA_PADDED_DECODE=1 on the CPU runs decode steps through the graphs' eager twin instead, so
+    `config.padded_decode` on the CPU runs decode steps through the graphs' eager twin instead, so
     that the CPU tests can drive the paths that only padded steps take (decode ahead)."""
     if model.device.type != "cuda":
-        if os.environ.get("HYLORA_PADDED_DECODE") == "1":
+        if config.padded_decode:
             return PaddedDecode(model, kv, states, config.max_num_seqs, config.max_model_len)
         return None
     if config.enforce_eager:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hylora.model.device_lora import DeviceLoRABatch
+from hylora.lora import DeviceLoRABatch
 from hylora.model.forward_batch import ForwardBatch
 
 FIRST_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)

@@ -3,93 +3,50 @@ queued on the device before the one before it is read (decode ahead, `LLMEngine.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import random
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from hylora.adapters.registry import AdapterRegistry, PreparedAdapter
 from hylora.cache import PagedKVCache, StatePool
 from hylora.config import ModelConfig, parse_dtype
+from hylora.engine.chat_input import MediaSettings
 from hylora.engine.config import EngineConfig
-from hylora.engine.detokenizer import TextStream
 from hylora.engine.encoder_cache import EncoderCache
+from hylora.engine.errors import DeviceFault, RequestError, is_device_error
+from hylora.engine.faults import FaultInjector
+from hylora.engine.intake import RequestIntake
+from hylora.engine.media_encoding import MediaEncoder, media_key
 from hylora.engine.memory import plan_caches
-from hylora.engine.multimodal import MultimodalPrompt, Segment
-from hylora.engine.request import FailureKind, Request, SamplingParams, TokenLogprob
+from hylora.engine.multimodal import MultimodalPrompt
+from hylora.engine.observer import StepObserver
+from hylora.engine.outputs import OutputProcessor, RequestOutput
+from hylora.engine.request import FailureKind, Request, SamplingParams
 from hylora.engine.runner import ChunkResult, ModelRunner
 from hylora.engine.sampler import PendingSample, SamplingError, launch_sample, prompt_logprobs, to_device
 from hylora.engine.scheduler import ScheduledChunk, Scheduler
-from hylora.lora.registry import AdapterRegistry, PreparedAdapter
+from hylora.engine.stats import EngineStats
+from hylora.kernels import as_text, select_kernels
 from hylora.model.decoder import HybridDecoder
 from hylora.model.loader import load_model
-from hylora.ops.kernel_check import select_kernels
-from hylora.structured import CompiledGrammar, GrammarCompiler, apply_token_masks
+from hylora.structured import CompiledGrammar, GrammarCompiler, GrammarError, apply_token_masks
 from hylora.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RequestOutput:
-    """What one step changed for one request. While it runs an output carries only what is new
-    (streams send deltas, never cumulative copies); the final output (`finished`) also carries
-    everything: all tokens, the whole text and the logprobs."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    new_token_ids: list[int]  # generated since the previous output of this request
-    new_text: str
-    finished: bool
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"
-    error: str | None = None
-    failure: FailureKind | None = None  # why it failed, when finish_reason is "error"
-    adapter: str | None = None
-    new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, when asked for
-    num_output_tokens: int = 0
-    num_preemptions: int = 0
-    # final output only
-    token_ids: list[int] = field(default_factory=list)  # every generated token
-    text: str = ""  # generated text (stop strings removed unless asked to keep them)
-    logprobs: list[TokenLogprob] | None = None  # per generated token, when asked for
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # first entry None, when asked for
-
-    def merged(self, later: RequestOutput) -> RequestOutput:
-        """This output followed by `later` as one (a reader that fell behind gets one delta)."""
-        new_logprobs = None
-        if self.new_logprobs is not None or later.new_logprobs is not None:
-            new_logprobs = (self.new_logprobs or []) + (later.new_logprobs or [])
-        return dataclasses.replace(
-            later,
-            new_token_ids=self.new_token_ids + later.new_token_ids,
-            new_text=self.new_text + later.new_text,
-            new_logprobs=new_logprobs,
-        )
-
-
-class RequestError(ValueError):
-    """The request cannot be served as given; the message says what to change."""
-
-
-class DeviceFault(RuntimeError):
-    """The accelerator failed (e.g. an illegal memory access): every request in flight is lost and
-    the device state cannot be trusted; the process must restart."""
-
-
-def is_device_error(error: BaseException) -> bool:
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(error, accelerator_error):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and any(s in text for s in ("CUDA error", "CUBLAS_STATUS", "cuDNN error"))
-
-
 MAX_SUSPECT_STEPS = 3  # a request in this many failed steps fails itself
+
+
+def _grammar_failure(error: BaseException) -> FailureKind:
+    """A grammar that breaks while a request runs (a limit of the matcher, a document that cannot go on)
+    is the client's spec (HTTP 400); anything else in the mask step is ours."""
+    return FailureKind.INVALID_REQUEST if isinstance(error, GrammarError) else FailureKind.INTERNAL
 
 
 @dataclass
@@ -133,8 +90,8 @@ class LLMEngine:
         self.model_dir = Path(model_dir)
         vision = model is None and ModelConfig.from_dir(model_dir).vision is not None
         self.model = model or load_model(model_dir, dtype=dtype, device=device, progress=progress, vision=vision)
-        self.kernels = select_kernels(self.model, config.page_size)
-        log.info("kernels: %s", self.kernels)
+        self.kernels = select_kernels(self.model, config.page_size, config.kernels)
+        log.info("kernels: %s", as_text(self.kernels))
         self.tokenizer = load_tokenizer(model_dir)
         self.adapters = AdapterRegistry(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         for name, path in (lora_modules or {}).items():
@@ -143,17 +100,19 @@ class LLMEngine:
         self.kv = PagedKVCache(self.model.config, plan.num_pages, config.page_size, self.model.dtype, self.model.device)
         self.states = StatePool(self.model.config, plan.num_slots, self.model.dtype, self.model.device)
         self.encoder_cache = EncoderCache(int(config.encoder_cache_gb * (1 << 30)))
-        self.scheduler = Scheduler(config, self.kv, self.states, self.adapters, self.encoder_cache, self._media_key)
+        self.scheduler = Scheduler(config, self.kv, self.states, self.adapters, self.encoder_cache, media_key)
         self.runner = ModelRunner(self.model, self.kv, self.states, config)
         self.eos_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}
-        self._streams: dict[str, TextStream] = {}
-        self._emitted: dict[str, int] = {}  # generated tokens already handed out per request
-        self._faults: dict[str, str] = {}  # test hook: request id → fault kind
+        vocab, has_vision = self.model.config.vocab_size, self.model.visual is not None
+        self.intake = RequestIntake(config, self.tokenizer, vocab, self.kv, has_vision)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_ids, config.max_model_len)
+        self.media = MediaEncoder(self.model, self.encoder_cache, self._fail)
+        self.faults = FaultInjector(self.kv, self.states) if config.fault_injection else None
+        self._observers: list[StepObserver] = [self.faults] if self.faults is not None else []
         self._pending: list[RequestOutput] = []  # outputs of requests ended outside step()
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
-        self._seeds = random.Random(config.seed) if config.seed is not None else None
         self.step_count = 0
         self._inflight: LaunchedStep | None = None  # a decode step queued ahead, not read yet
         self.steps_ahead = 0  # decode steps queued before the step before them was read
@@ -174,47 +133,16 @@ class LLMEngine:
         (AsyncEngine does that); without it the adapter is prepared here. `mm` holds the prompt's
         images and videos (its placeholder tokens already expanded in `prompt`); `grammar` constrains
         the output (structured outputs, compiled off this thread by `grammar_compiler()`)."""
-        params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        if params.seed is None and self._seeds is not None and not params.greedy:
-            params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
-        ids = self._prompt_ids(prompt)
-        if mm is not None:
-            self._check_media(ids, mm)
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise RequestError(f"stop_token_ids must be in [0, {vocab})")
-        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
-            outside = sorted(t for t in params.logit_bias if not 0 <= t < vocab)[:5]
-            raise RequestError(f"logit_bias token ids must be in [0, {vocab}); got {outside}")
-        limit = self.config.max_model_len
-        if len(ids) + params.max_tokens > limit:
-            raise RequestError(
-                f"this model's maximum context length is {limit} tokens; the request has {len(ids)} prompt "
-                f"tokens and asks for up to {params.max_tokens} more ({len(ids) + params.max_tokens}); "
-                "shorten the prompt or lower max_tokens"
-            )
-        pages = self.kv.pages_needed(len(ids) + params.max_tokens)
-        if pages > self.kv.num_pages:  # could never be scheduled, even alone
-            raise RequestError(
-                f"the request needs up to {pages} KV pages ({len(ids)} prompt + {params.max_tokens} new tokens) "
-                f"but the whole cache has {self.kv.num_pages}; lower max_tokens or start with more --num-pages"
-            )
+        ids, params = self.intake.admit(prompt, params or SamplingParams(), mm)
         if adapter is not None and (prepared is None or prepared.version.name != adapter):
             prepared = self.adapters.prepare(adapter)  # UnknownAdapter names what is loaded
-        try:
-            stream = TextStream(
-                self.tokenizer, ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
-            )
-        except Exception as e:
-            raise RequestError(f"cannot detokenise this prompt: {e}") from None
         req = Request(request_id=request_id, prompt_ids=ids, params=params, adapter=adapter, mm=mm)
+        self.outputs.add(req)
         req.grammar = grammar.matcher() if grammar is not None else None
         req.prepared = prepared if adapter is not None else None
         self.requests[request_id] = req
-        self._streams[request_id] = stream
-        self._emitted[request_id] = 0
         self.scheduler.add(req)
         return req
 
@@ -246,17 +174,14 @@ class LLMEngine:
                 log.exception("could not end request %s cleanly", rid)
                 outputs.append(RequestOutput(rid, req.prompt_ids, [], "", True, "error", error, failure))
                 self.requests.pop(rid, None)
-                self._streams.pop(rid, None)
-                self._emitted.pop(rid, None)
+                self.outputs.forget(rid)
         return outputs
 
     def inject_fault(self, request_id: str, kind: str = "nan") -> None:
-        """Test hook, for the next step that runs this request: "nan" first fills its GDN state and
-        KV pages with NaN (what a faulty kernel would leave behind); "raise" makes the forward raise
-        (a bug triggered by this request); "device" raises what a CUDA fault raises."""
-        if kind not in ("nan", "raise", "device"):
-            raise ValueError(f"unknown fault kind {kind!r}")
-        self._faults[request_id] = kind
+        """Testing aid (engine/faults.py): the next step that runs this request faults as `kind` says."""
+        if self.faults is None:
+            raise RuntimeError("fault injection is off (EngineConfig.fault_injection)")
+        self.faults.arm(request_id, kind)
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The structured-output compiler for this tokenizer and vocabulary, built on first use (it
@@ -265,6 +190,46 @@ class LLMEngine:
             if self._compiler is None:
                 self._compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
             return self._compiler
+
+    def media_settings(self, **settings: Any) -> MediaSettings | None:
+        """How this model's images and videos are preprocessed (the checkpoint's processor files) and
+        what is accepted (`settings`: MediaSettings' limits, fetch policy, per-prompt limits, ...);
+        None for a model without a vision tower. The one place media settings are built."""
+        vision = self.model.config.vision
+        if self.model.visual is None or vision is None:
+            return None
+        return MediaSettings.for_model(self.model_dir, vision, self.tokenizer, **settings)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's resources and queues (call on the engine thread)."""
+        sched, adapters = self.scheduler, self.adapters.stats()
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for table, reqs in ((running, sched.running), (waiting, sched.waiting)):
+            for r in reqs:
+                table[r.adapter or ""] = table.get(r.adapter or "", 0) + 1
+        return EngineStats(
+            queue=len(sched.waiting),
+            running=len(sched.running),
+            kv_used=self.kv.num_pages - self.kv.num_free,
+            kv_total=self.kv.num_pages,
+            slots_used=self.states.num_slots - self.states.num_free,
+            slots_total=self.states.num_slots,
+            lora_slots_used=adapters["slots_used"],
+            lora_slots_total=adapters["slots_total"],
+            adapters_loaded=len(adapters["loaded"]),
+            adapters_on_cpu=adapters["on_cpu"],
+            encoder_hits=self.encoder_cache.hits,
+            encoder_misses=self.encoder_cache.misses,
+            encoder_bytes=self.encoder_cache.bytes,
+            encoder_entries=len(self.encoder_cache),
+            engine_steps=self.step_count,
+            steps_ahead=self.steps_ahead,
+            preemptions=sched.num_preemptions,
+            on_device={name: int(name in adapters["on_device"]) for name in adapters["loaded"]},
+            running_by_adapter=running,
+            waiting_by_adapter=waiting,
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
@@ -290,7 +255,10 @@ class LLMEngine:
         for req in plan.failed:
             self._finish(req, "error", error=req.error, failure=req.failure)
             outputs.append(self._output(req))
-        chunks = self._prepare_media(plan.chunks, outputs) if any(c.media for c in plan.chunks) else plan.chunks
+        chunks = plan.chunks
+        if any(c.media for c in chunks):
+            chunks, failed = self.media.prepare(chunks, self.step_count)
+            outputs.extend(failed)
         if not chunks:
             return outputs
         step = self._launch(chunks, outputs)
@@ -420,10 +388,12 @@ class LLMEngine:
                 if req.grammar is not None:
                     req.grammar.accept(result[0])
             except Exception as e:
-                outputs.append(self._fail(req, f"structured output failed: {e}", FailureKind.INTERNAL))
+                outputs.append(self._fail(req, f"structured output failed: {e}", _grammar_failure(e)))
                 continue
             try:
-                self._append_token(req, *result)
+                reason = self.outputs.append_token(req, *result)
+                if reason is not None:
+                    self._finish(req, reason)
                 outputs.append(self._output(req))
             except Exception as e:  # detokenisation or stop handling
                 log.exception("request %s: handling its new token failed", req.request_id)
@@ -447,105 +417,24 @@ class LLMEngine:
         keep = [i for i, err in enumerate(errors) if err is None]
         for i, err in enumerate(errors):
             if err is not None:
-                outputs.append(self._fail(reqs[i], f"structured output failed: {err}", FailureKind.INTERNAL))
+                outputs.append(self._fail(reqs[i], f"structured output failed: {err}", _grammar_failure(err)))
         return [reqs[i] for i in keep], logits[keep]
 
     # --- internals -------------------------------------------------------------------------
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            try:
-                ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            except Exception as e:
-                raise RequestError(f"cannot tokenise the prompt: {e}") from None
-        else:
-            ids = list(prompt)
-        if not ids:
-            raise RequestError("the prompt is empty")
-        vocab = self.model.config.vocab_size
-        if any(not (isinstance(t, int) and 0 <= t < vocab) for t in ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
-        return ids
+    def add_observer(self, observer: StepObserver) -> None:
+        """Call `observer` around every forward from now on (engine/observer.py)."""
+        self._observers.append(observer)
 
-    def _check_media(self, ids: list[int], mm: MultimodalPrompt) -> None:
-        if self.model.visual is None:
-            raise RequestError("this model has no vision tower: send text only")
-        if mm.positions.prompt_len != len(ids):
-            raise RequestError("the media positions do not match the prompt")
-        budget = self.config.max_num_encoder_tokens
-        largest = max((s.num_tokens for s in mm.segments), default=0)
-        if largest > budget:
-            raise RequestError(
-                f"one image or video frame of this request is {largest} visual tokens, more than the "
-                f"{budget} the server encodes per step (--max-num-encoder-tokens); send it smaller"
-            )
-
-    def _media_key(self, req: Request, seg: Segment) -> tuple:
-        """Encoder-cache key: the media content and preprocessing, the temporal patch, and the
-        adapter version when it changes the tower."""
-        version = req.lora.version if req.lora is not None else None
-        tower = (version.name, version.version) if version is not None and version.has_tower_lora else None
-        return (req.mm.items[seg.item].key, seg.t, tower)  # type: ignore[union-attr]
-
-    def _prepare_media(self, chunks: list[ScheduledChunk], outputs: list[RequestOutput]) -> list[ScheduledChunk]:
-        """Make every segment the chunks need ready: from the encoder cache, else encoded (one tower
-        call for all of them). A request whose media fail to encode fails alone."""
-        todo: list[tuple[Request, Segment]] = []
-        for c in chunks:
-            for seg in c.media:
-                cached = self.encoder_cache.get(self._media_key(c.request, seg))
-                if cached is not None:
-                    c.request.mm.ready[seg.id] = cached  # type: ignore[union-attr]
-                else:
-                    todo.append((c.request, seg))
-        failed: dict[str, RequestOutput] = {}
-        if todo:
-            self._encode(todo, failed)
-            outputs.extend(failed.values())
-        return [c for c in chunks if c.request.request_id not in failed]
-
-    @torch.inference_mode()
-    def _encode(self, todo: list[tuple[Request, Segment]], failed: dict[str, RequestOutput]) -> None:
-        try:
-            pieces = [req.mm.pixels(seg) for req, seg in todo]  # type: ignore[union-attr]
-            pixels = torch.cat([p for p, _ in pieces]).to(self.model.device)
-            grids = torch.tensor([g for _, g in pieces])
-            slots = [req.lora.tower_slot if req.lora is not None else -1 for req, _ in todo]
-            out = self.model.visual(pixels, grids, slots).split([seg.num_tokens for _, seg in todo])  # type: ignore[misc]
-        except Exception as e:
-            if is_device_error(e):
-                raise DeviceFault(f"device fault in the vision tower at engine step {self.step_count}: {e}") from e
-            requests = {id(req): req for req, _ in todo}
-            if len(requests) > 1:  # find the request that breaks it: encode each alone
-                for rid in requests:
-                    self._encode([(r, s) for r, s in todo if id(r) == rid], failed)
-                return
-            req = todo[0][0]
-            failed[req.request_id] = self._fail(req, f"encoding its media failed: {e!r}", FailureKind.INTERNAL)
-            return
-        for (req, seg), rows in zip(todo, out, strict=True):
-            if req.request_id in failed:
-                continue
-            if not torch.isfinite(rows).all():
-                message = (
-                    f"numerical fault: non-finite values (NaN/Inf) in the vision tower output of request "
-                    f"{req.request_id!r} (media item {seg.item}, temporal patch {seg.t}); other requests are unaffected"
-                )
-                failed[req.request_id] = self._fail(req, message, FailureKind.NUMERICAL_FAULT)
-                continue
-            req.mm.ready[seg.id] = rows  # type: ignore[union-attr]
-            self.encoder_cache.put(self._media_key(req, seg), rows)
+    def remove_observer(self, observer: StepObserver) -> None:
+        self._observers.remove(observer)
 
     def _execute(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None = None):
-        for c in chunks:
-            kind = self._faults.pop(c.request.request_id, None)
-            if kind == "nan":
-                self.runner.poison(c.request.state_slot, c.request.pages)
-            elif kind == "raise":
-                self._faults[c.request.request_id] = kind  # keeps raising while this request is in a step
-                raise RuntimeError(f"injected fault in the forward of request {c.request.request_id!r}")
-            elif kind == "device":
-                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
-        return self.runner.execute(chunks, input_ids)
+        for observer in self._observers:
+            observer.before_forward(chunks)
+        out = self.runner.execute(chunks, input_ids)
+        for observer in self._observers:
+            observer.after_forward(chunks)
+        return out
 
     def _quarantine(self, chunks: list[ScheduledChunk], error: Exception) -> list[RequestOutput]:
         """The forward raised. A request that was alone fails with the error; a batch goes back to the
@@ -572,24 +461,6 @@ class LLMEngine:
             next_ids = [req.prompt_ids[p + 1] for p in positions]
             req.prompt_logprobs.extend(prompt_logprobs(logits, next_ids, req.params.prompt_logprobs or 0))
 
-    def _append_token(self, req: Request, token: int, info: TokenLogprob | None) -> None:
-        now = time.monotonic()
-        req.first_token_time = req.first_token_time or now
-        req.last_token_time = now
-        req.output_ids.append(token)
-        if info is not None:
-            req.logprobs.append(info)
-        p = req.params
-        constrained = req.grammar is not None  # a grammar's EOS ends the document, ignore_eos or not
-        if (token in self.eos_ids and (constrained or not p.ignore_eos)) or token in p.stop_token_ids:
-            self._finish(req, "stop")
-            return
-        hit = self._streams[req.request_id].append(token)
-        if hit is not None or (constrained and req.grammar.is_terminated()):  # type: ignore[union-attr]
-            self._finish(req, "stop")
-        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
-            self._finish(req, "length")
-
     def _finish(
         self,
         req: Request,
@@ -609,36 +480,9 @@ class LLMEngine:
             log.warning("request %s failed: %s", req.request_id, error)
 
     def _output(self, req: Request) -> RequestOutput:
-        rid = req.request_id
-        stream = self._streams[rid]
-        try:
-            new_text = stream.take(req.finished)
-        except Exception:  # a broken stream must not keep the request from ending
-            log.exception("request %s: taking its text failed", rid)
-            new_text = ""
-        start = self._emitted[rid]
-        self._emitted[rid] = len(req.output_ids)
-        wants_logprobs = req.params.logprobs is not None
-        out = RequestOutput(
-            request_id=rid,
-            prompt_token_ids=req.prompt_ids,
-            new_token_ids=req.output_ids[start:],
-            new_text=new_text,
-            finished=req.finished,
-            finish_reason=req.finish_reason,
-            error=req.error,
-            failure=req.failure,
-            adapter=req.adapter,
-            new_logprobs=req.logprobs[start:] if wants_logprobs else None,
-            num_output_tokens=len(req.output_ids),
-            num_preemptions=req.num_preemptions,
-        )
+        out = self.outputs.output(req)
         if req.finished:
-            out.token_ids = list(req.output_ids)
-            out.text = stream.text
-            out.logprobs = list(req.logprobs) if wants_logprobs else None
-            out.prompt_logprobs = list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None
-            del self.requests[rid], self._streams[rid], self._emitted[rid]
+            del self.requests[req.request_id]
         return out
 
     def _eos_ids(self) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from hylora.engine.chat_input import MediaSettings, has_media, multimodal_prompt
+from hylora.engine.chat_input import has_media, multimodal_prompt
 from hylora.engine.config import EngineConfig
 from hylora.engine.engine import LLMEngine, RequestOutput
 from hylora.engine.request import SamplingParams
@@ -46,11 +46,10 @@ class LLM:
         or file:// URLs under `media_root`."""
         if not has_media(messages):
             return self.generate(chat_prompt(self.tokenizer, messages), params, lora)[0]
-        vision = self.engine.model.config.vision
-        if self.engine.model.visual is None or vision is None:
-            raise ValueError("this model has no vision tower: send text only")
         root = Path(media_root).resolve() if media_root is not None else None
-        settings = MediaSettings.for_model(self.model_dir, vision, self.tokenizer, policy=FetchPolicy(root))
+        settings = self.engine.media_settings(policy=FetchPolicy(root))
+        if settings is None:
+            raise ValueError("this model has no vision tower: send text only")
         ids, mm = asyncio.run(multimodal_prompt(settings, self.tokenizer, messages, mm_processor_kwargs))
         rid = f"offline-{next(self._ids)}"
         self.engine.add_request(rid, ids, params or SamplingParams(), lora, mm=mm)

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hylora.adapters.registry import AdapterLease, PreparedAdapter
 from hylora.engine.multimodal import MultimodalPrompt
-from hylora.lora.registry import AdapterLease, PreparedAdapter
 from hylora.structured import GrammarMatcher
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -173,7 +173,8 @@ class Request:
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    # timing
+    # timing (time.monotonic())
+    scheduled_time: float | None = None  # first admitted to a step
     first_token_time: float | None = None
     last_token_time: float | None = None
 

@@ -122,16 +122,6 @@ class ModelRunner:
             )
         return results
 
-    def poison(self, state_slot: int | None, pages: list[int]) -> None:
-        """Test hook: fill one request's GDN state and KV pages with NaN, as a faulty kernel would."""
-        if state_slot is not None:
-            self.states.recurrent[:, state_slot] = float("nan")
-            self.states.conv[:, state_slot] = float("nan")
-        for p in pages:
-            sl = slice(p * self.kv.page_size, (p + 1) * self.kv.page_size)
-            self.kv.k[:, sl] = float("nan")
-            self.kv.v[:, sl] = float("nan")
-
 
 def _decode_rows(chunks: list[ScheduledChunk], max_batch: int) -> list[DecodeRow] | None:
     """The step as padded-decode rows, or None when it must run eagerly: a prefill chunk of several

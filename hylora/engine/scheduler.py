@@ -28,17 +28,18 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+from hylora.adapters.files import AdapterError
+from hylora.adapters.registry import AdapterRegistry, NoFreeLoRASlot, UnknownAdapter
 from hylora.cache import PagedKVCache, StatePool
 from hylora.engine.config import EngineConfig
 from hylora.engine.encoder_cache import EncoderCache
 from hylora.engine.multimodal import Segment
 from hylora.engine.request import FailureKind, Request, Status
-from hylora.lora.adapter import AdapterError
-from hylora.lora.registry import AdapterRegistry, NoFreeLoRASlot, UnknownAdapter
 
 log = logging.getLogger(__name__)
 LORA_WAIT_STEPS = 64  # steps a request waiting for a LoRA slot lets resident adapters' requests pass it
@@ -92,6 +93,7 @@ class Scheduler:
         self.encoder_cache, self.media_key = encoder_cache, media_key
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0  # cumulative (metrics)
         self._encoder_budget = 0  # encoder tokens left in the step being planned
 
     @property
@@ -201,6 +203,7 @@ class Scheduler:
             return Admission.NO_ROOM
         self.waiting.remove(req)
         req.status = Status.RUNNING
+        req.scheduled_time = req.scheduled_time or time.monotonic()
         self.running.append(req)
         plan.chunks.append(ScheduledChunk(req, req.num_computed, n, media))
         self._spend(req, media)
@@ -265,6 +268,7 @@ class Scheduler:
         self._free_cache(req, scrub=scrub)
         req.num_computed = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 

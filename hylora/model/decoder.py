@@ -12,6 +12,7 @@ from hylora.config import LINEAR, ConfigError, ModelConfig
 from hylora.model.attention import GatedAttention
 from hylora.model.forward_batch import ForwardBatch
 from hylora.model.gdn import GatedDeltaNet
+from hylora.model.kernels import ModelKernels, install
 from hylora.model.layers import MLP, RMSNorm, _param
 from hylora.model.rotary import MRotaryEmbedding
 from hylora.model.vision import VisionTower
@@ -82,6 +83,12 @@ class HybridDecoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Embedding(config.vocab_size, config.hidden_size)
         self.rotary: MRotaryEmbedding | None = None
+        self.kernels = ModelKernels()  # the torch references until the kernel floor chooses
+
+    def use_kernels(self, kernels: ModelKernels) -> None:
+        """Run every layer with `kernels` (chosen by hylora.kernels after their start-up checks)."""
+        install(self, kernels)
+        self.kernels = kernels
 
     @property
     def dtype(self) -> torch.dtype:

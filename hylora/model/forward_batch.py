@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hylora.lora.apply import LoRABatch
+from hylora.lora import LoRABatch
 
 
 @dataclass

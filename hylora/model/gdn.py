@@ -41,14 +41,11 @@ class GatedDeltaNet(nn.Module):
         self.A_log = _param(self.hv)
         self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, {"out_proj": c.hidden_size})
-        # the gated-delta-rule kernel: the torch reference unless ops.kernel_check picked a fast one
+        # kernels: the torch references until HybridDecoder.use_kernels (model/kernels.py) sets them
         self.delta_rule = ops.varlen_gated_delta_rule
-        # a fused decode step in place by state slot (ops.gdn_decode), when one passed its check
-        self.decode_step: Callable[..., torch.Tensor] | None = None
-        # the prefill conv, conv state in place by slot: the torch reference unless a kernel passed
-        self.conv = ops.causal_conv1d_by_slot
-        # the delta rule token by token, states in place by slot, for steps whose chunks are all
-        # short (ops.gated_delta_rule.triton), when it passed its check: no fla launch path there
+        self.decode_step: Callable[..., torch.Tensor] | None = None  # fused decode step by state slot
+        self.conv = ops.causal_conv1d_by_slot  # the prefill conv, conv state in place by slot
+        # the delta rule token by token, states in place by slot, for steps whose chunks are all short
         self.short_prefill: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states: StatePool) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Small building blocks: bias-free linear, the two RMSNorms, the SiLU MLP."""
+"""Small building blocks: bias-free linear (and the one place that decides how LoRA runs), the two
+RMSNorms, the SiLU MLP."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply, resolve_backend, triton_meta
-from hylora.model.device_lora import DeviceLoRABatch
+from hylora.lora import DeviceLoRABatch, LoRABatch, LoRAStack
+from hylora.ops.lora.reference import lora_apply_grouped, lora_apply_masked, rank_mask
 from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
 from hylora.ops.silu_mul.reference import silu_mul
 
@@ -15,6 +16,38 @@ from hylora.ops.silu_mul.reference import silu_mul
 # (Linear.stack_lora_a): h is then rounded to the model dtype once. Longer steps (prefill) keep the
 # shrink kernel and its fp32 h, which the precision targets of docs/BASELINE.md were measured with.
 STACKED_LORA_BELOW = 128
+LORA_BACKENDS = ("grouped", "masked", "triton")
+
+
+def add_lora(
+    x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, lora: LoRABatch, backend: str | None
+) -> torch.Tensor:
+    """y + each token's adapter delta, by `backend` (what the kernel floor chose for the linear:
+    "triton" once hylora's LoRA kernels passed their start-up check; None: masked on CUDA, grouped
+    on the CPU). A host batch runs the slices its adapters target; a device batch (CUDA graph) runs
+    every slice, since the host does not know its adapters (absent slices and free slots are zeros)."""
+    backend = backend or ("masked" if x.is_cuda else "grouped")
+    on_device = isinstance(lora, DeviceLoRABatch)
+    if backend == "grouped" and not on_device:
+        return lora_apply_grouped(x, y, stack.a, stack.b, stack.offsets, stack.present, lora.groups)
+    used = range(len(stack.a)) if on_device else stack.slices_used_by(lora.slots)
+    if not used:
+        return y  # no adapter of this batch targets this linear: exactly zero
+    a, b, offsets = [stack.a[i] for i in used], [stack.b[i] for i in used], [stack.offsets[i] for i in used]
+    if backend == "triton":
+        from hylora.ops.lora.triton import lora_apply
+
+        return lora_apply(x, y, a, b, offsets, triton_meta(lora, stack.num_slots))
+    num_slots, rank = stack.num_slots, stack.a[0].shape[1]
+    mask = lora.memo(("rank_mask", num_slots, rank), lambda: rank_mask(lora.token_slots, num_slots, rank))
+    return lora_apply_masked(x, y, a, b, offsets, mask)
+
+
+def triton_meta(lora: LoRABatch, num_slots: int):  # -> hylora.ops.lora.triton.LoRAKernelMeta
+    """The Triton kernels' token grouping of this step, built once per step for every linear."""
+    from hylora.ops.lora.triton import LoRAKernelMeta
+
+    return lora.memo(("triton", num_slots), lambda: LoRAKernelMeta.build(lora.token_slots, num_slots))
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -36,7 +69,7 @@ class Linear(nn.Module):
         self.out_features = sum(slices.values())
         self.weight = _param(self.out_features, in_features)
         self.lora: LoRAStack | None = None  # set by the adapter registry
-        self.lora_backend: str | None = None  # set by the start-up kernel check ("triton" if it passed)
+        self.lora_backend: str | None = None  # set by the kernel floor (one of LORA_BACKENDS); None: by device
         # [W; every slice's A]: `weight` and the LoRA stack's A tensors are views of it (stack_lora_a)
         self.stacked_weight: torch.Tensor | None = None
 
@@ -64,24 +97,18 @@ class Linear(nn.Module):
         return [a[i] for i in range(slices)]  # (not unbind: its views may not be written in place)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        if lora is None or self.lora is None:
+        if lora is None or self.lora is None or not lora.has_adapters:
             return F.linear(x, self.weight)
-        if isinstance(lora, DeviceLoRABatch):  # a padded decode step (CUDA graph): every slice, no host decision
-            return lora.forward(x, self)
         if (
-            lora.has_adapters
+            self.lora_backend == "triton"
             and self.stacked_weight is not None
-            and x.shape[0] < STACKED_LORA_BELOW
-            and resolve_backend(x, self.lora_backend) == "triton"
-        ):  # a decode-sized step run eagerly: the arithmetic of its CUDA graph
+            and (isinstance(lora, DeviceLoRABatch) or x.shape[0] < STACKED_LORA_BELOW)
+        ):  # a decode step (its CUDA graph, or run eagerly with the graph's arithmetic): shrink in the base GEMM
             from hylora.ops.lora.triton import lora_apply_stacked
 
-            meta = triton_meta(lora, self.lora)
-            return lora_apply_stacked(x, self.stacked_weight, self.out_features, self.lora, meta)
-        y = F.linear(x, self.weight)
-        if lora.has_adapters:
-            y = lora_apply(x, y, self.lora, lora, self.lora_backend)
-        return y
+            meta = triton_meta(lora, self.lora.num_slots)
+            return lora_apply_stacked(x, self.stacked_weight, self.out_features, self.lora.b, self.lora.offsets, meta)
+        return add_lora(x, F.linear(x, self.weight), self.lora, lora, self.lora_backend)
 
 
 class RMSNorm(nn.Module):

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hylora.config import VisionConfig
-from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply
-from hylora.model.layers import _param
+from hylora.lora import LoRABatch, LoRAStack
+from hylora.model.layers import _param, add_lora
 
 
 class VisionLinear(nn.Module):
@@ -37,11 +37,12 @@ class VisionLinear(nn.Module):
         self.weight = _param(*(weight_shape or (out_features, in_features)))
         self.bias = _param(out_features)
         self.lora: LoRAStack | None = None  # set by the adapter registry
+        self.lora_backend: str | None = None  # as Linear's; None: by device
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         y = F.linear(x, self.weight.flatten(1), self.bias)
         if lora is not None and self.lora is not None and lora.has_adapters:
-            y = lora_apply(x, y, self.lora, lora)
+            y = add_lora(x, y, self.lora, lora, self.lora_backend)
         return y
 
 

@@ -15,18 +15,19 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from hylora import __version__
+from hylora.adapters.files import AdapterError
+from hylora.adapters.registry import UnknownAdapter
 from hylora.engine.async_engine import AsyncEngine
 from hylora.engine.chat_input import MediaSettings, has_media, multimodal_prompt
 from hylora.engine.multimodal import MultimodalPrompt
-from hylora.lora.adapter import AdapterError
-from hylora.lora.registry import UnknownAdapter
 from hylora.media import MediaError
 from hylora.server.errors import APIError, BodyLimit, error_response, install_error_handlers
 from hylora.server.job import Job
-from hylora.server.metrics import ServerMetrics, engine_snapshot
+from hylora.server.metrics import ServerMetrics
 from hylora.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,7 +41,8 @@ from hylora.server.protocol import (
 from hylora.server.routing import ConflictError, RouteError, TaskRouter
 from hylora.server.security import Forbidden, adapter_dir_under, key_matches
 from hylora.server.streaming import EventStream
-from hylora.structured import CompiledGrammar, StructuredOutputError, parse_structured_outputs
+from hylora.server.vllm_metrics import VLLMMetrics
+from hylora.structured import CompiledGrammar, CompilerBusy, StructuredOutputError, parse_structured_outputs
 from hylora.tokenizer import PromptTooLong, chat_prompt, check_template_kwargs, max_token_chars
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,12 @@ class ServerState:
     media: MediaSettings | None = None  # None: the model has no vision tower
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
     log_requests: bool = True  # one line per request, prompts redacted
+    template_defaults: dict[str, Any] = field(default_factory=dict)  # --default-chat-template-kwargs
+    max_logprobs: int = 20  # --max-logprobs
+    cors: dict[str, Any] | None = None  # CORSMiddleware's arguments (--allowed-origins & co)
+    reasoning_parser: str | None = None  # --reasoning-parser
+    tool_call_parser: str | None = None  # --tool-call-parser
+    auto_tool_choice: bool = False  # --enable-auto-tool-choice
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -72,6 +80,8 @@ class ServerState:
         # Text requests render and tokenise on their own threads: media fetches and decodes, which
         # have pools of their own, and the loop's default executor can never make them wait.
         self.text_pool = ThreadPoolExecutor(min(8, (os.cpu_count() or 1) + 2), thread_name_prefix="hylora-text")
+        c = self.engine.config
+        self.vllm_metrics = VLLMMetrics(self.metrics.registry, self.router.base_name, c.max_model_len, c.max_loras)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -115,6 +125,9 @@ def build_app(state: ServerState) -> FastAPI:
             )
         return await call_next(request)
 
+    if state.cors is not None:  # outermost: a browser's preflight needs no API key
+        app.add_middleware(CORSMiddleware, **state.cors)
+
     @app.get("/health")
     async def health() -> Response:
         if not state.aengine.alive:
@@ -125,38 +138,21 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        snapshot = await state.aengine.call(lambda: engine_snapshot(state.engine))
-        return Response(state.metrics.render(snapshot), media_type="text/plain; version=0.0.4")
+        stats = await state.aengine.call(state.engine.stats)
+        state.vllm_metrics.update(stats)
+        return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        registry = state.engine.adapters
-        data = [
-            {
-                "id": state.router.base_name,
-                "object": "model",
-                "created": state.created,
-                "owned_by": "hylora",
-                "root": str(state.engine.model_dir),
-                "parent": None,
-                "max_model_len": state.engine.config.max_model_len,
-            }
-        ]
-        for name in registry.names():
-            version = registry.get(name)
-            data.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "hylora",
-                    "root": str(version.path),
-                    "parent": state.router.base_name,
-                    "max_model_len": state.engine.config.max_model_len,
-                    "tasks": sorted(t for t, a in state.router.tasks.items() if a == name),
-                }
-            )
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": _model_cards(state)}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        card = next((c for c in _model_cards(state) if c["id"] == model_id), None)
+        if card is None:
+            names = ", ".join(state.router.model_names())
+            raise APIError(404, f"the model {model_id!r} does not exist; models: {names}", code="model_not_found")
+        return card
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora(body: LoadLoRARequest) -> dict[str, Any]:
@@ -199,7 +195,8 @@ def build_app(state: ServerState) -> FastAPI:
         max_tokens = _max_tokens(state, len(prompt_ids), body.requested_max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         grammar = await _grammar(state, body)
-        job = Job(state, "chatcmpl", body, adapter, prompt_ids, max_tokens, logprobs, body.prompt_logprobs, mm, grammar)
+        prompt_logprobs = body.prompt_logprobs
+        job = Job(state, "chatcmpl", body, adapter, [prompt_ids], [max_tokens], logprobs, prompt_logprobs, mm, grammar)
         streams = await job.start()
         if body.stream:
             return EventStream(job.chat_events(streams), state.stream_stall_timeout_s, state.metrics)
@@ -210,18 +207,20 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         body.warn_unknown("completions")
         adapter = _route(state, body, request)
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            _check_chars(state, len(prompt))
-            prompt_ids = await state.run_text(_tokenize, state, prompt)
-        else:
-            prompt_ids = list(prompt)
-        max_tokens = _max_tokens(state, len(prompt_ids), body.max_tokens if body.max_tokens is not None else 16)
+        texts = body.prompt_list()
+        _check_chars(state, sum(len(p) for p in texts if isinstance(p, str)))
+        prompts = [await state.run_text(_tokenize, state, p) if isinstance(p, str) else list(p) for p in texts]
+        requested = body.max_tokens if body.max_tokens is not None else 16
+        score_only = requested == 0  # the prompt's logprobs are the answer (scoring clients, lm-eval)
+        max_tokens = [_max_tokens(state, len(ids), 1 if score_only else requested) for ids in prompts]
         prompt_logprobs = body.prompt_logprobs
         if prompt_logprobs is None and body.echo and body.logprobs is not None:
             prompt_logprobs = body.logprobs
         grammar = await _grammar(state, body)
-        job = Job(state, "cmpl", body, adapter, prompt_ids, max_tokens, body.logprobs, prompt_logprobs, grammar=grammar)
+        job = Job(
+            state, "cmpl", body, adapter, prompts, max_tokens, body.logprobs, prompt_logprobs, grammar=grammar,
+            score_only=score_only,
+        )  # fmt: skip
         streams = await job.start()
         if body.stream:
             return EventStream(job.completion_events(streams), state.stream_stall_timeout_s, state.metrics)
@@ -269,10 +268,31 @@ def build_app(state: ServerState) -> FastAPI:
 # --- request handling ------------------------------------------------------------------------
 
 
+def _model_cards(state: ServerState) -> list[dict[str, Any]]:
+    """/v1/models' entries: the base model under each served name, then every adapter."""
+    registry, max_len = state.engine.adapters, state.engine.config.max_model_len
+    common = {"object": "model", "created": state.created, "owned_by": "hylora", "max_model_len": max_len}
+    cards = [
+        common | {"id": name, "root": str(state.engine.model_dir), "parent": None}
+        for name in (state.router.base_name, *state.router.aliases)
+    ]
+    for name in registry.names():
+        cards.append(
+            common
+            | {
+                "id": name,
+                "root": str(registry.get(name).path),
+                "parent": state.router.base_name,
+                "tasks": sorted(t for t, a in state.router.tasks.items() if a == name),
+            }
+        )
+    return cards
+
+
 async def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], MultimodalPrompt | None]:
     """Prompt ids of the conversation; with images / videos also their preprocessed media. The
     characters are bounded before anything else happens and again, rendered, before tokenising."""
-    template_kwargs = _template_kwargs(body)
+    template_kwargs = _template_kwargs(state, body)
     _check_chars(state, sum(m.text_chars() for m in body.messages))
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
     if has_media(messages):
@@ -302,8 +322,9 @@ async def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple
     return ids, None
 
 
-def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
-    """The request's chat template variables; a template of the client's own is refused (as vLLM)."""
+def _template_kwargs(state: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:
+    """The request's chat template variables over the server's defaults (--default-chat-template-kwargs);
+    a template of the client's own is refused (as vLLM)."""
     if (body.model_extra or {}).get("chat_template") is not None:
         raise APIError(
             400,
@@ -312,7 +333,7 @@ def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
             param="chat_template",
         )
     try:
-        return check_template_kwargs(body.chat_template_kwargs)
+        return state.template_defaults | check_template_kwargs(body.chat_template_kwargs)
     except ValueError as e:
         raise APIError(400, str(e), param="chat_template_kwargs") from None
 
@@ -359,18 +380,20 @@ async def _grammar(state: ServerState, body: SamplingRequest) -> CompiledGrammar
         spec = parse_structured_outputs(body.model_dump())
         if spec is None:
             return None
-        compiler = await asyncio.to_thread(state.engine.grammar_compiler)
+        compiler = await state.run_text(state.engine.grammar_compiler)
         return await compiler.compile(spec)
+    except CompilerBusy as e:  # every compile thread stayed busy: overload, not the client's fault
+        raise APIError(503, str(e), kind="server_error", code="compiler_busy") from None
     except StructuredOutputError as e:
         raise APIError(400, str(e), code="invalid_structured_output") from None
 
 
 def _route(state: ServerState, body: SamplingRequest, request: Request) -> str | None:
     try:
-        body.check_supported()
+        body.check_supported(state.max_logprobs)
         return state.router.resolve(body.model, body.task or request.headers.get("x-task"))
     except Unsupported as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param=e.param) from None
     except RouteError as e:
         raise APIError(404, str(e), code="model_not_found") from None
     except ConflictError as e:
@@ -389,7 +412,7 @@ def _max_tokens(state: ServerState, prompt_len: int, requested: int | None) -> i
     if requested is None:
         return limit - prompt_len
     if requested < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {requested}")
+        raise APIError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens")
     if prompt_len + requested > limit:
         raise APIError(
             400,

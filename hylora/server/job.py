@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from hylora.adapters.files import AdapterError
+from hylora.adapters.registry import UnknownAdapter
 from hylora.engine.async_engine import EngineDead
 from hylora.engine.engine import RequestError, RequestOutput
 from hylora.engine.multimodal import MultimodalPrompt
 from hylora.engine.request import TokenLogprob
-from hylora.lora.adapter import AdapterError
-from hylora.lora.registry import UnknownAdapter
 from hylora.server.errors import APIError
 from hylora.server.protocol import CompletionRequest, SamplingRequest
 from hylora.structured import CompiledGrammar
@@ -34,7 +33,8 @@ FAULT_KINDS = {True: "nan", "nan": "nan", "raise": "raise", "device": "device"}
 
 
 class Job:
-    """One HTTP request: n engine requests that share a prompt, their outputs, and the response."""
+    """One HTTP request: n engine requests for each of its prompts (one prompt for chat; completions
+    may send several), their outputs, and the response. Choice k belongs to prompt k // n."""
 
     def __init__(
         self,
@@ -42,21 +42,27 @@ class Job:
         prefix: str,
         body: SamplingRequest,
         adapter: str | None,
-        prompt_ids: list[int],
-        max_tokens: int,
+        prompts: list[list[int]],
+        max_tokens: list[int],
         logprobs: int | None,
         prompt_logprobs: int | None,
         mm: MultimodalPrompt | None = None,
         grammar: CompiledGrammar | None = None,
+        score_only: bool = False,
     ):
-        self.state, self.body, self.adapter, self.prompt_ids, self.mm = state, body, adapter, prompt_ids, mm
-        self.grammar = grammar
+        """`max_tokens`: per prompt. `score_only`: the prompt's logprobs are the answer (completions with
+        max_tokens 0): one token is drawn and dropped, the response has no generated text."""
+        self.state, self.body, self.adapter, self.prompts, self.mm = state, body, adapter, prompts, mm
+        self.prompt_ids = prompts[0]
+        self.grammar, self.score_only = grammar, score_only
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.model = body.model or adapter or state.router.base_name
         try:
             defaults = state.sampling_defaults
             self.params = [
-                body.sampling_params(max_tokens, logprobs, prompt_logprobs, i, defaults) for i in range(body.n)
+                body.sampling_params(max_tokens[p], logprobs, prompt_logprobs, i, defaults)
+                for p in range(len(prompts))
+                for i in range(body.n)
             ]
         except ValueError as e:
             raise APIError(400, str(e)) from None
@@ -73,7 +79,7 @@ class Job:
                 streams.append(
                     await self.state.aengine.submit(
                         f"{self.id}-{i}",
-                        self.prompt_ids,
+                        self.prompt_of(i),
                         params,
                         self.adapter,
                         self._fault_requested(),
@@ -84,7 +90,9 @@ class Job:
         except BaseException as e:
             await _close_all(streams)
             raise _submit_error(e) from None
-        self.state.metrics.prompt_tokens.labels(adapter=self.adapter or "").inc(len(self.prompt_ids))
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        self.state.metrics.prompt_tokens.labels(adapter=self.adapter or "").inc(prompt_tokens)
+        self.state.vllm_metrics.request_started(prompt_tokens, self.body.n, self.params[0].max_tokens)
         if self.state.log_requests:
             self._log()
         return streams
@@ -102,13 +110,12 @@ class Job:
         )  # fmt: skip
 
     def _fault_requested(self) -> str | None:
-        """Test hook: with HYLORA_ENABLE_FAULT_INJECTION=1 in the server's environment, a body field
+        """Testing aid: on a server started with --enable-fault-injection, a body field
         `hylora_inject_fault` (true / "nan", "raise" or "device") makes the request fault in its next
-        step (see LLMEngine.inject_fault)."""
-        extra = self.body.model_extra or {}
-        if os.environ.get("HYLORA_ENABLE_FAULT_INJECTION") != "1":
+        step (engine/faults.py)."""
+        if not self.state.engine.config.fault_injection:
             return None
-        value = extra.get("hylora_inject_fault")
+        value = (self.body.model_extra or {}).get("hylora_inject_fault")
         return FAULT_KINDS.get(value) if isinstance(value, (bool, str)) else None
 
     async def collect(self, streams: list[AsyncIterator[RequestOutput]], request: Request) -> list[RequestOutput]:
@@ -164,22 +171,30 @@ class Job:
             for i in range(len(streams)):
                 if i not in self._finished:  # the client went away: the engine aborted it
                     self.state.metrics.requests.labels(status="abort", adapter=self.adapter or "").inc()
+                    self.state.vllm_metrics.choice_aborted()
+            self.state.vllm_metrics.job_finished(self.params[0].max_tokens)
 
     def _observe(self, index: int, out: RequestOutput) -> None:
-        m, label = self.state.metrics, self.adapter or ""
+        m, v, label = self.state.metrics, self.state.vllm_metrics, self.adapter or ""
         now = time.monotonic()
         if out.new_token_ids:
             m.generation_tokens.labels(adapter=label).inc(len(out.new_token_ids))
             last = self._last_token_at.get(index)
             if last is None:
                 m.ttft.labels(adapter=label).observe(now - self.arrival)
+                v.tokens(len(out.new_token_ids), now - self.arrival, None)
             else:
                 for _ in out.new_token_ids:
                     m.itl.labels(adapter=label).observe((now - last) / len(out.new_token_ids))
+                v.tokens(len(out.new_token_ids), None, now - last)
             self._last_token_at[index] = now
         if out.finished:
             self._finished.add(index)
             m.requests.labels(status=out.finish_reason or "unknown", adapter=label).inc()
+            v.choice_finished(out, len(self.prompt_of(index)), now - self.arrival)
+
+    def prompt_of(self, choice: int) -> list[int]:
+        return self.prompts[choice // self.body.n]
 
     # --- chat ------------------------------------------------------------------------------
     def chat_response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -203,7 +218,7 @@ class Job:
             "usage": self._usage(outputs),
         }
         if outputs[0].prompt_logprobs is not None:  # vLLM's extension: top level for chat
-            response["prompt_logprobs"] = self._vllm_prompt_logprobs(outputs[0])
+            response["prompt_logprobs"] = self._vllm_prompt_logprobs(outputs[0], self.prompt_ids)
             response["prompt_token_ids"] = self.prompt_ids
         return response
 
@@ -238,17 +253,18 @@ class Job:
     # --- completions -----------------------------------------------------------------------
     def completion_response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         body: CompletionRequest = self.body  # type: ignore[assignment]
-        prompt_text = self.tokenizer.decode(self.prompt_ids) if body.echo else ""
         choices = []
         for i, out in enumerate(outputs):
+            prompt = self.prompt_of(i)
+            echo = self.tokenizer.decode(prompt) if body.echo else ""
             choice = {
                 "index": i,
-                "text": prompt_text + out.text,
+                "text": echo + ("" if self.score_only else out.text),
                 "finish_reason": out.finish_reason,
-                "logprobs": self._completion_logprobs(out) if body.logprobs is not None else None,
+                "logprobs": self._completion_logprobs(out, prompt) if body.logprobs is not None else None,
             }
             if body.prompt_logprobs is not None:  # vLLM's extension: per choice for completions
-                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
+                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out, prompt)
             choices.append(choice)
         return {
             "id": self.id,
@@ -262,15 +278,17 @@ class Job:
     async def completion_events(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
         body: CompletionRequest = self.body  # type: ignore[assignment]
         base = {"id": self.id, "object": "text_completion", "created": int(time.time()), "model": self.model}
-        echo = self.tokenizer.decode(self.prompt_ids) if body.echo else ""
 
         def choice(i: int, out: RequestOutput | None, finish: str | None) -> dict[str, Any] | None:
-            text = echo if out is None else out.new_text
+            if out is None:  # the opening chunk: the echoed prompt
+                text = self.tokenizer.decode(self.prompt_of(i))
+            else:
+                text = "" if self.score_only else out.new_text
             if not text and finish is None:
                 return None
             return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
 
-        async for event in self._events(streams, base, choice, opening=bool(echo)):
+        async for event in self._events(streams, base, choice, opening=body.echo):
             yield event
 
     async def _events(
@@ -308,12 +326,12 @@ class Job:
             yield _sse(base | {"choices": [], "usage": self._usage(finals)})
         yield "data: [DONE]\n\n"
 
-    def _completion_logprobs(self, out: RequestOutput) -> dict[str, Any]:
+    def _completion_logprobs(self, out: RequestOutput, prompt: list[int]) -> dict[str, Any]:
         entries: list[tuple[int, float | None, dict[int, float] | None]] = []
         if out.prompt_logprobs is not None:
-            for tid, lp in zip(self.prompt_ids, out.prompt_logprobs, strict=True):
+            for tid, lp in zip(prompt, out.prompt_logprobs, strict=True):
                 entries.append((tid, None, None) if lp is None else (tid, lp.logprob, lp.top))
-        for lp in out.logprobs or []:
+        for lp in [] if self.score_only else out.logprobs or []:
             entries.append((lp.token_id, lp.logprob, lp.top))
         tokens, offsets, pos = [], [], 0
         for tid, _, _ in entries:
@@ -331,11 +349,11 @@ class Job:
             "text_offset": offsets,
         }
 
-    def _vllm_prompt_logprobs(self, out: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
+    def _vllm_prompt_logprobs(self, out: RequestOutput, prompt: list[int]) -> list[dict[str, dict[str, Any]] | None]:
         """vLLM's format: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
         with the prompt token itself and the top-k alternatives."""
         entries: list[dict[str, dict[str, Any]] | None] = []
-        for tid, lp in zip(self.prompt_ids, out.prompt_logprobs or [], strict=False):
+        for tid, lp in zip(prompt, out.prompt_logprobs or [], strict=False):
             if lp is None:
                 entries.append(None)
                 continue
@@ -348,12 +366,9 @@ class Job:
         return entries
 
     def _usage(self, outputs: list[RequestOutput]) -> dict[str, int]:
-        completion = sum(o.num_output_tokens for o in outputs)
-        return {
-            "prompt_tokens": len(self.prompt_ids),
-            "completion_tokens": completion,
-            "total_tokens": len(self.prompt_ids) + completion,
-        }
+        prompt = sum(len(p) for p in self.prompts)
+        completion = 0 if self.score_only else sum(o.num_output_tokens for o in outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _finite(logprob: float) -> float:

@@ -3,9 +3,9 @@ including adapter residency (what an adapter-aware router needs)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from hylora.engine.stats import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -73,45 +73,15 @@ class ServerMetrics:
             "hylora_adapter_waiting_requests", "Waiting requests per adapter", ["adapter"], registry=r
         )
 
-    def render(self, snapshot: dict[str, Any]) -> bytes:
+    def render(self, stats: EngineStats) -> bytes:
         for key, gauge in self.gauges.items():
-            gauge.set(snapshot[key])
+            gauge.set(getattr(stats, key))
         for gauge, values in (
-            (self.adapter_on_device, snapshot["on_device"]),
-            (self.adapter_running, snapshot["running_by_adapter"]),
-            (self.adapter_waiting, snapshot["waiting_by_adapter"]),
+            (self.adapter_on_device, stats.on_device),
+            (self.adapter_running, stats.running_by_adapter),
+            (self.adapter_waiting, stats.waiting_by_adapter),
         ):
             gauge.clear()
             for adapter, value in values.items():
                 gauge.labels(adapter=adapter).set(value)
         return generate_latest(self.registry)
-
-
-def engine_snapshot(engine) -> dict[str, Any]:
-    """Read on the engine thread (AsyncEngine.call) so the numbers are consistent."""
-    sched, stats = engine.scheduler, engine.adapters.stats()
-    running, waiting = {}, {}
-    for table, reqs in ((running, sched.running), (waiting, sched.waiting)):
-        for r in reqs:
-            table[r.adapter or ""] = table.get(r.adapter or "", 0) + 1
-    return {
-        "queue": len(sched.waiting),
-        "running": len(sched.running),
-        "kv_used": engine.kv.num_pages - engine.kv.num_free,
-        "kv_total": engine.kv.num_pages,
-        "slots_used": engine.states.num_slots - engine.states.num_free,
-        "slots_total": engine.states.num_slots,
-        "lora_slots_used": stats["slots_used"],
-        "lora_slots_total": stats["slots_total"],
-        "adapters_loaded": len(stats["loaded"]),
-        "adapters_on_cpu": stats["on_cpu"],
-        "encoder_hits": engine.encoder_cache.hits,
-        "encoder_misses": engine.encoder_cache.misses,
-        "encoder_bytes": engine.encoder_cache.bytes,
-        "encoder_entries": len(engine.encoder_cache),
-        "engine_steps": engine.step_count,
-        "steps_ahead": engine.steps_ahead,
-        "on_device": {name: int(name in stats["on_device"]) for name in stats["loaded"]},
-        "running_by_adapter": running,
-        "waiting_by_adapter": waiting,
-    }

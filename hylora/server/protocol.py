@@ -13,8 +13,16 @@ from hylora.engine.request import INT64_MAX, INT64_MIN, SamplingParams
 log = logging.getLogger(__name__)
 
 
+MAX_BATCHED_PROMPTS = 256  # prompts in one completions request
+MAX_CHOICES = 1024  # engine requests one HTTP request may start (prompts × n)
+
+
 class Unsupported(ValueError):
-    """A known request field with a value hylora does not implement."""
+    """A known request field with a value hylora does not implement (or out of range): `param` names it."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class _Body(BaseModel):
@@ -79,16 +87,20 @@ class SamplingRequest(_Body):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None  # accepted; hylora has one grammar engine (llguidance)
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
 
-    def check_supported(self) -> None:
+    def check_supported(self, max_logprobs: int = 20) -> None:
         if self.best_of not in (None, self.n):
-            raise Unsupported("best_of is not supported (use n)")
+            raise Unsupported("best_of is not supported (use n)", "best_of")
         if self.prompt_logprobs is not None and self.stream:
-            raise Unsupported("prompt_logprobs is not supported with stream=true")
+            raise Unsupported("prompt_logprobs is not supported with stream=true", "prompt_logprobs")
         if not 1 <= self.n <= 16:
-            raise Unsupported("n must be between 1 and 16")
+            raise Unsupported("n must be between 1 and 16", "n")
         if self.seed is not None and self.seed != -1 and not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1):
-            raise Unsupported(f"seed must be a 64-bit integer in [-2^63, 2^63 - n] (n = {self.n}), got {self.seed}")
+            raise Unsupported(
+                f"seed must be a 64-bit integer in [-2^63, 2^63 - n] (n = {self.n}), got {self.seed}", "seed"
+            )
+        _check_count("prompt_logprobs", self.prompt_logprobs, max_logprobs)
 
     def sampling_params(
         self,
@@ -190,12 +202,13 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     add_generation_prompt: bool = True
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check_supported(self, max_logprobs: int = 20) -> None:
+        super().check_supported(max_logprobs)
         if self.tools:
-            raise Unsupported("tools / function calling is not supported")
+            raise Unsupported("tools / function calling is not supported", "tools")
         if self.top_logprobs is not None and not self.logprobs:
-            raise Unsupported("top_logprobs needs logprobs=true")
+            raise Unsupported("top_logprobs needs logprobs=true", "top_logprobs")
+        _check_count("top_logprobs", self.top_logprobs, max_logprobs)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -208,18 +221,24 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     suffix: str | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check_supported(self, max_logprobs: int = 20) -> None:
+        super().check_supported(max_logprobs)
         if self.suffix:
-            raise Unsupported("suffix is not supported")
-        batched = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list))
-        if batched and len(self.prompt) != 1:
-            raise Unsupported("batched prompts are not supported; send one prompt per request (or use n)")
+            raise Unsupported("suffix is not supported", "suffix")
+        _check_count("logprobs", self.logprobs, max_logprobs)
+        prompts = self.prompt_list()
+        if not prompts or len(prompts) > MAX_BATCHED_PROMPTS:
+            raise Unsupported(f"prompt must hold 1 to {MAX_BATCHED_PROMPTS} prompts, got {len(prompts)}", "prompt")
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise Unsupported(f"prompts × n must be at most {MAX_CHOICES}", "n")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise Unsupported("max_tokens must be at least 0", "max_tokens")
 
-    def single_prompt(self) -> str | list[int]:
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts: a string, a list of token ids, or a list of either (one choice set each)."""
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            return self.prompt[0]  # type: ignore[return-value]
-        return self.prompt  # type: ignore[return-value]
+            return list(self.prompt)  # type: ignore[arg-type]
+        return [self.prompt]  # type: ignore[list-item]
 
 
 class TokenizeRequest(_Body):
@@ -245,3 +264,8 @@ class LoadLoRARequest(_Body):
 
 class UnloadLoRARequest(_Body):
     lora_name: str
+
+
+def _check_count(name: str, value: int | None, most: int) -> None:
+    if value is not None and not 0 <= value <= most:
+        raise Unsupported(f"{name} must be between 0 and {most} (--max-logprobs), got {value}", name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hylora.lora.registry import AdapterRegistry
+from hylora.adapters.registry import AdapterRegistry
 
 
 class RouteError(LookupError):
@@ -17,8 +17,16 @@ class ConflictError(ValueError):
 
 
 class TaskRouter:
-    def __init__(self, base_name: str, adapters: AdapterRegistry, tasks: dict[str, str] | None = None):
+    def __init__(
+        self,
+        base_name: str,
+        adapters: AdapterRegistry,
+        tasks: dict[str, str] | None = None,
+        aliases: list[str] | tuple[str, ...] = (),
+    ):
+        """`aliases`: more names of the base model (vLLM's --served-model-name with several names)."""
         self.base_name = base_name
+        self.aliases = tuple(a for a in aliases if a != base_name)
         self.adapters = adapters
         self.tasks = dict(tasks or {})
 
@@ -41,14 +49,14 @@ class TaskRouter:
             adapter = self.tasks[task]
             if adapter not in self.adapters.names():
                 raise RouteError(f"task {task!r} maps to adapter {adapter!r}, which is not loaded")
-            if model not in (None, self.base_name, adapter):
+            if model not in (None, self.base_name, *self.aliases, adapter):
                 raise ConflictError(f"model {model!r} conflicts with task {task!r} (served by adapter {adapter!r})")
             return adapter
-        if model is None or model == self.base_name:
+        if model is None or model == self.base_name or model in self.aliases:
             return None
         if model in self.adapters.names():
             return model
         raise RouteError(f"the model {model!r} does not exist; models: {', '.join(self.model_names())}")
 
     def model_names(self) -> list[str]:
-        return [self.base_name, *self.adapters.names()]
+        return [self.base_name, *self.aliases, *self.adapters.names()]

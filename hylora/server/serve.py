@@ -17,22 +17,32 @@ from hylora.engine.async_engine import AsyncEngine
 from hylora.engine.chat_input import MediaSettings
 from hylora.engine.config import EngineConfig
 from hylora.engine.engine import LLMEngine
-from hylora.media import FetchPolicy, MediaLimits
+from hylora.kernels import KernelsConfig
+from hylora.kernels.config import FAST_KERNEL_CHOICES, GDN_BACKENDS, parse_launch
+from hylora.media import FetchPolicy, MediaLimits, MediaPools
+from hylora.model.layers import LORA_BACKENDS
 from hylora.server.app import ServerState, build_app
 from hylora.server.routing import TaskRouter
+from hylora.server.vllm_flags import DTYPES, add_vllm_args, normalise_vllm_args, parse_mm_limits
 
 log = logging.getLogger(__name__)
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_dir", nargs="?", help="Hugging Face model directory")
+    p.add_argument("model_dir", nargs="?", help="Hugging Face model directory (or --model)")
     p.add_argument(
         "--demo",
         action="store_true",
         help="serve the embedded demo model with adapters relic, tomb, mural (written on first use)",
     )
-    p.add_argument("--served-model-name", help="name of the base model in the API (default: the directory name)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names of the base model in the API: the first is reported, all are accepted (default: the model "
+        "argument exactly as given)",
+    )
     p.add_argument(
         "--lora-modules",
         nargs="+",
@@ -59,6 +69,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=None, help="seed requests that bring none (reproducible runs)")
     p.add_argument("--disable-log-requests", action="store_true", help="no per-request log line (prompts never logged)")
+    add_vllm_args(p)
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     compat = p.add_argument_group("accepted for vLLM launch scripts")
     compat.add_argument("--enable-lora", action="store_true", help="accepted; LoRA is always on in hylora")
@@ -93,7 +104,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     m = p.add_argument_group("images and videos (vLLM's names)")
     m.add_argument(
-        "--limit-mm-per-prompt", type=json.loads, default=None, metavar="JSON", help='e.g. \'{"image": 4, "video": 1}\''
+        "--limit-mm-per-prompt",
+        type=parse_mm_limits,
+        default=None,
+        metavar="JSON|K=N,...",
+        help="e.g. image=4,video=1 or JSON",
     )
     m.add_argument(
         "--mm-processor-kwargs", type=json.loads, default=None, metavar="JSON", help="defaults, e.g. '{\"fps\": 1}'"
@@ -109,10 +124,27 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--allowed-media-domains", nargs="+", default=[], metavar="HOST", help="allow http(s) media URLs from HOST"
     )
-    m.add_argument("--media-fetch-timeout", type=float, default=10.0, help="seconds to fetch one http(s) media URL")
+    m.add_argument(
+        "--media-fetch-timeout",
+        type=float,
+        default=10.0,
+        help="seconds for one http(s) media fetch: connect, headers, body and redirects together",
+    )
     m.add_argument("--max-media-bytes", type=int, default=64 << 20, help="largest image or video accepted")
     m.add_argument("--max-video-frames", type=int, default=768, help="most frames sampled from one video")
     m.add_argument("--max-visual-tokens", type=int, default=65536, help="most visual tokens in one request")
+    m.add_argument(
+        "--max-decode-pixels",
+        type=int,
+        default=MediaLimits.max_decode_pixels,
+        help="most width x height x frames decoded from one video or animated image (default: 10 min, 720p, 30 fps)",
+    )
+    m.add_argument(
+        "--media-decode-threads",
+        type=int,
+        default=None,
+        help="threads decoding images and videos (default: one per core, 2 to 8; one request uses at most half)",
+    )
     d = EngineConfig.__dataclass_fields__
     m.add_argument("--max-num-encoder-tokens", type=int, default=d["max_num_encoder_tokens"].default)
     m.add_argument("--encoder-cache-gb", type=float, default=d["encoder_cache_gb"].default)
@@ -128,7 +160,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     ):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=d[name].default)
     p.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"].default)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES))
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument(
@@ -136,6 +168,46 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d["async_scheduling"].default,
         help="queue the next decode step before reading this one's tokens (CUDA graphs only)",
+    )
+    add_kernel_args(p)
+    t = p.add_argument_group("testing aids (never in production)")
+    t.add_argument(
+        "--padded-decode", action="store_true", help="on the CPU, run decode steps padded as CUDA graphs pad them"
+    )
+    t.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="a request's body field hylora_inject_fault (nan, raise, device) makes it fault in its next step",
+    )
+
+
+def add_kernel_args(p: argparse.ArgumentParser) -> None:
+    """The kernel floor's knobs (hylora.kernels.KernelsConfig)."""
+    k = p.add_argument_group("kernels (each fast kernel serves only after its start-up check passed)")
+    k.add_argument(
+        "--fast-kernels", default="auto", choices=FAST_KERNEL_CHOICES, help="off: the torch references (not fla's)"
+    )
+    k.add_argument(
+        "--gdn-backend", default="auto", choices=GDN_BACKENDS, help="prefill's gated delta rule (fla: required)"
+    )
+    k.add_argument(
+        "--lora-backend", default="auto", choices=("auto", *LORA_BACKENDS), help="force one LoRA implementation"
+    )
+    k.add_argument(
+        "--gdn-decode-launch",
+        type=parse_launch,
+        default=None,
+        metavar="BLOCK_V,WARPS[,V_BLOCKS]",
+        help="the GDN decode kernel's launch, e.g. the pick of bench/kernel_sweep_gpu.py --gdn-best-out",
+    )
+
+
+def kernels_config(args: argparse.Namespace) -> KernelsConfig:
+    return KernelsConfig(
+        fast_kernels=args.fast_kernels,
+        gdn_backend=args.gdn_backend,
+        lora_backend=args.lora_backend,
+        gdn_decode_launch=args.gdn_decode_launch,
     )
 
 
@@ -197,6 +269,7 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 def build_state(args: argparse.Namespace) -> ServerState:
     from hylora.demo import DEMO_ADAPTERS, ensure_demo
 
+    args = normalise_vllm_args(args)
     if args.demo == bool(args.model_dir):
         raise ValueError("give a MODEL_DIR or --demo (one of them)")
     if args.tensor_parallel_size != 1:
@@ -209,18 +282,18 @@ def build_state(args: argparse.Namespace) -> ServerState:
         tasks = TaskRouter.read_task_map(args.task_map) | tasks
     if args.demo:
         model_dir = ensure_demo()
-        name = args.served_model_name or "hylora-demo"
-        lora = {n: str(model_dir / "adapters" / n) for n in DEMO_ADAPTERS} | lora_modules(args.lora_modules, name)
+        names = args.served_model_name or ["hylora-demo"]
+        lora = {n: str(model_dir / "adapters" / n) for n in DEMO_ADAPTERS} | lora_modules(args.lora_modules, names[0])
         tasks = {n: n for n in DEMO_ADAPTERS} | tasks
     else:
         model_dir = Path(args.model_dir)
-        name = args.served_model_name or model_dir.resolve().name
-        lora = lora_modules(args.lora_modules, name)
+        names = args.served_model_name or [args.model_dir]  # vLLM's rule: the argument as given
+        lora = lora_modules(args.lora_modules, names[0])
     for adapter in lora:
-        if adapter == name or not ADAPTER_NAME.fullmatch(adapter):
+        if adapter in names or not ADAPTER_NAME.fullmatch(adapter):
             raise ValueError(
                 f"adapter name {adapter!r}: use 1-128 letters, digits, '_', '.', ':' or '-', "
-                f"other than the base model's name {name!r}"
+                f"other than the base model's names {names}"
             )
     config = EngineConfig(
         max_model_len=args.max_model_len,
@@ -239,6 +312,9 @@ def build_state(args: argparse.Namespace) -> ServerState:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         seed=args.seed,
+        kernels=kernels_config(args),
+        padded_decode=args.padded_decode,
+        fault_injection=args.enable_fault_injection,
     )
     defaults = generation_defaults(args.generation_config, model_dir, args.override_generation_config)
     engine = LLMEngine(model_dir, config, lora_modules=lora)
@@ -248,7 +324,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
     log.info(
         "sampling defaults for what a request leaves unset: %s", defaults or "hylora's (temperature 1, no filters)"
     )
-    router = TaskRouter(name, engine.adapters, tasks)
+    router = TaskRouter(names[0], engine.adapters, tasks, aliases=names[1:])
     for task in tasks:
         router.resolve(None, task)  # every task must point at a loaded adapter
     return ServerState(
@@ -260,16 +336,33 @@ def build_state(args: argparse.Namespace) -> ServerState:
         shutdown_grace_s=args.shutdown_timeout,
         stream_stall_timeout_s=args.stream_stall_timeout,
         public_metrics=args.public_metrics,
-        media=media_settings(args, engine, model_dir),
+        media=media_settings(args, engine),
         sampling_defaults=defaults,
         log_requests=not args.disable_log_requests,
+        template_defaults=dict(args.default_chat_template_kwargs or {}),
+        max_logprobs=args.max_logprobs,
+        cors=cors_settings(args),
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        auto_tool_choice=args.enable_auto_tool_choice,
     )
 
 
-def media_settings(args: argparse.Namespace, engine: LLMEngine, model_dir: Path) -> MediaSettings | None:
+def cors_settings(args: argparse.Namespace) -> dict | None:
+    """starlette CORSMiddleware's arguments from vLLM's --allowed-origins & co, or None (no CORS)."""
+    if args.allowed_origins is None:
+        return None
+    return {
+        "allow_origins": args.allowed_origins,
+        "allow_methods": args.allowed_methods or ["*"],
+        "allow_headers": args.allowed_headers or ["*"],
+        "allow_credentials": args.allow_credentials,
+    }
+
+
+def media_settings(args: argparse.Namespace, engine: LLMEngine) -> MediaSettings | None:
     """What the server accepts as images and videos, or None for a model without a vision tower."""
-    vision = engine.model.config.vision
-    if engine.model.visual is None or vision is None:
+    if engine.model.visual is None:
         return None
     for flag in ("limit_mm_per_prompt", "mm_processor_kwargs", "media_io_kwargs"):
         value = getattr(args, flag)
@@ -279,7 +372,10 @@ def media_settings(args: argparse.Namespace, engine: LLMEngine, model_dir: Path)
     for kind_kwargs in (args.media_io_kwargs or {}).values():
         kwargs |= kind_kwargs
     limits = MediaLimits(
-        max_bytes=args.max_media_bytes, max_frames=args.max_video_frames, max_visual_tokens=args.max_visual_tokens
+        max_bytes=args.max_media_bytes,
+        max_frames=args.max_video_frames,
+        max_visual_tokens=args.max_visual_tokens,
+        max_decode_pixels=args.max_decode_pixels,
     )
     policy = FetchPolicy(
         allowed_local_root=Path(args.allowed_local_media_path).resolve() if args.allowed_local_media_path else None,
@@ -287,14 +383,12 @@ def media_settings(args: argparse.Namespace, engine: LLMEngine, model_dir: Path)
         timeout_s=args.media_fetch_timeout,
     )
     limit = {"image": 8, "video": 2} | dict(args.limit_mm_per_prompt or {})
-    settings = MediaSettings.for_model(
-        model_dir,
-        vision,
-        engine.tokenizer,
+    settings = engine.media_settings(
         limits=limits,
         policy=policy,
         limit_per_prompt=limit,
         processor_kwargs=kwargs,
+        pools=MediaPools(decode_threads=args.media_decode_threads),
     )
     log.info(
         "media: %s per prompt, preprocessing overrides %s, file:// under %s", limit, kwargs, policy.allowed_local_root
@@ -338,10 +432,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace) -> None:
-    if args.replicas is not None:  # Ray Serve: replicas of this same server behind one endpoint
-        from hylora.deploy.launch import run
-
-        sys.exit(run(args))
+    """One engine behind one HTTP server (`hylora serve` without --replicas)."""
     if args.ray_address or args.replica_gpus is not None:
         raise ValueError("--ray-address and --replica-gpus go with --replicas N")
     state = build_state(args)

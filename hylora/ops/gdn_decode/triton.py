@@ -15,8 +15,6 @@ by every (value head, dv block) program of that head: writing them in the same l
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -31,10 +29,8 @@ BLOCK_V = 32  # dv block: the [dk, 32] fp32 state tile is 16 KiB at dk 128
 BLOCK_C = 256  # channels per program of the conv-state shift
 NUM_WARPS = 4
 V_BLOCKS = 4  # dv blocks one program walks, loading each next tile while it computes the current
-# HYLORA_GDN_DECODE_CONFIG="block_v,num_warps[,v_blocks]" replaces them (tuning on another card: the
-# sweep writes its pick with --gdn-best-out)
-if os.environ.get("HYLORA_GDN_DECODE_CONFIG"):
-    BLOCK_V, NUM_WARPS, V_BLOCKS = ([int(x) for x in os.environ["HYLORA_GDN_DECODE_CONFIG"].split(",")] + [1])[:3]
+# (another card: `hylora serve --gdn-decode-launch block_v,num_warps[,v_blocks]` passes others to each
+# call; bench/kernel_sweep_gpu.py --gdn-best-out writes the sweep's pick in that form)
 
 
 def gdn_decode(

@@ -35,8 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hylora.lora.apply import LoRABatch, LoRAStack
-
 MAX_SLICES = 4  # slices per launch (pointer arguments); a linear with more takes several launches
 
 
@@ -172,25 +170,20 @@ def _tile_map(counts: torch.Tensor, starts: torch.Tensor, num_tokens: int, block
 
 
 def lora_apply(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    stack: LoRAStack,
-    batch: LoRABatch,
-    meta: LoRAKernelMeta | None = None,
+    x: torch.Tensor,  # [T, in]
+    y: torch.Tensor,  # [T, out], updated in place
+    a: list[torch.Tensor],  # per slice [L, r, in]
+    b: list[torch.Tensor],  # per slice [L, r, rows]
+    offsets: list[tuple[int, int]],  # per slice (first column of y, rows)
+    meta: LoRAKernelMeta,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
-    """`lora_apply_grouped`'s signature. Slices that no adapter of this batch targets are skipped
-    (decided on the host from `batch.groups`, like `lora_apply_masked`); the others go through
-    the kernels. For a CUDA graph call `lora_shrink` / `lora_expand` on all slices instead."""
-    used = [slot for slot, _ in batch.groups]
-    active = [i for i in range(len(stack.a)) if any(stack.present[slot][i] for slot in used)]
-    if not active:
+    """y[:, slice] += each token's adapter delta for the given slices: shrink, then expand (the
+    reference is `reference.lora_apply`)."""
+    if not a:
         return y
-    if meta is None:
-        meta = LoRAKernelMeta.build(batch.token_slots, stack.a[0].shape[0])
     config = config or choose_config(x.shape[0], x.shape[1])
-    h = lora_shrink(x, [stack.a[i] for i in active], meta, config)
-    return lora_expand(h, [stack.b[i] for i in active], [stack.offsets[i] for i in active], y, meta, config)
+    return lora_expand(lora_shrink(x, a, meta, config), b, offsets, y, meta, config)
 
 
 def lora_shrink(
@@ -229,7 +222,8 @@ def lora_apply_stacked(
     x: torch.Tensor,  # [T, in]
     stacked_weight: torch.Tensor,  # [out + slices * L * r, in]: W, then each slice's A [L, r, in]
     out_features: int,
-    stack: LoRAStack,  # whose A tensors are the views of stacked_weight's rows past `out_features`
+    b: list[torch.Tensor],  # per slice [L, r, rows]
+    offsets: list[tuple[int, int]],  # per slice (first column of y, rows)
     meta: LoRAKernelMeta,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
@@ -238,11 +232,11 @@ def lora_apply_stacked(
     and the expand reads each token's own slot from it. One launch less per linear than
     `lora_shrink` + `lora_expand`, for ~slices·L·r extra weight rows (~3% at the 27B shapes). Returns
     a [T, out] view (row stride out + slices·L·r) of the GEMM's output."""
-    L, R, _ = stack.a[0].shape
+    L, R, _ = b[0].shape
     T = x.shape[0]
     full = torch.nn.functional.linear(x, stacked_weight)  # [T, out + slices * L * r]
-    h = full[:, out_features:].view(1, T, len(stack.a), L, R)  # [split 1, T, slices, L, r]
-    return lora_expand(h, stack.b, stack.offsets, full[:, :out_features], meta, config)
+    h = full[:, out_features:].view(1, T, len(b), L, R)  # [split 1, T, slices, L, r]
+    return lora_expand(h, b, offsets, full[:, :out_features], meta, config)
 
 
 def lora_expand(

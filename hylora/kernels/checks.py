@@ -1,115 +1,47 @@
-"""Start-up checks of hylora's own Triton decode and LoRA kernels against their torch references.
+"""Start-up checks of the fast kernels against their torch references.
 
 Each `*_error` function runs one kernel and its reference on random inputs of the model's shapes
 at boundary sizes and returns the max relative error (inf on any NaN/inf, on a write to a row it
 does not own, or on an output element left unwritten). Outputs start NaN-filled, as do state
 slots, KV pages and LoRA slots that the batch does not own, so a read of foreign memory or a
-missed write shows. `select_fast_kernels` runs them all on CUDA and says which kernels may be
-used: a kernel is used only if it passes. Triton is imported only when a check runs.
+missed write shows. `hylora.kernels.select` runs them on CUDA and uses a kernel only if it passes.
+Triton and fla are imported only when a check runs.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from hylora.lora.apply import LoRABatch, LoRAStack, lora_apply_grouped, triton_meta
-from hylora.model.decoder import HybridDecoder
+from hylora.lora import LoRABatch, LoRAStack
 from hylora.model.layers import Linear
 from hylora.ops.attention.reference import paged_attention as attention_prefill_reference
 from hylora.ops.causal_conv1d.reference import causal_conv1d_by_slot as conv_reference
 from hylora.ops.gated_delta_rule.reference import recurrent_by_slot as recurrent_reference
+from hylora.ops.gated_delta_rule.reference import varlen_gated_delta_rule as delta_rule_reference
 from hylora.ops.gdn_decode.reference import gdn_decode as gdn_decode_reference
+from hylora.ops.lora.reference import lora_apply_grouped
 from hylora.ops.paged_decode_attention.reference import paged_decode_attention as attention_reference
 from hylora.ops.rmsnorm.reference import gated_rms_norm as gated_reference
 from hylora.ops.rmsnorm.reference import rms_norm as norm_reference
 from hylora.ops.silu_mul.reference import silu_mul as silu_mul_reference
 
-log = logging.getLogger(__name__)
 DECODE_BATCHES = (1, 2, 3, 31, 32, 33, 64)
 LORA_TOKENS = (1, 64, 65, 127, 128, 129, 400, 474, 2048)
 LORA_RANKS = (8, 16, 32, 64)
 STACKED_TOKENS = (1, 64, 65, 127, 128, 129, 256)  # decode steps: eager below 128 tokens, graph buckets above
 NORM_TOKENS = (1, 3, 64, 129, 2048)
-FAST_KERNELS = (
-    "gdn_decode", "paged_decode_attention", "lora", "rms_norm", "silu_mul", "prefill_attention", "causal_conv1d",
-    "gdn_recurrent",
-)  # fmt: skip
 # sequence lengths of short prefill steps (the token-by-token GDN form): decode rows, a prompt's last
 # tokens, empty chunks, up to the 64-token limit
 RECURRENT_BATCHES = ((1,), (64,), (1, 1, 16, 1), (3, 0, 64, 1, 17, 2, 63))
-IMPLEMENTATION = {"prefill_attention": "flash"}  # what a passing kernel is, when not hylora's Triton
 # (cached tokens, new tokens) per sequence of one prefill batch: fresh prompts, chunks after a
 # cached prefix across page boundaries, and a decode row mixed in
 PREFILL_CASES = ((0, 2), (0, 17), (15, 33), (1, 1), (0, 300), (500, 700))
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 FAILED = float("inf")
-
-
-def triton_usable(device: torch.device | str) -> bool:
-    """Triton importable and able to run here: a CUDA device, or the CPU interpreter (tests)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    if torch.device(device).type == "cuda":
-        return True
-    return torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def select_fast_kernels(model: HybridDecoder, page_size: int) -> dict[str, str]:
-    """{kernel: "triton (...)" | "reference (why)"} for each of FAST_KERNELS."""
-    if not triton_usable(model.device) or model.device.type != "cuda":
-        return dict.fromkeys(FAST_KERNELS, "reference (no CUDA or no triton)")
-    c, dev, dtype = model.config, model.device, model.dtype
-    errors = {
-        "gdn_decode": lambda: gdn_decode_error(
-            c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-            c.linear_conv_kernel_dim, dtype, dev,
-        ),
-        "paged_decode_attention": lambda: paged_decode_attention_error(
-            c.num_attention_heads, c.num_key_value_heads, c.head_dim, page_size, dtype, dev
-        ),
-        "lora": lambda: max(
-            error
-            for in_f, rows in lora_shapes(model)
-            for rank in LORA_RANKS
-            for error in (
-                lora_error(in_f, rows, rank, dtype, dev),
-                lora_error(in_f, rows, rank, dtype, dev, tokens=STACKED_TOKENS, kernel=stacked_lora_apply),
-            )
-        ),
-        "rms_norm": lambda: rms_norm_error(
-            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.linear_num_value_heads,
-            c.linear_value_head_dim, c.rms_norm_eps, dtype, dev, rotary_dim=c.rotary_dim,
-        ),
-        "silu_mul": lambda: silu_mul_error(c.intermediate_size, dtype, dev),
-        "causal_conv1d": lambda: causal_conv1d_error(c.linear_conv_dim, c.linear_conv_kernel_dim, dtype, dev),
-        "gdn_recurrent": lambda: gdn_recurrent_error(
-            c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, dtype, dev
-        ),
-        "prefill_attention": lambda: prefill_attention_error(
-            c.num_attention_heads, c.num_key_value_heads, c.head_dim, page_size, dtype, dev
-        ),
-    }  # fmt: skip
-    return {name: _verdict(name, run, TOLERANCE[dtype]) for name, run in errors.items()}
-
-
-def _verdict(name: str, run: Callable[[], float], tolerance: float) -> str:
-    implementation = IMPLEMENTATION.get(name, "triton")
-    try:
-        error = run()
-    except Exception as e:  # a kernel that does not compile or launch here is not used
-        log.error("%s %s kernel failed to run (%s); serving with the reference", name, implementation, e)
-        return f"reference ({name} kernel failed: {e})"
-    if not error <= tolerance:  # also catches NaN
-        log.error("%s %s kernel disagrees with the reference (rel. error %.2e)", name, implementation, error)
-        return f"reference (rel. error {error:.2e} > {tolerance:.0e})"
-    return f"{implementation} (max rel. error {error:.1e} vs the reference)"
+# gated delta rule (fla) batches: lengths straddling fla's 64-token chunks, decode-only and mixed
+GDN_BATCHES = ([1, 1, 1, 1, 1], [1, 63, 64, 65, 129, 1], [257], [2, 1, 511])
 
 
 def lora_shapes(model: torch.nn.Module) -> list[tuple[int, tuple[int, ...]]]:
@@ -263,15 +195,27 @@ def paged_decode_attention_error(
     return worst
 
 
+def triton_lora_apply(
+    x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch, config=None
+) -> torch.Tensor:
+    """hylora's LoRA kernels on the slices the batch's adapters target, as the layer runs them
+    (`config`: a launch configuration of ops.lora.triton, default its choice for the size)."""
+    from hylora.ops.lora.triton import LoRAKernelMeta, lora_apply
+
+    used = stack.slices_used_by(batch.slots)
+    meta = LoRAKernelMeta.build(batch.token_slots, stack.num_slots)
+    return lora_apply(x, y, *([t[i] for i in used] for t in (stack.a, stack.b, stack.offsets)), meta, config)
+
+
 def stacked_lora_apply(x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
     """The decode steps' LoRA (`lora_apply_stacked`, Linear.stack_lora_a) with the base output given:
     every slot's h from one GEMM over the slices' A rows, the expand reading each token's own slot."""
-    from hylora.ops.lora.triton import lora_expand
+    from hylora.ops.lora.triton import LoRAKernelMeta, lora_expand
 
     L, R, _ = stack.a[0].shape
     h = F.linear(x, torch.cat([a.reshape(L * R, -1) for a in stack.a]))  # [T, slices * L * r]
     h = h.view(1, x.shape[0], len(stack.a), L, R)
-    return lora_expand(h, stack.b, stack.offsets, y, triton_meta(batch, stack))
+    return lora_expand(h, stack.b, stack.offsets, y, LoRAKernelMeta.build(batch.token_slots, L))
 
 
 @torch.inference_mode()
@@ -287,8 +231,7 @@ def lora_error(
 ) -> float:
     """Per token count: base tokens and three adapters (ranks rank, rank // 2, 1) in interleaved
     segments; slot 3 is unused and NaN-filled, as are y's base rows (which must stay bit-identical)."""
-    if kernel is None:
-        from hylora.ops.lora.triton import lora_apply as kernel
+    kernel = kernel or triton_lora_apply
     g = _generator(device, in_features + rank)
     ranks = [rank, max(1, rank // 2), 1] + [0] * (num_slots - 3)
     a = [torch.zeros(num_slots, rank, in_features, device=device, dtype=dtype) for _ in rows]
@@ -314,7 +257,7 @@ def lora_error(
         y0 = torch.randn(T, sum(rows), generator=g, device=device).to(dtype)
         base = batch.token_slots < 0
         y0[base] = float("nan")
-        ref = lora_apply_grouped(x, y0.clone(), stack, batch)
+        ref = lora_apply_grouped(x, y0.clone(), stack.a, stack.b, stack.offsets, stack.present, batch.groups)
         y = kernel(x, y0.clone(), stack, batch)
         if not _same_bits(y[base], y0[base]):
             return FAILED
@@ -463,6 +406,44 @@ def prefill_attention_error(
     return _rel_error(kernel(*args, head_dim**-0.5), attention_prefill_reference(*args, head_dim**-0.5))
 
 
+@torch.inference_mode()
+def gated_delta_rule_error(
+    hk: int,
+    hv: int,
+    dk: int,
+    dv: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    batches: Sequence[Sequence[int]] = GDN_BATCHES,
+    kernel: Callable | None = None,
+) -> float:
+    """The chunked gated delta rule of prefill (fla's, by default) on varlen batches."""
+    if kernel is None:
+        from hylora.ops.gated_delta_rule.fla import varlen_gated_delta_rule as kernel
+    worst = 0.0
+    for seq_lens in batches:
+        g = _generator(device, sum(seq_lens))
+        T, N = sum(seq_lens), len(seq_lens)
+
+        def rand(*shape, g=g):
+            return torch.randn(*shape, generator=g, device=device)
+
+        q = rand(T, hk, dk).to(dtype)
+        k = rand(T, hk, dk).to(dtype)
+        v = rand(T, hv, dv).to(dtype)
+        decay = -F.softplus(rand(T, hv)) * 0.5
+        beta = torch.sigmoid(rand(T, hv)).to(dtype)
+        states = rand(N, hv, dk, dv) * 0.1
+        scale = dk**-0.5
+        o_ref, s_ref = delta_rule_reference(q, k, v, decay, beta, states, list(seq_lens), scale)
+        o, s = kernel(q, k, v, decay, beta, states.clone(), list(seq_lens), scale)
+        if not all(torch.isfinite(x).all() for x in (o, s)):
+            return FAILED
+        errors = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in ((o, o_ref), (s, s_ref))]
+        worst = max(worst, *errors)
+    return worst
+
+
 def _generator(device: torch.device | str, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
@@ -489,22 +470,3 @@ def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
         return FAILED
     diff = (got[ref_finite].float() - ref[ref_finite].float()).norm()
     return float(diff / ref[ref_finite].float().norm().clamp_min(1e-30))
-
-
-__all__ = [
-    "DECODE_BATCHES",
-    "causal_conv1d_error",
-    "FAST_KERNELS",
-    "LORA_RANKS",
-    "LORA_TOKENS",
-    "gdn_decode_error",
-    "gdn_recurrent_error",
-    "lora_error",
-    "paged_decode_attention_error",
-    "prefill_attention_error",
-    "RECURRENT_BATCHES",
-    "rms_norm_error",
-    "select_fast_kernels",
-    "silu_mul_error",
-    "triton_usable",
-]

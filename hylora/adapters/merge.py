@@ -14,8 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from hylora.adapters.files import LoRAWeight, read_adapter
 from hylora.config import ModelConfig
-from hylora.lora.adapter import LoRAWeight, read_adapter
 from hylora.model.loader import TEXT_PREFIXES, VISION_PREFIX, weight_files
 
 

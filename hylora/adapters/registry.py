@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from hylora.lora.adapter import (
+from hylora.adapters.files import (
     AdapterError,
     LoRAAdapter,
     LoRAWeight,
@@ -31,7 +31,7 @@ from hylora.lora.adapter import (
     parse_adapter,
     read_adapter_files,
 )
-from hylora.lora.apply import LoRAStack
+from hylora.lora import LoRAStack
 from hylora.model.decoder import HybridDecoder
 from hylora.model.layers import Linear
 from hylora.model.packing import locate

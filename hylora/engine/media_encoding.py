@@ -1,0 +1,79 @@
+"""The vision tower's part of a step: every media segment the step's chunks need, from the encoder
+cache or encoded (one tower call for all of them); a request whose media fail to encode fails
+alone, and a device fault escapes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from hylora.engine.encoder_cache import EncoderCache
+from hylora.engine.errors import DeviceFault, is_device_error
+from hylora.engine.multimodal import Segment
+from hylora.engine.request import FailureKind, Request
+from hylora.engine.scheduler import ScheduledChunk
+from hylora.model.decoder import HybridDecoder
+
+# fail(request, message, why) ends the request with that error and returns its final output
+Fail = Callable[[Request, str, FailureKind], object]
+
+
+def media_key(req: Request, seg: Segment) -> tuple:
+    """Encoder-cache key: the media content and preprocessing, the temporal patch, and the adapter
+    version when it changes the tower."""
+    version = req.lora.version if req.lora is not None else None
+    tower = (version.name, version.version) if version is not None and version.has_tower_lora else None
+    return (req.mm.items[seg.item].key, seg.t, tower)  # type: ignore[union-attr]
+
+
+class MediaEncoder:
+    def __init__(self, model: HybridDecoder, cache: EncoderCache, fail: Fail):
+        self.model, self.cache, self.fail = model, cache, fail
+
+    def prepare(self, chunks: list[ScheduledChunk], step: int) -> tuple[list[ScheduledChunk], list]:
+        """(the chunks whose media are ready, the final outputs of the requests that failed)."""
+        todo: list[tuple[Request, Segment]] = []
+        for c in chunks:
+            for seg in c.media:
+                cached = self.cache.get(media_key(c.request, seg))
+                if cached is not None:
+                    c.request.mm.ready[seg.id] = cached  # type: ignore[union-attr]
+                else:
+                    todo.append((c.request, seg))
+        failed: dict[str, object] = {}
+        if todo:
+            self._encode(todo, failed, step)
+        return [c for c in chunks if c.request.request_id not in failed], list(failed.values())
+
+    @torch.inference_mode()
+    def _encode(self, todo: list[tuple[Request, Segment]], failed: dict[str, object], step: int) -> None:
+        try:
+            pieces = [req.mm.pixels(seg) for req, seg in todo]  # type: ignore[union-attr]
+            pixels = torch.cat([p for p, _ in pieces]).to(self.model.device)
+            grids = torch.tensor([g for _, g in pieces])
+            slots = [req.lora.tower_slot if req.lora is not None else -1 for req, _ in todo]
+            out = self.model.visual(pixels, grids, slots).split([seg.num_tokens for _, seg in todo])  # type: ignore[misc]
+        except Exception as e:
+            if is_device_error(e):
+                raise DeviceFault(f"device fault in the vision tower at engine step {step}: {e}") from e
+            requests = {id(req): req for req, _ in todo}
+            if len(requests) > 1:  # find the request that breaks it: encode each alone
+                for rid in requests:
+                    self._encode([(r, s) for r, s in todo if id(r) == rid], failed, step)
+                return
+            req = todo[0][0]
+            failed[req.request_id] = self.fail(req, f"encoding its media failed: {e!r}", FailureKind.INTERNAL)
+            return
+        for (req, seg), rows in zip(todo, out, strict=True):
+            if req.request_id in failed:
+                continue
+            if not torch.isfinite(rows).all():
+                message = (
+                    f"numerical fault: non-finite values (NaN/Inf) in the vision tower output of request "
+                    f"{req.request_id!r} (media item {seg.item}, temporal patch {seg.t}); other requests are unaffected"
+                )
+                failed[req.request_id] = self.fail(req, message, FailureKind.NUMERICAL_FAULT)
+                continue
+            req.mm.ready[seg.id] = rows  # type: ignore[union-attr]
+            self.cache.put(media_key(req, seg), rows)

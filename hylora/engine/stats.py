@@ -1,0 +1,30 @@
+"""What the engine reports about itself (`LLMEngine.stats()`): a snapshot for metrics, read on the
+engine thread so the numbers agree with each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    queue: int  # requests waiting to be scheduled
+    running: int
+    kv_used: int  # KV-cache pages
+    kv_total: int
+    slots_used: int  # GDN state slots
+    slots_total: int
+    lora_slots_used: int  # device LoRA slots holding an adapter
+    lora_slots_total: int
+    adapters_loaded: int
+    adapters_on_cpu: int
+    encoder_hits: int  # media segments served from the encoder cache (cumulative)
+    encoder_misses: int
+    encoder_bytes: int
+    encoder_entries: int
+    engine_steps: int  # cumulative
+    steps_ahead: int  # decode steps queued before the step before them was read (cumulative)
+    preemptions: int  # requests sent back to the queue to free KV pages (cumulative)
+    on_device: dict[str, int] = field(default_factory=dict)  # adapter → 1 if it holds a device slot
+    running_by_adapter: dict[str, int] = field(default_factory=dict)  # "" = base
+    waiting_by_adapter: dict[str, int] = field(default_factory=dict)

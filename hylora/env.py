@@ -1,0 +1,25 @@
+"""The environment variables hylora reads, all of them, here. Every knob is a flag and a config
+field; the environment only says where files live and what the tools around hylora set.
+
+- HYLORA_CACHE_DIR: where the demo model is written (default ~/.cache/hylora);
+- TRITON_INTERPRET=1: Triton's own switch to its CPU interpreter (the tests run kernels that way);
+- HYLORA_*: handed on as they are to Ray Serve replicas, which may start on other nodes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HYLORA_CACHE_DIR") or Path.home() / ".cache" / "hylora")
+
+
+def triton_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def hylora_variables() -> dict[str, str]:
+    """Every HYLORA_* variable of this process."""
+    return {k: v for k, v in os.environ.items() if k.startswith("HYLORA_")}

@@ -1,0 +1,184 @@
+"""Choose fast kernels only after they agree with the torch reference on this model's shapes.
+
+Run once at engine start: on CUDA each fast kernel (fla's gated delta rule, hylora's Triton decode,
+LoRA, norm, activation and conv kernels, torch's fused SDPA for prefill attention) runs beside its
+reference on random inputs of the model's sizes at boundary lengths (`checks.py`); a kernel serves
+only if it passed. The verdicts are records (`KernelVerdict`) the engine keeps; the model gets one
+`ModelKernels` naming what passed. fp32 models keep the exact GDN reference unless forced (fla's
+Triton dots run fp32 inputs in TF32, ~1e-3 relative).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+
+from hylora.kernels import checks
+from hylora.kernels.config import KernelsConfig, triton_usable
+from hylora.kernels.verdict import KernelVerdict, passed, reference
+from hylora.model.decoder import HybridDecoder
+from hylora.model.kernels import ModelKernels
+from hylora.ops.gated_delta_rule import fla
+
+log = logging.getLogger(__name__)
+FAST_KERNELS = (
+    "gdn_decode", "paged_decode_attention", "lora", "rms_norm", "silu_mul", "prefill_attention", "causal_conv1d",
+    "gdn_recurrent",
+)  # fmt: skip
+IMPLEMENTATION = {"prefill_attention": "flash"}  # what a passing kernel is, when not hylora's Triton
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+GDN_TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 2e-2, torch.float16: 2e-2}  # fp32 only when forced
+
+
+def select_kernels(
+    model: HybridDecoder, page_size: int, config: KernelsConfig | None = None
+) -> dict[str, KernelVerdict]:
+    """Check every fast kernel on this model's shapes, give the model the ones that pass, and return
+    the verdict of each."""
+    config = config or KernelsConfig()
+    verdicts = {"gated_delta_rule": select_gdn_kernel(model, config.gdn_backend)}
+    if config.fast_kernels == "off":
+        verdicts |= {name: reference(name, "fast kernels off") for name in FAST_KERNELS}
+    else:
+        verdicts |= select_fast_kernels(model, page_size, config)
+    model.use_kernels(model_kernels(verdicts, config))
+    return verdicts
+
+
+def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | None = None) -> ModelKernels:
+    """The kernels the model runs, given the verdicts: each fast one that passed, else the reference."""
+    config = config or KernelsConfig()
+    fast = {name for name, v in verdicts.items() if v.fast}
+    chosen: dict = {}
+    if "gated_delta_rule" in fast:
+        chosen["delta_rule"] = fla.varlen_gated_delta_rule
+    if "gdn_decode" in fast:
+        from hylora.ops.gdn_decode.triton import gdn_decode
+
+        chosen["gdn_decode"] = gdn_decode
+        if config.gdn_decode_launch is not None:
+            block_v, num_warps, v_blocks = config.gdn_decode_launch
+            chosen["gdn_decode"] = functools.partial(
+                gdn_decode, block_v=block_v, num_warps=num_warps, v_blocks=v_blocks
+            )
+    if "paged_decode_attention" in fast:
+        from hylora.ops.paged_decode_attention.triton import paged_decode_attention
+
+        chosen["decode_attention"] = paged_decode_attention
+    if "causal_conv1d" in fast:
+        from hylora.ops.causal_conv1d.triton import causal_conv1d_by_slot
+
+        chosen["conv"] = causal_conv1d_by_slot
+    if "gdn_recurrent" in fast:
+        from hylora.ops.gated_delta_rule.triton import recurrent_by_slot
+
+        chosen["gdn_recurrent"] = recurrent_by_slot
+    if "prefill_attention" in fast:
+        from hylora.ops.attention.flash import paged_attention
+
+        chosen["prefill_attention"] = paged_attention
+    if "rms_norm" in fast:
+        from hylora.ops.rmsnorm import triton as norm_kernels
+
+        chosen["rms_norm"], chosen["gated_rms_norm"] = norm_kernels.rms_norm, norm_kernels.gated_rms_norm
+    if "silu_mul" in fast:
+        from hylora.ops.silu_mul.triton import silu_mul
+
+        chosen["silu_mul"] = silu_mul
+    if config.lora_backend != "auto":  # forced, for the decoder and the tower alike
+        chosen["lora_backend"] = chosen["tower_lora_backend"] = config.lora_backend
+    elif "lora" in fast:
+        chosen["lora_backend"] = "triton"
+    return ModelKernels(**chosen)
+
+
+def fast_verdicts(names: list[str]) -> dict[str, KernelVerdict]:
+    """Verdicts that pass `names` without checking them (tests and benchmarks that install kernels
+    by hand; the engine never does)."""
+    return {name: passed(name, IMPLEMENTATION.get(name, "triton"), 0.0, 0.0) for name in names}
+
+
+def select_gdn_kernel(model: HybridDecoder, backend: str = "auto") -> KernelVerdict:
+    """The gated-delta-rule kernel of prefill that passes (fla) or the reference, and why."""
+    name = "gated_delta_rule"
+    if model.device.type != "cuda" or backend == "reference":
+        return reference(name)
+    if model.dtype == torch.float32 and backend != "fla":
+        return reference(name, "fp32 model: fla's Triton kernels would compute in TF32")
+    if not fla.is_available():
+        if backend == "fla":
+            raise RuntimeError("gdn_backend fla was asked for but fla (fla-core) is not importable")
+        return reference(name, "fla not installed")
+    c, tolerance = model.config, GDN_TOLERANCE[model.dtype]
+    error = checks.gated_delta_rule_error(
+        c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+        model.dtype, model.device,
+    )  # fmt: skip
+    if not error <= tolerance:  # also catches NaN
+        message = f"fla's gated delta rule disagrees with the reference (rel. error {error:.2e} > {tolerance:.0e})"
+        if backend == "fla":
+            raise RuntimeError(message)
+        log.error("%s; serving with the reference kernel", message)
+        return reference(name, message, error=error, tolerance=tolerance, check_failed=True)
+    return passed(name, "fla", error, tolerance)
+
+
+def select_fast_kernels(
+    model: HybridDecoder, page_size: int, config: KernelsConfig | None = None
+) -> dict[str, KernelVerdict]:
+    """The verdict of each of FAST_KERNELS on this model's shapes."""
+    launch = (config or KernelsConfig()).gdn_decode_launch
+    gdn_launch = dict(zip(("block_v", "num_warps", "v_blocks"), launch, strict=True)) if launch else {}
+    if not triton_usable(model.device) or model.device.type != "cuda":
+        return {name: reference(name, "no CUDA or no triton") for name in FAST_KERNELS}
+    c, dev, dtype = model.config, model.device, model.dtype
+    errors = {
+        "gdn_decode": lambda: checks.gdn_decode_error(
+            c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+            c.linear_conv_kernel_dim, dtype, dev, **gdn_launch,
+        ),
+        "paged_decode_attention": lambda: checks.paged_decode_attention_error(
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim, page_size, dtype, dev
+        ),
+        "lora": lambda: max(
+            error
+            for in_f, rows in checks.lora_shapes(model)
+            for rank in checks.LORA_RANKS
+            for error in (
+                checks.lora_error(in_f, rows, rank, dtype, dev),
+                checks.lora_error(
+                    in_f, rows, rank, dtype, dev, tokens=checks.STACKED_TOKENS, kernel=checks.stacked_lora_apply
+                ),
+            )
+        ),
+        "rms_norm": lambda: checks.rms_norm_error(
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.linear_num_value_heads,
+            c.linear_value_head_dim, c.rms_norm_eps, dtype, dev, rotary_dim=c.rotary_dim,
+        ),
+        "silu_mul": lambda: checks.silu_mul_error(c.intermediate_size, dtype, dev),
+        "causal_conv1d": lambda: checks.causal_conv1d_error(c.linear_conv_dim, c.linear_conv_kernel_dim, dtype, dev),
+        "gdn_recurrent": lambda: checks.gdn_recurrent_error(
+            c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, dtype, dev
+        ),
+        "prefill_attention": lambda: checks.prefill_attention_error(
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim, page_size, dtype, dev
+        ),
+    }  # fmt: skip
+    return {name: _verdict(name, run, TOLERANCE[dtype]) for name, run in errors.items()}
+
+
+def _verdict(name: str, run: Callable[[], float], tolerance: float) -> KernelVerdict:
+    implementation = IMPLEMENTATION.get(name, "triton")
+    try:
+        error = run()
+    except Exception as e:  # a kernel that does not compile or launch here is not used
+        log.error("%s %s kernel failed to run (%s); serving with the reference", name, implementation, e)
+        return reference(name, f"{name} kernel failed: {e}", tolerance=tolerance, check_failed=True)
+    if not error <= tolerance:  # also catches NaN
+        log.error("%s %s kernel disagrees with the reference (rel. error %.2e)", name, implementation, error)
+        reason = f"rel. error {error:.2e} > {tolerance:.0e}"
+        return reference(name, reason, error=error, tolerance=tolerance, check_failed=True)
+    return passed(name, implementation, error, tolerance)

@@ -1,0 +1,68 @@
+"""Which kernel each layer of the decoder calls: one record, the torch references by default.
+
+The kernel floor (`hylora.kernels`) checks the fast kernels against these references at start-up
+and hands the model a `ModelKernels` naming the ones that passed; `HybridDecoder.use_kernels`
+gives each layer its part. Nothing else rebinds a layer's kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from hylora import ops
+from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
+from hylora.ops.silu_mul.reference import silu_mul
+
+if TYPE_CHECKING:
+    from hylora.model.decoder import HybridDecoder
+
+Kernel = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelKernels:
+    # GDN layers
+    delta_rule: Kernel = ops.varlen_gated_delta_rule  # the chunked gated delta rule of prefill
+    conv: Kernel = ops.causal_conv1d_by_slot  # the prefill conv, conv state in place by slot
+    gdn_decode: Kernel | None = None  # a fused decode step by state slot (None: the reference, when padded)
+    gdn_recurrent: Kernel | None = None  # the delta rule token by token, for steps of short chunks only
+    # attention layers
+    decode_attention: Kernel | None = None  # over the block table (None: the reference, when padded)
+    prefill_attention: Kernel = ops.paged_attention
+    # every decoder layer (not the vision tower: it has norms of its own)
+    rms_norm: Kernel = rms_norm
+    gated_rms_norm: Kernel = gated_rms_norm
+    silu_mul: Kernel = silu_mul
+    lora_backend: str | None = None  # model.layers.LORA_BACKENDS; None: masked on CUDA, grouped on the CPU
+    tower_lora_backend: str | None = None  # the vision tower's linears
+
+
+def install(model: HybridDecoder, kernels: ModelKernels) -> None:
+    """Give each layer of `model` its kernels from `kernels`."""
+    from hylora.model.layers import MLP, GatedRMSNorm, Linear, RMSNorm
+    from hylora.model.vision import VisionLinear
+
+    for layer in model.layers:
+        if layer.is_linear:
+            gdn = layer.linear_attn
+            gdn.delta_rule, gdn.conv = kernels.delta_rule, kernels.conv
+            gdn.decode_step, gdn.short_prefill = kernels.gdn_decode, kernels.gdn_recurrent
+        else:
+            layer.self_attn.decode_attention = kernels.decode_attention
+            layer.self_attn.prefill_attention = kernels.prefill_attention
+    for module in [*model.layers.modules(), model.norm]:
+        if isinstance(module, RMSNorm):
+            module.kernel = kernels.rms_norm
+        elif isinstance(module, GatedRMSNorm):
+            module.kernel = kernels.gated_rms_norm
+        elif isinstance(module, MLP):
+            module.act = kernels.silu_mul
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.lora_backend = kernels.lora_backend
+        elif isinstance(module, VisionLinear):
+            module.lora_backend = kernels.tower_lora_backend

@@ -1,0 +1,159 @@
+"""vLLM's launch flags, so that the launch lines of the Qwen3.5 / Qwen3.6 recipes run unchanged.
+
+`add_vllm_args` adds the flags a vLLM launch line uses that hylora does not otherwise have;
+`normalise_vllm_args` turns vLLM's spellings into hylora's (a positional model or `--model`,
+`--dtype half`, `--block-size`, `--limit-mm-per-prompt image=2,video=1`, several served names) and
+says at start-up which accepted flags are not active. docs/SERVING.md lists them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from hylora.tokenizer import check_template_kwargs
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
+          "float32": "float32"}  # fmt: skip
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+TOOL_CALL_PARSERS = ("qwen3_coder", "hermes")
+SPECULATIVE_METHODS = ("mtp", "qwen3_next_mtp")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def add_vllm_args(p: argparse.ArgumentParser) -> None:
+    v = p.add_argument_group("vLLM launch flags (docs/SERVING.md says which are active)")
+    v.add_argument("--model", dest="model_flag", metavar="MODEL_DIR", help="the model directory (vLLM's spelling)")
+    v.add_argument("--reasoning-parser", choices=REASONING_PARSERS, help="split <think>…</think> into reasoning")
+    v.add_argument("--enable-auto-tool-choice", action="store_true", help='tool_choice "auto": parse tool calls')
+    v.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="the model's tool-call format")
+    v.add_argument(
+        "--default-chat-template-kwargs",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='template variables for every request, e.g. \'{"enable_thinking": false}\' (a request\'s own win)',
+    )
+    v.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="accepted; prefix caching is not implemented yet (every prompt is prefilled)",
+    )
+    v.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='accepted and checked (\'{"method": "mtp", "num_speculative_tokens": 2}\'); not active yet',
+    )
+    v.add_argument("--disable-log-stats", action="store_true", help="accepted; hylora logs no periodic stats")
+    v.add_argument("--enable-log-requests", action="store_true", help="a log line per request (the default)")
+    v.add_argument("--max-logprobs", type=int, default=20, help="most logprobs / top_logprobs a request may ask for")
+    v.add_argument("--block-size", type=int, default=None, help="KV tokens per page (hylora's --page-size)")
+    v.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="accepted; hylora always chunks long prompts (--max-num-batched-tokens per step)",
+    )
+    v.add_argument("--kv-cache-dtype", default="auto", choices=["auto"], help="auto only (the model's dtype)")
+    v.add_argument("--allowed-origins", type=json.loads, default=None, metavar="JSON", help='CORS, e.g. \'["*"]\'')
+    v.add_argument("--allowed-methods", type=json.loads, default=None, metavar="JSON", help="CORS methods")
+    v.add_argument("--allowed-headers", type=json.loads, default=None, metavar="JSON", help="CORS headers")
+    v.add_argument("--allow-credentials", action="store_true", help="CORS credentials")
+
+
+def parse_mm_limits(value: Any) -> dict[str, int] | None:
+    """--limit-mm-per-prompt as JSON ('{"image": 2}') or vLLM's short form ('image=2,video=1')."""
+    if value is None or isinstance(value, dict):
+        return value
+    text = str(value).strip()
+    if text.startswith("{"):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--limit-mm-per-prompt: {e}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("--limit-mm-per-prompt expects a JSON object")
+        return parsed
+    limits = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, sep, count = item.partition("=")
+        if not sep or not count.strip().isdigit():
+            raise ValueError(f"--limit-mm-per-prompt: expected image=N,video=N, got {item!r}")
+        limits[kind.strip()] = int(count)
+    return limits
+
+
+def check_speculative_config(config: Any) -> dict[str, Any] | None:
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise ValueError("--speculative-config expects a JSON object")
+    method = config.get("method")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"--speculative-config: method must be one of {', '.join(SPECULATIVE_METHODS)}")
+    k = config.get("num_speculative_tokens", 1)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 4:
+        raise ValueError("--speculative-config: num_speculative_tokens must be an integer in [1, 4]")
+    return config
+
+
+def normalise_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
+    """vLLM's spellings as hylora's, checked; logs which accepted flags change nothing."""
+    if args.model_flag is not None:
+        if args.model_dir is not None and args.model_dir != args.model_flag:
+            raise ValueError(f"two models given: {args.model_dir!r} and --model {args.model_flag!r}")
+        args.model_dir = args.model_flag
+    if args.model_dir is not None and not Path(args.model_dir).exists():
+        raise ValueError(missing_model_message(args.model_dir))
+    args.dtype = DTYPES[args.dtype]
+    if args.block_size is not None:
+        args.page_size = args.block_size
+    args.speculative_config = check_speculative_config(args.speculative_config)
+    try:
+        check_template_kwargs(args.default_chat_template_kwargs)
+    except ValueError as e:
+        raise ValueError(f"--default-chat-template-kwargs: {e}") from None
+    if not args.max_logprobs >= 0:
+        raise ValueError("--max-logprobs must be >= 0")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (qwen3_coder for Qwen3.5 / Qwen3.6)")
+    for flag in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        value = getattr(args, flag)
+        if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
+            raise ValueError(f"--{flag.replace('_', '-')} expects a JSON list of strings")
+    for note in inactive_flags(args):
+        log.warning("%s", note)
+    return args
+
+
+def inactive_flags(args: argparse.Namespace) -> list[str]:
+    """A line for each accepted flag that changes nothing today."""
+    notes = []
+    if args.enable_prefix_caching:
+        notes.append("--enable-prefix-caching: accepted, not active yet (prefix caching is not implemented)")
+    if args.speculative_config is not None:
+        notes.append("--speculative-config: accepted and checked, not active yet (MTP is not implemented)")
+    if args.enable_chunked_prefill is False:
+        notes.append("--no-enable-chunked-prefill: accepted, but hylora always chunks long prompts")
+    if args.disable_log_stats:
+        notes.append("--disable-log-stats: accepted, no effect (hylora logs no periodic stats)")
+    return notes
+
+
+def missing_model_message(model: str) -> str:
+    if HUB_ID.match(model):
+        local = model.split("/")[-1]
+        return (
+            f"{model!r} is not a local directory. hylora serves local checkpoints and downloads nothing; fetch "
+            f"it first, e.g. `huggingface-cli download {model} --local-dir ./{local}`, then `hylora serve ./{local}`"
+        )
+    return f"no model directory {model!r}"
