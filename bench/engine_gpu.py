@@ -308,6 +308,7 @@ def throughput(
             max_loras=n_adapters,
             max_lora_rank=16,
             dtype="bfloat16",
+            fault_injection=True,  # fault_check, after the workload
         ),
         adapters,
         progress=False,
