@@ -193,3 +193,37 @@ def test_malformed_redirects_are_client_errors(server, watch, host):
 
 def data_url(data: bytes, mime: str) -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+# --- structured outputs ----------------------------------------------------------------------------
+
+
+def ref_chain(depth: int) -> dict:
+    """A JSON schema whose $defs chain $refs `depth` deep (~100 KB at a few thousand)."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(depth)}
+    defs[f"d{depth}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def test_grammars_that_would_crash_or_freeze_the_compiler_fail_alone(server, watch):
+    lark_chain = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(3000)) + 'r3000: "x"\n'
+    gbnf_chain = "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(3000)) + 'r3000 ::= "x"\n'
+    nested = "[" * 950 + "]" * 950
+    with watch as w:
+        results = w.attack(
+            lambda: chat(server, "x", response_format={"type": "json_schema", "json_schema": {
+                "name": "deep", "schema": ref_chain(3000)}}),
+            lambda: chat(server, "x", guided_grammar=lark_chain),
+            lambda: chat(server, "x", guided_grammar=gbnf_chain),
+            lambda: chat(server, "x", guided_grammar="\n" * 40_000 + 'start: "a"'),
+            lambda: chat(server, "x", guided_json=nested),
+            lambda: chat(server, "x", guided_json={"$ref": "#"}),
+            lambda: chat(server, "x", guided_regex="(a{1000}){1000}"),
+            lambda: chat(server, "x", guided_choice=[f"c{i}" for i in range(4096)]),
+        )  # fmt: skip
+        for r in results[:3] + results[4:]:
+            assert_error(r, 400, within=10)
+        assert results[3].status_code in (200, 400), results[3].text  # linear time either way
+    # the server still compiles and serves grammars
+    ok = chat(server, "x", guided_regex="(yes|no)", max_tokens=4)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] in ("yes", "no")
