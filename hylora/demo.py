@@ -30,18 +30,55 @@ SPECIAL_TOKENS = [
     "<|image_pad|>",
     "<|video_pad|>",
 ]
+# Qwen3.5 / Qwen3.6's added tokens for thinking and tool calls: not special (they stay in the text
+# with skip_special_tokens), each one token, as in the released tokenizers
+TEXT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# Qwen3.5 / Qwen3.6's chat template in short: tools in a system block with the qwen3_coder call
+# format, assistant tool calls and tool results in the history, and thinking on unless
+# enable_thinking is false (the generation prompt then closes an empty think block).
 CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' and messages[0]['content'] is string -%}"
+    "{{- messages[0]['content'] + '\\n\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' -}}"
+    "{{- (tool['function'] if tool['function'] is defined else tool) | tojson -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nTo call a function, reply with:\\n<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n"
+    "</parameter>\\n</function>\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' and tools and loop.first and message['content'] is string -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
     "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- elif message['content'] is not none -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
     "{%- elif part['type'] == 'video' -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
     "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{{- '\\n<tool_call>\\n<function=' + fn['name'] + '>\\n' -}}"
+    "{%- for key, value in (fn['arguments'] | default({}, true)).items() -%}"
+    "{{- '<parameter=' + key + '>\\n' -}}"
+    "{%- if value is string -%}{{- value -}}{%- else -%}{{- value | tojson -}}{%- endif -%}"
+    "{{- '\\n</parameter>\\n' -}}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    "{{- '</function>\\n</tool_call>' -}}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- else -%}{{- '<think>\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
 )
 CORPUS = """\
 The relic is a bronze vessel with a round belly, three legs and two upright handles.
@@ -85,7 +122,7 @@ DEMO_ADAPTERS = {
     ),
 }
 SEED = 1234
-DEMO_VERSION = "3"  # bump when the demo changes: an older demo in the cache is rewritten
+DEMO_VERSION = "4"  # bump when the demo changes: an older demo in the cache is rewritten
 
 
 @dataclass(frozen=True)
@@ -200,18 +237,19 @@ def _processor_configs() -> dict[str, dict]:
 
 
 def _train_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(TEXT_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
     tok.add_special_tokens(SPECIAL_TOKENS)  # appended after the BPE vocab, as in Qwen
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TEXT_TOKENS])
     return tok
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 from safetensors import safe_open
 
-from hylora.demo import DEMO_ADAPTERS, SPECIAL_TOKENS, write_demo
+from hylora.demo import DEMO_ADAPTERS, SPECIAL_TOKENS, TEXT_TOKENS, write_demo
 from hylora.model.loader import load_model
 from hylora.tokenizer import chat_prompt, load_tokenizer
 from tests.helpers import hf_logits, hylora_logits
@@ -37,8 +37,14 @@ def test_tokenizer_has_qwen_special_tokens_and_chat_template(demo_dir):
     for special in SPECIAL_TOKENS:
         ids = tok.encode(special, add_special_tokens=False)
         assert len(ids) == 1, special
+    for text in TEXT_TOKENS:  # one token each, and kept in the text by skip_special_tokens (as Qwen's)
+        ids = tok.encode(text, add_special_tokens=False)
+        assert len(ids) == 1 and tok.decode(ids, skip_special_tokens=True) == text, text
     ids = chat_prompt(tok, [{"role": "user", "content": "Describe the relic."}])
-    assert tok.decode(ids) == "<|im_start|>user\nDescribe the relic.<|im_end|>\n<|im_start|>assistant\n"
+    prompt = "<|im_start|>user\nDescribe the relic.<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(ids) == prompt + "<think>\n"  # thinking on by default, as Qwen3.5 / 3.6
+    ids = chat_prompt(tok, [{"role": "user", "content": "Describe the relic."}], enable_thinking=False)
+    assert tok.decode(ids) == prompt + "<think>\n\n</think>\n\n"
     text = "Pigments: red ochre, 孔雀石 — ünïcode"
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 

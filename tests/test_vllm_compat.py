@@ -309,3 +309,90 @@ def test_tensor_parallel_above_one_is_refused_with_a_pointer(demo_cache_dir, tmp
         env={"HYLORA_CACHE_DIR": str(demo_cache_dir), "PATH": "/usr/bin:/bin"},
     )
     assert out.returncode == 2 and "--replicas" in out.stderr
+
+
+# The Qwen3.5 / Qwen3.6 recipe's launch line, `vllm serve` replaced (issue 24)
+RECIPE = (
+    "serve --model MODEL --served-model-name qwen3.6 qwen -tp 1 --reasoning-parser qwen3 --enable-auto-tool-choice "
+    "--tool-call-parser qwen3_coder --enable-prefix-caching --speculative-config "
+    '\'{"method": "mtp", "num_speculative_tokens": 2}\' --default-chat-template-kwargs \'{"enable_thinking": false}\' '
+    "--disable-log-stats --enable-log-requests --max-logprobs 5 --block-size 32 --enable-chunked-prefill "
+    "--kv-cache-dtype auto --allowed-origins '[\"http://dash.example\"]' --dtype half --limit-mm-per-prompt "
+    "image=2,video=1 --max-model-len 512"
+)
+
+
+def test_the_qwen_recipe_launch_line_runs_unchanged(demo_dir, demo_cache_dir, tmp_path):
+    import shlex
+
+    args = shlex.split(RECIPE.replace("MODEL", str(demo_dir)))[1:]
+    args[args.index("half")] = "float32"  # the CPU runs fp32; --dtype half itself is checked below
+    with running_server([*args, "--device", "cpu"], demo_cache_dir, tmp_path / "log") as s:
+        log = s.log_path.read_text()
+        for note in ("--enable-prefix-caching: accepted, not active", "--speculative-config: accepted and checked"):
+            assert note in log, note  # accepted flags that change nothing say so
+        cards = httpx.get(f"{s.url}/v1/models", timeout=30).json()["data"]
+        assert [c["id"] for c in cards][:2] == ["qwen3.6", "qwen"]  # every served name, the first reported
+        card = httpx.get(f"{s.url}/v1/models/qwen", timeout=30).json()
+        assert card["id"] == "qwen" and card["max_model_len"] == 512
+        assert httpx.get(f"{s.url}/v1/models/nope", timeout=30).status_code == 404
+        body = PLAIN | {"model": "qwen", "user": "alice"}
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "qwen"  # the name the client asked for
+        assert r.json()["choices"][0]["message"]["reasoning_content"] is None  # thinking off by default here
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=PLAIN | {"logprobs": True, "top_logprobs": 6}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"  # --max-logprobs 5
+        preflight = httpx.options(
+            f"{s.url}/v1/chat/completions",
+            headers={"Origin": "http://dash.example", "Access-Control-Request-Method": "POST"},
+            timeout=30,
+        )
+        assert preflight.headers.get("access-control-allow-origin") == "http://dash.example"
+
+
+def test_launch_flag_spellings_and_refusals(demo_dir, tmp_path):
+    import argparse
+
+    from hylora.server.vllm_flags import normalise_vllm_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+
+    def normalised(*argv):
+        return normalise_vllm_args(parser.parse_args(list(argv)))
+
+    args = normalised("--model", str(demo_dir), "--dtype", "half", "--block-size", "32", "--limit-mm-per-prompt",
+                      "image=2,video=1")  # fmt: skip
+    assert (args.model_dir, args.dtype, args.page_size) == (str(demo_dir), "float16", 32)
+    assert args.limit_mm_per_prompt == {"image": 2, "video": 1}
+    assert normalised("--demo", "--limit-mm-per-prompt", '{"image": 3}').limit_mm_per_prompt == {"image": 3}
+    with pytest.raises(ValueError, match="huggingface-cli download Qwen/Qwen3.6-27B"):
+        normalised("Qwen/Qwen3.6-27B")  # a Hub id: say how to get it
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        normalised("--demo", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 9}')
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        normalised("--demo", "--enable-auto-tool-choice")
+    with pytest.raises(ValueError, match="chat_template"):
+        normalised("--demo", "--default-chat-template-kwargs", '{"chat_template": "x"}')
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--demo", "--kv-cache-dtype", "fp8"])  # only auto
+
+
+def test_batched_and_echo_completions(client):
+    """A list of prompts gives one choice set per prompt, `index` in order, each equal to that prompt
+    sent alone; echo with max_tokens 0 scores a prompt (lm-evaluation-harness' loglikelihood)."""
+    prompts = ["The relic is", "The tomb has", "The mural on"]
+    batch = client.completions.create(model="relic", prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == list(range(6))
+    for i, text in enumerate(prompts):
+        alone = client.completions.create(model="relic", prompt=text, max_tokens=5, temperature=0)
+        assert batch.choices[2 * i].text == batch.choices[2 * i + 1].text == alone.choices[0].text
+    ids = client.completions.create(model="relic", prompt=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+    scored = client.completions.create(model="relic", prompt=prompts, max_tokens=0, echo=True, logprobs=1)
+    for text, choice in zip(prompts, scored.choices, strict=True):
+        assert choice.text == text and choice.finish_reason == "length"
+        lp = choice.logprobs
+        assert "".join(lp.tokens) == text and lp.token_logprobs[0] is None
+        assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert scored.usage.completion_tokens == 0

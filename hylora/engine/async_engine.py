@@ -12,7 +12,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from hylora.engine.engine import DeviceFault, LLMEngine, RequestOutput
@@ -56,6 +56,7 @@ class AsyncEngine:
         inject_fault: str | None = None,
         mm: MultimodalPrompt | None = None,
         grammar: CompiledGrammar | None = None,
+        grammar_after: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Admit a request and return its output stream. Errors in the request (too long, unknown or
         broken adapter, bad ids) raise here, before any output; leaving the stream early aborts it."""
@@ -68,9 +69,9 @@ class AsyncEngine:
 
         def add() -> None:
             self._check_accepting()
-            self.engine.add_request(request_id, prompt, params, adapter, prepared, mm, grammar)
+            self.engine.add_request(request_id, prompt, params, adapter, prepared, mm, grammar, grammar_after)
             self._streams[request_id] = (loop, outputs)
-            if inject_fault:  # test hook (see LLMEngine.inject_fault)
+            if inject_fault:  # testing aid (engine/faults.py)
                 self.engine.inject_fault(request_id, inject_fault)
 
         await self.call(add)

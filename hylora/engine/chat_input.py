@@ -85,7 +85,7 @@ def normalise(messages: list[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], 
     for i, m in enumerate(messages):
         content = m.get("content")
         if not isinstance(content, list):
-            out.append({"role": m["role"], "content": content or ""})
+            out.append({**m, "content": content or ""})
             continue
         parts = []
         for j, part in enumerate(content):
@@ -100,7 +100,7 @@ def normalise(messages: list[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], 
                     f"messages[{i}].content[{j}]: content parts of type {kind!r} are not supported "
                     "(text, image_url, video_url)"
                 )
-        out.append({"role": m["role"], "content": parts})
+        out.append({**m, "content": parts})
     return out, refs
 
 

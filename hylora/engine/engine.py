@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,12 +128,14 @@ class LLMEngine:
         prepared: PreparedAdapter | None = None,
         mm: MultimodalPrompt | None = None,
         grammar: CompiledGrammar | None = None,
+        grammar_after: Sequence[int] = (),
     ) -> Request:
         """Queue a request. Bad input raises RequestError (UnknownAdapter / AdapterBroken for the
         adapter) and changes nothing. `prepared` is the adapter already read off this thread
         (AsyncEngine does that); without it the adapter is prepared here. `mm` holds the prompt's
         images and videos (its placeholder tokens already expanded in `prompt`); `grammar` constrains
-        the output (structured outputs, compiled off this thread by `grammar_compiler()`)."""
+        the output (structured outputs, compiled off this thread by `grammar_compiler()`), from the
+        token after `grammar_after` (a thinking model's `</think>`) when that is given."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         ids, params = self.intake.admit(prompt, params or SamplingParams(), mm)
@@ -140,7 +143,7 @@ class LLMEngine:
             prepared = self.adapters.prepare(adapter)  # UnknownAdapter names what is loaded
         req = Request(request_id=request_id, prompt_ids=ids, params=params, adapter=adapter, mm=mm)
         self.outputs.add(req)
-        req.grammar = grammar.matcher() if grammar is not None else None
+        req.grammar = grammar.matcher(grammar_after) if grammar is not None else None
         req.prepared = prepared if adapter is not None else None
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -406,7 +409,7 @@ class LLMEngine:
         """Stack the rows to sample from and apply every structured-output request's token mask (one
         masked fill for the whole batch); a request whose grammar fails fails alone."""
         logits = torch.stack(rows)
-        matchers = [r.grammar for r in reqs]
+        matchers = [r.grammar if r.grammar is not None and r.grammar.active else None for r in reqs]
         if all(m is None for m in matchers):
             return reqs, logits
         try:

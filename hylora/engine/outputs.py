@@ -90,7 +90,8 @@ class OutputProcessor:
         if info is not None:
             req.logprobs.append(info)
         p = req.params
-        constrained = req.grammar is not None  # a grammar's EOS ends the document, ignore_eos or not
+        # a grammar's EOS ends the document, ignore_eos or not (once the grammar applies)
+        constrained = req.grammar is not None and req.grammar.active
         if (token in self.eos_ids and (constrained or not p.ignore_eos)) or token in p.stop_token_ids:
             return "stop"
         hit = self._streams[req.request_id].append(token)

@@ -25,9 +25,11 @@ from hylora.engine.async_engine import AsyncEngine
 from hylora.engine.chat_input import MediaSettings, has_media, multimodal_prompt
 from hylora.engine.multimodal import MultimodalPrompt
 from hylora.media import MediaError
+from hylora.server.chat_output import DEFAULT_TOOL_FORMAT, ChatOutputs
 from hylora.server.errors import APIError, BodyLimit, error_response, install_error_handlers
 from hylora.server.job import Job
 from hylora.server.metrics import ServerMetrics
+from hylora.server.parsers import ReasoningParser, ToolRequest, ToolRequestError, parse_tool_request, think_end_ids
 from hylora.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,7 +44,13 @@ from hylora.server.routing import ConflictError, RouteError, TaskRouter
 from hylora.server.security import Forbidden, adapter_dir_under, key_matches
 from hylora.server.streaming import EventStream
 from hylora.server.vllm_metrics import VLLMMetrics
-from hylora.structured import CompiledGrammar, CompilerBusy, StructuredOutputError, parse_structured_outputs
+from hylora.structured import (
+    CompiledGrammar,
+    CompilerBusy,
+    StructuredOutputError,
+    StructuredSpec,
+    parse_structured_outputs,
+)
 from hylora.tokenizer import PromptTooLong, chat_prompt, check_template_kwargs, max_token_chars
 
 log = logging.getLogger(__name__)
@@ -191,12 +199,18 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         body.warn_unknown("chat/completions")
         adapter = _route(state, body, request)
-        prompt_ids, mm = await _chat_prompt(state, body)
+        tools = _tool_request(state, body)
+        template_kwargs = _template_kwargs(state, body)
+        prompt_ids, mm = await _chat_prompt(state, body, template_kwargs, tools)
         max_tokens = _max_tokens(state, len(prompt_ids), body.requested_max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        grammar = await _grammar(state, body)
-        prompt_logprobs = body.prompt_logprobs
-        job = Job(state, "chatcmpl", body, adapter, [prompt_ids], [max_tokens], logprobs, prompt_logprobs, mm, grammar)
+        grammar = await _grammar(state, body, _tool_grammar(state, body, tools))
+        outputs_as = _chat_outputs(state, prompt_ids, template_kwargs, tools)
+        after = think_end_ids(state.engine.tokenizer) if grammar is not None and outputs_as.in_reasoning else ()
+        job = Job(
+            state, "chatcmpl", body, adapter, [prompt_ids], [max_tokens], logprobs, body.prompt_logprobs, mm, grammar,
+            chat_outputs=outputs_as, grammar_after=after,
+        )  # fmt: skip
         streams = await job.start()
         if body.stream:
             return EventStream(job.chat_events(streams), state.stream_stall_timeout_s, state.metrics)
@@ -289,12 +303,19 @@ def _model_cards(state: ServerState) -> list[dict[str, Any]]:
     return cards
 
 
-async def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], MultimodalPrompt | None]:
-    """Prompt ids of the conversation; with images / videos also their preprocessed media. The
-    characters are bounded before anything else happens and again, rendered, before tokenising."""
-    template_kwargs = _template_kwargs(state, body)
+async def _chat_prompt(
+    state: ServerState, body: ChatCompletionRequest, template_kwargs: dict[str, Any], tools: ToolRequest
+) -> tuple[list[int], MultimodalPrompt | None]:
+    """Prompt ids of the conversation (the request's tools rendered by the chat template); with images
+    / videos also their preprocessed media. The characters are bounded before anything else happens
+    and again, rendered, before tokenising."""
+    if tools.tools:
+        template_kwargs = template_kwargs | {"tools": list(tools.tools)}
     _check_chars(state, sum(m.text_chars() for m in body.messages))
-    messages = [{"role": m.role, "content": m.content} for m in body.messages]
+    try:
+        messages = [m.for_template(m.content) for m in body.messages]
+    except Unsupported as e:
+        raise APIError(400, str(e), param=e.param or "messages") from None
     if has_media(messages):
         if state.media is None:
             raise APIError(400, "this model has no vision tower: send text only")
@@ -315,9 +336,9 @@ async def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple
         except PromptTooLong as e:
             raise _too_long(state, e.chars) from None
     try:
-        texts = [{"role": m.role, "content": m.text()} for m in body.messages]
+        texts = [m.for_template(m.text()) for m in body.messages]
     except Unsupported as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param=e.param or "messages") from None
     ids = await state.run_text(_render_chat, state, texts, body.add_generation_prompt, **template_kwargs)
     return ids, None
 
@@ -374,10 +395,52 @@ def _tokenize(state: ServerState, text: str, add_special_tokens: bool = False) -
         raise APIError(400, f"cannot tokenise the prompt: {e}") from None
 
 
-async def _grammar(state: ServerState, body: SamplingRequest) -> CompiledGrammar | None:
-    """The request's output constraint, compiled off the event loop (cached by spec), or None."""
+def _tool_request(state: ServerState, body: ChatCompletionRequest) -> ToolRequest:
+    """The request's tools and tool_choice, checked (400 naming the field)."""
     try:
-        spec = parse_structured_outputs(body.model_dump())
+        return parse_tool_request(body.model_dump(include={"tools", "tool_choice", "parallel_tool_calls"}),
+                                  auto_tool_choice=state.auto_tool_choice)  # fmt: skip
+    except ToolRequestError as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
+def _tool_grammar(state: ServerState, body: ChatCompletionRequest, tools: ToolRequest) -> StructuredSpec | None:
+    """tool_choice "required" or a named function: a grammar that only admits well-formed calls
+    whose arguments fit the function's schema (in the model's own call format)."""
+    if not tools.grammar_needed:
+        return None
+    if parse_structured_outputs(body.model_dump()) is not None:
+        raise APIError(400, "tool_choice forces tool calls: it cannot be combined with response_format or "
+                       "another output constraint", param="tool_choice")  # fmt: skip
+    added = state.engine.tokenizer.get_added_vocab()  # tags that are one token each are named as tokens
+    tags = [tag for tag in ("<tool_call>", "</tool_call>") if tag in added]
+    try:
+        lark = tools.grammar(state.tool_call_parser or DEFAULT_TOOL_FORMAT, tags)
+    except ValueError as e:
+        raise APIError(400, str(e), param="tools") from None
+    return StructuredSpec("grammar", lark) if lark else None
+
+
+def _chat_outputs(
+    state: ServerState, prompt_ids: list[int], template_kwargs: dict[str, Any], tools: ToolRequest
+) -> ChatOutputs:
+    """How the request's choices are read: the reasoning split off when the server has a reasoning
+    parser and the prompt leaves the model inside `<think>`, tool calls when tools may be called."""
+    parser = ReasoningParser(state.reasoning_parser) if state.reasoning_parser else None
+    in_reasoning = False
+    if parser is not None:  # the generation turn: the prompt's last tokens
+        tail = state.engine.tokenizer.decode(prompt_ids[-64:], skip_special_tokens=False)
+        in_reasoning = parser.starts_in_reasoning(tail, template_kwargs.get("enable_thinking"))
+    return ChatOutputs(parser, in_reasoning, tools, state.tool_call_parser or DEFAULT_TOOL_FORMAT)
+
+
+async def _grammar(
+    state: ServerState, body: SamplingRequest, forced: StructuredSpec | None = None
+) -> CompiledGrammar | None:
+    """The request's output constraint (or `forced`, the tool-call grammar), compiled off the event
+    loop (cached by spec), or None."""
+    try:
+        spec = forced or parse_structured_outputs(body.model_dump())
         if spec is None:
             return None
         compiler = await state.run_text(state.engine.grammar_compiler)

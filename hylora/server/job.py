@@ -10,7 +10,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -21,6 +21,7 @@ from hylora.engine.async_engine import EngineDead
 from hylora.engine.engine import RequestError, RequestOutput
 from hylora.engine.multimodal import MultimodalPrompt
 from hylora.engine.request import TokenLogprob
+from hylora.server.chat_output import ChatOutputs
 from hylora.server.errors import APIError
 from hylora.server.protocol import CompletionRequest, SamplingRequest
 from hylora.structured import CompiledGrammar
@@ -49,12 +50,17 @@ class Job:
         mm: MultimodalPrompt | None = None,
         grammar: CompiledGrammar | None = None,
         score_only: bool = False,
+        chat_outputs: ChatOutputs | None = None,
+        grammar_after: Sequence[int] = (),
     ):
         """`max_tokens`: per prompt. `score_only`: the prompt's logprobs are the answer (completions with
-        max_tokens 0): one token is drawn and dropped, the response has no generated text."""
+        max_tokens 0): one token is drawn and dropped, the response has no generated text.
+        `chat_outputs`: how chat choices are read (reasoning, tool calls); `grammar_after`: the grammar
+        applies after these tokens (a thinking model's `</think>`)."""
         self.state, self.body, self.adapter, self.prompts, self.mm = state, body, adapter, prompts, mm
         self.prompt_ids = prompts[0]
-        self.grammar, self.score_only = grammar, score_only
+        self.grammar, self.score_only, self.grammar_after = grammar, score_only, tuple(grammar_after)
+        self.chat_outputs = chat_outputs or ChatOutputs()
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.model = body.model or adapter or state.router.base_name
         try:
@@ -85,6 +91,7 @@ class Job:
                         self._fault_requested(),
                         mm,
                         self.grammar,
+                        self.grammar_after,
                     )
                 )
         except BaseException as e:
@@ -200,12 +207,8 @@ class Job:
     def chat_response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for i, out in enumerate(outputs):
-            choice: dict[str, Any] = {
-                "index": i,
-                "message": {"role": "assistant", "content": out.text},
-                "finish_reason": out.finish_reason,
-                "logprobs": None,
-            }
+            message, finish = self.chat_outputs.message(out.text, out.finish_reason)
+            choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
             if out.logprobs is not None:
                 choice["logprobs"] = {"content": [self._chat_logprob(lp) for lp in out.logprobs]}
             choices.append(choice)
@@ -224,16 +227,25 @@ class Job:
 
     async def chat_events(self, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
         base = {"id": self.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model}
+        readers = [self.chat_outputs.stream() for _ in streams]  # reasoning / tool calls, per choice
 
-        def choice(i: int, out: RequestOutput | None, finish: str | None) -> dict[str, Any] | None:
+        def choice(i: int, out: RequestOutput | None, finish: str | None) -> list[dict[str, Any]]:
             if out is None:  # the opening chunk of each choice
-                delta: dict[str, Any] = {"role": "assistant", "content": ""}
-            else:
-                delta = {"content": out.new_text} if out.new_text else {}
-            item: dict[str, Any] = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
-            if out is not None and out.new_logprobs:
-                item["logprobs"] = {"content": [self._chat_logprob(lp) for lp in out.new_logprobs]}
-            return item if out is None or delta or finish or item["logprobs"] else None
+                return [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                ]
+            deltas = readers[i].feed(out.new_text)
+            if finish is not None:
+                tail, finish = readers[i].finish(finish)
+                deltas += tail
+            items = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+            if out.new_logprobs or (finish is not None and not items):
+                items.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": None})
+            if out.new_logprobs:
+                items[-1]["logprobs"] = {"content": [self._chat_logprob(lp) for lp in out.new_logprobs]}
+            if finish is not None:
+                items[-1]["finish_reason"] = finish
+            return items
 
         async for event in self._events(streams, base, choice, opening=True):
             yield event
@@ -306,10 +318,12 @@ class Job:
         try:
             if opening:
                 for i in range(len(streams)):
-                    yield _sse(base | {"choices": [choice(i, None, None)]})
+                    items = choice(i, None, None)
+                    for item in items if isinstance(items, list) else [items]:
+                        yield _sse(base | {"choices": [item]})
             async for i, out in self._merged(streams):
-                item = choice(i, out, out.finish_reason if out.finished else None)
-                if item is not None:
+                items = choice(i, out, out.finish_reason if out.finished else None)
+                for item in items if isinstance(items, list) else [items] if items is not None else []:
                     yield _sse(base | {"choices": [item]})
                 if out.finished:
                     ended.add(i)
@@ -320,7 +334,9 @@ class Job:
             log.exception("stream %s failed", self.id)
             for i in range(len(streams)):
                 if i not in ended:
-                    yield _sse(base | {"choices": [choice(i, _empty(), "error")]})
+                    items = choice(i, _empty(), "error")
+                    for item in items if isinstance(items, list) else [items]:
+                        yield _sse(base | {"choices": [item]})
             yield _sse(APIError(500, f"internal server error: {e!r}", "server_error", "internal_error").body())
         if (self.body.stream_options or {}).get("include_usage"):
             yield _sse(base | {"choices": [], "usage": self._usage(finals)})

@@ -3,6 +3,7 @@ known fields with values hylora cannot honour are refused with a message."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Literal
 
@@ -168,12 +169,29 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None
+    reasoning_content: str | None = None  # an earlier turn's reasoning, as vLLM returns it (not rendered)
 
     def text_chars(self) -> int:
         """Characters of the message's text (its text parts; media parts count 0), without raising."""
         if isinstance(self.content, str):
             return len(self.content)
         return sum(len(str(p.get("text", ""))) for p in self.content or [] if isinstance(p, dict))
+
+    def for_template(self, content: Any) -> dict[str, Any]:
+        """The message as the chat template takes it, with `content` (text, or normalised parts):
+        tool calls with their arguments as objects (OpenAI sends JSON strings; Qwen's templates
+        iterate them), the tool call id of a tool result."""
+        out: dict[str, Any] = {"role": self.role, "content": content}
+        if self.tool_calls:
+            out["tool_calls"] = [_call_for_template(call, i) for i, call in enumerate(self.tool_calls)]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         """The content of a text-only message (image / video parts take the multimodal path)."""
@@ -197,15 +215,14 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked by hylora.server.parsers.parse_tool_request
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     add_generation_prompt: bool = True
 
     def check_supported(self, max_logprobs: int = 20) -> None:
         super().check_supported(max_logprobs)
-        if self.tools:
-            raise Unsupported("tools / function calling is not supported", "tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise Unsupported("top_logprobs needs logprobs=true", "top_logprobs")
         _check_count("top_logprobs", self.top_logprobs, max_logprobs)
@@ -269,3 +286,19 @@ class UnloadLoRARequest(_Body):
 def _check_count(name: str, value: int | None, most: int) -> None:
     if value is not None and not 0 <= value <= most:
         raise Unsupported(f"{name} must be between 0 and {most} (--max-logprobs), got {value}", name)
+
+
+def _call_for_template(call: Any, index: int) -> dict[str, Any]:
+    where = f"messages[].tool_calls[{index}]"
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise Unsupported(f'{where} must be {{"type": "function", "function": {{"name": ..., "arguments": ...}}}}')
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as e:
+            raise Unsupported(f"{where}.function.arguments is not valid JSON: {e}", "messages") from None
+    if not isinstance(arguments, dict):
+        raise Unsupported(f"{where}.function.arguments must be a JSON object", "messages")
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -73,8 +73,9 @@ class CompiledGrammar:
     _template: llguidance.LLMatcher  # never advanced: requests get copies
     _context: VocabContext
 
-    def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._template.deep_copy(), self._context, self.spec.label)
+    def matcher(self, starts_after: Sequence[int] = ()) -> GrammarMatcher:
+        """A request's own matcher; `starts_after`: the grammar applies after these tokens (`</think>`)."""
+        return GrammarMatcher(self._template.deep_copy(), self._context, self.spec.label, starts_after)
 
 
 @dataclass(eq=False)

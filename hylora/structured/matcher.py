@@ -65,17 +65,32 @@ class VocabContext:
 
 
 class GrammarMatcher:
-    """One request's position in its grammar. Used on the engine thread only."""
+    """One request's position in its grammar. Used on the engine thread only.
 
-    def __init__(self, ll: llguidance.LLMatcher, context: VocabContext, label: str):
+    With `starts_after` (the token ids of `</think>`), the grammar applies only to the tokens after
+    the model has written that sequence: the reasoning of a thinking model is free, its answer is
+    constrained (vLLM's default with a reasoning parser). Until then the matcher is not `active`."""
+
+    def __init__(
+        self, ll: llguidance.LLMatcher, context: VocabContext, label: str, starts_after: Sequence[int] = ()
+    ):
         self._ll = ll
         self.context = context
         self.label = label  # "JSON schema", "regex", ... for messages
         self.num_tokens = 0  # tokens accepted so far
         self._ended = False  # EOS accepted
+        self._starts_after = tuple(starts_after)
+        self._seen = 0  # how much of `starts_after` the last tokens matched
+
+    @property
+    def active(self) -> bool:
+        """The grammar applies to the next token (the reasoning, if any, is over)."""
+        return self._seen == len(self._starts_after)
 
     def is_terminated(self) -> bool:
         """The output is complete: only EOS may follow (the engine can finish the request now)."""
+        if not self.active:
+            return False
         return self._ended or (self._ll.is_stopped() and not self._ll.is_error())
 
     def fill_mask(self, row: torch.Tensor) -> None:
@@ -87,6 +102,10 @@ class GrammarMatcher:
     def accept(self, token_id: int) -> None:
         """Advance by the sampled token. A token the grammar rejects raises GrammarError (the
         request fails alone; the mask should have made this impossible)."""
+        if not self.active:  # still reasoning: watch for the end of it
+            target = self._starts_after
+            self._seen = self._seen + 1 if token_id == target[self._seen] else int(token_id == target[0])
+            return
         if self._ended:
             raise GrammarError(f"token {token_id} was sampled after the output of the {self.label} had ended")
         if token_id in self.context.eos_ids and self.is_terminated():
