@@ -18,12 +18,12 @@ def make_engine(ckpt: Path, adapter_root: Path | None = None, **config) -> LLMEn
 
 
 def run(engine: LLMEngine, arrivals: dict[int, list[tuple]], max_steps: int = 100_000) -> dict[str, RequestOutput]:
-    """arrivals: step → [(request_id, prompt ids, SamplingParams, adapter)]. Returns final outputs."""
+    """arrivals: step → [(request_id, prompt ids, SamplingParams, adapter[, media])]. Returns final outputs."""
     done: dict[str, RequestOutput] = {}
     expected = sum(len(v) for v in arrivals.values())
     for step in range(max_steps):
-        for rid, prompt, params, adapter in arrivals.get(step, []):
-            engine.add_request(rid, prompt, params, adapter)
+        for rid, prompt, params, adapter, *media in arrivals.get(step, []):
+            engine.add_request(rid, prompt, params, adapter, mm=media[0] if media else None)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
@@ -43,3 +43,8 @@ def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
 def max_logprob_diff(a: RequestOutput, b: RequestOutput) -> float:
     assert a.logprobs is not None and b.logprobs is not None
     return max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True))
+
+
+def free_pages(engine: LLMEngine) -> int:
+    """KV pages no request holds: pages only the prefix cache keeps are evictable, so free."""
+    return engine.kv.num_pages - engine.stats().kv_used

@@ -18,7 +18,7 @@ from hylora.engine.padded_decode import PaddedDecode
 from hylora.engine.runner import _decode_rows
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk
 from tests.decode_helpers import same_bits
-from tests.engine_helpers import greedy, make_engine, max_logprob_diff, run
+from tests.engine_helpers import free_pages, greedy, make_engine, max_logprob_diff, run
 from tests.helpers import random_ids
 
 pytestmark = [
@@ -109,7 +109,7 @@ def test_decode_ahead_changes_no_bit(causal_ckpt, adapter_root):
         engine.runner.decode.run = counted
         outputs[ahead] = run(engine, arrivals)
         assert sum(planned_ahead) >= (20 if ahead else 0) and (ahead or not any(planned_ahead))
-        assert engine.kv.num_free == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
+        assert free_pages(engine) == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
     for rid, out in outputs[True].items():
         ref = outputs[False][rid]
         assert out.error is None and out.token_ids == ref.token_ids, rid

@@ -15,7 +15,7 @@ import pytest
 
 from hylora.engine import SamplingParams
 from tests.decode_helpers import padded
-from tests.engine_helpers import greedy, make_engine, max_logprob_diff, run
+from tests.engine_helpers import free_pages, greedy, make_engine, max_logprob_diff, run
 from tests.helpers import random_ids
 
 CONFIG = dict(max_model_len=160, max_num_seqs=4, max_num_batched_tokens=256)
@@ -27,7 +27,7 @@ def engine(causal_ckpt, adapter_root, ahead: bool, **config):
 
 def assert_all_freed(e) -> None:
     assert not e.has_unfinished()
-    assert e.kv.num_free == e.kv.num_pages and e.states.num_free == e.states.num_slots
+    assert free_pages(e) == e.kv.num_pages and e.states.num_free == e.states.num_slots
 
 
 def test_decode_ahead_gives_the_same_tokens_and_logprobs(causal_ckpt, engine_adapter_root):

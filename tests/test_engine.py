@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hylora.engine import SamplingParams
-from tests.engine_helpers import ADAPTERS, greedy, make_engine, max_logprob_diff, run, run_alone
+from tests.engine_helpers import ADAPTERS, free_pages, greedy, make_engine, max_logprob_diff, run, run_alone
 from tests.helpers import random_ids
 
 ATOL = 1e-4
@@ -60,7 +60,7 @@ def test_24_staggered_requests_with_chunking_equal_each_alone(causal_ckpt, adapt
         alone = run_alone(alone_engine, rid, prompt, params, adapter)
         assert batched[rid].token_ids == alone.token_ids, (rid, len(prompt), adapter)
         assert max_logprob_diff(batched[rid], alone) <= ATOL, (rid, len(prompt), adapter)
-    assert engine.kv.num_free == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
+    assert free_pages(engine) == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 512])
@@ -90,7 +90,7 @@ def test_preemption_and_resume_give_identical_output(causal_ckpt, adapter_root, 
         alone = run_alone(alone_engine, rid, prompt, params, adapter)
         assert out[rid].token_ids == alone.token_ids
         assert max_logprob_diff(out[rid], alone) <= ATOL
-    assert engine.kv.num_free == 12
+    assert free_pages(engine) == 12
 
 
 def test_exhausted_slots_queue_requests_instead_of_failing(causal_ckpt, adapter_root):
@@ -102,15 +102,15 @@ def test_exhausted_slots_queue_requests_instead_of_failing(causal_ckpt, adapter_
 
 def test_abort_mid_prefill_frees_pages_and_slot(causal_ckpt, adapter_root):
     engine = make_engine(causal_ckpt[0], adapter_root, max_model_len=2048, max_num_batched_tokens=64)
-    pages, slots = engine.kv.num_free, engine.states.num_free
+    pages, slots = free_pages(engine), engine.states.num_free
     engine.add_request("long", random_ids(1000, 320, seed=1), greedy(), "gdn_attn")
     engine.step()
     engine.step()
-    assert engine.kv.num_free < pages and engine.states.num_free == slots - 1
+    assert free_pages(engine) < pages and engine.states.num_free == slots - 1
     assert engine.abort("long")
     (out,) = engine.step()
     assert out.finished and out.finish_reason == "abort"
-    assert engine.kv.num_free == pages and engine.states.num_free == slots
+    assert free_pages(engine) == pages and engine.states.num_free == slots
     assert engine.adapters.stats()["leases"]["gdn_attn"] == 0
     assert not engine.abort("long")
 

@@ -26,7 +26,7 @@ from hylora.engine.decode_batch import DecodeBuffers, DecodeRow, bucket_for, dec
 from hylora.engine.padded_decode import PaddedDecode  # noqa: E402
 from hylora.engine.runner import ModelRunner, _decode_rows  # noqa: E402
 from tests.decode_helpers import nan_fill_unowned, padded, same_bits  # noqa: E402
-from tests.engine_helpers import greedy, make_engine, max_logprob_diff, run  # noqa: E402
+from tests.engine_helpers import free_pages, greedy, make_engine, max_logprob_diff, run  # noqa: E402
 from tests.helpers import random_ids  # noqa: E402
 
 NAN = float("nan")
@@ -237,13 +237,15 @@ def test_engine_with_padded_decode_equals_eager(causal_ckpt, adapter_root):
     for rid in ("p0", "p1", "p2", "late"):
         assert pad[rid].error is None and pad[rid].token_ids == eager[rid].token_ids, rid
         assert max_logprob_diff(pad[rid], eager[rid]) <= 1e-4, rid
-    assert engine.kv.num_free == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
+    assert free_pages(engine) == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
 
 
 @pytest.mark.parametrize("ahead", [True, False], ids=["decode-ahead", "no-decode-ahead"])
 def test_fault_in_a_padded_decode_step_fails_one_request_alone(causal_ckpt, adapter_root, ahead):
     def engine():
-        config = dict(max_model_len=256, max_num_seqs=3, async_scheduling=ahead)
+        # no prefix cache: its chunk cuts would change when the prompts finish prefilling, and this
+        # compares the faulted run bit for bit with a reference of the same batch shapes
+        config = dict(max_model_len=256, max_num_seqs=3, async_scheduling=ahead, enable_prefix_caching=False)
         return padded(make_engine(causal_ckpt[0], adapter_root, **config))
 
     faulty = ("faulty", random_ids(50, 320, seed=1), greedy(10), "gdn_attn")

@@ -13,7 +13,7 @@ from hylora.engine.async_engine import AsyncEngine, EngineDead
 from hylora.engine.detokenizer import TextStream
 from hylora.engine.request import FailureKind
 from hylora.tokenizer import load_tokenizer
-from tests.engine_helpers import make_engine, run, run_alone
+from tests.engine_helpers import free_pages, make_engine, run, run_alone
 from tests.helpers import random_ids
 
 
@@ -85,7 +85,7 @@ def test_stream_never_emits_part_of_a_stop_string(causal_ckpt):
 
 
 def test_bad_requests_get_clear_errors_and_change_nothing(engine):
-    free_pages = engine.kv.num_free
+    pages = free_pages(engine)
     with pytest.raises(
         RequestError,
         match="maximum context length is 256 tokens; the request has 250 prompt tokens and asks for up to 16 more",
@@ -101,12 +101,12 @@ def test_bad_requests_get_clear_errors_and_change_nothing(engine):
     with pytest.raises(RequestError, match="already in use"):
         engine.add_request("dup", [1, 2], SamplingParams())
     run(engine, {})
-    assert engine.kv.num_free == free_pages and not engine.requests
+    assert free_pages(engine) == pages and not engine.requests
 
 
 def test_async_streams_and_cancellation(causal_ckpt):
     engine = make_engine(causal_ckpt[0], max_model_len=512, max_num_batched_tokens=32)
-    pages = engine.kv.num_free
+    pages = free_pages(engine)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompt = random_ids(40, 320, seed=2)
     expected = run_alone(engine, "ref", prompt, params)
@@ -134,7 +134,7 @@ def test_async_streams_and_cancellation(causal_ckpt):
             if await aengine.call(lambda: not engine.has_unfinished()):
                 break
             await asyncio.sleep(0.01)
-        assert await aengine.call(lambda: engine.kv.num_free) == pages
+        assert await aengine.call(lambda: free_pages(engine)) == pages
         with pytest.raises(RequestError, match="maximum context length"):
             async for _ in aengine.generate("too-long", random_ids(600, 320, seed=4), params):
                 pass
@@ -160,7 +160,7 @@ def test_forward_error_fails_only_the_request_that_caused_it(causal_ckpt):
     assert "injected fault in the forward of request 'bad'" in out["bad"].error
     for name in ("a", "b"):
         assert out[name].finish_reason == "length" and out[name].token_ids == alone[name].token_ids, name
-    assert engine.kv.num_free == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
+    assert free_pages(engine) == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
 
 
 def test_bug_outside_any_request_ends_those_in_flight_and_engine_keeps_serving(causal_ckpt):
@@ -184,7 +184,7 @@ def test_bug_outside_any_request_ends_those_in_flight_and_engine_keeps_serving(c
         assert outs[-1].failure is FailureKind.INTERNAL
         outs = [o async for o in aengine.generate("next", random_ids(20, 320, seed=9), params)]
         assert outs[-1].token_ids == expected.token_ids
-        assert engine.kv.num_free == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
+        assert free_pages(engine) == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
         await aengine.shutdown(grace_seconds=1)
 
     asyncio.run(main())

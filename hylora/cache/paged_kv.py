@@ -18,6 +18,10 @@ class PagedKVCache:
     Page `null_page` (the extra last one) is never handed out: padding rows of a decode batch
     padded to a CUDA-graph bucket write their K/V there, so they never touch a live sequence's
     page, and nothing ever reads it (a padding row attends to 0 tokens).
+
+    Pages are reference-counted: `allocate` hands a page out with one reference, `retain` adds one
+    (a prefix-cache entry, or a request reusing a cached prefix), `free` drops one, and the page is
+    free again when none is left.
     """
 
     def __init__(
@@ -37,6 +41,7 @@ class PagedKVCache:
         self.page_size = page_size
         self.null_page = num_pages  # write-only sink for padding rows; no sequence owns it
         self._pages = IndexAllocator(num_pages, "page")
+        self._refs: dict[int, int] = {}  # allocated page → references
 
     @property
     def num_free(self) -> int:
@@ -50,10 +55,44 @@ class PagedKVCache:
             raise OutOfPages(f"need {n} KV pages, {self.num_free} of {self.num_pages} free")
         pages = self._pages.take(n)
         self.scrub(pages)
+        for p in pages:
+            self._refs[p] = 1
         return pages
 
+    def retain(self, pages: list[int]) -> None:
+        for p in pages:
+            if p not in self._refs:
+                raise ValueError(f"page {p} is not allocated")
+            self._refs[p] += 1
+
     def free(self, pages: list[int]) -> None:
-        self._pages.give_back(pages)
+        """Drop one reference to each page; a page nobody references any more is free."""
+        released = []
+        for p in pages:
+            refs = self._refs.get(p)
+            if refs is None:
+                raise ValueError(f"page {p} is not allocated")
+            if refs == 1:
+                del self._refs[p]
+                released.append(p)
+            else:
+                self._refs[p] = refs - 1
+        self._pages.give_back(released)
+
+    release = free
+
+    def references(self, page: int) -> int:
+        return self._refs.get(page, 0)
+
+    def shared(self, page: int) -> bool:
+        """Someone else references the page too (a cached prefix): it must not be written or scrubbed."""
+        return self._refs.get(page, 0) > 1
+
+    def copy_page(self, src: int, dst: int, rows: int) -> None:
+        """The first `rows` token rows of page `src` into page `dst`, in every layer."""
+        ps = self.page_size
+        for cache in (self.k, self.v):
+            cache[:, dst * ps : dst * ps + rows] = cache[:, src * ps : src * ps + rows]
 
     def scrub(self, pages: list[int]) -> None:
         """Zero the K/V rows of `pages` in every layer (one fill per tensor, not one per page)."""

@@ -55,6 +55,12 @@ class StatePool:
     def free(self, slot: int) -> None:
         self._slots.give_back([slot])
 
+    def copy_to(self, other: StatePool, slot: int, other_slot: int) -> None:
+        """Slot `slot`'s conv and recurrent state, every layer, into `other_slot` of `other` (a
+        device copy queued in stream order)."""
+        other.conv[:, other_slot].copy_(self.conv[:, slot])
+        other.recurrent[:, other_slot].copy_(self.recurrent[:, slot])
+
     def reset(self, slot: int) -> None:
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()

@@ -33,6 +33,10 @@ class EngineConfig:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)  # which fast kernels may serve
     # decode steps padded as a CUDA graph pads them, run eagerly (the CPU tests drive decode ahead this way)
     padded_decode: bool = False
+    # prefix caching (engine/prefix_cache.py): reuse the KV pages and GDN states of cached prompt prefixes
+    enable_prefix_caching: bool = True
+    # GDN state snapshots the prefix cache may keep (each one sequence's state); None: max(4, max_num_seqs // 2)
+    prefix_cache_states: int | None = None
     # testing aid: a request may ask to fault in its next step (engine/faults.py); never on in production
     fault_injection: bool = False
 
@@ -47,6 +51,7 @@ class EngineConfig:
             (self.max_loras >= 1 and self.max_lora_rank >= 1, "max_loras and max_lora_rank must be >= 1"),
             (self.max_num_encoder_tokens >= 1, "max_num_encoder_tokens must be >= 1"),
             (self.encoder_cache_gb >= 0, "encoder_cache_gb must be >= 0"),
+            (self.prefix_cache_states is None or self.prefix_cache_states >= 0, "prefix_cache_states must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -7,7 +7,7 @@ import json
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from hylora.engine.memory import plan_caches
 from hylora.engine.multimodal import MultimodalPrompt
 from hylora.engine.observer import StepObserver
 from hylora.engine.outputs import OutputProcessor, RequestOutput
+from hylora.engine.prefix_cache import PendingSnapshot, PrefixCache
 from hylora.engine.request import FailureKind, Request, SamplingParams
 from hylora.engine.runner import ChunkResult, ModelRunner
 from hylora.engine.sampler import PendingSample, SamplingError, launch_sample, prompt_logprobs, to_device
@@ -58,6 +59,7 @@ class LaunchedStep:
     chunks: list[ScheduledChunk]
     results: list[ChunkResult]
     sample: PendingSample | None  # the draw of the chunks that sample (None: none samples)
+    snapshots: list[PendingSnapshot] = field(default_factory=list)  # prefix-cache states taken behind it
 
 
 def _plannable_ahead(req: Request) -> bool:
@@ -93,7 +95,6 @@ class LLMEngine:
         self.model = model or load_model(model_dir, dtype=dtype, device=device, progress=progress, vision=vision)
         self.kernels = select_kernels(self.model, config.page_size, config.kernels)
         log.info("kernels: %s", as_text(self.kernels))
-        self.tokenizer = load_tokenizer(model_dir)
         self.adapters = AdapterRegistry(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         for name, path in (lora_modules or {}).items():
             self.adapters.load(name, path)
@@ -101,7 +102,11 @@ class LLMEngine:
         self.kv = PagedKVCache(self.model.config, plan.num_pages, config.page_size, self.model.dtype, self.model.device)
         self.states = StatePool(self.model.config, plan.num_slots, self.model.dtype, self.model.device)
         self.encoder_cache = EncoderCache(int(config.encoder_cache_gb * (1 << 30)))
-        self.scheduler = Scheduler(config, self.kv, self.states, self.adapters, self.encoder_cache, media_key)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.prefix_cache = self._prefix_cache(plan.num_snapshots)
+        self.scheduler = Scheduler(
+            config, self.kv, self.states, self.adapters, self.encoder_cache, media_key, self.prefix_cache
+        )
         self.runner = ModelRunner(self.model, self.kv, self.states, config)
         self.eos_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}
@@ -214,7 +219,7 @@ class LLMEngine:
         return EngineStats(
             queue=len(sched.waiting),
             running=len(sched.running),
-            kv_used=self.kv.num_pages - self.kv.num_free,
+            kv_used=self.kv.num_pages - self.kv.num_free - (self.prefix_cache.idle_pages if self.prefix_cache else 0),
             kv_total=self.kv.num_pages,
             slots_used=self.states.num_slots - self.states.num_free,
             slots_total=self.states.num_slots,
@@ -229,10 +234,24 @@ class LLMEngine:
             engine_steps=self.step_count,
             steps_ahead=self.steps_ahead,
             preemptions=sched.num_preemptions,
+            **self._prefix_stats(),
             on_device={name: int(name in adapters["on_device"]) for name in adapters["loaded"]},
             running_by_adapter=running,
             waiting_by_adapter=waiting,
         )
+
+    def _prefix_stats(self) -> dict:
+        cache = self.prefix_cache
+        if cache is None:
+            return {}
+        s = cache.stats
+        return {
+            "prefix_cache_queries": s.queries,
+            "prefix_cache_hits": s.hits,
+            "prefix_cache_entries": len(cache),
+            "prefix_hits_by_adapter": dict(s.by_adapter),
+            "prefix_queries_by_adapter": dict(s.queries_by_adapter),
+        }
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
@@ -308,7 +327,21 @@ class LLMEngine:
         if to_sample:
             reqs, logits = self._constrain([r for r, _ in to_sample], [lg for _, lg in to_sample], outputs)
             pending = launch_sample(logits, reqs, self.eos_ids) if reqs else None
-        return LaunchedStep(self.step_count, chunks, results, pending)
+        return LaunchedStep(self.step_count, chunks, results, pending, self._snapshot(chunks))
+
+    def _snapshot(self, chunks: list[ScheduledChunk]) -> list[PendingSnapshot]:
+        """Prefix-cache snapshots of the chunks that end at one of their request's snapshot points,
+        queued behind the step's forward (committed once the step is read and found finite)."""
+        if self.prefix_cache is None:
+            return []
+        taken = []
+        for c in chunks:
+            end = c.start + c.num_tokens
+            if not c.ahead and end in c.request.cache_points:
+                pending = self.prefix_cache.snapshot(c.request, end)
+                if pending is not None:
+                    taken.append(pending)
+        return taken
 
     def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
         """Queue the decode step that follows `step` — one more token for each of its requests — if
@@ -348,6 +381,13 @@ class LLMEngine:
 
     def _finish_step(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for `step`'s draw and flags, then check, append and stream each request's token."""
+        outputs = self._read_step(step)
+        for pending in step.snapshots:  # a faulted request leaves no cache entry
+            faulted = pending.request.failure is FailureKind.NUMERICAL_FAULT
+            (self.prefix_cache.drop if faulted else self.prefix_cache.commit)(pending)  # type: ignore[union-attr]
+        return outputs
+
+    def _read_step(self, step: LaunchedStep) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         sampled: dict[int, tuple | SamplingError] = {}
         if step.sample is not None:
@@ -487,6 +527,13 @@ class LLMEngine:
         if req.finished:
             del self.requests[req.request_id]
         return out
+
+    def _prefix_cache(self, num_snapshots: int) -> PrefixCache | None:
+        if not self.config.enable_prefix_caching or num_snapshots == 0:
+            return None
+        snapshots = StatePool(self.model.config, num_snapshots, self.model.dtype, self.model.device)
+        vocab = self.tokenizer.get_vocab()
+        return PrefixCache(self.kv, self.states, snapshots, vocab.get("<|im_start|>"), vocab.get("<|vision_end|>"))
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model.config.eos_token_ids)

@@ -2,8 +2,8 @@
 in production): a request may be made to fault in its next step the way a broken kernel or device
 would, so that tests can prove a fault stays with its request.
 
-- "nan": its GDN state slot and KV pages are filled with NaN before the forward (what a faulty
-  kernel would leave behind);
+- "nan": its GDN state slot and the KV pages it writes are filled with NaN before the forward (what a
+  faulty kernel would leave behind; pages of a cached prefix it shares are read-only to it);
 - "raise": the forward raises while this request is in the step (a bug this request triggers);
 - "device": the forward raises what a CUDA fault raises.
 """
@@ -50,6 +50,8 @@ class FaultInjector(StepObserver):
             self.states.recurrent[:, state_slot] = float("nan")
             self.states.conv[:, state_slot] = float("nan")
         for p in pages:
+            if self.kv.shared(p):  # a cached prefix's page: the request only reads it
+                continue
             rows = slice(p * self.kv.page_size, (p + 1) * self.kv.page_size)
             self.kv.k[:, rows] = float("nan")
             self.kv.v[:, rows] = float("nan")

@@ -20,18 +20,31 @@ GiB = 1 << 30
 class CachePlan:
     num_pages: int
     num_slots: int
+    num_snapshots: int = 0  # GDN state snapshots of the prefix cache
+
+
+def snapshot_slots(config: EngineConfig) -> int:
+    """How many GDN states the prefix cache keeps: one per snapshot point of the prompts it remembers
+    (two or three per prompt). A state is a whole sequence's GDN memory (~147 MiB at the 27B shape in
+    fp32), so this is a trade against KV pages: by default half a state per running sequence."""
+    if not config.enable_prefix_caching:
+        return 0
+    if config.prefix_cache_states is not None:
+        return config.prefix_cache_states
+    return max(4, config.max_num_seqs // 2)
 
 
 def plan_caches(model: HybridDecoder, config: EngineConfig) -> CachePlan:
     slots = config.max_num_seqs
+    snapshots = snapshot_slots(config)
     per_seq_pages = -(-config.max_model_len // config.page_size)
     if model.device.type != "cuda":
-        return CachePlan(num_pages=config.num_pages or slots * per_seq_pages, num_slots=slots)
+        return CachePlan(config.num_pages or slots * per_seq_pages, slots, snapshots)
     if config.num_pages is not None:
         # Still one forward at the full token budget: Triton's autotuners (fla's chunked kernels) pick
         # their configurations now, not for seconds inside the first large request.
         _profile_step(model, config)
-        return CachePlan(num_pages=config.num_pages, num_slots=slots)
+        return CachePlan(config.num_pages, slots, snapshots)
 
     # GPU: what is left of the budget after weights, LoRA slots and one profiled step.
     dev = model.device
@@ -45,27 +58,29 @@ def plan_caches(model: HybridDecoder, config: EngineConfig) -> CachePlan:
     budget = total * config.gpu_memory_utilization - used_before - activation_peak
     state_bytes = _state_bytes_per_slot(model)
     page_bytes = _page_bytes(model, config.page_size)
-    if budget < slots * state_bytes + per_seq_pages * page_bytes:
+    if budget < (slots + snapshots) * state_bytes + per_seq_pages * page_bytes:
         raise MemoryError(
             f"after weights ({used_before / GiB:.1f} GiB in use) and activations ({activation_peak / GiB:.1f} "
             f"GiB) the budget ({config.gpu_memory_utilization:.0%} of {total / GiB:.1f} GiB) leaves no room for "
-            f"{slots} GDN state slots and one {config.max_model_len}-token sequence; lower --max-num-seqs, "
-            "--max-model-len or --max-num-batched-tokens, or raise --gpu-memory-utilization"
+            f"{slots} GDN state slots, {snapshots} prefix-cache states and one {config.max_model_len}-token "
+            "sequence; lower --max-num-seqs, --prefix-cache-states, --max-model-len or --max-num-batched-tokens, "
+            "or raise --gpu-memory-utilization"
         )
-    num_pages = int((budget - slots * state_bytes) // page_bytes)
+    num_pages = int((budget - (slots + snapshots) * state_bytes) // page_bytes)
     log.info(
-        "memory: %.1f GiB in use before caches, %.2f GiB activations, GDN state %d slots x %.1f MiB = %.2f GiB, "
-        "KV %d pages x %d tokens = %.2f GiB",
+        "memory: %.1f GiB in use before caches, %.2f GiB activations, GDN state %d slots + %d prefix-cache "
+        "snapshots x %.1f MiB = %.2f GiB, KV %d pages x %d tokens = %.2f GiB",
         used_before / GiB,
         activation_peak / GiB,
         slots,
+        snapshots,
         state_bytes / 2**20,
-        slots * state_bytes / GiB,
+        (slots + snapshots) * state_bytes / GiB,
         num_pages,
         config.page_size,
         num_pages * page_bytes / GiB,
     )
-    return CachePlan(num_pages=num_pages, num_slots=slots)
+    return CachePlan(num_pages, slots, snapshots)
 
 
 def _state_bytes_per_slot(model: HybridDecoder) -> int:

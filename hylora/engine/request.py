@@ -169,6 +169,7 @@ class Request:
     # set after a step whose forward raised with this request in it: it runs alone until it passes
     suspect_count: int = 0
     lora_wait_steps: int = 0  # steps spent at the head of the queue waiting for a LoRA slot
+    cache_points: list[int] = field(default_factory=list)  # prompt positions whose state the prefix cache keeps
     # sampling state
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)

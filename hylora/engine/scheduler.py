@@ -17,6 +17,10 @@ keeps the distinct adapters per step low. The wait is bounded: once the head has
 `LORA_WAIT_STEPS` steps, only requests without an adapter may pass it, so the resident adapters'
 requests drain, a slot frees and the head starts.
 
+Prefix cache (engine/prefix_cache.py): a request starting fresh resumes from the longest cached
+prefix of its prompt, and its prefill chunks end at its snapshot points so that the engine can keep
+the state there. Cached pages nobody uses are evicted (LRU) before anyone is preempted.
+
 Media: a prefill chunk may only cover visual tokens whose tower output is ready, cached, or encoded in
 this step; encoding is limited to `max_num_encoder_tokens` per step, so a chunk that reaches a
 segment (an image, or one temporal patch of a video) the budget cannot pay for stops just before
@@ -39,6 +43,7 @@ from hylora.cache import PagedKVCache, StatePool
 from hylora.engine.config import EngineConfig
 from hylora.engine.encoder_cache import EncoderCache
 from hylora.engine.multimodal import Segment
+from hylora.engine.prefix_cache import PrefixCache
 from hylora.engine.request import FailureKind, Request, Status
 
 log = logging.getLogger(__name__)
@@ -87,8 +92,10 @@ class Scheduler:
         adapters: AdapterRegistry | None,
         encoder_cache: EncoderCache | None = None,
         media_key: Callable[[Request, Segment], Hashable] | None = None,
+        prefix: PrefixCache | None = None,
     ):
         self.config = config
+        self.prefix = prefix
         self.kv, self.states, self.adapters = kv, states, adapters
         self.encoder_cache, self.media_key = encoder_cache, media_key
         self.waiting: deque[Request] = deque()
@@ -119,7 +126,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n, media = self._fit_media(req, min(req.num_uncomputed, budget))
+            n, media = self._fit_media(req, self._cut(req, min(req.num_uncomputed, budget)))
             if n == 0:  # its next visual tokens wait for encoder budget
                 i += 1
                 continue
@@ -198,7 +205,10 @@ class Scheduler:
             if self.states.num_free == 0:
                 return Admission.NO_ROOM
             req.state_slot = self.states.allocate()
-        n, media = self._fit_media(req, min(req.num_uncomputed, budget))
+            if self.prefix is not None:
+                self.prefix.attach(req)
+                req.cache_points = self.prefix.snapshot_points(req)
+        n, media = self._fit_media(req, self._cut(req, min(req.num_uncomputed, budget)))
         if n == 0 or not self.ensure_pages(req, req.num_computed + n):
             return Admission.NO_ROOM
         self.waiting.remove(req)
@@ -208,6 +218,14 @@ class Scheduler:
         plan.chunks.append(ScheduledChunk(req, req.num_computed, n, media))
         self._spend(req, media)
         return Admission.STARTED
+
+    def _cut(self, req: Request, n: int) -> int:
+        """`n` tokens from req.num_computed, or fewer: a chunk ends at the next snapshot point."""
+        start = req.num_computed
+        for point in req.cache_points:
+            if start < point < start + n:
+                return point - start
+        return n
 
     def _fit_media(self, req: Request, n: int) -> tuple[int, list[Segment]]:
         """How many of the next `n` tokens can run this step, and the segments they need that the
@@ -256,7 +274,7 @@ class Scheduler:
         need = self.kv.pages_needed(num_tokens) - len(req.pages)
         if need <= 0:
             return True
-        if need > self.kv.num_free:
+        if need > self.kv.num_free and (self.prefix is None or not self.prefix.free_pages(need)):
             return False
         req.pages += self.kv.allocate(need)
         return True
@@ -274,7 +292,9 @@ class Scheduler:
 
     def _free_cache(self, req: Request, scrub: bool) -> None:
         if scrub:  # a faulted request may have written NaN: clear before anyone can be handed them
-            self.kv.scrub(req.pages)
+            if self.prefix is not None:  # no cached prefix keeps a page it may have written
+                self.prefix.forget_pages(req.pages)
+            self.kv.scrub([p for p in req.pages if not self.kv.shared(p)])
             if req.state_slot is not None:
                 self.states.reset(req.state_slot)
         self.kv.free(req.pages)

@@ -25,6 +25,11 @@ class EngineStats:
     engine_steps: int  # cumulative
     steps_ahead: int  # decode steps queued before the step before them was read (cumulative)
     preemptions: int  # requests sent back to the queue to free KV pages (cumulative)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # prompt tokens served from it (cumulative)
+    prefix_cache_entries: int = 0
+    prefix_hits_by_adapter: dict[str, int] = field(default_factory=dict)  # "" = base; cumulative tokens
+    prefix_queries_by_adapter: dict[str, int] = field(default_factory=dict)
     on_device: dict[str, int] = field(default_factory=dict)  # adapter → 1 if it holds a device slot
     running_by_adapter: dict[str, int] = field(default_factory=dict)  # "" = base
     waiting_by_adapter: dict[str, int] = field(default_factory=dict)

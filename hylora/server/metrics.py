@@ -57,6 +57,7 @@ class ServerMetrics:
             "encoder_bytes": ("hylora_encoder_cache_bytes", "Bytes of vision-tower outputs in the encoder cache"),
             "encoder_entries": ("hylora_encoder_cache_entries", "Media segments in the encoder cache"),
             "engine_steps": ("hylora_engine_steps", "Engine steps run (cumulative)"),
+            "prefix_cache_entries": ("hylora_prefix_cache_entries", "Prompt prefixes in the prefix cache"),
             "steps_ahead": (
                 "hylora_decode_steps_ahead",
                 "Decode steps queued before the step before them was read (async scheduling; cumulative)",
@@ -72,6 +73,18 @@ class ServerMetrics:
         self.adapter_waiting = Gauge(
             "hylora_adapter_waiting_requests", "Waiting requests per adapter", ["adapter"], registry=r
         )
+        self.prefix_hits = Gauge(
+            "hylora_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache per adapter (cumulative; hit rate = hits / queried)",
+            ["adapter"],
+            registry=r,
+        )
+        self.prefix_queries = Gauge(
+            "hylora_prefix_cache_queried_tokens",
+            "Prompt tokens looked up per adapter (cumulative)",
+            ["adapter"],
+            registry=r,
+        )
 
     def render(self, stats: EngineStats) -> bytes:
         for key, gauge in self.gauges.items():
@@ -80,6 +93,8 @@ class ServerMetrics:
             (self.adapter_on_device, stats.on_device),
             (self.adapter_running, stats.running_by_adapter),
             (self.adapter_waiting, stats.waiting_by_adapter),
+            (self.prefix_hits, stats.prefix_hits_by_adapter),
+            (self.prefix_queries, stats.prefix_queries_by_adapter),
         ):
             gauge.clear()
             for adapter, value in values.items():

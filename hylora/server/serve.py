@@ -314,6 +314,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
         seed=args.seed,
         kernels=kernels_config(args),
         padded_decode=args.padded_decode,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_cache_states=args.prefix_cache_states,
         fault_injection=args.enable_fault_injection,
     )
     defaults = generation_defaults(args.generation_config, model_dir, args.override_generation_config)

@@ -43,8 +43,14 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
     v.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV pages and GDN states of cached prompt prefixes (default on, as vLLM)",
+    )
+    v.add_argument(
+        "--prefix-cache-states",
+        type=int,
         default=None,
-        help="accepted; prefix caching is not implemented yet (every prompt is prefilled)",
+        help="GDN state snapshots the prefix cache keeps, each one sequence's state (default: max_num_seqs / 2)",
     )
     v.add_argument(
         "--speculative-config",
@@ -138,8 +144,6 @@ def normalise_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
 def inactive_flags(args: argparse.Namespace) -> list[str]:
     """A line for each accepted flag that changes nothing today."""
     notes = []
-    if args.enable_prefix_caching:
-        notes.append("--enable-prefix-caching: accepted, not active yet (prefix caching is not implemented)")
     if args.speculative_config is not None:
         notes.append("--speculative-config: accepted and checked, not active yet (MTP is not implemented)")
     if args.enable_chunked_prefill is False:

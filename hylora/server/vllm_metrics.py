@@ -69,7 +69,11 @@ class VLLMMetrics:
             registry=registry,
         )
         self.preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
-        self._preemptions_seen = 0
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self._seen: dict[str, int] = {}  # engine counters already added (the engine reports totals)
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         self.success = counter("request_success", "Count of successfully processed requests.", ("finished_reason",))
@@ -113,8 +117,14 @@ class VLLMMetrics:
         usage = stats.kv_used / stats.kv_total if stats.kv_total else 0.0
         self.kv_usage.labels(name).set(usage)
         self.gpu_cache.labels(name).set(usage)
-        self.preemptions.labels(name).inc(max(0, stats.preemptions - self._preemptions_seen))
-        self._preemptions_seen = max(self._preemptions_seen, stats.preemptions)
+        for key, counter, total in (
+            ("preemptions", self.preemptions, stats.preemptions),
+            ("prefix_queries", self.prefix_queries, stats.prefix_cache_queries),
+            ("prefix_hits", self.prefix_hits, stats.prefix_cache_hits),
+        ):
+            seen = self._seen.get(key, 0)
+            counter.labels(name).inc(max(0, total - seen))
+            self._seen[key] = max(seen, total)
         self.lora_info.clear()
         running = ",".join(sorted(a for a, n in stats.running_by_adapter.items() if a and n))
         waiting = ",".join(sorted(a for a, n in stats.waiting_by_adapter.items() if a and n))
