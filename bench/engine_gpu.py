@@ -168,9 +168,10 @@ def _transformers_bf16(demo: Path, lora: dict[str, Path]):
     return run
 
 
-def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype) -> HybridDecoder:
+def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype, mtp: bool = False) -> HybridDecoder:
+    """Random weights of `cfg`'s shape (`mtp`: with an MTP layer, cfg.mtp_num_hidden_layers of them)."""
     with torch.device("meta"):
-        model = HybridDecoder(cfg)
+        model = HybridDecoder(cfg, mtp=mtp)
     g = torch.Generator(device=device).manual_seed(0)
     for name, p in list(model.named_parameters()):
         if name.endswith("A_log"):

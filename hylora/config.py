@@ -146,6 +146,7 @@ class ModelConfig:
     # under `model.language_model.`.
     is_multimodal: bool = False
     vision: VisionConfig | None = None  # None for a text-only checkpoint
+    mtp_num_hidden_layers: int = 0  # multi-token-prediction layers (`mtp.*`) the checkpoint ships
 
     @property
     def num_layers(self) -> int:
@@ -265,6 +266,7 @@ class ModelConfig:
             checkpoint_dtype=parse_dtype(str(dtype_name)),
             is_multimodal=is_multimodal,
             vision=VisionConfig.from_hf(hf) if is_multimodal else None,
+            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", hf.get("mtp_num_hidden_layers", 0)) or 0),
         )
 
 

@@ -122,7 +122,7 @@ DEMO_ADAPTERS = {
     ),
 }
 SEED = 1234
-DEMO_VERSION = "4"  # bump when the demo changes: an older demo in the cache is rewritten
+DEMO_VERSION = "5"  # bump when the demo changes: an older demo in the cache is rewritten
 
 
 @dataclass(frozen=True)
@@ -312,6 +312,7 @@ def _text_config(s: DemoShape, vocab_size: int, eos: int) -> dict:
         "intermediate_size": s.intermediate_size,
         "num_hidden_layers": s.num_hidden_layers,
         "layer_types": layers,
+        "mtp_num_hidden_layers": 1,  # the draft layer of MTP speculative decoding (random, as the rest)
         "num_attention_heads": s.num_attention_heads,
         "num_key_value_heads": s.num_key_value_heads,
         "head_dim": s.head_dim,
@@ -342,12 +343,14 @@ def _random_weights(cfg: dict, g: torch.Generator) -> dict[str, torch.Tensor]:
     from hylora.model.loader import checkpoint_layout
 
     with torch.device("meta"):
-        model = HybridDecoder(ModelConfig.from_hf(cfg), vision=True)
+        model = HybridDecoder(ModelConfig.from_hf(cfg), vision=True, mtp=True)
     params = dict(model.named_parameters())
     shapes = {name: (rows, *params[dest].shape[1:]) for name, (dest, _, rows) in checkpoint_layout(model).items()}
     out = {}
-    # text weights first, so they are the same draws as in the text-only demo before the tower existed
-    for name, shape in sorted(shapes.items(), key=lambda item: item[0].startswith("visual.")):
+    # text weights first, then the tower, then the MTP layer: each the same draws as before the next existed
+    for name, shape in sorted(
+        shapes.items(), key=lambda item: (item[0].startswith("mtp."), item[0].startswith("visual."))
+    ):
         if name.endswith("A_log"):
             t = torch.empty(shape).uniform_(0.01, 8.0, generator=g).log()
         elif name.endswith("dt_bias"):
@@ -361,7 +364,7 @@ def _random_weights(cfg: dict, g: torch.Generator) -> dict[str, torch.Tensor]:
         else:  # fan-in scaled so activations stay O(1) through the stack
             fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
             t = torch.randn(shape, generator=g) * (1.5 if "embed" in name else 1.0 / math.sqrt(fan_in))
-        if name == "lm_head.weight":
+        if name == "lm_head.weight" or name.startswith("mtp."):
             key = name
         elif name.startswith("visual."):
             key = "model." + name
@@ -384,7 +387,7 @@ def _write_adapter(
     tensors = {}
     for key, w in base.items():
         module = key.rsplit(".", 2)[-2]
-        if not key.endswith(".weight") or module not in targets or ".visual." in key:
+        if not key.endswith(".weight") or module not in targets or ".visual." in key or key.startswith("mtp."):
             continue
         prefix = "base_model.model." + key[: -len(".weight")]
         out_f, in_f = w.shape

@@ -64,6 +64,7 @@ def test_a_follow_up_turn_reuses_the_conversation_and_answers_the_same(engines, 
     with_cache = serve_one(cached, f"{adapter}-2", second, adapter)
     reused = cached.prefix_cache.stats.hits - hits
     assert reused > len(SYSTEM) // 8  # the system prompt and the first turn came from the cache
+    assert with_cache.num_cached_tokens == reused  # what the request reports (usage.prompt_tokens_details)
     same(with_cache, serve_one(plain, f"{adapter}-2", second, adapter))
 
 
@@ -169,3 +170,18 @@ def test_prompt_logprobs_requests_do_not_read_the_cache(engines):
     ref = serve_one(plain, "pl", prompt, params=params)
     for got, want in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:], strict=True):
         assert got.token_id == want.token_id and abs(got.logprob - want.logprob) <= 1e-4
+
+
+def test_the_server_reports_cached_prompt_tokens_when_asked(demo_cache_dir, tmp_path):
+    """vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens."""
+    import httpx
+
+    from tests.server_helpers import running_server
+
+    args = ["--demo", "--device", "cpu", "--max-model-len", "1024", "--enable-prompt-tokens-details"]
+    with running_server(args, demo_cache_dir, tmp_path / "log") as s:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Describe the relic."}]
+        body = {"model": "hylora-demo", "messages": messages, "max_tokens": 2, "temperature": 0}
+        usages = [httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60).json()["usage"] for _ in "ab"]
+    assert usages[0]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert 0 < usages[1]["prompt_tokens_details"]["cached_tokens"] < usages[1]["prompt_tokens"]

@@ -329,8 +329,7 @@ def test_the_qwen_recipe_launch_line_runs_unchanged(demo_dir, demo_cache_dir, tm
     args[args.index("half")] = "float32"  # the CPU runs fp32; --dtype half itself is checked below
     with running_server([*args, "--device", "cpu"], demo_cache_dir, tmp_path / "log") as s:
         log = s.log_path.read_text()
-        for note in ("--speculative-config: accepted and checked",):
-            assert note in log, note  # accepted flags that change nothing say so
+        assert "--disable-log-stats: accepted, no effect" in log  # accepted flags that change nothing say so
         cards = httpx.get(f"{s.url}/v1/models", timeout=30).json()["data"]
         assert [c["id"] for c in cards][:2] == ["qwen3.6", "qwen"]  # every served name, the first reported
         card = httpx.get(f"{s.url}/v1/models/qwen", timeout=30).json()
@@ -342,6 +341,9 @@ def test_the_qwen_recipe_launch_line_runs_unchanged(demo_dir, demo_cache_dir, tm
         assert r.json()["choices"][0]["message"]["reasoning_content"] is None  # thinking off by default here
         r = httpx.post(f"{s.url}/v1/chat/completions", json=PLAIN | {"logprobs": True, "top_logprobs": 6}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"  # --max-logprobs 5
+        drafts = [line for line in httpx.get(f"{s.url}/metrics", timeout=30).text.splitlines()
+                  if line.startswith("vllm:spec_decode_num_drafts_total{")]  # fmt: skip
+        assert drafts and float(drafts[0].split()[-1]) > 0  # MTP speculation ran (the demo's draft layer)
         preflight = httpx.options(
             f"{s.url}/v1/chat/completions",
             headers={"Origin": "http://dash.example", "Access-Control-Request-Method": "POST"},
@@ -370,6 +372,12 @@ def test_launch_flag_spellings_and_refusals(demo_dir, tmp_path):
         normalised("Qwen/Qwen3.6-27B")  # a Hub id: say how to get it
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         normalised("--demo", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 9}')
+    with pytest.raises(ValueError, match="method must be one of"):
+        normalised("--demo", "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}')
+    with pytest.raises(ValueError, match="draft_sample_method"):
+        normalised("--demo", "--speculative-config", '{"method": "mtp", "draft_sample_method": "probabilistic"}')
+    assert normalised("--demo", "--speculative-config", '{"method": "mtp"}').speculative_config == {
+        "method": "mtp", "num_speculative_tokens": 1}  # fmt: skip
     with pytest.raises(ValueError, match="--tool-call-parser"):
         normalised("--demo", "--enable-auto-tool-choice")
     with pytest.raises(ValueError, match="chat_template"):

@@ -121,8 +121,11 @@ class AdapterRegistry:
         self._versions = 0
         self._max_file_bytes = max_adapter_bytes(self.config, max_lora_rank)
         # every LoRA-capable module by its name in the model: `layers.0.mlp.gate_up_proj`, `visual.blocks.0.attn.qkv`
+        # (not the MTP layer's: speculation drafts on the base weights, model/mtp.py)
         self._linears: dict[str, Linear | VisionLinear] = {
-            name: m for name, m in model.named_modules() if isinstance(m, Linear | VisionLinear)
+            name: m
+            for name, m in model.named_modules()
+            if isinstance(m, Linear | VisionLinear) and not name.startswith("mtp.")
         }
         for linear in self._linears.values():
             linear.lora = self._new_stack(linear)

@@ -31,9 +31,13 @@ class PagedKVCache:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        layers: list[int] | None = None,
     ):
-        n_layers = len(config.attention_layers)
-        self.layer_index = {layer: i for i, layer in enumerate(config.attention_layers)}
+        """`layers`: the layer ids with a KV cache (HybridDecoder.kv_layers: the attention layers and
+        any MTP layer); None: the config's attention layers."""
+        layers = config.attention_layers if layers is None else layers
+        n_layers = len(layers)
+        self.layer_index = {layer: i for i, layer in enumerate(layers)}
         shape = (n_layers, (num_pages + 1) * page_size, config.num_key_value_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

@@ -37,6 +37,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # GDN state snapshots the prefix cache may keep (each one sequence's state); None: max(4, max_num_seqs // 2)
     prefix_cache_states: int | None = None
+    # MTP speculative decoding (engine/speculative.py): drafts verified per step; 0 = off
+    num_speculative_tokens: int = 0
     # testing aid: a request may ask to fault in its next step (engine/faults.py); never on in production
     fault_injection: bool = False
 
@@ -52,6 +54,7 @@ class EngineConfig:
             (self.max_num_encoder_tokens >= 1, "max_num_encoder_tokens must be >= 1"),
             (self.encoder_cache_gb >= 0, "encoder_cache_gb must be >= 0"),
             (self.prefix_cache_states is None or self.prefix_cache_states >= 0, "prefix_cache_states must be >= 0"),
+            (0 <= self.num_speculative_tokens <= 4, "num_speculative_tokens must be in [0, 4]"),
         ]
         for ok, message in checks:
             if not ok:

@@ -30,8 +30,16 @@ from hylora.engine.outputs import OutputProcessor, RequestOutput
 from hylora.engine.prefix_cache import PendingSnapshot, PrefixCache
 from hylora.engine.request import FailureKind, Request, SamplingParams
 from hylora.engine.runner import ChunkResult, ModelRunner
-from hylora.engine.sampler import PendingSample, SamplingError, launch_sample, prompt_logprobs, to_device
+from hylora.engine.sampler import (
+    PendingSample,
+    SamplingError,
+    draws_without_host,
+    launch_sample,
+    prompt_logprobs,
+    to_device,
+)
 from hylora.engine.scheduler import ScheduledChunk, Scheduler
+from hylora.engine.speculative import Drafter, PendingVerify, SpecStats, commit_state, launch_verify
 from hylora.engine.stats import EngineStats
 from hylora.kernels import as_text, select_kernels
 from hylora.model.decoder import HybridDecoder
@@ -60,19 +68,7 @@ class LaunchedStep:
     results: list[ChunkResult]
     sample: PendingSample | None  # the draw of the chunks that sample (None: none samples)
     snapshots: list[PendingSnapshot] = field(default_factory=list)  # prefix-cache states taken behind it
-
-
-def _plannable_ahead(req: Request) -> bool:
-    """Its next draw needs nothing that only the host knows once the current draw is in: no grammar
-    (its mask follows the token), no penalties (they count the tokens), min_tokens already met."""
-    p = req.params
-    return (
-        req.grammar is None
-        and p.repetition_penalty == 1.0
-        and not p.frequency_penalty
-        and not p.presence_penalty
-        and len(req.output_ids) >= p.min_tokens
-    )
+    verify: PendingVerify | None = None  # the acceptance of its speculative verify chunks
 
 
 class LLMEngine:
@@ -92,14 +88,24 @@ class LLMEngine:
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
         self.model_dir = Path(model_dir)
         vision = model is None and ModelConfig.from_dir(model_dir).vision is not None
-        self.model = model or load_model(model_dir, dtype=dtype, device=device, progress=progress, vision=vision)
+        speculate = config.num_speculative_tokens > 0
+        self.model = model or load_model(
+            model_dir, dtype=dtype, device=device, progress=progress, vision=vision, mtp=speculate
+        )
         self.kernels = select_kernels(self.model, config.page_size, config.kernels)
         log.info("kernels: %s", as_text(self.kernels))
         self.adapters = AdapterRegistry(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         for name, path in (lora_modules or {}).items():
             self.adapters.load(name, path)
         plan = plan_caches(self.model, config)
-        self.kv = PagedKVCache(self.model.config, plan.num_pages, config.page_size, self.model.dtype, self.model.device)
+        self.kv = PagedKVCache(
+            self.model.config,
+            plan.num_pages,
+            config.page_size,
+            self.model.dtype,
+            self.model.device,
+            self.model.kv_layers,
+        )
         self.states = StatePool(self.model.config, plan.num_slots, self.model.dtype, self.model.device)
         self.encoder_cache = EncoderCache(int(config.encoder_cache_gb * (1 << 30)))
         self.tokenizer = load_tokenizer(model_dir)
@@ -108,6 +114,9 @@ class LLMEngine:
             config, self.kv, self.states, self.adapters, self.encoder_cache, media_key, self.prefix_cache
         )
         self.runner = ModelRunner(self.model, self.kv, self.states, config)
+        k = config.num_speculative_tokens
+        self.drafter = Drafter(self.model, self.kv, self.states, k) if speculate else None
+        self.spec_stats = SpecStats(accepted_per_position=[0] * k)
         self.eos_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}
         vocab, has_vision = self.model.config.vocab_size, self.model.visual is not None
@@ -235,6 +244,10 @@ class LLMEngine:
             steps_ahead=self.steps_ahead,
             preemptions=sched.num_preemptions,
             **self._prefix_stats(),
+            spec_drafts=self.spec_stats.drafts,
+            spec_draft_tokens=self.spec_stats.draft_tokens,
+            spec_accepted_tokens=self.spec_stats.accepted_tokens,
+            spec_accepted_per_position=list(self.spec_stats.accepted_per_position),
             on_device={name: int(name in adapters["on_device"]) for name in adapters["loaded"]},
             running_by_adapter=running,
             waiting_by_adapter=waiting,
@@ -327,7 +340,15 @@ class LLMEngine:
         if to_sample:
             reqs, logits = self._constrain([r for r, _ in to_sample], [lg for _, lg in to_sample], outputs)
             pending = launch_sample(logits, reqs, self.eos_ids) if reqs else None
-        return LaunchedStep(self.step_count, chunks, results, pending, self._snapshot(chunks))
+        verify = [
+            (c, res.verify_logits) for c, res in zip(chunks, results, strict=True) if res.verify_logits is not None
+        ]
+        accepting = None
+        if verify:
+            accepting = launch_verify(
+                [lg for _, lg in verify], [c.request for c, _ in verify], [c.drafts for c, _ in verify], self.eos_ids
+            )
+        return LaunchedStep(self.step_count, chunks, results, pending, self._snapshot(chunks), accepting)
 
     def _snapshot(self, chunks: list[ScheduledChunk]) -> list[PendingSnapshot]:
         """Prefix-cache snapshots of the chunks that end at one of their request's snapshot points,
@@ -353,6 +374,8 @@ class LLMEngine:
         decode = self.runner.decode
         if not self.config.async_scheduling or decode is None or step.sample is None or self.scheduler.can_admit():
             return None  # (the CPU runs no padded decode step: it never plans ahead)
+        if self.drafter is not None:
+            return None  # the next step's drafts come from this step's tokens
         if len(step.chunks) > decode.max_batch or any(c.num_tokens != 1 for c in step.chunks):
             return None
         drawn = {id(r): i for i, r in enumerate(step.sample.requests)}
@@ -361,7 +384,7 @@ class LLMEngine:
             req = c.request
             if req.finished:
                 continue
-            if id(req) not in drawn or not _plannable_ahead(req):
+            if id(req) not in drawn or not draws_without_host(req):
                 return None
             after = len(req.output_ids) + 1  # generated tokens once `step`'s draw is appended
             if after >= req.params.max_tokens or req.num_tokens + 1 >= self.config.max_model_len:
@@ -385,7 +408,29 @@ class LLMEngine:
         for pending in step.snapshots:  # a faulted request leaves no cache entry
             faulted = pending.request.failure is FailureKind.NUMERICAL_FAULT
             (self.prefix_cache.drop if faulted else self.prefix_cache.commit)(pending)  # type: ignore[union-attr]
+        if self.drafter is not None:
+            self._draft(step)
         return outputs
+
+    def _draft(self, step: LaunchedStep) -> None:
+        """The MTP layer over what `step` computed, and the drafts of the next step. A failure here
+        costs speculation for one step, never a request: drafts only change how fast tokens come."""
+        assert self.drafter is not None
+        ran = [(c, res.hidden) for c, res in zip(step.chunks, step.results, strict=True) if res.hidden is not None]
+        try:
+            self.drafter.propose([(c, h) for c, h in ran if not c.request.finished], self._draft_budget)
+        except Exception as e:
+            if is_device_error(e):
+                raise DeviceFault(f"device fault while drafting at engine step {step.number}: {e}") from e
+            log.exception("drafting failed at engine step %d; the next step does not speculate", step.number)
+            for c, _ in ran:
+                c.request.draft_ids = []
+
+    def _draft_budget(self, req: Request) -> int:
+        """Drafts `req`'s next step verifies, with KV pages for them (0 when none are free)."""
+        assert self.drafter is not None
+        k = self.drafter.budget(req, self.config.max_model_len)
+        return k if k and self.scheduler.ensure_pages(req, req.num_tokens + k) else 0
 
     def _read_step(self, step: LaunchedStep) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -393,6 +438,10 @@ class LLMEngine:
         if step.sample is not None:
             for req, result in zip(step.sample.requests, step.sample.results(), strict=True):
                 sampled[id(req)] = result
+        verified: dict[int, list | SamplingError] = {}
+        if step.verify is not None:
+            for req, result in zip(step.verify.requests, step.verify.results(), strict=True):
+                verified[id(req)] = result
         for c, res in zip(step.chunks, step.results, strict=True):
             req = c.request
             if req.finished:  # stopped or aborted since this step was queued, or its grammar failed
@@ -421,6 +470,9 @@ class LLMEngine:
             except Exception as e:
                 outputs.append(self._fail(req, f"computing prompt logprobs failed: {e!r}", FailureKind.INTERNAL))
                 continue
+            if c.drafts:
+                outputs.extend(self._accept(req, c, verified[id(req)]))
+                continue
             result = sampled.get(id(req))
             if result is None:
                 continue
@@ -442,6 +494,31 @@ class LLMEngine:
                 log.exception("request %s: handling its new token failed", req.request_id)
                 outputs.append(self._fail(req, f"detokenising the output failed: {e!r}", FailureKind.INTERNAL))
         return outputs
+
+    def _accept(self, req: Request, c: ScheduledChunk, result: list | SamplingError) -> list[RequestOutput]:
+        """A verify chunk's outcome: keep the state after the accepted drafts, then append the
+        accepted drafts and the token after them one by one (a stop on any of them ends there)."""
+        if isinstance(result, SamplingError):
+            return [self._fail(req, f"sampling failed: {result}", FailureKind.INVALID_REQUEST)]
+        accepted = len(result) - 1
+        stats = self.spec_stats
+        stats.drafts += 1
+        stats.draft_tokens += len(c.drafts)
+        stats.accepted_tokens += accepted
+        for i in range(accepted):
+            stats.accepted_per_position[i] += 1
+        try:
+            commit_state(self.states, req, accepted, len(c.drafts))
+            req.num_computed += accepted
+            for token, info in result:
+                reason = self.outputs.append_token(req, token, info)
+                if reason is not None:
+                    self._finish(req, reason)
+                    break
+            return [self._output(req)]
+        except Exception as e:
+            log.exception("request %s: handling its verified tokens failed", req.request_id)
+            return [self._fail(req, f"detokenising the output failed: {e!r}", FailureKind.INTERNAL)]
 
     def _constrain(
         self, reqs: list[Request], rows: list[torch.Tensor], outputs: list[RequestOutput]

@@ -35,11 +35,11 @@ def snapshot_slots(config: EngineConfig) -> int:
 
 
 def plan_caches(model: HybridDecoder, config: EngineConfig) -> CachePlan:
-    slots = config.max_num_seqs
+    slots = config.max_num_seqs * (1 + config.num_speculative_tokens)  # speculation: a state per draft
     snapshots = snapshot_slots(config)
     per_seq_pages = -(-config.max_model_len // config.page_size)
     if model.device.type != "cuda":
-        return CachePlan(config.num_pages or slots * per_seq_pages, slots, snapshots)
+        return CachePlan(config.num_pages or config.max_num_seqs * per_seq_pages, slots, snapshots)
     if config.num_pages is not None:
         # Still one forward at the full token budget: Triton's autotuners (fla's chunked kernels) pick
         # their configurations now, not for seconds inside the first large request.
@@ -92,7 +92,7 @@ def _state_bytes_per_slot(model: HybridDecoder) -> int:
 
 def _page_bytes(model: HybridDecoder, page_size: int) -> int:
     c = model.config
-    return 2 * len(c.attention_layers) * page_size * c.num_key_value_heads * c.head_dim * model.dtype.itemsize
+    return 2 * len(model.kv_layers) * page_size * c.num_key_value_heads * c.head_dim * model.dtype.itemsize
 
 
 @torch.inference_mode()
@@ -103,7 +103,7 @@ def _profile_step(model: HybridDecoder, config: EngineConfig) -> int:
     full, rest = divmod(n, config.max_model_len)
     lens = [config.max_model_len] * full + ([rest] if rest else [])
     pages = [-(-m // config.page_size) for m in lens]
-    kv = PagedKVCache(model.config, sum(pages), config.page_size, model.dtype, model.device)
+    kv = PagedKVCache(model.config, sum(pages), config.page_size, model.dtype, model.device, model.kv_layers)
     states = StatePool(model.config, len(lens), model.dtype, model.device)
     chunks = [SequenceChunk([0] * m, 0, states.allocate(), kv.allocate(p)) for m, p in zip(lens, pages, strict=True)]
     batch = ForwardBatch.build(chunks, config.page_size, model.device)

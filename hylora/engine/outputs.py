@@ -43,6 +43,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None  # for new_token_ids, when asked for
     num_output_tokens: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # final output only
     token_ids: list[int] = field(default_factory=list)  # every generated token
     text: str = ""  # generated text (stop strings removed unless asked to keep them)
@@ -127,6 +128,7 @@ class OutputProcessor:
             new_logprobs=req.logprobs[start:] if wants_logprobs else None,
             num_output_tokens=len(req.output_ids),
             num_preemptions=req.num_preemptions,
+            num_cached_tokens=req.num_cached_tokens,
         )
         if req.finished:
             out.token_ids = list(req.output_ids)

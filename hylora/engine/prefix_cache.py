@@ -124,7 +124,7 @@ class PrefixCache:
         self.kv.retain(entry.pages[:full])
         self.snapshots.copy_to(self.states, entry.snapshot, req.state_slot)
         req.pages = pages
-        req.num_computed = entry.length
+        req.num_computed = req.num_cached_tokens = entry.length
         self._entries.move_to_end(entry.key)
         self.stats.hits += entry.length
         self.stats.by_adapter[label] += entry.length

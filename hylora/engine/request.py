@@ -170,6 +170,11 @@ class Request:
     suspect_count: int = 0
     lora_wait_steps: int = 0  # steps spent at the head of the queue waiting for a LoRA slot
     cache_points: list[int] = field(default_factory=list)  # prompt positions whose state the prefix cache keeps
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (its last admission)
+    # speculative decoding: spare state slots for the states after each verified token, and the drafts
+    # the MTP layer made for the next step (engine/speculative.py)
+    spec_slots: list[int] = field(default_factory=list)
+    draft_ids: list[int] = field(default_factory=list)
     # sampling state
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)

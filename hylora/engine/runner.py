@@ -26,6 +26,10 @@ class ChunkResult:
     sample_logits: torch.Tensor | None = None  # [V] fp32, when the chunk samples a next token
     prompt_logits: torch.Tensor | None = None  # [n, V] fp32 rows for prompt logprobs
     prompt_positions: range = range(0)  # the prompt positions those rows belong to
+    verify_logits: torch.Tensor | None = None  # [1 + drafts, V] fp32: a verify chunk's rows to accept from
+    # [n, hidden] final-norm hidden states of the chunk's positions (drafts included), for the MTP layer;
+    # None when the model drafts nothing or the step ran through the padded decode step
+    hidden: torch.Tensor | None = None
 
     def is_finite(self) -> bool:
         return self.finite() if callable(self.finite) else self.finite
@@ -54,17 +58,19 @@ class ModelRunner:
             end = c.start + c.num_tokens
             seqs.append(
                 SequenceChunk(
-                    token_ids=r.all_ids[c.start : end],
+                    token_ids=r.all_ids[c.start : end] + c.drafts,
                     context_len=c.start,
                     state_slot=r.state_slot,
                     pages=r.pages,
-                    positions=r.mm.positions.window(c.start, end) if r.mm is not None else None,
+                    positions=r.mm.positions.window(c.start, end + len(c.drafts)) if r.mm is not None else None,
                     lora_slot=r.lora.slot if r.lora is not None else -1,
                     embeds=r.mm.chunk_embeds(c.start, end) if r.mm is not None else None,
+                    spec_slots=r.spec_slots if c.drafts else None,
                 )
             )
         batch = ForwardBatch.build(seqs, self.kv.page_size, self.model.device)
         hidden = self.model(batch, self.kv, self.states)  # [T, hidden]
+        keep_hidden = self.model.mtp is not None
 
         ends = torch.tensor(batch.seq_lens).cumsum(0).tolist()
         starts = [e - n for e, n in zip(ends, batch.seq_lens, strict=True)]
@@ -75,9 +81,9 @@ class ModelRunner:
             first_prompt_row = len(rows)
             rows.extend(first + p - c.start for p in positions)
             sample_row = None
-            if c.samples:
+            if c.samples:  # a verify chunk: its last token's row and each draft's
                 sample_row = len(rows)
-                rows.append(first + c.num_tokens - 1)
+                rows.extend(range(first + c.num_tokens - 1, first + c.num_tokens + len(c.drafts)))
             wanted.append((sample_row, positions, first_prompt_row))
 
         finite_rows = torch.isfinite(hidden).all(dim=-1)
@@ -86,17 +92,22 @@ class ModelRunner:
         finite_rows, finite_logits = finite_rows.cpu(), finite_logits.cpu()
 
         results = []
-        for (sample_row, positions, first_prompt_row), start, n in zip(wanted, starts, batch.seq_lens, strict=True):
+        for c, (sample_row, positions, first_prompt_row), start, n in zip(
+            chunks, wanted, starts, batch.seq_lens, strict=True
+        ):
             logit_rows = list(range(first_prompt_row, first_prompt_row + len(positions)))
             if sample_row is not None:
-                logit_rows.append(sample_row)
+                logit_rows.extend(range(sample_row, sample_row + 1 + len(c.drafts)))
             finite = bool(finite_rows[start : start + n].all()) and bool(finite_logits[logit_rows].all())
+            verifies = sample_row is not None and bool(c.drafts)
             results.append(
                 ChunkResult(
                     finite=finite,
-                    sample_logits=logits[sample_row] if sample_row is not None else None,
+                    sample_logits=logits[sample_row] if sample_row is not None and not verifies else None,
                     prompt_logits=logits[first_prompt_row : first_prompt_row + len(positions)] if positions else None,
                     prompt_positions=positions,
+                    verify_logits=logits[sample_row : sample_row + 1 + len(c.drafts)] if verifies else None,
+                    hidden=hidden[start : start + n] if keep_hidden else None,
                 )
             )
         return results
@@ -126,7 +137,7 @@ class ModelRunner:
 def _decode_rows(chunks: list[ScheduledChunk], max_batch: int) -> list[DecodeRow] | None:
     """The step as padded-decode rows, or None when it must run eagerly: a prefill chunk of several
     tokens, more sequences than the largest bucket, or a token whose embedding is given (media)."""
-    if not chunks or len(chunks) > max_batch or any(c.num_tokens != 1 for c in chunks):
+    if not chunks or len(chunks) > max_batch or any(c.num_tokens != 1 or c.drafts for c in chunks):
         return None
     rows = []
     for c in chunks:

@@ -76,6 +76,20 @@ class PendingSample:
         return out
 
 
+def draws_without_host(req: Request) -> bool:
+    """Its next draws need nothing the host learns token by token: no grammar (its mask follows each
+    token), no penalties (they count the tokens), min_tokens already met. Such a request's next token
+    can be drawn before the host has read this one (decode ahead), or several at once (speculation)."""
+    p = req.params
+    return (
+        req.grammar is None
+        and p.repetition_penalty == 1.0
+        and not p.frequency_penalty
+        and not p.presence_penalty
+        and len(req.output_ids) >= p.min_tokens
+    )
+
+
 def launch_sample(logits: torch.Tensor, requests: list[Request], eos_ids: tuple[int, ...] = ()) -> PendingSample:
     """`sample`, queued: the whole batch is processed at once on the logits' device and nothing
     here waits for it (a per-row loop would wait three times per request)."""

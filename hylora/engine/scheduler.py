@@ -45,6 +45,7 @@ from hylora.engine.encoder_cache import EncoderCache
 from hylora.engine.multimodal import Segment
 from hylora.engine.prefix_cache import PrefixCache
 from hylora.engine.request import FailureKind, Request, Status
+from hylora.ops.varlen import RECURRENT_MAX_TOKENS
 
 log = logging.getLogger(__name__)
 LORA_WAIT_STEPS = 64  # steps a request waiting for a LoRA slot lets resident adapters' requests pass it
@@ -69,6 +70,9 @@ class ScheduledChunk:
     # a decode token planned ahead: its input is the token the step in flight is still sampling
     # (engine.py's decode ahead), so it lies one past the request's tokens known on the host
     ahead: bool = False
+    # speculative decoding: draft tokens verified after this decode token (engine/speculative.py);
+    # the forward runs num_tokens + len(drafts) positions
+    drafts: list[int] = field(default_factory=list)
     # this chunk reaches the end of the request's tokens: a next token is sampled from it
     samples: bool = field(init=False)
 
@@ -100,6 +104,8 @@ class Scheduler:
         self.encoder_cache, self.media_key = encoder_cache, media_key
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # state slots each running request holds: its own, and one per draft it may verify
+        self.slots_per_request = 1 + config.num_speculative_tokens
         self.num_preemptions = 0  # cumulative (metrics)
         self._encoder_budget = 0  # encoder tokens left in the step being planned
 
@@ -113,7 +119,11 @@ class Scheduler:
     def can_admit(self) -> bool:
         """A request waits and the next schedule may start it (a running place and a state slot are
         free); False: the next step can only continue the running requests."""
-        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs and self.states.num_free > 0
+        return (
+            bool(self.waiting)
+            and len(self.running) < self.config.max_num_seqs
+            and self.states.num_free >= self.slots_per_request
+        )
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
@@ -130,6 +140,9 @@ class Scheduler:
             if n == 0:  # its next visual tokens wait for encoder budget
                 i += 1
                 continue
+            drafts, req.draft_ids = (req.draft_ids[: budget - n] if req.num_uncomputed == n == 1 else []), []
+            if drafts and not self.ensure_pages(req, req.num_computed + n + len(drafts)):
+                drafts = []  # no one is preempted for drafts
             while not self.ensure_pages(req, req.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -138,9 +151,9 @@ class Scheduler:
                     break
             if req.status is not Status.RUNNING:
                 break
-            plan.chunks.append(ScheduledChunk(req, req.num_computed, n, media))
+            plan.chunks.append(ScheduledChunk(req, req.num_computed, n, media, drafts=drafts))
             self._spend(req, media)
-            budget -= n
+            budget -= n + len(drafts)
             i += 1
 
         while self.waiting and budget > 0 and not plan.preempted and len(self.running) < self.config.max_num_seqs:
@@ -156,6 +169,9 @@ class Scheduler:
                 break
             elif admission is Admission.NO_ROOM:
                 break
+        if any(c.num_tokens > RECURRENT_MAX_TOKENS for c in plan.chunks):
+            for c in plan.chunks:  # verify chunks need the token-by-token GDN kernel (engine/speculative.py)
+                c.drafts = []
         return plan
 
     def _admit_past(self, head: Request, plan: StepPlan, budget: int) -> None:
@@ -202,9 +218,10 @@ class Scheduler:
                 plan.failed.append(req)
                 return Admission.FAILED
         if req.state_slot is None:
-            if self.states.num_free == 0:
+            if self.states.num_free < self.slots_per_request:
                 return Admission.NO_ROOM
             req.state_slot = self.states.allocate()
+            req.spec_slots = [self.states.allocate() for _ in range(self.slots_per_request - 1)]
             if self.prefix is not None:
                 self.prefix.attach(req)
                 req.cache_points = self.prefix.snapshot_points(req)
@@ -285,6 +302,7 @@ class Scheduler:
             self.running.remove(req)
         self._free_cache(req, scrub=scrub)
         req.num_computed = 0
+        req.draft_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = Status.WAITING
@@ -302,6 +320,9 @@ class Scheduler:
         if req.state_slot is not None:
             self.states.free(req.state_slot)
             req.state_slot = None
+        for slot in req.spec_slots:
+            self.states.free(slot)
+        req.spec_slots = []
 
 
 def _adapter_failure(e: Exception) -> tuple[str, FailureKind]:

@@ -30,6 +30,10 @@ class EngineStats:
     prefix_cache_entries: int = 0
     prefix_hits_by_adapter: dict[str, int] = field(default_factory=dict)  # "" = base; cumulative tokens
     prefix_queries_by_adapter: dict[str, int] = field(default_factory=dict)
+    spec_drafts: int = 0  # speculative verify chunks run (cumulative)
+    spec_draft_tokens: int = 0  # drafts verified (cumulative)
+    spec_accepted_tokens: int = 0  # drafts accepted (cumulative)
+    spec_accepted_per_position: list[int] = field(default_factory=list)  # [k]: draft i accepted (cumulative)
     on_device: dict[str, int] = field(default_factory=dict)  # adapter → 1 if it holds a device slot
     running_by_adapter: dict[str, int] = field(default_factory=dict)  # "" = base
     waiting_by_adapter: dict[str, int] = field(default_factory=dict)

@@ -36,6 +36,8 @@ NORM_TOKENS = (1, 3, 64, 129, 2048)
 # sequence lengths of short prefill steps (the token-by-token GDN form): decode rows, a prompt's last
 # tokens, empty chunks, up to the 64-token limit
 RECURRENT_BATCHES = ((1,), (64,), (1, 1, 16, 1), (3, 0, 64, 1, 17, 2, 63))
+# speculative verify steps (1 + k tokens a sequence, states after every token kept in spare slots)
+SPEC_BATCHES = ((3, 1, 5, 2),)
 # (cached tokens, new tokens) per sequence of one prefill batch: fresh prompts, chunks after a
 # cached prefix across page boundaries, and a decode row mixed in
 PREFILL_CASES = ((0, 2), (0, 17), (15, 33), (1, 1), (0, 300), (500, 700))
@@ -105,21 +107,27 @@ def gdn_recurrent_error(
     device: torch.device | str,
     batches: Sequence[Sequence[int]] = RECURRENT_BATCHES,
     kernel: Callable[..., torch.Tensor] | None = None,
+    spec_batches: Sequence[Sequence[int]] = SPEC_BATCHES,
     **kernel_args,
 ) -> float:
     """The short-prefill delta rule by slot: b and a strided as the layer's projection split gives
-    them; pool slots the batch does not own are NaN and must stay so."""
+    them; pool slots the batch does not own are NaN and must stay so. `spec_batches` run with
+    spec_slots: the state after each token but the last in a spare slot of its own, every third entry
+    -1 (nothing written; those slots stay NaN)."""
     if kernel is None:
         from hylora.ops.gated_delta_rule.triton import recurrent_by_slot as kernel
     worst = 0.0
-    for lens in batches:
+    for lens, spec in [*((lens, False) for lens in batches), *((lens, True) for lens in spec_batches)]:
         g = _generator(device, sum(lens) + len(lens))
         T, N = sum(lens), len(lens)
+        J = max(lens, default=0)  # one more column than a verify step needs
+        spares = N * J if spec else 0
 
         def rand(*shape, scale=1.0, g=g):
             return torch.randn(*shape, generator=g, device=device) * scale
 
-        slots = torch.randperm(N + 3, generator=g, device=device)[:N]
+        order = torch.randperm(N + 3 + spares, generator=g, device=device)
+        slots = order[:N]
         ba = rand(T, 2 * hv + 5).to(dtype)
         args = (
             rand(T, hk, dk).to(dtype),  # q
@@ -130,11 +138,16 @@ def gdn_recurrent_error(
             torch.rand(hv, generator=g, device=device).mul(4).add(0.01).log(),  # A_log
             rand(hv, scale=0.5),  # dt_bias
         )
-        pool = _nan_unowned(rand(N + 3, hv, dk, dv, scale=0.1), slots)
+        pool = _nan_unowned(rand(N + 3 + spares, hv, dk, dv, scale=0.1), slots)
         ref_pool = pool.clone()
-        o_ref = recurrent_reference(*args, ref_pool, slots, list(lens), dk**-0.5)
+        extra = {}
+        if spec:
+            spec_slots = order[N : N + spares].reshape(N, J).clone()
+            spec_slots.view(-1)[::3] = -1
+            extra = {"spec_slots": spec_slots.to(torch.int32)}
+        o_ref = recurrent_reference(*args, ref_pool, slots, list(lens), dk**-0.5, **extra)
         out = torch.full_like(o_ref, float("nan"))
-        o = kernel(*args, pool, slots, list(lens), dk**-0.5, out=out, **kernel_args)
+        o = kernel(*args, pool, slots, list(lens), dk**-0.5, out=out, **extra, **kernel_args)
         if o is not out:
             return FAILED
         worst = max(worst, _rel_error(o, o_ref), _rel_error(pool, ref_pool))

@@ -14,14 +14,16 @@ from hylora.model.forward_batch import ForwardBatch
 from hylora.model.gdn import GatedDeltaNet
 from hylora.model.kernels import ModelKernels, install
 from hylora.model.layers import MLP, RMSNorm, _param
+from hylora.model.mtp import MTPHead
 from hylora.model.rotary import MRotaryEmbedding
 from hylora.model.vision import VisionTower
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, layer_type: str | None = None):
+        """`layer_type` None: the config's type of layer `layer_idx` (the MTP layer gives its own)."""
         super().__init__()
-        self.is_linear = config.layer_types[layer_idx] == LINEAR
+        self.is_linear = (layer_type or config.layer_types[layer_idx]) == LINEAR
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(config, layer_idx)
         else:
@@ -68,7 +70,9 @@ class HybridDecoder(nn.Module):
     The tower is not run by `forward`: a request's media are encoded once (`visual(...)`), and the
     rows of its placeholder tokens reach the decoder as embedding overrides in the ForwardBatch."""
 
-    def __init__(self, config: ModelConfig, vision: bool = False):
+    def __init__(self, config: ModelConfig, vision: bool = False, mtp: bool = False):
+        """`mtp`: also build the checkpoint's multi-token-prediction layer (`mtp.*`, the draft
+        model of speculative decoding; model/mtp.py)."""
         super().__init__()
         self.config = config
         if vision and config.vision is None:
@@ -82,6 +86,9 @@ class HybridDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Embedding(config.vocab_size, config.hidden_size)
+        if mtp and config.mtp_num_hidden_layers < 1:
+            raise ConfigError("mtp=True needs a checkpoint with an MTP layer (mtp_num_hidden_layers >= 1)")
+        self.mtp = MTPHead(config) if mtp else None
         self.rotary: MRotaryEmbedding | None = None
         self.kernels = ModelKernels()  # the torch references until the kernel floor chooses
 
@@ -89,6 +96,11 @@ class HybridDecoder(nn.Module):
         """Run every layer with `kernels` (chosen by hylora.kernels after their start-up checks)."""
         install(self, kernels)
         self.kernels = kernels
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """Layer ids with a KV cache: the attention layers, then the MTP layers when built."""
+        return self.config.attention_layers + (self.mtp.layer_ids if self.mtp is not None else [])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -110,6 +122,19 @@ class HybridDecoder(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, batch, kv, states, cos, sin)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
+
+    def draft(
+        self, batch: ForwardBatch, hidden: torch.Tensor, kv: PagedKVCache, states: StatePool, step: int = 0
+    ) -> torch.Tensor:
+        """The MTP layer over `batch` (row t: the token after position t, `hidden` [T, H] at t);
+        returns its output hidden states [T, H] (`logits` gives the drafts' logits)."""
+        if self.mtp is None:
+            raise RuntimeError("this model was built without its MTP layer (HybridDecoder(..., mtp=True))")
+        if self.rotary is None:
+            self.rotary = MRotaryEmbedding(self.config, self.device)
+        embeds = F.embedding(batch.input_ids, self.embed_tokens.weight)
+        cos, sin = self.rotary.cos_sin(batch.positions, embeds.dtype)
+        return self.mtp(embeds, hidden.to(embeds.dtype), batch, kv, states, cos, sin, step)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head.weight).float()

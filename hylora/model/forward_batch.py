@@ -22,6 +22,9 @@ class SequenceChunk:
     # (offsets [k] into token_ids, values [k, hidden]): rows whose embedding is given, not looked up
     # (the vision tower's output at image / video placeholder tokens). None = all rows are tokens.
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # a speculative verify chunk: the GDN state-pool slots that receive the state after each of its
+    # tokens but the last (which lands in state_slot), so the accepted prefix's state can be kept
+    spec_slots: list[int] | None = None
 
 
 @dataclass
@@ -44,6 +47,9 @@ class ForwardBatch:
     # (state slot -1, decode length 0, KV row in the null page), so only the padding-aware decode
     # kernels may run it (their torch references when no fast kernel is installed)
     padded: bool = False
+    # [N, J] pool slot that receives each sequence's GDN state after its token j (j < seq_len - 1;
+    # -1: none), for speculative verify steps (SequenceChunk.spec_slots); None: no such sequence
+    spec_slots: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -87,6 +93,15 @@ class ForwardBatch:
             pages = torch.tensor(c.pages, dtype=torch.int64)
             slot_mapping.append(pages[pos // page_size] * page_size + pos % page_size)
             table[i, : len(c.pages)] = pages.to(torch.int32)
+        spec_slots = None
+        if any(c.spec_slots for c in chunks):
+            width = max(1, max(len(c.token_ids) for c in chunks) - 1)
+            spec_slots = torch.full((len(chunks), width), -1, dtype=torch.long)
+            for i, c in enumerate(chunks):
+                if c.spec_slots:
+                    if len(c.spec_slots) < len(c.token_ids) - 1:
+                        raise ValueError(f"sequence {i}: {len(c.spec_slots)} spec slots for {len(c.token_ids)} tokens")
+                    spec_slots[i, : len(c.token_ids) - 1] = torch.tensor(c.spec_slots[: len(c.token_ids) - 1])
         decode = all(len(c.token_ids) == 1 for c in chunks)
         decode_lens = torch.tensor([c.context_len + 1 for c in chunks], dtype=torch.int32) if decode else None
         return cls(
@@ -103,6 +118,7 @@ class ForwardBatch:
             embed_values=torch.cat(embed_values) if embed_values else None,
             decode_lens=decode_lens.to(device) if decode_lens is not None else None,
             max_decode_len=int(decode_lens.max()) if decode_lens is not None else 0,
+            spec_slots=spec_slots.to(device) if spec_slots is not None else None,
         )
 
 

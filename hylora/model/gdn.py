@@ -12,7 +12,9 @@ from hylora.cache.state_pool import StatePool
 from hylora.config import ModelConfig
 from hylora.model.forward_batch import ForwardBatch
 from hylora.model.layers import GatedRMSNorm, Linear, _param
+from hylora.ops.causal_conv1d.reference import save_conv_states
 from hylora.ops.gated_delta_rule.reference import gating
+from hylora.ops.gated_delta_rule.reference import recurrent_by_slot as recurrent_by_slot_reference
 from hylora.ops.gdn_decode.reference import gdn_decode as gdn_decode_reference
 from hylora.ops.varlen import RECURRENT_MAX_TOKENS
 
@@ -60,13 +62,23 @@ class GatedDeltaNet(nn.Module):
             o = self.norm(o, z.reshape(T, self.hv, self.dv))
             return self.out_proj(o.reshape(T, self.value_dim), batch.lora)
 
+        if batch.spec_slots is not None:  # a verify step: the conv state after each token, before the conv moves on
+            save_conv_states(qkv, states.conv[layer], slots, batch.seq_lens, batch.spec_slots)
         # q, k, v as three contiguous tensors: the delta-rule kernels would copy strided views
         splits = (self.key_dim, self.key_dim, self.value_dim)
         q, k, v = self.conv(qkv, self.conv1d.weight[:, 0], states.conv[layer], slots, batch.seq_lens, splits=splits)
         q, k = q.reshape(T, self.hk, self.dk), k.reshape(T, self.hk, self.dk)
         v = v.reshape(T, self.hv, self.dv)
 
-        if self.short_prefill is not None and max(batch.seq_lens) <= RECURRENT_MAX_TOKENS:
+        if batch.spec_slots is not None:  # token by token, keeping the state after each token
+            if self.short_prefill is not None and max(batch.seq_lens) > RECURRENT_MAX_TOKENS:
+                raise ValueError(f"a verify step's chunks must be at most {RECURRENT_MAX_TOKENS} tokens")
+            recurrent = self.short_prefill or recurrent_by_slot_reference
+            o = recurrent(
+                q, k, v, b, a, self.A_log, self.dt_bias, states.recurrent[layer], slots, batch.seq_lens,
+                self.dk**-0.5, spec_slots=batch.spec_slots,
+            )  # fmt: skip
+        elif self.short_prefill is not None and max(batch.seq_lens) <= RECURRENT_MAX_TOKENS:
             o = self.short_prefill(
                 q, k, v, b, a, self.A_log, self.dt_bias, states.recurrent[layer], slots, batch.seq_lens, self.dk**-0.5
             )

@@ -46,7 +46,8 @@ def install(model: HybridDecoder, kernels: ModelKernels) -> None:
     from hylora.model.layers import MLP, GatedRMSNorm, Linear, RMSNorm
     from hylora.model.vision import VisionLinear
 
-    for layer in model.layers:
+    mtp_layers = list(model.mtp.layers) if model.mtp is not None else []
+    for layer in [*model.layers, *mtp_layers]:
         if layer.is_linear:
             gdn = layer.linear_attn
             gdn.delta_rule, gdn.conv = kernels.delta_rule, kernels.conv
@@ -54,7 +55,8 @@ def install(model: HybridDecoder, kernels: ModelKernels) -> None:
         else:
             layer.self_attn.decode_attention = kernels.decode_attention
             layer.self_attn.prefill_attention = kernels.prefill_attention
-    for module in [*model.layers.modules(), model.norm]:
+    mtp_modules = list(model.mtp.modules()) if model.mtp is not None else []
+    for module in [*model.layers.modules(), model.norm, *mtp_modules]:
         if isinstance(module, RMSNorm):
             module.kernel = kernels.rms_norm
         elif isinstance(module, GatedRMSNorm):

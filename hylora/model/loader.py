@@ -29,8 +29,9 @@ VISION_PREFIX = "model.visual."  # → `visual.` on the decoder
 # Weights hylora does not load: skipped with a note, never silently.
 SKIPPED_PREFIXES = {
     VISION_PREFIX: "vision tower (not loaded: load_model(..., vision=True) loads it)",
-    "mtp.": "multi-token prediction head",
+    "mtp.": "multi-token prediction head (loaded with --speculative-config)",
 }
+MTP_PREFIX = "mtp."
 
 
 class CheckpointError(ValueError):
@@ -60,12 +61,14 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     return out
 
 
-def parameter_name(key: str, vision: bool = False) -> str | None:
+def parameter_name(key: str, vision: bool = False, mtp: bool = False) -> str | None:
     """Map a checkpoint key to a HybridDecoder parameter name; None if it is a known skip."""
     if key == "lm_head.weight":
         return key
     if vision and key.startswith(VISION_PREFIX):
         return "visual." + key[len(VISION_PREFIX) :]
+    if mtp and key.startswith(MTP_PREFIX):
+        return key  # the decoder's `mtp` module has the checkpoint's names
     for prefix in SKIPPED_PREFIXES:
         if key.startswith(prefix):
             return None
@@ -98,18 +101,25 @@ def load_model(
     device: torch.device | str = "cpu",
     progress: bool = True,
     vision: bool = False,
+    mtp: bool = False,
 ) -> HybridDecoder:
     """Build the decoder from `model_dir`. dtype None = the checkpoint's dtype.
 
     vision=True also loads the vision tower of a VL checkpoint as `model.visual` (same dtype and
-    device); otherwise its tensors are skipped with a note."""
+    device); otherwise its tensors are skipped with a note. mtp=True also loads the
+    multi-token-prediction layer (`model.mtp`, speculative decoding's draft model)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     if vision and config.vision is None:
         raise ConfigError(f"{model_dir}: a text-only checkpoint has no vision tower to load")
+    if mtp and config.mtp_num_hidden_layers < 1:
+        raise ConfigError(
+            f"{model_dir}: the checkpoint has no MTP layer (config.json: mtp_num_hidden_layers is "
+            f"{config.mtp_num_hidden_layers}), so MTP speculative decoding cannot run; drop --speculative-config"
+        )
     dtype = dtype or config.checkpoint_dtype
     with torch.device("meta"):
-        model = HybridDecoder(config, vision=vision)
+        model = HybridDecoder(config, vision=vision, mtp=mtp)
     layout = checkpoint_layout(model)
     if config.tie_word_embeddings:
         del layout["lm_head.weight"]
@@ -118,7 +128,7 @@ def load_model(
     by_file: dict[Path, list[tuple[str, str]]] = defaultdict(list)
     unexpected, skipped = [], defaultdict(int)
     for key, path in files.items():
-        name = parameter_name(key, vision)
+        name = parameter_name(key, vision, mtp)
         if name is None:
             skipped[next(p for p in SKIPPED_PREFIXES if key.startswith(p))] += 1
         elif name == "lm_head.weight" and config.tie_word_embeddings:

@@ -72,6 +72,7 @@ class ServerState:
     log_requests: bool = True  # one line per request, prompts redacted
     template_defaults: dict[str, Any] = field(default_factory=dict)  # --default-chat-template-kwargs
     max_logprobs: int = 20  # --max-logprobs
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage reports cached prompt tokens
     cors: dict[str, Any] | None = None  # CORSMiddleware's arguments (--allowed-origins & co)
     reasoning_parser: str | None = None  # --reasoning-parser
     tool_call_parser: str | None = None  # --tool-call-parser

@@ -381,10 +381,18 @@ class Job:
             entries.append(top)
         return entries
 
-    def _usage(self, outputs: list[RequestOutput]) -> dict[str, int]:
+    def _usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         prompt = sum(len(p) for p in self.prompts)
         completion = 0 if self.score_only else sum(o.num_output_tokens for o in outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        if self.state.prompt_tokens_details:  # each prompt once: its first choice's (choice i is prompt i // n)
+            cached = sum(o.num_cached_tokens for o in outputs[:: self.body.n])
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
 
 def _finite(logprob: float) -> float:

@@ -295,6 +295,9 @@ def build_state(args: argparse.Namespace) -> ServerState:
                 f"adapter name {adapter!r}: use 1-128 letters, digits, '_', '.', ':' or '-', "
                 f"other than the base model's names {names}"
             )
+    spec = args.speculative_config or {}
+    if spec.get("model") not in (None, args.model_dir, str(model_dir)):
+        raise ValueError("--speculative-config: MTP drafts with the served checkpoint's own layer; drop 'model'")
     config = EngineConfig(
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -316,6 +319,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         padded_decode=args.padded_decode,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_states=args.prefix_cache_states,
+        num_speculative_tokens=spec.get("num_speculative_tokens", 0),
         fault_injection=args.enable_fault_injection,
     )
     defaults = generation_defaults(args.generation_config, model_dir, args.override_generation_config)
@@ -343,6 +347,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         log_requests=not args.disable_log_requests,
         template_defaults=dict(args.default_chat_template_kwargs or {}),
         max_logprobs=args.max_logprobs,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
         cors=cors_settings(args),
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,

@@ -23,7 +23,7 @@ DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "
           "float32": "float32"}  # fmt: skip
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 TOOL_CALL_PARSERS = ("qwen3_coder", "hermes")
-SPECULATIVE_METHODS = ("mtp", "qwen3_next_mtp")
+SPECULATIVE_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")  # vLLM's; the last two are its old names
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -57,7 +57,13 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
         type=json.loads,
         default=None,
         metavar="JSON",
-        help='accepted and checked (\'{"method": "mtp", "num_speculative_tokens": 2}\'); not active yet',
+        help="MTP speculative decoding with the checkpoint's draft layer: "
+        '\'{"method": "mtp", "num_speculative_tokens": 2}\'',
+    )
+    v.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache",
     )
     v.add_argument("--disable-log-stats", action="store_true", help="accepted; hylora logs no periodic stats")
     v.add_argument("--enable-log-requests", action="store_true", help="a log line per request (the default)")
@@ -109,7 +115,13 @@ def check_speculative_config(config: Any) -> dict[str, Any] | None:
     k = config.get("num_speculative_tokens", 1)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 4:
         raise ValueError("--speculative-config: num_speculative_tokens must be an integer in [1, 4]")
-    return config
+    unknown = sorted(set(config) - {"method", "num_speculative_tokens", "model", "draft_sample_method"})
+    if unknown:
+        raise ValueError(f"--speculative-config: hylora does not take {', '.join(unknown)} (it takes method, "
+                         "num_speculative_tokens, and model / draft_sample_method at vLLM's defaults)")  # fmt: skip
+    if config.get("draft_sample_method", "greedy") != "greedy":
+        raise ValueError("--speculative-config: draft_sample_method must be 'greedy' (the MTP layer drafts by argmax)")
+    return {**config, "num_speculative_tokens": k}
 
 
 def normalise_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -144,8 +156,6 @@ def normalise_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
 def inactive_flags(args: argparse.Namespace) -> list[str]:
     """A line for each accepted flag that changes nothing today."""
     notes = []
-    if args.speculative_config is not None:
-        notes.append("--speculative-config: accepted and checked, not active yet (MTP is not implemented)")
     if args.enable_chunked_prefill is False:
         notes.append("--no-enable-chunked-prefill: accepted, but hylora always chunks long prompts")
     if args.disable_log_stats:

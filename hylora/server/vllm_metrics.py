@@ -73,6 +73,12 @@ class VLLMMetrics:
             "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
         self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft's position.", ("position",)
+        )
         self._seen: dict[str, int] = {}  # engine counters already added (the engine reports totals)
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
@@ -121,14 +127,23 @@ class VLLMMetrics:
             ("preemptions", self.preemptions, stats.preemptions),
             ("prefix_queries", self.prefix_queries, stats.prefix_cache_queries),
             ("prefix_hits", self.prefix_hits, stats.prefix_cache_hits),
+            ("spec_drafts", self.spec_drafts, stats.spec_drafts),
+            ("spec_draft_tokens", self.spec_draft_tokens, stats.spec_draft_tokens),
+            ("spec_accepted", self.spec_accepted, stats.spec_accepted_tokens),
         ):
-            seen = self._seen.get(key, 0)
-            counter.labels(name).inc(max(0, total - seen))
-            self._seen[key] = max(seen, total)
+            self._add(key, counter.labels(name), total)
+        for pos, total in enumerate(stats.spec_accepted_per_position):
+            self._add(f"spec_pos{pos}", self.spec_accepted_per_pos.labels(name, str(pos)), total)
         self.lora_info.clear()
         running = ",".join(sorted(a for a, n in stats.running_by_adapter.items() if a and n))
         waiting = ",".join(sorted(a for a, n in stats.waiting_by_adapter.items() if a and n))
         self.lora_info.labels(str(self.max_loras), waiting, running).set(time.time())
+
+    def _add(self, key: str, counter: Counter, total: int) -> None:
+        """Bring `counter` up to the engine's cumulative `total`."""
+        seen = self._seen.get(key, 0)
+        counter.inc(max(0, total - seen))
+        self._seen[key] = max(seen, total)
 
     def request_started(self, prompt_tokens: int, n: int, max_tokens: int) -> None:
         name = self.model_name

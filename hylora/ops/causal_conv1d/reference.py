@@ -70,6 +70,39 @@ def causal_conv1d_by_slot(
     return tuple(part.contiguous() for part in out.split(list(splits), dim=-1))
 
 
+def save_conv_states(
+    x: torch.Tensor,  # [T, C]
+    conv_state: torch.Tensor,  # [S, C, K-1] the state pool, before the conv updates it
+    slots: torch.Tensor,  # [N]
+    seq_lens: list[int],
+    spec_slots: torch.Tensor,  # [N, J], J >= max(seq_lens) - 1
+) -> None:
+    """For a speculative verify step: writes into conv_state[spec_slots[i, j]] the conv state sequence i
+    has after its token j < n_i - 1 (its last K-1 inputs up to token j); -1 entries and rows whose slot
+    is negative write nothing. Call it before the conv, which moves conv_state[slots] past the chunk.
+
+    Spec slots must be distinct and differ from every slot in `slots`. No host sync: entries that write
+    nothing rewrite a live row's own slot (or slot 0 if no row is live) with the value it holds."""
+    N, J = len(seq_lens), max(seq_lens, default=0) - 1
+    if spec_slots.dim() != 2 or spec_slots.shape[0] != N or spec_slots.shape[1] < J:
+        raise ValueError(f"save_conv_states: spec_slots {tuple(spec_slots.shape)} do not fit lengths {seq_lens}")
+    if J <= 0:
+        return
+    starts, T, device = seq_starts(seq_lens), x.shape[0], x.device
+    rows = [[min(start + j, T - 1) for j in range(J)] for start in starts[:-1]]  # [N, J], past n_i: unused
+    writes = [[j < n - 1 for j in range(J)] for n in seq_lens]
+    rows, writes = (torch.tensor(t).to(device, non_blocking=True) for t in (rows, writes))
+    live = slots.long() >= 0
+    keep = torch.where(live, slots.long(), slots.long().max()).clamp_min(0)  # [N]
+    held = conv_state[keep]  # [N, C, K-1]
+    window = torch.cat([held, x[rows].transpose(1, 2).to(conv_state.dtype)], dim=2)  # [N, C, K-1+J]
+    after = window.unfold(2, conv_state.shape[2], 1)[:, :, 1:].transpose(1, 2)  # [N, J, C, K-1]
+    spec = spec_slots[:, :J].long()
+    valid = writes & (spec >= 0) & live[:, None]
+    dst = torch.where(valid, spec, keep[:, None])
+    conv_state[dst] = torch.where(valid[..., None, None], after, held[:, None])
+
+
 def check_splits(splits: Sequence[int], channels: int) -> None:
     if len(splits) > 3 or sum(splits) != channels or min(splits) <= 0:
         raise ValueError(f"causal_conv1d_by_slot: splits {list(splits)} are not 1-3 positive parts of {channels}")

@@ -101,9 +101,7 @@ def varlen_gated_delta_rule(
     reads key head i // (Hv / Hk); q is multiplied by `scale`. Single-token sequences (decode) are
     stepped together by the recurrence; longer ones go through the chunked form one by one.
     Returns (o [T, Hv, dv] in v's dtype, final states [N, Hv, dk, dv] fp32)."""
-    group = v.shape[1] // q.shape[1]
-    q = (l2norm(q.float()) * scale).repeat_interleave(group, dim=1)
-    k = l2norm(k.float()).repeat_interleave(group, dim=1)
+    q, k = _value_head_qk(q, k, v.shape[1], scale)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     final = torch.empty(initial_states.shape, dtype=torch.float32, device=v.device)
     starts = seq_starts(seq_lens)
@@ -147,13 +145,71 @@ def recurrent_by_slot(
     slots: torch.Tensor,  # [N]
     seq_lens: list[int],
     scale: float,
+    *,
+    spec_slots: torch.Tensor | None = None,  # [N, J], J >= max(seq_lens) - 1
 ) -> torch.Tensor:
     """The layer's prefill delta rule with the gating, states read and written in the pool by slot:
-    what `triton.recurrent_by_slot` computes token by token. Returns o [T, Hv, dv] in v's dtype."""
+    what `triton.recurrent_by_slot` computes token by token. Returns o [T, Hv, dv] in v's dtype.
+
+    With `spec_slots` (a speculative verify step) every sequence is stepped token by token and its
+    state after token j < n_i - 1 is also written to slot spec_slots[i, j] (-1: nowhere). Spec slots
+    must be distinct and differ from every slot in `slots`."""
     g, beta = gating(b, a, A_log, dt_bias)
-    o, final = varlen_gated_delta_rule(q, k, v, g, beta, state_pool[slots], seq_lens, scale)
-    state_pool[slots] = final
-    return o
+    if spec_slots is None:
+        o, final = varlen_gated_delta_rule(q, k, v, g, beta, state_pool[slots], seq_lens, scale)
+        state_pool[slots] = final
+        return o
+    return _recurrent_with_spec_states(q, k, v, g, beta, state_pool, slots, seq_lens, scale, spec_slots)
+
+
+def _recurrent_with_spec_states(
+    q: torch.Tensor,  # [T, Hk, dk] raw
+    k: torch.Tensor,  # [T, Hk, dk] raw
+    v: torch.Tensor,  # [T, Hv, dv]
+    g: torch.Tensor,  # [T, Hv]
+    beta: torch.Tensor,  # [T, Hv]
+    state_pool: torch.Tensor,  # [S, Hv, dk, dv]
+    slots: torch.Tensor,  # [N]
+    seq_lens: list[int],
+    scale: float,
+    spec_slots: torch.Tensor,  # [N, J]
+) -> torch.Tensor:
+    """All sequences stepped together over [N, max(n_i)] padded tokens (a padding token has k = v =
+    g = beta = 0, so it leaves the state exactly as it was). After each step one scatter writes the
+    states to their spec slots without a host sync: entries that write nothing go to their row's own
+    slot, which the final states overwrite at the end."""
+    N, L = len(seq_lens), max(seq_lens, default=0)
+    if spec_slots.dim() != 2 or spec_slots.shape[0] != N or spec_slots.shape[1] < L - 1:
+        raise ValueError(f"recurrent_by_slot: spec_slots {tuple(spec_slots.shape)} do not fit lengths {seq_lens}")
+    starts, T, device = seq_starts(seq_lens), sum(seq_lens), v.device
+    padded = [[starts[i] + t if t < n else T for t in range(L)] for i, n in enumerate(seq_lens)]
+    index = torch.tensor(padded, dtype=torch.long).to(device, non_blocking=True)  # [N, L], T: a zero row
+    q, k = _value_head_qk(q, k, v.shape[1], scale)
+    q, k, v, g, beta = (
+        torch.cat([x.float(), x.new_zeros(1, *x.shape[1:], dtype=torch.float32)])[index] for x in (q, k, v, g, beta)
+    )
+    spec = spec_slots[:, : max(L - 1, 0)].long()
+    writes = torch.tensor([[t < n - 1 for t in range(spec.shape[1])] for n in seq_lens], dtype=torch.bool)
+    dst = torch.where(writes.to(device, non_blocking=True) & (spec >= 0), spec, slots[:, None].long())
+    state = state_pool[slots].float()
+    out = torch.empty(N, L, *v.shape[2:], dtype=torch.float32, device=device)
+    for t in range(L):
+        step = slice(t, t + 1)
+        out[:, step], state = recurrent_gated_delta_rule(
+            q[:, step], k[:, step], v[:, step], g[:, step], beta[:, step], state
+        )
+        if t < L - 1:
+            state_pool[dst[:, t]] = state
+    state_pool[slots] = state
+    real = torch.tensor([i * L + t for i, n in enumerate(seq_lens) for t in range(n)], dtype=torch.long)
+    return out.flatten(0, 1)[real.to(device, non_blocking=True)].to(v.dtype)
+
+
+def _value_head_qk(q: torch.Tensor, k: torch.Tensor, hv: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 q and k [T, Hk, dk] L2-normalised (q times `scale`) and expanded to the Hv value heads."""
+    group = hv // q.shape[1]
+    q = (l2norm(q.float()) * scale).repeat_interleave(group, dim=1)
+    return q, l2norm(k.float()).repeat_interleave(group, dim=1)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

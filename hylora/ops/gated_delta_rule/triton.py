@@ -11,6 +11,10 @@ registers across the sequence's tokens. Per token: q/k L2 norm, beta = sigmoid(b
 model dtype, decay = exp(-exp(A_log) softplus(a + dt_bias)), the delta rule on the tile, o = Sᵀq.
 fp32 arithmetic, int64 offsets, masked loads. A negative slot reads nothing, writes no state, and
 outputs zeros. A sequence of 0 tokens leaves its state as it was.
+
+With `spec_slots` [N, J] (a speculative verify step, as vLLM does it) the state after token j < n_i - 1
+of sequence i is also stored to pool slot spec_slots[i, j] (-1: nowhere); the final state still goes
+to slots[i]. Without it the kernel is compiled with HAS_SPEC=False and has no such stores.
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ def recurrent_by_slot(
     out: torch.Tensor | None = None,  # [T, Hv, dv]
     block_v: int = BLOCK_V,
     num_warps: int = NUM_WARPS,
+    *,
+    spec_slots: torch.Tensor | None = None,  # [N, J] int32/int64, J >= max(seq_lens) - 1
 ) -> torch.Tensor:
+    """`reference.recurrent_by_slot` in one launch. Returns o [T, Hv, dv] (`out` if given)."""
     T, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     if state_pool.dtype != torch.float32:
@@ -52,31 +59,44 @@ def recurrent_by_slot(
         raise ValueError("recurrent_by_slot: the state pool, slots or lengths do not fit the tokens")
     if any(x.stride(-1) != 1 for x in (q, k, v, b, a)):
         raise ValueError("recurrent_by_slot: q, k, v, b and a need unit stride along their last dimension")
+    if spec_slots is not None and (
+        spec_slots.dim() != 2
+        or spec_slots.shape[0] != len(seq_lens)
+        or spec_slots.shape[1] < max(seq_lens, default=0) - 1
+        or spec_slots.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            f"recurrent_by_slot: spec_slots must be int32/int64 [N={len(seq_lens)}, J >= max(seq_lens) - 1 = "
+            f"{max(seq_lens, default=0) - 1}], got {spec_slots.dtype} {tuple(spec_slots.shape)}"
+        )
     if out is None:
         out = torch.empty(T, hv, dv, dtype=v.dtype, device=v.device)
     N = len(seq_lens)
     if N == 0:
         return out
     block_v = min(block_v, triton.next_power_of_2(dv))
+    spec = slots if spec_slots is None else spec_slots  # a dummy pointer without HAS_SPEC
+    spec_strides = (0, 0) if spec_slots is None else spec_slots.stride()
     _recurrent_kernel[(N, hv, triton.cdiv(dv, block_v))](
-        q, k, v, b, a, A_log, dt_bias, state_pool, slots, device_seq_starts(tuple(seq_lens), v.device), out,
+        q, k, v, b, a, A_log, dt_bias, state_pool, slots, device_seq_starts(tuple(seq_lens), v.device), out, spec,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), b.stride(0), a.stride(0),
-        *state_pool.stride(), out.stride(0), out.stride(1), scale,
+        *state_pool.stride(), out.stride(0), out.stride(1), *spec_strides, scale,
         HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
-        num_warps=num_warps,
+        HAS_SPEC=spec_slots is not None, num_warps=num_warps,
     )  # fmt: skip
     return out
 
 
 @triton.jit
 def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, rec_ptr, slots_ptr, cu_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, rec_ptr, slots_ptr, cu_ptr, o_ptr, spec_ptr,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_bt, s_at,
     s_rs, s_rh, s_rk, s_rv,
     s_ot, s_oh,
+    s_pn, s_pj,
     scale,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SPEC: tl.constexpr,
 ):  # fmt: skip
     n, h, kh, slot, live = program_slot(slots_ptr, HK, HV)
     start = tl.load(cu_ptr + n).to(tl.int64)
@@ -102,4 +122,7 @@ def _recurrent_kernel(
         state, o = delta_rule(state, l2norm(q) * scale, l2norm(k), v, decay, beta)
         o = tl.where(live, o, 0.0)
         tl.store(o_ptr + t * s_ot + h * s_oh + vv, o.to(o_ptr.dtype.element_ty), mask=v_mask)
+        if HAS_SPEC:
+            spec = tl.load(spec_ptr + n * s_pn + (t - start) * s_pj, mask=t < end - 1, other=-1).to(tl.int64)
+            tl.store(s_ptr + (tl.maximum(spec, 0) - slot) * s_rs, state, mask=s_mask & (spec >= 0))
     tl.store(s_ptr, state, mask=s_mask)

@@ -1,0 +1,155 @@
+"""MTP speculative decoding on the 27B shape (issue 26): decode throughput with and without it.
+
+    python3 bench/speculative_gpu.py --layers 16 --out spec.json     # H200, bf16, random weights
+    python3 bench/speculative_gpu.py --tiny                          # CPU smoke run of the same code
+
+Random weights draft nothing useful, so the drafts' *acceptance* is set by an oracle: the drafter
+runs the MTP layer as in serving (its cost is paid), then its tokens are replaced by the plain run's
+greedy continuation, each draft wrong with probability 1 - p (acceptance stops at the first wrong
+one). The output must equal the plain run's (checked). Per batch size: the plain decode's output
+tokens/s (CUDA graphs and decode ahead, as served), and with speculation (k drafts) at per-draft
+acceptance p = 0.6 / 0.8 / 0.9 / 1.0: tokens/s, tokens per step, and the mean step time against the
+plain decode step's — the cost of a verify step of k + 1 tokens per sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.engine_gpu import QWEN36_27B, SMALL, random_model  # noqa: E402
+from bench.prefix_cache_gpu import TINY, random_ids  # noqa: E402
+from hylora.config import ModelConfig  # noqa: E402
+from hylora.demo import write_tokenizer  # noqa: E402
+from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from hylora.engine.speculative import Drafter  # noqa: E402
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[dict, float, int]:
+    """All prompts at once; (outputs, seconds from the last first token to the end, decode steps)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    done, started, t0, steps0 = {}, set(), None, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.new_token_ids:
+                started.add(out.request_id)
+            if out.finished:
+                done[out.request_id] = out
+        if t0 is None and len(started) == len(prompts):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0, steps0 = time.perf_counter(), engine.step_count
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return done, time.perf_counter() - t0, engine.step_count - steps0
+
+
+def oracle(engine: LLMEngine, reference: dict, accept: float, seed: int) -> None:
+    """Drafts: the MTP layer runs, then its tokens become the reference continuation, each wrong
+    with probability 1 - accept."""
+    drafter = engine.drafter
+    assert drafter is not None
+    rng = random.Random(seed)
+    propose = Drafter.propose
+
+    def patched(ran, num_drafts):
+        propose(drafter, ran, num_drafts)
+        for c, _ in ran:
+            req = c.request
+            if req.finished or not req.draft_ids:
+                continue
+            truth = reference[req.request_id].token_ids[len(req.output_ids) :]
+            drafts = truth[: len(req.draft_ids)]
+            req.draft_ids = [t if rng.random() < accept else (t + 1) % 1000 for t in drafts]
+
+    drafter.propose = patched  # type: ignore[method-assign]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--batches", default="1,4,8,32")
+    ap.add_argument("--accept", default="0.6,0.8,0.9,1.0")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the bench runs")
+    ap.add_argument("--small", action="store_true", help="bench/engine_gpu.py's SMALL shape (a quick GPU check)")
+    ap.add_argument("--fp32", action="store_true", help="fp32 weights: speculation must then change no token")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    big = SMALL if args.small else dict(QWEN36_27B, num_hidden_layers=args.layers)
+    shape = dict(TINY if args.tiny else big, mtp_num_hidden_layers=1)
+    cfg = ModelConfig.from_hf(shape)
+    work = Path(tempfile.mkdtemp())
+    write_tokenizer(work, 1024)
+    model = random_model(cfg, device, torch.float32 if args.tiny or args.fp32 else torch.bfloat16, mtp=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    config = EngineConfig(
+        max_model_len=args.prompt + args.max_tokens + 16, max_num_seqs=max(batches), device=device,
+        num_speculative_tokens=args.k, enable_prefix_caching=False,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    engine = LLMEngine(work, config, {}, progress=False, model=model)
+    drafter = engine.drafter
+    result = {
+        "card": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "layers": cfg.num_layers,
+        "k": args.k,
+        "date": time.strftime("%Y-%m-%d"),
+        "engine_setup_s": time.perf_counter() - t0,
+        "rows": [],
+    }
+    print(f"engine set-up {result['engine_setup_s']:.1f} s", flush=True)
+    print("| batch | mode | out tok/s | tokens/step/seq | step ms | step vs plain | tok/s vs plain |", flush=True)
+    print("| --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    for b in batches:
+        prompts = [random_ids(args.prompt, seed=100 * b + i) for i in range(b)]
+        engine.drafter = None  # plain decoding: CUDA graphs and decode ahead
+        generate(engine, prompts[:1], 8)  # warm-up
+        plain, secs, steps = generate(engine, prompts, args.max_tokens)
+        tokens = b * (args.max_tokens - 1)  # (the first token of each comes from its prefill)
+        plain_tok_s, plain_ms = tokens / secs, 1e3 * secs / steps
+        result["rows"].append({"batch": b, "mode": "plain", "tok_s": plain_tok_s, "step_ms": plain_ms})
+        print(f"| {b} | plain | {plain_tok_s:.0f} | 1.00 | {plain_ms:.2f} | 1.00 | 1.00 |", flush=True)
+        engine.drafter = drafter
+        for accept in (float(a) for a in args.accept.split(",")):
+            oracle(engine, plain, accept, seed=b)
+            done, secs, steps = generate(engine, prompts, args.max_tokens)
+            drafter.propose = Drafter.propose.__get__(drafter)  # type: ignore[method-assign]
+            same = all(done[r].token_ids == plain[r].token_ids for r in plain)
+            diverge = [_first_difference(done[r].token_ids, plain[r].token_ids) for r in plain]
+            row = {
+                "batch": b, "mode": f"k={args.k} p={accept}", "tok_s": tokens / secs, "step_ms": 1e3 * secs / steps,
+                "tokens_per_step": tokens / b / steps, "speedup": tokens / secs / plain_tok_s, "same_output": same,
+                "first_difference": diverge,
+            }  # fmt: skip
+            result["rows"].append(row)
+            print(
+                f"| {b} | {row['mode']} | {row['tok_s']:.0f} | {row['tokens_per_step']:.2f} | {row['step_ms']:.2f} | "
+                f"{row['step_ms'] / plain_ms:.2f} | {row['speedup']:.2f} |"
+                + ("" if same else f" output differs from token {min(d for d in diverge if d is not None)}"),
+                flush=True,
+            )
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+if __name__ == "__main__":
+    main()

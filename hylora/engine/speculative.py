@@ -1,0 +1,242 @@
+"""Speculative decoding with the checkpoint's MTP layer (`--speculative-config '{"method": "mtp", ...}'`).
+
+A step with speculation, for a request that speculates:
+
+1. verify: its decode token and the k drafts the MTP layer made run as one chunk of k+1 positions
+   (the row's adapter applies as in any step). The GDN layers keep the state after every position
+   in the request's spare state slots (`Request.spec_slots`, ops `spec_slots`).
+2. accept (`launch_verify`): greedy rows keep drafts while they equal the target's argmax; sampled
+   rows accept draft d with probability p(d) and, at the first rejection, draw from p with d removed
+   (the draft is one token, so this is the standard rejection rule with a one-hot draft
+   distribution): the output distribution is the target's. The first rejected position (or the
+   position after the last draft) gives one more token, so a step yields 1 to k+1 tokens.
+3. commit (`commit_state`): the GDN and conv state after the last accepted position is copied into
+   the request's slot; attention KV of rejected positions is simply overwritten later.
+4. draft (`Drafter.propose`): the MTP layer runs over the positions this step computed (row t: the
+   decoder's hidden state at t with the token at t+1), filling its own KV cache and giving the
+   first draft; k-1 more single-row passes feed it its own output and the draft before.
+
+What does not speculate (it decodes one token per step, in the same steps): a request with a
+grammar, penalties or unmet min_tokens (each draft's logits would depend on the drafts before it
+through state the host keeps), steps that also carry a prefill chunk longer than the token-by-token
+GDN kernel takes (`RECURRENT_MAX_TOKENS`), and drafts that would pass max_tokens or max_model_len.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hylora.cache import PagedKVCache, StatePool
+from hylora.engine.host_copy import HostCopy
+from hylora.engine.request import Request, TokenLogprob
+from hylora.engine.sampler import (
+    SamplingError,
+    _edit_row,
+    _generator,
+    _logprob_tensors,
+    _logprobs_from_host,
+    draws_without_host,
+    filtered_probs,
+    to_device,
+)
+from hylora.engine.scheduler import ScheduledChunk
+from hylora.model.decoder import HybridDecoder
+from hylora.model.forward_batch import ForwardBatch, SequenceChunk
+
+
+@dataclass
+class SpecStats:
+    """Cumulative counters (vLLM's spec_decode metrics)."""
+
+    drafts: int = 0  # verify chunks run
+    draft_tokens: int = 0  # drafts verified
+    accepted_tokens: int = 0  # drafts accepted
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: draft i accepted
+
+
+# --- accept ------------------------------------------------------------------------------------
+class PendingVerify:
+    """The acceptance of a step's verify chunks, queued on the device; `results()` waits once."""
+
+    def __init__(
+        self,
+        requests: list[Request],
+        sizes: list[int],  # rows per request: drafts + 1
+        candidates: torch.Tensor,  # [R] token each row gives if the walk reaches it
+        accept: torch.Tensor,  # [R] the row's draft is accepted
+        code: torch.Tensor,  # [R] 0: fine; 1: the row cannot be sampled
+        logprobs: tuple[list[int], list[int], tuple[torch.Tensor, ...]] | None,
+    ) -> None:
+        self.requests, self.sizes, self._logprobs = requests, sizes, logprobs
+        self._host = HostCopy(torch.stack([candidates, accept.long(), code]), *(logprobs[2] if logprobs else ()))
+
+    def results(self) -> list[list[tuple[int, TokenLogprob | None]] | SamplingError]:
+        """Per request: the tokens this step gives (accepted drafts, then one more), each with its
+        logprob info when asked; or the SamplingError that ends the request."""
+        (candidates, accept, code), *lp_host = self._host.values()
+        infos: dict[int, TokenLogprob] = {}
+        if self._logprobs is not None:
+            wants, ks, _ = self._logprobs
+            tokens = [candidates[r] for r in wants]
+            infos = dict(zip(wants, _logprobs_from_host(*lp_host, tokens, ks), strict=True))
+        out: list[list[tuple[int, TokenLogprob | None]] | SamplingError] = []
+        row = 0
+        for n in self.sizes:
+            rows = range(row, row + n)
+            row += n
+            taken = []
+            for r in rows:
+                if code[r]:
+                    taken = SamplingError(
+                        "no token has a finite, positive probability after temperature, top_k / top_p / "
+                        "min_p and logit_bias; relax them"
+                    )
+                    break
+                taken.append((candidates[r], infos.get(r)))
+                if not accept[r]:
+                    break
+            out.append(taken)
+        return out
+
+
+def launch_verify(
+    logits: list[torch.Tensor],  # per request [k_i + 1, V] fp32: its decode token's row, then each draft's
+    requests: list[Request],
+    drafts: list[list[int]],
+    eos_ids: tuple[int, ...] = (),
+) -> PendingVerify:
+    """Accept each request's drafts against its logits (module docstring, step 2), on the device."""
+    sizes = [len(d) + 1 for d in drafts]
+    owner = [i for i, n in enumerate(sizes) for _ in range(n)]
+    rows = torch.cat(logits)  # [R, V]
+    R, vocab = rows.shape
+    device = rows.device
+    draft = to_device([t for d in drafts for t in (*d, -1)], device, torch.long)  # -1: the row after the drafts
+    work = rows.clone()
+    for r, i in enumerate(owner):  # logit_bias (speculating requests have no penalties or min_tokens)
+        _edit_row(work[r], requests[i], eos_ids, vocab)
+    code = (~torch.isfinite(work).any(-1)).long()
+    candidates = work.argmax(-1)
+    accept = candidates == draft
+    sampled = [r for r, i in enumerate(owner) if not requests[i].params.greedy]
+    if sampled:
+        params = [requests[owner[r]].params for r in sampled]
+        idx = to_device(sampled, device, torch.long)
+        temperature = to_device([p.temperature for p in params], device)
+        probs = filtered_probs(
+            work[idx] / temperature[:, None], [p.top_k for p in params], [p.top_p for p in params],
+            [p.min_p for p in params],
+        )  # fmt: skip
+        probs = torch.nan_to_num(probs, nan=0.0)
+        good = probs.sum(-1) > 0
+        has_draft = draft[idx] >= 0
+        d = draft[idx].clamp(min=0)
+        p_draft = probs.gather(1, d[:, None])[:, 0] * has_draft
+        uniform, race = torch.empty(len(sampled), device=device), torch.empty_like(probs)
+        for j, r in enumerate(sampled):  # each request's own generator: a seed reproduces its tokens
+            g = _generator(requests[owner[r]], device)
+            uniform[j : j + 1].uniform_(generator=g)
+            race[j].exponential_(generator=g)
+        took = uniform < p_draft
+        # the rejected draft's mass removed (rows after the drafts keep all of p)
+        residual = probs.scatter(1, d[:, None], torch.where(has_draft, 0.0, p_draft)[:, None].to(probs.dtype))
+        residual = torch.where((residual.sum(-1) > 0)[:, None], residual, probs)
+        drawn = (residual / race.clamp_(min=1e-30)).argmax(-1)
+        candidates[idx] = torch.where(took, d, drawn)
+        accept[idx] = took
+        code[idx] = torch.where(good, code[idx], 1)
+    wants = [r for r, i in enumerate(owner) if requests[i].params.logprobs is not None]
+    logprob_info = None
+    if wants:
+        ks = [requests[owner[r]].params.logprobs or 0 for r in wants]
+        raw = torch.log_softmax(rows[to_device(wants, device, torch.long)], dim=-1)
+        logprob_info = (wants, ks, _logprob_tensors(raw, candidates[to_device(wants, device, torch.long)], max(ks)))
+    return PendingVerify(requests, sizes, candidates, accept, code, logprob_info)
+
+
+def commit_state(states: StatePool, req: Request, accepted: int, num_drafts: int) -> None:
+    """After `accepted` of `num_drafts` drafts: the state after position `accepted` of the verify
+    chunk becomes the request's (the chunk's last position's is already in its slot)."""
+    if accepted < num_drafts:
+        assert req.state_slot is not None
+        states.copy_to(states, req.spec_slots[accepted], req.state_slot)
+
+
+# --- draft -------------------------------------------------------------------------------------
+class Drafter:
+    """Runs the MTP layer after each step and leaves each speculating request's drafts in
+    `Request.draft_ids` (module docstring, step 4)."""
+
+    def __init__(self, model: HybridDecoder, kv: PagedKVCache, states: StatePool, num_tokens: int) -> None:
+        if model.mtp is None:
+            raise ValueError("speculative decoding needs the model's MTP layer (load_model(..., mtp=True))")
+        self.model, self.kv, self.states, self.k = model, kv, states, num_tokens
+
+    def budget(self, req: Request, max_model_len: int) -> int:
+        """How many drafts the request's next step may verify."""
+        if req.finished or not draws_without_host(req):
+            return 0
+        left = req.params.max_tokens - len(req.output_ids) - 1  # the step also gives one token of its own
+        return max(0, min(self.k, left, max_model_len - req.num_tokens - 1))
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        ran: list[tuple[ScheduledChunk, torch.Tensor]],  # chunks read this step, with their hidden rows
+        num_drafts: Callable[[Request], int],  # drafts wanted (0: only keep the MTP cache up to date)
+    ) -> None:
+        """The MTP layer over the positions each request computed this step, then its drafts."""
+        seqs, hidden, wanted = [], [], []
+        for c, rows in ran:
+            req = c.request
+            req.draft_ids = []
+            n = req.num_computed - c.start  # positions computed this step (a verify chunk: 1 + accepted)
+            if req.finished or n <= 0 or len(req.all_ids) < c.start + n + 1:
+                continue
+            end = c.start + n
+            seqs.append(self._chunk(req, req.all_ids[c.start + 1 : end + 1], c.start))
+            hidden.append(rows[:n])
+            wanted.append((req, num_drafts(req)))
+        if not seqs:
+            return
+        batch = ForwardBatch.build(seqs, self.kv.page_size, self.model.device)
+        out = self.model.draft(batch, torch.cat(hidden), self.kv, self.states)  # [T, H]
+        last = (torch.tensor(batch.seq_lens).cumsum(0) - 1).tolist()
+        live = [(req, k, out[row]) for (req, k), row in zip(wanted, last, strict=True) if k > 0]
+        drafts: list[list[int]] = [[] for _ in live]
+        for step in range(max((k for _, k, _ in live), default=0)):
+            if step > 0:  # the layer again, on its own output and the draft before, one position on
+                live_idx = [i for i, (_, k, _) in enumerate(live) if k > step and len(drafts[i]) == step]
+                if not live_idx:
+                    break
+                seqs = [self._chunk(live[i][0], [drafts[i][-1]], live[i][0].num_tokens - 2 + step) for i in live_idx]
+                batch = ForwardBatch.build(seqs, self.kv.page_size, self.model.device)
+                prev = torch.stack([live[i][2] for i in live_idx])
+                new = self.model.draft(batch, prev, self.kv, self.states, step)
+                for j, i in enumerate(live_idx):
+                    live[i] = (live[i][0], live[i][1], new[j])
+            else:
+                live_idx = list(range(len(live)))
+            h = torch.stack([live[i][2] for i in live_idx])
+            logits = self.model.logits(h)
+            tokens, finite = HostCopy(logits.argmax(-1), torch.isfinite(logits).all(-1)).values()
+            for j, i in enumerate(live_idx):
+                if finite[j]:  # a non-finite draft ends that request's drafting; its output is unaffected
+                    drafts[i].append(int(tokens[j]))
+        for (req, _, _), d in zip(live, drafts, strict=True):
+            req.draft_ids = d
+
+    def _chunk(self, req: Request, tokens: list[int], start: int) -> SequenceChunk:
+        """MTP rows at positions start.. (row t: the token at t + 1), on the base weights."""
+        assert req.state_slot is not None
+        end = start + len(tokens)
+        return SequenceChunk(
+            token_ids=tokens,
+            context_len=start,
+            state_slot=req.state_slot,  # (the MTP layer is attention only: no state is read)
+            pages=req.pages,
+            positions=req.mm.positions.window(start, end) if req.mm is not None else None,
+        )
