@@ -7,15 +7,23 @@ and can be told to fail the ways real deployments fail:
     their adapters;
 (c) `nan_after`: from that prompt position on, logprobs are NaN and the top token is token 0 (`!!!!`);
 (d) `poison_after_long`: once a request with at least that many prompt tokens has run, every later
-    request comes out NaN / token 0 (NaN that outlives its request).
+    request comes out NaN / token 0 (NaN that outlives its request);
+and `noise`: every position's logprobs shift by a random N(0, noise²), new for every request (a
+noisy, e.g. low-precision, server that is otherwise correct: the top tokens do not change).
+
+`write_subtle_adapters` writes PEFT adapters whose effect on the doctor's text is modest, like
+real task adapters (mean |Δ logprob| vs base ≈ 0.17-0.18, max ≈ 0.8-1.4 on 400 tokens).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import itertools
 import json
 import math
+import random
 import socket
 import threading
 import time
@@ -44,6 +52,7 @@ class Faults:
     base_gets_adapter: bool = False  # (b)
     nan_after: int | None = None  # (c)
     poison_after_long: int | None = None  # (d)
+    noise: float = 0.0  # σ of a per-position logprob shift, new for every request
 
 
 @dataclass
@@ -114,6 +123,8 @@ def build_app(server: FakeServer, aengine: AsyncEngine) -> FastAPI:
             out = _broken_from(out, 0)
         elif f.nan_after is not None:
             out = _broken_from(out, f.nan_after)  # (c)
+        if f.noise:
+            out = _noisy(out, f.noise, random.Random(n))
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         if body.get("stream"):
             return StreamingResponse(_events(out, model, tokenizer, body), media_type="text/event-stream")
@@ -138,6 +149,20 @@ def _broken_from(out: RequestOutput, position: int) -> RequestOutput:
         out.request_id, out.prompt_token_ids, tokens, "", True, out.finish_reason, token_ids=tokens,
         text="!" * len(tokens), logprobs=logprobs, prompt_logprobs=prompt,  # type: ignore[arg-type]
     )  # fmt: skip
+
+
+def _noisy(out: RequestOutput, sigma: float, rng: random.Random) -> RequestOutput:
+    """Every position's logprobs shifted by one draw of N(0, σ²): the ranking stays, the values move."""
+
+    def shift(lp: TokenLogprob | None) -> TokenLogprob | None:
+        if lp is None:
+            return None
+        e = rng.gauss(0.0, sigma)
+        return TokenLogprob(lp.token_id, lp.logprob + e, {t: v + e for t, v in lp.top.items()})
+
+    prompt = [shift(lp) for lp in out.prompt_logprobs] if out.prompt_logprobs else out.prompt_logprobs
+    logprobs = [shift(lp) for lp in out.logprobs] if out.logprobs else out.logprobs
+    return dataclasses.replace(out, prompt_logprobs=prompt, logprobs=logprobs)
 
 
 def _ranked(lp: TokenLogprob) -> dict[str, dict[str, Any]]:
@@ -199,9 +224,11 @@ def _free_port() -> int:
 
 
 @contextmanager
-def fake_server(model_dir: Path, adapters: dict[str, Path], max_model_len: int = 1024) -> Iterator[FakeServer]:
+def fake_server(
+    model_dir: Path, adapters: dict[str, Path], max_model_len: int = 1024, dtype: str = "float32"
+) -> Iterator[FakeServer]:
     """A FakeServer on 127.0.0.1 (in a thread of this process) serving `model_dir` with `adapters`."""
-    config = EngineConfig(max_model_len=max_model_len, max_num_seqs=16, device="cpu", dtype="float32")
+    config = EngineConfig(max_model_len=max_model_len, max_num_seqs=16, device="cpu", dtype=dtype)
     engine = LLMEngine(model_dir, config, lora_modules=adapters, progress=False)
     port = _free_port()
     server = FakeServer(url=f"http://127.0.0.1:{port}", engine=engine)
@@ -220,3 +247,38 @@ def fake_server(model_dir: Path, adapters: dict[str, Path], max_model_len: int =
         uv.should_exit = True
         thread.join(timeout=10)
         asyncio.run(aengine.shutdown(1.0))
+
+
+# name → (LoraConfig kwargs, factor on PEFT's random B): effects of mean |Δ logprob| 0.17-0.18 on the demo
+SUBTLE_ADAPTERS = {
+    "subtle_attn": (dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "in_proj_qkv", "out_proj"]), 0.08),
+    "subtle_mlp": (dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]), 0.12),
+    "subtle_all": (
+        dict(r=16, lora_alpha=16, use_rslora=True, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+            "out_proj", "gate_proj", "up_proj", "down_proj",
+        ]),
+        0.03,
+    ),
+}  # fmt: skip
+
+
+def write_subtle_adapters(model_dir: Path, out: Path) -> dict[str, Path]:
+    """PEFT adapters with random A and a small random B (PEFT's init_lora_weights=False, B scaled
+    down) on the demo checkpoint, written by PEFT itself: small effects, like real task adapters."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    paths = {}
+    for i, (name, (kwargs, factor)) in enumerate(SUBTLE_ADAPTERS.items()):
+        torch.manual_seed(100 + i)
+        model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, lora_dropout=0.0, **kwargs))
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if "lora_B" in param_name:
+                    param.mul_(factor)
+        model.save_pretrained(out / name)
+        paths[name] = out / name
+    return paths

@@ -1,6 +1,7 @@
 """`hylora doctor --demo` in this process: every check on the demo model and its adapters passes, with
 the fidelity sweep up to 4096 tokens; the JSON holds the numbers and the HTML report shows the sweep
-(and renders in a real browser when Chromium is installed)."""
+(and renders in a real browser when Chromium is installed). The fast-path checks run on the engine
+when its features say the paths are on."""
 
 from __future__ import annotations
 
@@ -13,12 +14,24 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from hylora.cli import build_parser
 from hylora.doctor.cli import run_from_args
 from hylora.doctor.prompts import BOUNDARY_LENGTHS
+from hylora.engine import EngineConfig
 
 TARGETS = ["base", "relic", "tomb", "mural"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The demo model is too small to gain from a second CPU thread, and torch's threads spin badly
+    when the cores are shared (10-100× slower under load): one thread, as `doctor --demo` uses."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +50,15 @@ def test_demo_passes_every_check_with_the_sweep_to_4096(doctor_run):
     code, text, data, _ = doctor_run
     assert code == 0, text
     status = {c["name"]: c["status"] for c in data["checks"]}
+    prefix = "pass" if getattr(EngineConfig(), "enable_prefix_caching", False) else "skip"  # when the engine has it
     assert status == {
         "kernels": "skip", "adapter_effect": "pass", "fidelity": "pass", "mixed_batches": "pass",
-        "pollution": "pass", "load": "pass",
+        "pollution": "pass", "prefix_cache": prefix, "speculative": "skip", "fp8": "skip", "load": "pass",
     }  # fmt: skip
     assert data["lengths"] == list(BOUNDARY_LENGTHS) and data["lengths"][-1] == 4096
+    # the engine's own precision: the float32 preset, and the noise it measured (repeats bit-identical)
+    assert data["tolerance"]["mean"] == 1e-3 and "float32 preset" in data["tolerance"]["why"]
+    assert data["noise"]["sources"]["repeat"]["max"] == 0.0
     sweep = {s["target"]: s for s in data["sweep"]}
     assert list(sweep) == TARGETS
     for s in sweep.values():
@@ -56,16 +73,25 @@ def test_demo_passes_every_check_with_the_sweep_to_4096(doctor_run):
     assert "bit-identical" in checks["pollution"]["summary"]
     effects = checks["adapter_effect"]["data"]
     assert all(effects[a]["effect_mean"] > 0.1 and not effects[a]["base"] for a in TARGETS[1:])
+    assert all(abs(effects[a]["carried"] - 1.0) < 1e-3 for a in TARGETS[1:])
     assert "PASSED (exit 0)" in text
 
 
 def test_report_plot_shows_the_sweep(doctor_run):
-    html = doctor_run[3].read_text()
+    _, _, data, page = doctor_run
+    html = page.read_text()
     svg = html[html.index("<svg") : html.index("</svg>")]
-    assert svg.count("<polyline") == 2 * len(TARGETS)  # max and mean per target
+    assert svg.count("<polyline") >= 2 * len(TARGETS)  # max and mean per target (broken at exact zeros)
     assert svg.count("<title>") == len(TARGETS) * len(BOUNDARY_LENGTHS)  # one point per (target, length)
     assert ">4096<" in svg and "max tolerance" in svg
+    # the base model's exact zeros: open circles in the "0 (exact)" strip, not dives to the axis
+    zeros = sum(d["max_abs"] == 0 for s in data["sweep"] for d in s["lengths"])
+    assert zeros > 0 and svg.count('r="3" fill="white" stroke="#555555"') == zeros and "0 (exact)" in svg
     assert not re.search(r"(src|href)=\"https?:", html)  # self-contained
+    # the tolerance and why, and a short kernels row
+    assert "float32 preset" in html and "measured noise" in html
+    kernels_row = re.search(r"<td>kernels</td>.*?</tr>", html).group(0)
+    assert len(kernels_row) < 250
 
 
 def _chromium() -> str | None:
@@ -112,3 +138,64 @@ def test_in_process_failures_fail_the_run(demo_dir):
     assert status["adapter_effect"] is Status.FAIL  # matches neither its reference nor the base
     assert status["mixed_batches"] is Status.PASS and status["pollution"] is Status.PASS
     assert report.exit_code == 1
+
+
+def test_fast_path_checks_pass_on_an_engine_that_caches_prefixes_and_speculates(demo_dir):
+    """The demo engine with prefix caching and MTP speculation (the demo ships a draft layer): warm
+    equals cold and resumes from the cache (the adapter never from the base's prefix); decode with
+    drafts agrees with a plain prefill, and drafts were counted. A verifier that accepts every draft
+    fails the check."""
+    from hylora.doctor import Tolerance
+    from hylora.doctor.deployment import EngineDeployment
+    from hylora.doctor.fastpaths import judge_prefix_cache, judge_speculation, run_prefix_cache, run_speculation
+    from hylora.doctor.prompts import doctor_sequence
+    from hylora.doctor.scores import TokenTexts
+    from hylora.engine import LLMEngine
+
+    adapters = {"relic": demo_dir / "adapters" / "relic"}
+    config = EngineConfig(max_model_len=800, device="cpu", num_speculative_tokens=2)
+    engine = LLMEngine(demo_dir, config, lora_modules=adapters, progress=False)
+    sequence = doctor_sequence(engine.tokenizer, 800)
+    deployment = EngineDeployment(engine, sequence)
+    features = deployment.features()
+    assert features.prefix_caching is True and features.speculative is True
+    texts, tol = TokenTexts(engine.tokenizer), Tolerance.for_dtypes("float32")
+    prefix = judge_prefix_cache(run_prefix_cache(deployment, [None, "relic"], len(sequence)), texts, tol)
+    assert prefix.status.value == "pass", prefix.failures
+    cached = prefix.data["cached_tokens"]
+    assert cached["base warm"] > 0 and cached["adapter warm"] > 0 and cached["adapter after base"] == 0
+    drafts = engine.stats().spec_draft_tokens
+    spec = judge_speculation(run_speculation(deployment, [None, "relic"], sequence), texts, tol)
+    assert spec.status.value == "pass", spec.failures
+    assert spec.compared >= 2 * 15 and engine.stats().spec_draft_tokens > drafts
+
+
+def test_the_speculative_check_fails_a_verifier_that_accepts_every_draft(demo_dir, monkeypatch):
+    import hylora.engine.engine as engine_module
+    from hylora.doctor import Tolerance
+    from hylora.doctor.deployment import EngineDeployment
+    from hylora.doctor.fastpaths import judge_speculation, run_speculation
+    from hylora.doctor.prompts import doctor_sequence
+    from hylora.doctor.scores import TokenTexts
+    from hylora.engine import LLMEngine
+    from hylora.engine.speculative import launch_verify
+
+    def accept_all(logits, requests, drafts, eos_ids=()):
+        pending = launch_verify(logits, requests, drafts, eos_ids)
+        results = pending.results()
+        pending.results = lambda: [  # type: ignore[method-assign]
+            [(t, None) for t in d] + r[len(d) :] if isinstance(r, list) else r
+            for d, r in zip(drafts, results, strict=True)
+        ]
+        return pending
+
+    monkeypatch.setattr(engine_module, "launch_verify", accept_all)
+    config = EngineConfig(max_model_len=800, device="cpu", num_speculative_tokens=2)
+    engine = LLMEngine(demo_dir, config, progress=False)
+    sequence = doctor_sequence(engine.tokenizer, 800)
+    spec = judge_speculation(
+        run_speculation(EngineDeployment(engine, sequence), [None], sequence),
+        TokenTexts(engine.tokenizer),
+        Tolerance.for_dtypes("float32"),
+    )
+    assert spec.status.value == "fail"

@@ -3,21 +3,29 @@ that no check passes without comparing something, and the whole run on stand-in 
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import random
+import re
 
 import pytest
 
 from hylora.doctor import CheckResult, DoctorOptions, Status, Tolerance, run_doctor
-from hylora.doctor.compare import EXACT, diff_reference, diff_served
-from hylora.doctor.deployment import LoadStats
-from hylora.doctor.endpoint import ECHO, PROMPT_LOGPROBS, Budget, BudgetExhausted, Endpoint
+from hylora.doctor.compare import EXACT, Diff, diff_reference, diff_served
+from hylora.doctor.deployment import Features, LoadStats
+from hylora.doctor.effect import check_adapter_effect
+from hylora.doctor.endpoint import ECHO, PROMPT_LOGPROBS, Budget, BudgetExhausted, Endpoint, draft_tokens
+from hylora.doctor.fastpaths import check_fp8
 from hylora.doctor.html import render_html
 from hylora.doctor.kernels import check_kernels
+from hylora.doctor.noise import Noise, TolerancePolicy
+from hylora.doctor.plot import sweep_svg
+from hylora.doctor.progress import Progress
 from hylora.doctor.prompts import Probe, sweep_lengths
 from hylora.doctor.report import render_text, write_json
-from hylora.doctor.scores import ReferenceScores, Scores, TokenTexts
+from hylora.doctor.scores import Generation, ReferenceScores, Scores, TokenTexts
+from hylora.doctor.sweep import SweepData, TargetSweep
 from hylora.kernels import KernelVerdict
 
 FP32 = Tolerance.for_dtypes("float32")
@@ -157,6 +165,18 @@ def test_echo_logprobs_with_text_tokens():
         endpoint(ECHO)._parse([5, 6, 7], choice)
 
 
+def test_draft_tokens_from_a_metrics_page():
+    page = (
+        "# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.\n"
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 40.0\n'
+        'vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="m"} 2.0\n'
+        'vllm:spec_decode_num_draft_tokens_created{engine="0",model_name="m"} 1.7e9\n'
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 30.0\n'
+    )
+    assert draft_tokens(page) == 42.0
+    assert draft_tokens("vllm:num_requests_running 3.0\n") is None
+
+
 def test_requests_are_bounded_in_count_and_time():
     budget = Budget(max_requests=2, seconds=60)
     budget.take()
@@ -169,6 +189,18 @@ def test_requests_are_bounded_in_count_and_time():
 
 
 # --- kernels ------------------------------------------------------------------------------------
+
+
+def test_kernels_row_is_short_and_the_record_is_in_the_notes():
+    absent = {k: KernelVerdict(k, "reference", "no CUDA or no triton") for k in ("a", "b", "c")}
+    absent["gated_delta_rule"] = KernelVerdict("gated_delta_rule", "reference")
+    skip = check_kernels(absent)
+    assert skip.summary == "no fast kernels in use: 4 on the reference (3: no CUDA or no triton)"
+    assert "reference: a (no CUDA or no triton)" in skip.notes and len(skip.notes) == 4
+    fla = KernelVerdict("gated_delta_rule", "fla", error=3.1e-3, tolerance=2e-2)
+    failed = KernelVerdict("lora", "reference", "rel. error 4.00e-01 > 2e-02", 0.4, 2e-2, check_failed=True)
+    bad = check_kernels({"gated_delta_rule": fla, "lora": failed})
+    assert bad.summary == "1 of 2 kernels failed: lora" and "rel. error 4.00e-01" in bad.failures[0]
 
 
 def test_kernel_verdicts():
@@ -244,7 +276,8 @@ def test_a_perfect_server_passes_and_the_report_renders(tmp_path):
     status = {c.name: c.status for c in report.checks}
     assert status == {
         "kernels": Status.SKIP, "adapter_effect": Status.PASS, "fidelity": Status.PASS,
-        "mixed_batches": Status.PASS, "pollution": Status.PASS, "load": Status.PASS,
+        "mixed_batches": Status.PASS, "pollution": Status.PASS, "prefix_cache": Status.SKIP,
+        "speculative": Status.SKIP, "fp8": Status.SKIP, "load": Status.PASS,
     }  # fmt: skip
     assert report.exit_code == 0 and "PASSED (exit 0)" in render_text(report)
     write_json(report, tmp_path / "r.json")
@@ -266,3 +299,275 @@ def test_a_server_that_returns_nothing_comparable_passes_nothing():
     report = run(PerfectServer(ref, silent=True), ref, ["relic"])
     assert not any(c.status is Status.PASS for c in report.checks)
     assert report.exit_code == 1
+
+
+# --- measured noise and the tolerance from it ---------------------------------------------------
+
+
+def noisy(d_mean: float, d_max: float, n: int = 200) -> Diff:
+    return Diff(n, positions=n, mean_abs=d_mean, max_abs=d_max)
+
+
+def test_the_tolerance_is_chosen_from_the_measured_noise():
+    policy = TolerancePolicy.measured("float32")  # floor float32, ceiling bfloat16
+    quiet = Noise()
+    quiet.add_median("base vs reference", [noisy(3e-6, 4e-5), noisy(1e-6, 2e-5), noisy(9.0, 9.0)])  # one cliff
+    choice = policy.choose(quiet)
+    assert choice.tolerance == FP32 and "float32 preset" in choice.why and quiet.mean == 3e-6
+    loud = Noise()
+    loud.add_pooled("repeat", [noisy(0.02, 0.3)])
+    choice = policy.choose(loud)
+    assert choice.tolerance == Tolerance.for_dtypes("bfloat16") and "more than float32 explains" in choice.why
+    wild = Noise()
+    wild.add_median("batch", [noisy(0.5, 5.0)])
+    assert "beyond even bfloat16" in policy.choose(wild).why
+    assert policy.choose(Noise()).source == "ceiling"  # nothing measured: the loosest
+    fixed = TolerancePolicy.of(FP32, "--endpoint-dtype float32").with_overrides(None, 0.05, None)
+    choice = fixed.choose(loud)
+    assert choice.tolerance == Tolerance(mean=1e-3, max=0.05, top1=0.99) and "--endpoint-dtype" in choice.why
+    # a comparison with NaN or nothing compared is not noise
+    assert not Noise().measured and noisy(0.0, 0.0, n=0).positions == 0
+    nan = Noise()
+    nan.add_median("base vs reference", [Diff(10, positions=9, non_finite=1), Diff(10, error="HTTP 500")])
+    assert not nan.measured
+
+
+def test_the_mean_of_a_few_positions_is_judged_as_a_max():
+    few = Diff(1, positions=1, mean_abs=0.15, max_abs=0.15)
+    assert few.ok(Tolerance.for_dtypes("bfloat16"))  # one position: 0.15 is within the max tolerance (2)
+    assert not Diff(64, positions=64, mean_abs=0.15, max_abs=0.15).ok(Tolerance.for_dtypes("bfloat16"))
+
+
+# --- adapter verdicts from evidence -------------------------------------------------------------
+
+
+def shifted(ref: ReferenceScores, deltas: list[float]) -> ReferenceScores:
+    """`ref` with every logprob at position p moved by deltas[p - 1] (the ranking stays)."""
+    top = [{t: v + deltas[p] for t, v in ref.top[p].items()} for p in range(ref.length)]
+    return ReferenceScores(logprobs=[v + deltas[p] for p, v in enumerate(ref.logprobs)], top=top)
+
+
+class EffectCase:
+    """A base reference, an adapter whose effect at each position is ±`effect` (random sign), and
+    served answers with per-position noise N(0, σ²): the adapter's or — ignored — the base's."""
+
+    def __init__(self, effect: float, sigma: float, carried: float = 1.0, n: int = 300, seed: int = 7):
+        rng = random.Random(seed)
+        self.base = reference(n + 1, seed=seed)
+        self.adapter = shifted(self.base, [rng.choice((-1, 1)) * effect for _ in range(n + 1)])
+        self.served_ref = shifted(self.base, [(a - b) * carried for a, b in zip(
+            [*self.adapter.logprobs, 0.0], [*self.base.logprobs, 0.0], strict=True)])  # fmt: skip
+        self.sigma, self.rng = sigma, rng
+
+    def served(self, n: int) -> Scores:
+        s = served_like(self.served_ref, n)
+        s.logprobs = [v + self.rng.gauss(0.0, self.sigma) for v in s.logprobs]
+        return s
+
+    def check(self, lengths=(1, 65, 129, 300)):
+        data = SweepData()
+        base_diffs = {}
+        for n in lengths:
+            data.results[("a", n)] = self.served(n)
+            base_served = served_like(self.base, n)
+            base_served.logprobs = [v + self.rng.gauss(0.0, self.sigma) for v in base_served.logprobs]
+            base_diffs[n] = diff_reference(base_served, self.base, n, TEXTS, FP32)
+        noise = Noise()
+        noise.add_median("base vs reference", list(base_diffs.values()))
+        refs = {None: self.base, "a": self.adapter}
+        return check_adapter_effect(data, ["a"], refs.__getitem__, TEXTS, BF16, noise, base_diffs), noise
+
+
+BF16 = Tolerance.for_dtypes("bfloat16")
+
+
+def test_a_small_effect_served_right_passes_through_noise():
+    """Effect 0.2 (like the held-out adapters), a noisy server: its tolerance (bfloat16) is half the
+    effect, which no longer matters — the served answers are closer to the adapter's reference."""
+    result, noise = EffectCase(effect=0.2, sigma=0.02).check()
+    assert result.status is Status.PASS, result.failures
+    data = result.data["a"]
+    assert data["adapter"] == [1, 65, 129, 300] and abs(data["carried"] - 1.0) < 0.05 and 0.01 < noise.mean < 0.03
+
+
+def test_an_ignored_adapter_fails_with_an_effect_of_5_noises():
+    case = EffectCase(effect=0.09, sigma=0.02, carried=0.0)  # noise (mean |N(0, 0.02²)|) ≈ 0.016: effect ≈ 5.6×
+    result, noise = case.check()
+    assert result.status is Status.FAIL
+    data = result.data["a"]
+    assert 4.5 < data["effect_mean"] / data["noise"] < 7, data
+    assert result.failures[0].startswith("a: served the base model under the name 'a' at 1, 65, 129, 300 tokens")
+    assert abs(data["carried"]) < 0.1
+
+
+def test_an_adapter_within_the_noise_cannot_be_told_apart():
+    result, _ = EffectCase(effect=0.01, sigma=0.02).check()
+    assert result.status is Status.FAIL
+    assert result.failures[0].startswith("a: cannot be told apart from the base model")
+    assert result.data["a"]["indistinct"] == [1, 65, 129, 300]
+
+
+def test_half_an_adapter_is_neither():
+    """A server that applies the adapter at half its scale (e.g. a wrong alpha / rsLoRA factor)."""
+    result, _ = EffectCase(effect=0.5, sigma=0.01, carried=0.5).check()
+    assert result.status is Status.FAIL and "at no length" in result.failures[0]
+    assert abs(result.data["a"]["carried"] - 0.5) < 0.05 and "carry 0.50" in result.failures[0]
+
+
+# --- the fast paths -----------------------------------------------------------------------------
+
+
+def next_token(target, prefix: tuple[int, ...]) -> tuple[int, float]:
+    """A stand-in model's greedy step: the top-1 token after `prefix` and its logprob."""
+    token = (sum(prefix) * 31 + len(prefix) + (7 if target else 0)) % (VOCAB - 1) + 1
+    return token, -0.05 - 0.01 * (len(prefix) % 9) - (0.3 if target else 0.0)
+
+
+class FastServer(PerfectServer):
+    """A perfect stand-in that also generates, with a prefix cache and speculative decoding that can
+    be broken: `warm_shift` (a cached prefix changes the answers), `leak` (an adapter reuses the
+    base's cached prefix), `bad_draft` (a draft token accepted at this step that the model would not
+    choose)."""
+
+    def __init__(self, ref, features: Features, warm_shift=0.0, leak=False, bad_draft=None, drafts=True):
+        super().__init__(ref)
+        self._features, self.warm_shift, self.leak, self.bad_draft = features, warm_shift, leak, bad_draft
+        self.cache: dict[tuple, str | None] = {}
+        self.drafted = 0.0 if drafts else None
+
+    def features(self) -> Features:
+        return self._features
+
+    def speculation_counter(self):
+        return self.drafted
+
+    def generate(self, probes, max_tokens, prompt_logprobs=False):
+        out = []
+        for p in probes:
+            ids = tuple(p.ids(self.ref.sequence))
+            key = ids if self.leak else (p.target, ids)
+            hit = not prompt_logprobs and key in self.cache
+            target = self.cache[key] if hit and self.leak else p.target  # a leak serves the cached target
+            self.cache.setdefault(key, p.target)
+            tokens, logprobs, prefix = [], [], ids
+            for j in range(max_tokens):
+                token, lp = next_token(target, prefix)
+                if j == self.bad_draft:
+                    token, lp = token % (VOCAB - 1) + 1, lp - 3.0
+                tokens.append(token)
+                logprobs.append(lp + (self.warm_shift if hit else 0.0))
+                prefix += (token,)
+            if self.drafted is not None and self._features.speculative:
+                self.drafted += 4 * max_tokens
+            out.append(Generation(tokens, logprobs, list(tokens), cached_tokens=256 if hit else 0))
+        return out
+
+    def score(self, probes, concurrent=False):
+        out = []
+        for p in probes:
+            if p.prompt is None:
+                out += super().score([p], concurrent)
+                continue
+            ids = p.prompt
+            tokens, logprobs, top1, top1_lp = [], [], [], []
+            for i in range(1, len(ids) + 1):
+                best, lp = next_token(p.target, ids[:i])
+                actual = ids[i] if i < len(ids) else best
+                tokens.append(actual)
+                logprobs.append(lp if actual == best else lp - 3.0)
+                top1.append(best)
+                top1_lp.append(lp)
+            out.append(Scores(tokens, logprobs, top1, top1_logprobs=top1_lp))
+        return out
+
+
+def fast_run(server):
+    options = DoctorOptions(lengths=[1, 65, 129, 300], tolerance=FP32, short_max=129)
+    report = run_doctor(server, server.ref, ["relic"], options, TEXTS)  # type: ignore[arg-type]
+    return report, {c.name: c for c in report.checks}
+
+
+ON = Features(prefix_caching=True, speculative=True)
+
+
+def test_fast_paths_pass_when_right_and_skip_when_off():
+    ref = StubReference(800, ["relic"])
+    report, checks = fast_run(FastServer(ref, ON))
+    assert checks["prefix_cache"].status is Status.PASS and checks["speculative"].status is Status.PASS
+    assert checks["prefix_cache"].data["cached_tokens"] == {
+        "base cold": 0, "adapter after base": 0, "adapter cold": 0, "base warm": 256, "adapter warm": 256,
+    }  # fmt: skip
+    assert report.exit_code == 0
+    _, checks = fast_run(FastServer(ref, Features(prefix_caching=False, speculative=False)))
+    assert checks["prefix_cache"].summary == "prefix caching is off on this deployment"
+    assert checks["speculative"].summary == "speculative decoding is off on this deployment"
+    # a server that does not say: probed, skipped when it reports no cache hits and no drafts
+    _, checks = fast_run(FastServer(ref, Features(), drafts=False))
+    assert checks["speculative"].status is Status.SKIP and "no speculative decoding" in checks["speculative"].summary
+
+
+def test_a_prefix_cache_that_changes_answers_or_ignores_the_adapter_fails():
+    ref = StubReference(800, ["relic"])
+    _, checks = fast_run(FastServer(ref, ON, warm_shift=0.5))
+    assert checks["prefix_cache"].status is Status.FAIL
+    assert (
+        "base, its prefix cached (300-token prompt) differs from the same prompt cold"
+        in (checks["prefix_cache"].failures[0])
+    )
+    _, checks = fast_run(FastServer(ref, ON, leak=True))
+    failures = " ".join(checks["prefix_cache"].failures)
+    assert "relic reused 256 cached prompt tokens when only base had sent the prompt" in failures
+    assert "relic, only the base model's prefix cached (300-token prompt) differs" in failures
+
+
+def test_a_wrongly_accepted_draft_token_fails_speculation():
+    ref = StubReference(800, ["relic"])
+    _, checks = fast_run(FastServer(ref, ON, bad_draft=3))
+    spec = checks["speculative"]
+    assert spec.status is Status.FAIL and len(spec.failures) == 2  # base and relic
+    assert "generated token 3" in spec.failures[0] and "accepted wrongly" in spec.failures[0]
+
+
+def test_fp8_is_judged_against_the_dequantised_reference_only():
+    ok = [Diff(n, positions=n, mean_abs=0.05, max_abs=1.0) for n in (65, 129)]
+    off = check_fp8(Features(), object(), ok)
+    assert off.status is Status.SKIP and "unquantised" in off.summary
+    fp8 = Features(quantization="fp8")
+    assert "not computed from the same weights dequantised" in check_fp8(fp8, object(), ok).summary
+
+    class Dequantised:
+        dequantised = True
+
+    assert check_fp8(fp8, Dequantised(), ok).status is Status.PASS
+    far = [*ok, Diff(400, positions=400, mean_abs=0.6, max_abs=9.0)]
+    bad = check_fp8(fp8, Dequantised(), far)
+    assert bad.status is Status.FAIL and bad.failures[0].startswith("base at 400 tokens")
+
+
+# --- report, plot and progress ------------------------------------------------------------------
+
+
+def test_exact_zeros_sit_in_their_own_strip_and_break_the_lines():
+    """The base model is often bit-identical to its reference: no dive to the bottom of a log axis."""
+    diffs = [Diff(n, positions=n, top1_compared=n, top1_agree=n, max_abs=v, mean_abs=v / 10)
+             for n, v in ((63, 2e-6), (64, 0.0), (65, 3e-6), (127, 4e-6), (128, 0.0))]  # fmt: skip
+    svg = sweep_svg([TargetSweep(None, diffs, None, None)], FP32)
+    assert "0 (exact)" in svg and "exactly 0" in svg
+    strip_y = float(re.search(r'<circle cx="[\d.]+" cy="([\d.]+)" r="3" fill="white"', svg).group(1))
+    assert svg.count('fill="white" stroke="#555555"') == 2  # the two zeros, open circles in the strip
+    lines = re.findall(r'<polyline points="([^"]+)"', svg)
+    assert len(lines) == 2  # max and mean of 65…127 (63 alone, between zeros, is not a line)
+    assert all(float(pt.split(",")[1]) < strip_y - 10 for line in lines for pt in line.split())
+
+
+def test_a_progress_line_per_phase():
+    stream = io.StringIO()
+    progress = Progress(2, stream, update_s=1e9)
+    progress.phase("sweep", 3)
+    progress.tick()
+    progress.tick(2)
+    progress.phase("load", 1, "runs")
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("doctor [1/2] sweep: 0/3 requests (")
+    assert re.fullmatch(r"doctor \[1/2\] sweep: 3/3 requests in \d+\.\d s \(\d+ s elapsed\)", lines[1])
+    assert lines[2].startswith("doctor [2/2] load: 0/1 runs")

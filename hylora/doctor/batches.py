@@ -1,8 +1,9 @@
 """Checks 4 and 5: results must not depend on the neighbours of a request.
 
-Mixed batches: the same prompts for every target (adapters and base), sent one at a time and then
-all at once, must give the same results (catches base requests that get an adapter in a mixed
-batch, and leaks between requests). Pollution: a short probe must give the same result before and
+Mixed batches: the same prompts for every target (adapters and base), sent one at a time, again
+one at a time, and then all at once, must give the same results (catches base requests that get an
+adapter in a mixed batch, and leaks between requests; the repeat and the batch also measure the
+deployment's noise, noise.py). Pollution: a short probe must give the same result before and
 after a burst of long requests (with a video and, in-process, an injected NaN fault), and the same
 as when the sweep sent it earlier; in-process, the requests next to the NaN must equal themselves
 sent alone.
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hylora.doctor.compare import EXACT, Tolerance, diff_served, pooled
+from hylora.doctor.compare import EXACT, Diff, Tolerance, diff_served, pooled
 from hylora.doctor.deployment import Deployment
 from hylora.doctor.prompts import PROBE_LENGTH, Probe, Window
 from hylora.doctor.result import CheckResult
@@ -23,16 +24,42 @@ from hylora.doctor.sweep import SweepData, Target, label
 FAULT_LENGTH = 257  # the request that gets the injected NaN (in-process)
 
 
-def check_mixed(
-    deployment: Deployment, targets: list[Target], windows: list[Window], texts: TokenTexts, tol: Tolerance
-) -> CheckResult:
+@dataclass
+class MixedRun:
+    """The mixed-batch prompts of every target: alone, alone again (the repeat: noise), all at once."""
+
+    probes: list[Probe]
+    alone: list[Scores]
+    again: list[Scores]
+    together: list[Scores]
+
+    def repeats(self, texts: TokenTexts) -> list[Diff]:
+        return [diff_served(b, a, texts) for a, b in zip(self.alone, self.again, strict=True)]
+
+    def batched(self, texts: TokenTexts) -> list[Diff]:
+        return [diff_served(b, a, texts) for a, b in zip(self.alone, self.together, strict=True)]
+
+
+def run_mixed(deployment: Deployment, targets: list[Target], windows: list[Window], tick=None) -> MixedRun:
     probes = [Probe(t, w) for w in windows for t in targets]
     alone = deployment.score(probes)
+    _tick(tick, len(probes))
+    again = deployment.score(probes)
+    _tick(tick, len(probes))
     together = deployment.score(probes, concurrent=True)
-    failures, diffs = [], []
-    for i, (probe, a, b) in enumerate(zip(probes, alone, together, strict=True)):
-        d = diff_served(b, a, texts)
-        diffs.append(d)
+    _tick(tick, len(probes))
+    return MixedRun(probes, alone, again, together)
+
+
+def _tick(tick, n: int) -> None:
+    if tick is not None:
+        tick(n)
+
+
+def check_mixed(run: MixedRun, texts: TokenTexts, tol: Tolerance) -> CheckResult:
+    probes, alone = run.probes, run.alone
+    failures, diffs = [], run.batched(texts)
+    for i, (probe, b, d) in enumerate(zip(probes, run.together, diffs, strict=True)):
         problems = d.problems(tol)
         if not problems:
             continue
@@ -46,18 +73,31 @@ def check_mixed(
             f"{label(probe.target)}, {probe.window.length}-token prompt, sent with {len(probes) - 1} others "
             f"(adapters and base) differs from the same request alone: {'; '.join(problems)}{hint}"
         )
-    total = pooled(diffs)
+    repeats = run.repeats(texts)
+    for probe, d in zip(probes, repeats, strict=True):
+        if d.error is None and d.problems(tol):
+            failures.append(
+                f"{label(probe.target)}, {probe.window.length}-token prompt, sent alone twice, differs from itself: "
+                f"{'; '.join(d.problems(tol))} (nondeterministic beyond the tolerance)"
+            )
+    total, again = pooled(diffs), pooled(repeats)
     identical = sum(d.bit_identical for d in diffs)
+    windows = list(dict.fromkeys(p.window for p in probes))
     summary = (
-        f"{len(probes)} requests ({len(targets)} targets × prompts of {', '.join(str(w.length) for w in windows)} "
-        f"tokens) at once vs one at a time: max |Δ logprob| {total.max_abs:.2g}, {identical}/{len(diffs)} bit-identical"
+        f"{len(probes)} requests ({len(probes) // max(1, len(windows))} targets × prompts of "
+        f"{', '.join(str(w.length) for w in windows)} tokens) at once vs one at a time: max |Δ logprob| "
+        f"{total.max_abs:.2g}, {identical}/{len(diffs)} bit-identical; sent alone twice: max |Δ logprob| "
+        f"{again.max_abs:.2g}"
     )
     return CheckResult.judged(
         "mixed_batches",
         summary,
         sum(d.compared for d in diffs if d.error is None),
         failures,
-        data={"requests": [{"target": label(p.target), **d.as_dict()} for p, d in zip(probes, diffs, strict=True)]},
+        data={
+            "requests": [{"target": label(p.target), **d.as_dict()} for p, d in zip(probes, diffs, strict=True)],
+            "repeat_max_abs": again.max_abs,
+        },
     )
 
 
@@ -88,18 +128,22 @@ def run_pollution(
     burst_size: int,
     inject_fault: bool,
     video: Path | None = None,
+    tick=None,
 ) -> PollutionRun:
     """Probe; a burst of long requests for the targets in turn, with the video (for the first
     adapter) and the injected NaN (for the last target) all at once; probe again."""
     probe_len = min(PROBE_LENGTH, burst_length)
     probes = [Probe(t, Window(0, probe_len)) for t in targets[:2]]
     before = deployment.score(probes)
+    _tick(tick, len(probes))
     burst = [Probe(targets[i % len(targets)], Window(0, burst_length)) for i in range(burst_size)]
     extra = [Probe(targets[min(1, len(targets) - 1)], Window(0, 0), video=video)] if video is not None else []
     if inject_fault:
         extra.append(Probe(targets[-1], Window(0, min(FAULT_LENGTH, burst_length)), fault="nan"))
     out = deployment.score(burst + extra, concurrent=True)
+    _tick(tick, len(burst) + len(extra))
     after = deployment.score(probes)
+    _tick(tick, len(probes))
     rest = out[burst_size:]
     video_out = rest.pop(0) if video is not None else None
     fault_out = rest.pop(0) if inject_fault else None

@@ -6,6 +6,7 @@ used); 2 for bad flags, model or adapter directories."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +22,16 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", help="the base model's name on the server (default: from /v1/models)")
     g.add_argument(
         "--endpoint-dtype",
-        default="bfloat16",
+        default=None,
         choices=["float32", "bfloat16", "float16"],
-        help="the server's precision (sets the tolerance with the reference's)",
+        help="the server's precision: the tolerance is its preset (with the reference's) instead of being derived "
+        "from the server's measured noise",
+    )
+    g.add_argument(
+        "--endpoint-quantization",
+        default=None,
+        choices=["fp8"],
+        help="the server serves quantised weights (the fp8 check; the tolerance's ceiling)",
     )
     g.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     g.add_argument("--max-requests", type=int, default=2000, help="requests doctor may send in all")
@@ -37,6 +45,27 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--max-lora-rank", type=int, default=64)
+    g.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='in-process: serve with MTP speculative decoding (as hylora serve), so the speculative check runs, '
+        'e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'',
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="in-process: serve with prefix caching (as hylora serve, on by default), so the prefix-cache check runs",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: 1 with --demo, whose model is too small to gain from more and "
+        "slows down badly when the cores are shared; else torch's default)",
+    )
     g.add_argument("--restore", default="auto", choices=["auto", "copy", "checkpoint"], help=(
         "how the weights are put back after each adapter's merged reference: copy (touched rows kept in host "
         "memory), checkpoint (re-read from the model directory) or auto (copy when it fits in half the free RAM)"
@@ -51,9 +80,14 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load", type=float, default=0.0, metavar="SECONDS", help="also run the load check this long")
     g.add_argument("--load-streams", type=int, default=8)
     g.add_argument("--load-max-tokens", type=int, default=16)
-    g.add_argument("--tolerance-mean", type=float, help="mean |Δ logprob| allowed (default by precision)")
-    g.add_argument("--tolerance-max", type=float, help="max |Δ logprob| allowed (default by precision)")
-    g.add_argument("--min-top1", type=float, help="top-1 agreement required (default by precision)")
+    g.add_argument(
+        "--tolerance-mean", type=float, help="mean |Δ logprob| allowed (default: from the measured noise and precision)"
+    )
+    g.add_argument(
+        "--tolerance-max", type=float, help="max |Δ logprob| allowed (default: from the measured noise and precision)"
+    )
+    g.add_argument("--min-top1", type=float, help="top-1 agreement required (default: by the tolerance's precision)")
+    g.add_argument("--no-fast-paths", action="store_true", help="skip the prefix-cache and speculative-decoding checks")
     g.add_argument("--prompt-file", help="text to build the prompts from (default: a built-in text)")
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="FILE", help="write every number to FILE")
@@ -103,17 +137,47 @@ def _inputs(args: argparse.Namespace) -> Inputs:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    import torch
+
+    threads = args.threads if args.threads is not None else (1 if args.demo else None)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(max(1, threads))
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _tolerance_policy(args: argparse.Namespace, engine_dtype: str, endpoint: bool):
     from hylora.doctor.compare import Tolerance
+    from hylora.doctor.noise import TolerancePolicy
+
+    if not endpoint:  # in-process the deployment is the reference's engine: its precision is known
+        policy = TolerancePolicy.measured(engine_dtype, engine_dtype)
+    elif args.endpoint_dtype:
+        policy = TolerancePolicy.of(
+            Tolerance.for_dtypes(engine_dtype, args.endpoint_dtype),
+            f"the preset for a {args.endpoint_dtype} server and a {engine_dtype} reference (--endpoint-dtype)",
+        )
+    else:
+        policy = TolerancePolicy.measured(engine_dtype, "bfloat16")
+    return policy.with_overrides(args.tolerance_mean, args.tolerance_max, args.min_top1)
+
+
+def _run(args: argparse.Namespace) -> int:
     from hylora.doctor.deployment import EngineDeployment
-    from hylora.doctor.doctor import DoctorOptions, run_doctor
+    from hylora.doctor.doctor import PHASES, DoctorOptions, run_doctor
     from hylora.doctor.endpoint import Budget, Endpoint
     from hylora.doctor.html import write_html
+    from hylora.doctor.progress import to_stderr
     from hylora.doctor.prompts import MIXED_LENGTHS, SHORT_MAX, doctor_sequence, read_prompt_text
     from hylora.doctor.reference import Reference
     from hylora.doctor.report import render_text, write_json
     from hylora.doctor.scores import TokenTexts
     from hylora.engine.config import EngineConfig
     from hylora.engine.engine import LLMEngine
+    from hylora.server.vllm_flags import check_speculative_config
     from hylora.tokenizer import load_tokenizer
 
     x = _inputs(args)
@@ -131,12 +195,14 @@ def run_from_args(args: argparse.Namespace) -> int:
             base_name=args.served_model_name,
             request_timeout=args.request_timeout,
             budget=Budget(args.max_requests, args.time_limit),
+            quantization=args.endpoint_quantization,
         )
         try:
             endpoint.connect()
         except ConnectionError as e:
             print(f"hylora doctor: cannot use {args.endpoint}: {e}", file=sys.stderr)
             return 1
+    speculative = check_speculative_config(args.speculative_config) or {}
     config = EngineConfig(
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -147,6 +213,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         max_loras=1 if endpoint else max(4, len(x.adapters)),
         max_lora_rank=1 if endpoint else args.max_lora_rank,
         fault_injection=endpoint is None,  # in-process, the pollution check faults one request on purpose
+        # the fast paths of the deployment checked in-process (a server's are its own)
+        num_speculative_tokens=0 if endpoint else speculative.get("num_speculative_tokens", 0),
+        enable_prefix_caching=args.enable_prefix_caching and endpoint is None,
     )
     # the reference's engine; in-process it is also the deployment checked
     engine = LLMEngine(x.model_dir, config, lora_modules=None if endpoint else x.adapters)
@@ -154,21 +223,22 @@ def run_from_args(args: argparse.Namespace) -> int:
     engine_dtype = str(engine.model.dtype).removeprefix("torch.")
     if endpoint is not None:
         deployment, kernels = endpoint, None
-        tolerance = Tolerance.for_dtypes(engine_dtype, args.endpoint_dtype)
     else:
         deployment, kernels = EngineDeployment(engine, sequence, args.request_timeout), dict(engine.kernels)
-        tolerance = Tolerance.for_dtypes(engine_dtype)
     options = DoctorOptions(
         lengths=x.lengths,
-        tolerance=tolerance.with_overrides(args.tolerance_mean, args.tolerance_max, args.min_top1),
+        tolerance=_tolerance_policy(args, engine_dtype, endpoint is not None),
         short_max=args.short_max_len if args.short_max_len is not None else SHORT_MAX,
         burst_size=args.burst,
         load_seconds=args.load,
         load_streams=args.load_streams,
         load_max_tokens=args.load_max_tokens,
         video=x.video,
+        fast_paths=not args.no_fast_paths,
     )
-    report = run_doctor(deployment, reference, list(x.adapters), options, TokenTexts(engine.tokenizer), kernels)
+    report = run_doctor(
+        deployment, reference, list(x.adapters), options, TokenTexts(engine.tokenizer), kernels, to_stderr(PHASES)
+    )
     print(render_text(report))
     if args.json:
         write_json(report, args.json)

@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Protocol
 
 from hylora.doctor.prompts import Probe, video_messages
-from hylora.doctor.scores import Scores
+from hylora.doctor.scores import Generation, Scores
 from hylora.engine.chat_input import multimodal_prompt
 from hylora.engine.engine import LLMEngine, RequestError, RequestOutput
 from hylora.engine.multimodal import MultimodalPrompt
 from hylora.engine.request import SamplingParams
 
 SERVED_TOP_K = 1  # top-1 is all doctor needs from a server
+_MISSING = object()
 
 
 @dataclass
@@ -39,6 +40,20 @@ class LoadStats:
             self.examples.append(text)
 
 
+@dataclass(frozen=True)
+class Features:
+    """The fast paths a deployment serves with (fastpaths.py checks each). None: not known, the
+    check finds out from the answers (a server's cached-token counts, its /metrics)."""
+
+    prefix_caching: bool | None = None
+    speculative: bool | None = None
+    quantization: str | None = None  # e.g. "fp8": the deployment serves quantised weights
+    source: str = ""  # where this came from
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items()}
+
+
 class Deployment(Protocol):
     description: str
     limits: list[str]  # what cannot be checked on this deployment
@@ -48,6 +63,10 @@ class Deployment(Protocol):
         ...
 
     def load(self, streams: int, seconds: float, max_tokens: int) -> LoadStats: ...
+
+    # optional (fastpaths.py; a deployment without them has none of the fast paths checked):
+    # features() -> Features; generate(probes, max_tokens, prompt_logprobs=False) -> list[Generation];
+    # speculation_counter() -> float | None (draft tokens proposed so far)
 
 
 class EngineDeployment:
@@ -79,7 +98,7 @@ class EngineDeployment:
                         rid, ids, SamplingParams(max_tokens=1, temperature=0.0), probe.target, mm=mm
                     )
                 else:
-                    self.engine.add_request(rid, probe.window.ids(self.sequence), params, probe.target)
+                    self.engine.add_request(rid, probe.ids(self.sequence), params, probe.target)
             except (RequestError, LookupError, ValueError) as e:  # refused: unknown adapter, too long, bad media
                 results[i] = Scores.failed(f"refused: {e}")
                 continue
@@ -91,6 +110,51 @@ class EngineDeployment:
             video_ok = probes[i].video is not None and not out.error
             results[i] = Scores() if video_ok else Scores.from_output(out)
         return results  # type: ignore[return-value]
+
+    # --- fast paths (fastpaths.py) ----------------------------------------------------------
+    def features(self) -> Features:
+        """What the engine was configured with (attributes it may not have yet read as off):
+        prefix caching when it built a prefix cache, speculation when it drafts tokens."""
+        config = self.engine.config
+        speculative = getattr(config, "speculative_config", None) or getattr(config, "num_speculative_tokens", 0)
+        cache = getattr(self.engine, "prefix_cache", _MISSING)  # None when configured on but not built
+        prefix = cache is not None if cache is not _MISSING else bool(getattr(config, "enable_prefix_caching", False))
+        return Features(
+            prefix_caching=prefix,
+            speculative=bool(speculative),
+            quantization=getattr(self.engine, "quantization", None) or getattr(config, "quantization", None),
+            source="the engine's configuration",
+        )
+
+    def speculation_counter(self) -> float | None:
+        """Draft tokens the engine proposed so far (`stats().spec_draft_tokens`), None if it has no count."""
+        value = getattr(self.engine.stats(), "spec_draft_tokens", None)
+        return None if value is None else float(value)
+
+    def generate(self, probes: list[Probe], max_tokens: int, prompt_logprobs: bool = False) -> list[Generation]:
+        """Greedy continuations of `max_tokens` tokens, one request at a time (top-1 logprobs)."""
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=SERVED_TOP_K,
+            prompt_logprobs=SERVED_TOP_K if prompt_logprobs else None,
+        )  # fmt: skip
+        out = []
+        for probe in probes:
+            rid = f"doctor-{next(self._ids)}"
+            try:
+                self.engine.add_request(rid, probe.ids(self.sequence), params, probe.target)
+            except (RequestError, LookupError, ValueError) as e:
+                out.append(Generation.failed(f"refused: {e}"))
+                continue
+            hits = self._prefix_hits()
+            gen = Generation.from_output(self._until_done({rid})[0])
+            if gen.cached_tokens is None and hits is not None:  # one request at a time: the counter's growth
+                gen.cached_tokens = self._prefix_hits() - hits  # type: ignore[operator]
+            out.append(gen)
+        return out
+
+    def _prefix_hits(self) -> int | None:
+        """Prompt tokens served from the prefix cache so far (`stats().prefix_cache_hits`), if counted."""
+        return getattr(self.engine.stats(), "prefix_cache_hits", None)
 
     def _video_prompt(self, path: Path) -> tuple[list[int], MultimodalPrompt]:
         settings = self.engine.media_settings()

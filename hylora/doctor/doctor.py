@@ -2,12 +2,15 @@
 
 0. the reference for every target (first: in-process it folds adapters into the served weights);
 1. the sweep's short prompts (≤ `short_max` tokens), one at a time;
-2. mixed batches (short prompts, all targets at once);
+2. mixed batches (short prompts, all targets: alone, alone again, all at once);
 3. pollution: probe, burst of long requests (+ a video, + an injected NaN in-process), probe;
 4. the sweep's long prompts;
-5. load, when asked for.
-Short prompts go before the long burst so that a server whose long requests poison later ones is
-caught by the pollution check, not mistaken for a length cliff at every length.
+5. the fast paths: prefix caching, speculative decoding (fastpaths.py; skipped where off);
+6. load, when asked for;
+then the deployment's noise is measured from what came back (noise.py), the tolerance chosen, and
+every check judged. Short prompts go before the long burst so that a server whose long requests
+poison later ones is caught by the pollution check, not mistaken for a length cliff at every length.
+Each phase writes a progress line (what, how many of how many, elapsed) when given a `Progress`.
 """
 
 from __future__ import annotations
@@ -15,16 +18,29 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hylora.doctor.batches import check_mixed, judge_pollution, run_pollution
-from hylora.doctor.compare import Tolerance
-from hylora.doctor.deployment import Deployment
+from hylora.doctor.batches import check_mixed, judge_pollution, run_mixed, run_pollution
+from hylora.doctor.compare import Tolerance, diff_reference
+from hylora.doctor.deployment import Deployment, Features
 from hylora.doctor.effect import check_adapter_effect
+from hylora.doctor.fastpaths import (
+    FP8_TOLERANCE,
+    PrefixRun,
+    SpecRun,
+    check_fp8,
+    features_of,
+    judge_prefix_cache,
+    judge_speculation,
+    run_prefix_cache,
+    run_speculation,
+)
 from hylora.doctor.kernels import check_kernels
 from hylora.doctor.load import check_load
+from hylora.doctor.noise import Noise, ToleranceChoice, TolerancePolicy
+from hylora.doctor.progress import Progress
 from hylora.doctor.prompts import SHORT_MAX, mixed_windows
 from hylora.doctor.reference import Reference
 from hylora.doctor.result import CheckResult, Status
@@ -33,18 +49,22 @@ from hylora.doctor.sweep import SweepData, TargetSweep, check_fidelity, label
 from hylora.kernels import KernelVerdict
 
 log = logging.getLogger(__name__)
+PHASES = 7  # references, short sweep, mixed, pollution, long sweep, fast paths, load
 
 
 @dataclass
 class DoctorOptions:
     lengths: list[int]  # the sweep's prompt lengths; the longest is also the burst's
-    tolerance: Tolerance
+    # how the tolerance is chosen: a Tolerance is used as given; None measures the deployment's
+    # noise (noise.py) between the presets for the reference's precision and bfloat16
+    tolerance: Tolerance | TolerancePolicy | None = None
     short_max: int = SHORT_MAX
     burst_size: int = 2
     load_seconds: float = 0.0  # 0: no load check
     load_streams: int = 8
     load_max_tokens: int = 16
     video: Path | None = None  # a video for the pollution burst
+    fast_paths: bool = True  # the prefix-cache and speculation checks (skipped where off)
 
 
 @dataclass
@@ -58,6 +78,9 @@ class Report:
     sweeps: list[TargetSweep]
     limits: list[str] = field(default_factory=list)  # what could not be checked on this deployment
     elapsed_s: float = 0.0
+    tolerance_why: str = ""  # which tolerance, and why
+    noise: Noise = field(default_factory=Noise)
+    features: Features = field(default_factory=Features)
 
     @property
     def passed(self) -> bool:
@@ -77,11 +100,23 @@ class Report:
             "reference": self.reference,
             "targets": self.targets,
             "lengths": self.lengths,
-            "tolerance": vars(self.tolerance),
+            "tolerance": vars(self.tolerance) | {"why": self.tolerance_why},
+            "noise": self.noise.as_dict(),
+            "features": self.features.as_dict(),
             "limits": self.limits,
             "elapsed_s": round(self.elapsed_s, 1),
             "checks": [c.as_dict() for c in self.checks],
         }
+
+
+def _policy(options: DoctorOptions, reference: Reference, features: Features) -> TolerancePolicy:
+    tol = options.tolerance
+    if isinstance(tol, Tolerance):
+        return TolerancePolicy.of(tol)
+    policy = tol or TolerancePolicy.measured(getattr(reference, "dtype", "float32"))
+    if features.quantization and policy.fixed is None and policy.ceiling.max < FP8_TOLERANCE.max:
+        policy = replace(policy, ceiling=FP8_TOLERANCE, ceiling_name=str(features.quantization))
+    return policy
 
 
 def run_doctor(
@@ -91,37 +126,81 @@ def run_doctor(
     options: DoctorOptions,
     texts: TokenTexts,
     kernels: Mapping[str, KernelVerdict] | None = None,
+    progress: Progress | None = None,
 ) -> Report:
     """Run every check on `deployment` (kernels: the engine's record, in-process only)."""
     started = time.monotonic()
+    progress = progress or Progress(PHASES)  # (silent without a stream)
     targets: list[str | None] = [None, *adapters]
-    tol = options.tolerance
     longest = options.lengths[-1]
+    features = features_of(deployment)
+
+    progress.phase("references (merged weights, one prompt per target)", len(targets), "targets")
     for t in targets:
         reference.scores(t)
-
+        progress.tick()
     sweep = SweepData()
     short = [n for n in options.lengths if n <= options.short_max]
-    log.info("doctor: sweep of %d short prompt lengths × %d targets", len(short), len(targets))
-    sweep.run(deployment, targets, short)
-    log.info("doctor: mixed batches")
-    mixed = check_mixed(deployment, targets, mixed_windows(len(reference.sequence), longest), texts, tol)
-    log.info(
-        "doctor: pollution%s",
-        " (the numerical fault logged next is injected on purpose)" if kernels is not None else "",
-    )
+    progress.phase(f"sweep, {len(short)} short lengths × {len(targets)} targets", len(short) * len(targets))
+    sweep.run(deployment, targets, short, progress.tick)
+    windows = mixed_windows(len(reference.sequence), longest)
+    progress.phase("mixed batches (alone, alone again, all at once)", 3 * len(windows) * len(targets))
+    mixed_run = run_mixed(deployment, targets, windows, progress.tick)
+    burst = options.burst_size + (options.video is not None) + (kernels is not None)
+    progress.phase(f"pollution (probes, {burst} long requests at once, probes)", 2 * min(2, len(targets)) + burst)
+    if kernels is not None:
+        log.info("doctor: the numerical fault logged next is injected on purpose (pollution check)")
     pollution_run = run_pollution(
-        deployment, targets, longest, options.burst_size, inject_fault=kernels is not None, video=options.video
-    )
+        deployment, targets, longest, options.burst_size, inject_fault=kernels is not None, video=options.video,
+        tick=progress.tick,
+    )  # fmt: skip
     long = [n for n in options.lengths if n > options.short_max]
-    log.info("doctor: sweep of %d long prompt lengths × %d targets", len(long), len(targets))
-    sweep.run(deployment, targets, long)
+    progress.phase(f"sweep, {len(long)} long lengths × {len(targets)} targets", len(long) * len(targets))
+    sweep.run(deployment, targets, long, progress.tick)
+
+    paths = (("prefix cache", features.prefix_caching), ("speculative decoding", features.speculative))
+    on = [name for name, f in paths if f is not False and options.fast_paths]
+    total = (5 if "prefix cache" in on else 0) + (2 * len(targets) if "speculative decoding" in on else 0)
+    progress.phase(f"fast paths ({', '.join(on) or 'none on'})", total)
+    if options.fast_paths:
+        prefix_run = run_prefix_cache(deployment, targets, len(reference.sequence), progress.tick)
+        spec_run = run_speculation(deployment, targets, reference.sequence, progress.tick)
+    else:
+        prefix_run, spec_run = PrefixRun(skip="not run (asked not to)"), SpecRun(skip="not run (asked not to)")
+    if progress.done < progress.total:
+        progress.tick(progress.total - progress.done)
+    elif progress.total == 0:
+        progress.tick(0)
+
+    progress.phase("load" if options.load_seconds > 0 else "load (not requested)", 1, "runs")
+    load = check_load(deployment, options.load_seconds, options.load_streams, options.load_max_tokens)
+    progress.tick()
+
+    # the deployment's noise, and the tolerance from it
+    base_ref = reference.scores(None)
+    base_diffs = {n: diff_reference(sweep.results[(None, n)], base_ref, n, texts, _LOOSE) for n in sweep.lengths(None)}
+    noise = Noise()
+    noise.add_pooled("repeat", mixed_run.repeats(texts))
+    noise.add_median("batch", mixed_run.batched(texts))
+    noise.add_median("base vs reference", list(base_diffs.values()))
+    choice: ToleranceChoice = _policy(options, reference, features).choose(noise)
+    tol = choice.tolerance
+    fp8_diffs = []
+    if features.quantization:
+        fp8_diffs = [diff_reference(sweep.results[(None, n)], base_ref, n, texts, FP8_TOLERANCE) for n in base_diffs]
+
+    mixed = check_mixed(mixed_run, texts, tol)
     pollution = judge_pollution(pollution_run, sweep, texts, tol, exact=kernels is not None)
-    effect = check_adapter_effect(sweep, adapters, reference.scores, texts, tol)
+    effect = check_adapter_effect(sweep, adapters, reference.scores, texts, tol, noise, base_diffs)
     fidelity, sweeps = check_fidelity(sweep, targets, reference.scores, texts, tol)
     fidelity.notes += [f"reference for {k}: {v}" for k, v in reference.notes.items()]
-    load = check_load(deployment, options.load_seconds, options.load_streams, options.load_max_tokens)
-    checks = [check_kernels(kernels), effect, fidelity, mixed, pollution, load]
+    fidelity.notes.append(f"tolerance: {choice.why}; measured noise: {noise.text()}")
+    fidelity.data["tolerance"] = choice.as_dict()
+    checks = [
+        check_kernels(kernels), effect, fidelity, mixed, pollution,
+        judge_prefix_cache(prefix_run, texts, tol), judge_speculation(spec_run, texts, tol),
+        check_fp8(features, reference, fp8_diffs), load,
+    ]  # fmt: skip
     return Report(
         deployment=deployment.description,
         reference=reference.description,
@@ -132,4 +211,10 @@ def run_doctor(
         sweeps=sweeps,
         limits=list(deployment.limits),
         elapsed_s=time.monotonic() - started,
+        tolerance_why=choice.why,
+        noise=noise,
+        features=features,
     )
+
+
+_LOOSE = Tolerance(mean=float("inf"), max=float("inf"), top1=0.0)  # for measuring only: nothing is judged with it

@@ -15,12 +15,13 @@ from typing import Any
 
 import httpx
 
-from hylora.doctor.deployment import SERVED_TOP_K, LoadStats
+from hylora.doctor.deployment import SERVED_TOP_K, Features, LoadStats
 from hylora.doctor.prompts import Probe, video_messages
-from hylora.doctor.scores import TOKEN_ID, Scores, Token, finite_or_nan
+from hylora.doctor.scores import TOKEN_ID, Generation, Scores, Token, finite_or_nan
 
 PROMPT_LOGPROBS = "prompt_logprobs"  # vLLM's extension: ids and logprobs of every prompt position
 ECHO = "echo"  # OpenAI legacy: echo=true + logprobs gives the prompt tokens' logprobs as text-keyed dicts
+SPEC_DRAFT_METRICS = ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens")
 
 
 class BudgetExhausted(RuntimeError):
@@ -61,8 +62,10 @@ class Endpoint:
         base_name: str | None = None,
         request_timeout: float = 300.0,
         budget: Budget | None = None,
+        quantization: str | None = None,
     ):
         self.url = url.rstrip("/").removesuffix("/v1")
+        self.quantization = quantization  # what the server serves, when told (--endpoint-quantization)
         self.sequence, self.adapters = sequence, adapters
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_name = base_name
@@ -143,7 +146,7 @@ class Endpoint:
             return Scores.failed("faults cannot be injected into an endpoint")
         if probe.video is not None:
             return await self._video(client, probe)
-        prompt = probe.window.ids(self.sequence)
+        prompt = probe.ids(self.sequence)
         body = self._body(probe.target, prompt)
         body |= {PROMPT_LOGPROBS: SERVED_TOP_K} if self.mode == PROMPT_LOGPROBS else {"echo": True}
         if self.token_ids:
@@ -180,19 +183,24 @@ class Endpoint:
             entries = choice[PROMPT_LOGPROBS]
             if len(entries) != n:
                 raise ValueError(f"{len(entries)} prompt_logprobs entries for a {n}-token prompt")
-            logprobs, top1 = [], []
+            logprobs, top1, top1_logprobs = [], [], []
             for p in range(1, n):
                 entry = entries[p] or {}
                 actual = entry.get(str(prompt[p])) or {}
                 logprobs.append(finite_or_nan(actual.get("logprob")))
-                top1.append(_best_ranked(entry))
+                best = _best_ranked(entry)
+                top1.append(best)
+                top1_logprobs.append(finite_or_nan((entry.get(str(best)) or {}).get("logprob")) if best is not None
+                                     else math.nan)  # fmt: skip
             if not generated.get("tokens"):
                 raise ValueError("no generated token")
             # the generated token is the last entry (some servers list the prompt's tokens before it)
             tokens: list[Token] = [*prompt[1:], _token(generated["tokens"][-1])]
             logprobs.append(finite_or_nan(generated["token_logprobs"][-1]))
-            top1.append(_best_keyed((generated.get("top_logprobs") or [None])[-1]))
-            return Scores(tokens, logprobs, top1)
+            last_top = (generated.get("top_logprobs") or [None])[-1]
+            top1.append(_best_keyed(last_top))
+            top1_logprobs.append(_best_keyed_value(last_top))
+            return Scores(tokens, logprobs, top1, top1_logprobs=top1_logprobs)
         token_logprobs, top_logprobs = generated["token_logprobs"], generated.get("top_logprobs") or []
         if len(token_logprobs) != n + 1:
             raise ValueError(f"{len(token_logprobs)} echoed logprobs for a {n}-token prompt and 1 generated token")
@@ -201,6 +209,7 @@ class Endpoint:
             tokens=[*prompt[1:], _token(generated["tokens"][n])],
             logprobs=[finite_or_nan(x) for x in token_logprobs[1:]],
             top1=[_best_keyed(t) for t in tops[1:]],
+            top1_logprobs=[_best_keyed_value(t) for t in tops[1:]],
         )
 
     def _body(self, model: str | None, prompt: list[int]) -> dict[str, Any]:
@@ -233,6 +242,68 @@ class Endpoint:
             return r.status_code, json.loads(r.text)  # (json.loads reads NaN / Infinity literals)
         except ValueError:
             return r.status_code, {"error": r.text[:300]}
+
+    # --- fast paths (fastpaths.py) ----------------------------------------------------------
+    def features(self) -> Features:
+        """A server does not say which fast paths it runs: prefix caching shows in the cached
+        prompt tokens it reports (usage.prompt_tokens_details.cached_tokens), speculative decoding
+        in its /metrics (vLLM's spec_decode counters), FP8 only when told (--endpoint-quantization)."""
+        return Features(quantization=self.quantization, source="what the server reports")
+
+    def speculation_counter(self) -> float | None:
+        """vLLM's cumulative draft tokens (`vllm:spec_decode_num_draft_tokens_total`, all label
+        sets), or None when the server has no such metric."""
+        try:
+            r = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=min(self.timeout, 30.0))
+        except httpx.HTTPError:
+            return None
+        return draft_tokens(r.text) if r.status_code == 200 else None
+
+    def generate(self, probes: list[Probe], max_tokens: int, prompt_logprobs: bool = False) -> list[Generation]:
+        """Greedy continuations, one request after another; `prompt_logprobs` also asks for the
+        prompt's logprobs (servers then skip their prefix cache for the request, vLLM's rule)."""
+        return asyncio.run(self._generate(probes, max_tokens, prompt_logprobs))
+
+    async def _generate(self, probes: list[Probe], max_tokens: int, prompt_logprobs: bool) -> list[Generation]:
+        out = []
+        async with httpx.AsyncClient(timeout=self.timeout, headers=self.headers) as client:
+            for probe in probes:
+                out.append(await self._generate_one(client, probe, max_tokens, prompt_logprobs))
+        return out
+
+    async def _generate_one(
+        self, client: httpx.AsyncClient, probe: Probe, max_tokens: int, prompt_logprobs: bool
+    ) -> Generation:
+        if self.mode is None:
+            return Generation.failed("the server returns no logprobs")
+        prompt = probe.ids(self.sequence)
+        body = self._body(probe.target, prompt) | {"max_tokens": max_tokens, "ignore_eos": True}
+        if self.token_ids:
+            body["return_tokens_as_token_ids"] = True
+        if prompt_logprobs:
+            body |= {PROMPT_LOGPROBS: SERVED_TOP_K} if self.mode == PROMPT_LOGPROBS else {"echo": True}
+        try:
+            status, data = await self._post(client, body)
+        except BudgetExhausted as e:
+            return Generation.failed(str(e))
+        if status != 200:
+            return Generation.failed(f"HTTP {status}: {_error_text(data)}")
+        try:
+            choice = _first_choice(data) or {}
+            logprobs = choice.get("logprobs") or {}
+            # the generated tokens are the last entries (echo, and some servers with prompt logprobs, list
+            # the prompt's tokens first)
+            skip = max(0, len(logprobs["tokens"]) - max_tokens)
+            tokens = [_token(t) for t in logprobs["tokens"][skip:]]
+            values = [finite_or_nan(x) for x in logprobs["token_logprobs"][skip:]]
+            tops = list(logprobs.get("top_logprobs") or [])[skip:]
+            tops += [None] * (len(tokens) - len(tops))
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            return Generation.failed(f"cannot read the logprobs in the answer ({e!r}): {json.dumps(data)[:300]}")
+        details = ((data.get("usage") or {}).get("prompt_tokens_details") or {}) if isinstance(data, dict) else {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return Generation(tokens, values, [_best_keyed(t) for t in tops],
+                          cached_tokens=cached if isinstance(cached, int) else None)  # fmt: skip
 
     # --- load ------------------------------------------------------------------------------
     def load(self, streams: int, seconds: float, max_tokens: int) -> LoadStats:
@@ -311,6 +382,20 @@ class Endpoint:
             stats.tokens += (usage or {}).get("completion_tokens") or 0
 
 
+def draft_tokens(metrics: str) -> float | None:
+    """The draft-token counter in a Prometheus text page, summed over its label sets (None: absent)."""
+    total, seen = 0.0, False
+    for line in metrics.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in SPEC_DRAFT_METRICS:
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+                seen = True
+            except (IndexError, ValueError):
+                continue
+    return total if seen else None
+
+
 def _first_choice(data: Any) -> dict[str, Any] | None:
     choices = data.get("choices") if isinstance(data, dict) else None
     return choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
@@ -334,6 +419,14 @@ def _best_keyed(top: Any) -> Token | None:
         return None
     key = max(top, key=lambda k: _sortable(top[k]))
     return _token(key)
+
+
+def _best_keyed_value(top: Any) -> float:
+    """The largest logprob of a {token: logprob} dict (nan when there is none)."""
+    if not isinstance(top, dict) or not top:
+        return math.nan
+    best = max(_sortable(v) for v in top.values())
+    return best if math.isfinite(best) else math.nan
 
 
 def _best_ranked(entry: dict[str, Any]) -> Token | None:

@@ -43,7 +43,8 @@ def render_html(report: Report) -> str:
         f"<b>reference</b> {escape(report.reference)}<br>"
         f"<b>targets</b> {escape(', '.join(report.targets))}; "
         f"<b>prompt lengths</b> {escape(', '.join(map(str, report.lengths)))}<br>"
-        f"<b>tolerance</b> {escape(tolerance_text(report.tolerance))}<br>"
+        f"<b>tolerance</b> {escape(tolerance_text(report.tolerance))}: {escape(report.tolerance_why)}<br>"
+        f"<b>measured noise</b> {escape(report.noise.text())}<br>"
         f"<b>took</b> {report.elapsed_s:.0f} s</p>",
         "<h2>Checks</h2><table><tr><th>check</th><th>result</th><th>details</th></tr>",
     ]

@@ -67,6 +67,10 @@ class Probe:
     window: Window
     fault: str | None = None  # in-process only: inject this engine fault ("nan")
     video: Path | None = None
+    prompt: tuple[int, ...] | None = None  # these token ids instead of the window's (e.g. a continuation)
+
+    def ids(self, sequence: list[int]) -> list[int]:
+        return list(self.prompt) if self.prompt is not None else self.window.ids(sequence)
 
 
 VIDEO_QUESTION = "Describe what the video shows."

@@ -54,6 +54,8 @@ def render_text(report: Report) -> str:
         f"reference: {report.reference}",
         f"targets: {', '.join(report.targets)}; prompt lengths {report.lengths[0]}…{report.lengths[-1]}",
         f"tolerance: {tolerance_text(report.tolerance)}",
+        *([f"           {report.tolerance_why}"] if report.tolerance_why else []),
+        f"noise: {report.noise.text()}",
         "",
     ]
     for c in report.checks:

@@ -27,6 +27,7 @@ class Scores:
     logprobs: list[float] = field(default_factory=list)
     top1: list[Token | None] = field(default_factory=list)
     error: str | None = None  # the request failed: HTTP status / engine error
+    top1_logprobs: list[float] = field(default_factory=list)  # the top-1's logprob, when the server said
 
     @classmethod
     def failed(cls, error: str) -> Scores:
@@ -44,6 +45,37 @@ class Scores:
             tokens=[lp.token_id for lp in entries],
             logprobs=[finite_or_nan(lp.logprob) for lp in entries],
             top1=[max(lp.top, key=lp.top.__getitem__) if lp.top else None for lp in entries],
+            top1_logprobs=[finite_or_nan(max(lp.top.values())) if lp.top else math.nan for lp in entries],
+        )
+
+
+@dataclass
+class Generation:
+    """One generated continuation (greedy): per generated token its id (or text), logprob and the
+    top-1 there, and what the deployment said about the request: prompt tokens served from its
+    prefix cache (None: not reported)."""
+
+    tokens: list[Token] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top1: list[Token | None] = field(default_factory=list)
+    cached_tokens: int | None = None
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, error: str) -> Generation:
+        return cls(error=error)
+
+    @classmethod
+    def from_output(cls, out: RequestOutput) -> Generation:
+        if out.error:
+            kind = f" [{out.failure.value}]" if out.failure is not None else ""
+            return cls.failed(f"{out.error}{kind}")
+        entries = out.logprobs or []
+        return cls(
+            tokens=list(out.token_ids),
+            logprobs=[finite_or_nan(lp.logprob) for lp in entries],
+            top1=[max(lp.top, key=lp.top.__getitem__) if lp.top else None for lp in entries],
+            cached_tokens=getattr(out, "num_cached_tokens", None),
         )
 
 

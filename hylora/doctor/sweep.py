@@ -31,11 +31,13 @@ class SweepData:
 
     results: dict[tuple[Target, int], Scores] = field(default_factory=dict)
 
-    def run(self, deployment: Deployment, targets: list[Target], lengths: list[int]) -> None:
+    def run(self, deployment: Deployment, targets: list[Target], lengths: list[int], tick=None) -> None:
         """Ascending lengths; at each length every target, one request at a time."""
         for n in lengths:
             for t in targets:
                 self.results[(t, n)] = deployment.score([Probe(t, Window(0, n))])[0]
+                if tick is not None:
+                    tick(1)
 
     def lengths(self, target: Target) -> list[int]:
         return sorted(n for t, n in self.results if t == target)
