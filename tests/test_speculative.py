@@ -235,3 +235,30 @@ def test_sampled_output_with_speculation_follows_the_same_distribution(mtp_ckpts
 def test_a_checkpoint_without_an_mtp_layer_is_refused_clearly(causal_ckpt):
     with pytest.raises(ConfigError, match="drop --speculative-config"):
         make_engine(causal_ckpt[0], num_speculative_tokens=2)
+
+
+def test_structured_outputs_speculate_within_their_grammar(mtp_ckpts):
+    """Drafts a grammar cannot take are cut before the verify step; each verified row is masked by
+    the grammar's state after the drafts before it; the output is the one without speculation."""
+    import re
+
+    from hylora.structured.spec import StructuredSpec
+
+    patterns = {"loose": r"[^<>]{0,40}", "strict": r"(Shang|Zhou|Han)( (Shang|Zhou|Han)){2,5}\."}
+    results = []
+    for engine in engines(mtp_ckpts["arranged"], 3):
+        for name, pattern in patterns.items():
+            grammar = engine.grammar_compiler().compile_blocking(StructuredSpec("regex", pattern))
+            engine.add_request(name, list(range(3, 20)), greedy(30), grammar=grammar)
+        done = {}
+        while engine.has_unfinished():
+            done |= {out.request_id: out for out in engine.step() if out.finished}
+        results.append(done)
+    plain, spec = results
+    assert_same(plain, spec)
+    for name, pattern in patterns.items():
+        assert spec[name].finish_reason in ("stop", "length") and spec[name].error is None
+        if spec[name].finish_reason == "stop":
+            assert re.fullmatch(pattern, spec[name].text), spec[name].text
+    stats = engine.stats()
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0

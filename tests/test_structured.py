@@ -457,3 +457,38 @@ def test_tokenizer_larger_than_the_model_is_a_client_error(tokenizer, eos_ids):
             compiler.compile_blocking(StructuredSpec("json_object"))
     finally:
         compiler.close()
+
+
+def test_draft_prefix_and_draft_masks_follow_the_grammar_and_leave_the_matcher_as_it_was(compiler, tokenizer, eos_ids):
+    """Speculative decoding's view of a matcher: the drafts it can take, and the mask of each
+    verified row (after the drafts before it) — the masks sequential decoding would compute."""
+    pattern = "(Shang|Zhou|Han)!( (Shang|Zhou|Han)!)*"
+    matcher = compiler.compile_blocking(StructuredSpec("regex", pattern)).matcher()
+    good = tokenizer.encode("Zhou! Han!", add_special_tokens=False)
+    assert matcher.draft_prefix([*good, eos_ids[0], *good]) == good  # stops at EOS
+    bad = tokenizer.encode("Zhou!x", add_special_tokens=False)
+    assert matcher.draft_prefix(bad) == tokenizer.encode("Zhou!", add_special_tokens=False)
+    rows = allocate_bitmask(len(good) + 1, VOCAB)
+    matcher.fill_draft_masks(rows, good)
+    assert matcher.num_tokens == 0 and allowed_ids(matcher) == allowed_ids(
+        compiler.compile_blocking(StructuredSpec("regex", pattern)).matcher()
+    )  # rolled back
+    sequential = compiler.compile_blocking(StructuredSpec("regex", pattern)).matcher()
+    for j, token in enumerate(good):
+        expected = allocate_bitmask(1, VOCAB)[0]
+        sequential.fill_mask(expected)
+        assert torch.equal(rows[j], expected), j
+        sequential.accept(token)
+    expected = allocate_bitmask(1, VOCAB)[0]
+    sequential.fill_mask(expected)
+    assert torch.equal(rows[len(good)], expected)
+
+    # before `</think>` (here the ids 5, 6) the rows are free; drafts stop at the one ending it
+    thinking = compiler.compile_blocking(StructuredSpec("regex", pattern)).matcher(starts_after=(5, 6))
+    assert thinking.draft_prefix([9, 5, 6, *good]) == [9, 5, 6]
+    rows = allocate_bitmask(4, VOCAB)
+    thinking.fill_draft_masks(rows, [9, 5, 6])
+    assert bool((rows[:3] == -1).all())
+    start = allocate_bitmask(1, VOCAB)[0]
+    compiler.compile_blocking(StructuredSpec("regex", pattern)).matcher().fill_mask(start)
+    assert torch.equal(rows[3], start) and not thinking.active

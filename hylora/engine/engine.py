@@ -39,7 +39,7 @@ from hylora.engine.sampler import (
     to_device,
 )
 from hylora.engine.scheduler import ScheduledChunk, Scheduler
-from hylora.engine.speculative import Drafter, PendingVerify, SpecStats, commit_state, launch_verify
+from hylora.engine.speculative import Drafter, PendingVerify, SpecStats, commit_state, grammar_masks, launch_verify
 from hylora.engine.stats import EngineStats
 from hylora.kernels import as_text, select_kernels
 from hylora.model.decoder import HybridDecoder
@@ -345,6 +345,14 @@ class LLMEngine:
         ]
         accepting = None
         if verify:
+            masked, errors = grammar_masks(
+                [c.request for c, _ in verify], [c.drafts for c, _ in verify], [lg for _, lg in verify]
+            )
+            for (c, _), err in zip(verify, errors, strict=True):
+                if err is not None:
+                    outputs.append(self._fail(c.request, f"structured output failed: {err}", _grammar_failure(err)))
+            verify = [(c, lg) for (c, _), lg, err in zip(verify, masked, errors, strict=True) if err is None]
+        if verify:
             accepting = launch_verify(
                 [lg for _, lg in verify], [c.request for c, _ in verify], [c.drafts for c, _ in verify], self.eos_ids
             )
@@ -511,11 +519,15 @@ class LLMEngine:
             commit_state(self.states, req, accepted, len(c.drafts))
             req.num_computed += accepted
             for token, info in result:
+                if req.grammar is not None:
+                    req.grammar.accept(token)
                 reason = self.outputs.append_token(req, token, info)
                 if reason is not None:
                     self._finish(req, reason)
                     break
             return [self._output(req)]
+        except GrammarError as e:
+            return [self._fail(req, f"structured output failed: {e}", FailureKind.INVALID_REQUEST)]
         except Exception as e:
             log.exception("request %s: handling its verified tokens failed", req.request_id)
             return [self._fail(req, f"detokenising the output failed: {e!r}", FailureKind.INTERNAL)]

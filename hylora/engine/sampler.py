@@ -76,18 +76,23 @@ class PendingSample:
         return out
 
 
-def draws_without_host(req: Request) -> bool:
-    """Its next draws need nothing the host learns token by token: no grammar (its mask follows each
-    token), no penalties (they count the tokens), min_tokens already met. Such a request's next token
-    can be drawn before the host has read this one (decode ahead), or several at once (speculation)."""
+def counts_tokens(req: Request) -> bool:
+    """Its logits are edited by what it generated: penalties (they count the tokens), or min_tokens
+    not met yet. Such a request's next tokens cannot be drawn several at once (speculation)."""
     p = req.params
     return (
-        req.grammar is None
-        and p.repetition_penalty == 1.0
-        and not p.frequency_penalty
-        and not p.presence_penalty
-        and len(req.output_ids) >= p.min_tokens
+        p.repetition_penalty != 1.0
+        or bool(p.frequency_penalty)
+        or bool(p.presence_penalty)
+        or len(req.output_ids) < p.min_tokens
     )
+
+
+def draws_without_host(req: Request) -> bool:
+    """Its next draw needs nothing the host learns once this one is in: no grammar (its mask follows
+    each token) and nothing `counts_tokens`. Its next token can be drawn before the host has read this
+    one (decode ahead)."""
+    return req.grammar is None and not counts_tokens(req)
 
 
 def launch_sample(logits: torch.Tensor, requests: list[Request], eos_ids: tuple[int, ...] = ()) -> PendingSample:

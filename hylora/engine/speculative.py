@@ -16,9 +16,11 @@ A step with speculation, for a request that speculates:
    decoder's hidden state at t with the token at t+1), filling its own KV cache and giving the
    first draft; k-1 more single-row passes feed it its own output and the draft before.
 
-What does not speculate (it decodes one token per step, in the same steps): a request with a
-grammar, penalties or unmet min_tokens (each draft's logits would depend on the drafts before it
-through state the host keeps), steps that also carry a prefill chunk longer than the token-by-token
+Structured outputs speculate: a grammar cuts the drafts it cannot take (`GrammarMatcher.draft_prefix`)
+and masks each verified row with its state after the drafts before it (`grammar_masks`).
+What does not speculate (it decodes one token per step, in the same steps): a request with
+penalties or unmet min_tokens (each draft's logits would depend on the drafts before it through
+counts the host keeps), steps that also carry a prefill chunk longer than the token-by-token
 GDN kernel takes (`RECURRENT_MAX_TOKENS`), and drafts that would pass max_tokens or max_model_len.
 """
 
@@ -38,13 +40,14 @@ from hylora.engine.sampler import (
     _generator,
     _logprob_tensors,
     _logprobs_from_host,
-    draws_without_host,
+    counts_tokens,
     filtered_probs,
     to_device,
 )
 from hylora.engine.scheduler import ScheduledChunk
 from hylora.model.decoder import HybridDecoder
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk
+from hylora.structured.mask import allocate_bitmask, apply_bitmask
 
 
 @dataclass
@@ -165,6 +168,38 @@ def commit_state(states: StatePool, req: Request, accepted: int, num_drafts: int
         states.copy_to(states, req.spec_slots[accepted], req.state_slot)
 
 
+def grammar_masks(
+    requests: list[Request], drafts: list[list[int]], logits: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[Exception | None]]:
+    """Each structured-output request's verify rows masked (row j: the grammar's mask after its
+    drafts[:j]; a masked copy, the others as they are), and each request's grammar error or None."""
+    masked: list[torch.Tensor] = []
+    errors: list[Exception | None] = []
+    for req, d, rows in zip(requests, drafts, logits, strict=True):
+        masked.append(rows)
+        errors.append(None)
+        if req.grammar is None:
+            continue
+        try:
+            bitmask = allocate_bitmask(len(d) + 1, rows.shape[1])
+            req.grammar.fill_draft_masks(bitmask, d)
+            masked[-1] = rows.clone()
+            apply_bitmask(masked[-1], bitmask, range(len(d) + 1))
+        except Exception as e:
+            errors[-1] = e
+    return masked, errors
+
+
+def _grammar_prefix(req: Request, drafts: list[int]) -> list[int]:
+    """The drafts a structured-output request's grammar can take (all of them without a grammar)."""
+    if req.grammar is None or not drafts:
+        return drafts
+    try:
+        return req.grammar.draft_prefix(drafts)
+    except Exception:  # the mask step reports a broken grammar; here it only costs the drafts
+        return []
+
+
 # --- draft -------------------------------------------------------------------------------------
 class Drafter:
     """Runs the MTP layer after each step and leaves each speculating request's drafts in
@@ -177,7 +212,7 @@ class Drafter:
 
     def budget(self, req: Request, max_model_len: int) -> int:
         """How many drafts the request's next step may verify."""
-        if req.finished or not draws_without_host(req):
+        if req.finished or counts_tokens(req):
             return 0
         left = req.params.max_tokens - len(req.output_ids) - 1  # the step also gives one token of its own
         return max(0, min(self.k, left, max_model_len - req.num_tokens - 1))
@@ -227,7 +262,7 @@ class Drafter:
                 if finite[j]:  # a non-finite draft ends that request's drafting; its output is unaffected
                     drafts[i].append(int(tokens[j]))
         for (req, _, _), d in zip(live, drafts, strict=True):
-            req.draft_ids = d
+            req.draft_ids = _grammar_prefix(req, d)
 
     def _chunk(self, req: Request, tokens: list[int], start: int) -> SequenceChunk:
         """MTP rows at positions start.. (row t: the token at t + 1), on the base weights."""

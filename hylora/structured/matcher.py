@@ -71,9 +71,7 @@ class GrammarMatcher:
     the model has written that sequence: the reasoning of a thinking model is free, its answer is
     constrained (vLLM's default with a reasoning parser). Until then the matcher is not `active`."""
 
-    def __init__(
-        self, ll: llguidance.LLMatcher, context: VocabContext, label: str, starts_after: Sequence[int] = ()
-    ):
+    def __init__(self, ll: llguidance.LLMatcher, context: VocabContext, label: str, starts_after: Sequence[int] = ()):
         self._ll = ll
         self.context = context
         self.label = label  # "JSON schema", "regex", ... for messages
@@ -117,6 +115,50 @@ class GrammarMatcher:
         self.num_tokens += 1
         if token_id in self.context.eos_ids:
             self._ended = True
+
+    def draft_prefix(self, drafts: Sequence[int]) -> list[int]:
+        """The longest prefix of `drafts` (speculative decoding's) that the grammar can take: drafts
+        stop at EOS (it ends the output: the verify step's own token may still be EOS) and, while the
+        reasoning before the grammar runs, at the draft that ends it, so every draft after the first
+        constrained position is checked here and every verified row has one grammar state."""
+        if not self.active:
+            target, seen = self._starts_after, self._seen
+            for j, t in enumerate(drafts):
+                seen = seen + 1 if t == target[seen] else int(t == target[0])
+                if seen == len(target):
+                    return list(drafts[: j + 1])
+            return list(drafts)
+        if self.is_terminated() or self._ll.is_error():
+            return []
+        cut = next((j for j, t in enumerate(drafts) if t in self.context.eos_ids), len(drafts))
+        valid = [t for t in drafts[:cut] if 0 <= t < self.context.vocab_size]
+        return list(drafts[: min(len(valid), self._ll.validate_tokens(list(drafts[:cut])))])
+
+    def fill_draft_masks(self, rows: torch.Tensor, drafts: Sequence[int]) -> None:
+        """Row j of `rows` (int32 [len(drafts) + 1, W], CPU) gets the mask after drafts[:j] (all
+        allowed while the reasoning runs), for drafts from `draft_prefix`. The matcher ends where it
+        began (consumed drafts are rolled back). Raises GrammarError."""
+        if not self.active:  # only the row after the draft that ends the reasoning is constrained
+            rows[:-1].fill_(-1)
+            target, seen = self._starts_after, self._seen
+            for t in drafts:
+                seen = seen + 1 if t == target[seen] else int(t == target[0])
+            if seen == len(target):
+                self.fill_mask(rows[-1])
+            else:
+                rows[-1].fill_(-1)
+            return
+        consumed = 0
+        try:
+            for j, t in enumerate(drafts):
+                self.fill_mask(rows[j])
+                if not self._ll.consume_token(t):
+                    raise self._error(f"rejected draft token {t}")
+                consumed += 1
+            self.fill_mask(rows[len(drafts)])
+        finally:
+            if consumed:
+                self._ll.rollback(consumed)
 
     def _error(self, what: str) -> GrammarError:
         detail = self._ll.get_error().strip()
