@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -282,3 +284,13 @@ def write_subtle_adapters(model_dir: Path, out: Path) -> dict[str, Path]:
         model.save_pretrained(out / name)
         paths[name] = out / name
     return paths
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The demo model is too small to gain from a second CPU thread, and torch's threads spin badly
+    when the cores are shared (10-100× slower under load): one thread, as `doctor --demo` uses."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from hylora.cli import build_parser
 from hylora.demo import DEMO_ADAPTERS
@@ -29,16 +28,6 @@ ADAPTERS = list(DEMO_ADAPTERS)
 SUBTLE = list(SUBTLE_ADAPTERS)
 LENGTHS = [1, 65, 129, 400]  # 129 and shorter go before the pollution burst (2 × 400 tokens)
 SHORT_MAX = 129
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The demo model is too small to gain from a second CPU thread, and torch's threads spin badly
-    when the cores are shared (10-100× slower under load): one thread, as `doctor --demo` uses."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

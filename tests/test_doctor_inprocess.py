@@ -14,24 +14,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from hylora.cli import build_parser
 from hylora.doctor.cli import run_from_args
 from hylora.doctor.prompts import BOUNDARY_LENGTHS
 from hylora.engine import EngineConfig
+from tests.doctor_helpers import one_thread  # noqa: F401  (autouse: this module runs torch on one thread)
 
 TARGETS = ["base", "relic", "tomb", "mural"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The demo model is too small to gain from a second CPU thread, and torch's threads spin badly
-    when the cores are shared (10-100× slower under load): one thread, as `doctor --demo` uses."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

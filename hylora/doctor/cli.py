@@ -177,7 +177,7 @@ def _run(args: argparse.Namespace) -> int:
     from hylora.doctor.scores import TokenTexts
     from hylora.engine.config import EngineConfig
     from hylora.engine.engine import LLMEngine
-    from hylora.server.vllm_flags import check_speculative_config
+    from hylora.engine.speculative import check_speculative_config
     from hylora.tokenizer import load_tokenizer
 
     x = _inputs(args)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -48,6 +49,30 @@ from hylora.engine.scheduler import ScheduledChunk
 from hylora.model.decoder import HybridDecoder
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk
 from hylora.structured.mask import allocate_bitmask, apply_bitmask
+
+METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")  # vLLM's `method`s for MTP; the last two its older names
+
+
+def check_speculative_config(config: Any) -> dict[str, Any] | None:
+    """vLLM's --speculative-config JSON (already parsed), checked: the config with
+    num_speculative_tokens filled in, or None. Raises ValueError saying what to change."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise ValueError("--speculative-config expects a JSON object")
+    method = config.get("method")
+    if method not in METHODS:
+        raise ValueError(f"--speculative-config: method must be one of {', '.join(METHODS)}")
+    k = config.get("num_speculative_tokens", 1)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 4:
+        raise ValueError("--speculative-config: num_speculative_tokens must be an integer in [1, 4]")
+    unknown = sorted(set(config) - {"method", "num_speculative_tokens", "model", "draft_sample_method"})
+    if unknown:
+        raise ValueError(f"--speculative-config: hylora does not take {', '.join(unknown)} (it takes method, "
+                         "num_speculative_tokens, and model / draft_sample_method at vLLM's defaults)")  # fmt: skip
+    if config.get("draft_sample_method", "greedy") != "greedy":
+        raise ValueError("--speculative-config: draft_sample_method must be 'greedy' (the MTP layer drafts by argmax)")
+    return {**config, "num_speculative_tokens": k}
 
 
 @dataclass

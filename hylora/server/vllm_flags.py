@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from hylora.engine.speculative import check_speculative_config
 from hylora.tokenizer import check_template_kwargs
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,6 @@ DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "
           "float32": "float32"}  # fmt: skip
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 TOOL_CALL_PARSERS = ("qwen3_coder", "hermes")
-SPECULATIVE_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")  # vLLM's; the last two are its old names
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -102,26 +102,6 @@ def parse_mm_limits(value: Any) -> dict[str, int] | None:
             raise ValueError(f"--limit-mm-per-prompt: expected image=N,video=N, got {item!r}")
         limits[kind.strip()] = int(count)
     return limits
-
-
-def check_speculative_config(config: Any) -> dict[str, Any] | None:
-    if config is None:
-        return None
-    if not isinstance(config, dict):
-        raise ValueError("--speculative-config expects a JSON object")
-    method = config.get("method")
-    if method not in SPECULATIVE_METHODS:
-        raise ValueError(f"--speculative-config: method must be one of {', '.join(SPECULATIVE_METHODS)}")
-    k = config.get("num_speculative_tokens", 1)
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 4:
-        raise ValueError("--speculative-config: num_speculative_tokens must be an integer in [1, 4]")
-    unknown = sorted(set(config) - {"method", "num_speculative_tokens", "model", "draft_sample_method"})
-    if unknown:
-        raise ValueError(f"--speculative-config: hylora does not take {', '.join(unknown)} (it takes method, "
-                         "num_speculative_tokens, and model / draft_sample_method at vLLM's defaults)")  # fmt: skip
-    if config.get("draft_sample_method", "greedy") != "greedy":
-        raise ValueError("--speculative-config: draft_sample_method must be 'greedy' (the MTP layer drafts by argmax)")
-    return {**config, "num_speculative_tokens": k}
 
 
 def normalise_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
