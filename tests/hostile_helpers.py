@@ -45,12 +45,17 @@ def fresh_text(url: str) -> float:
 
 
 class Neighbours:
+    """Requests running in threads while a test sends its offenders; a body with "stream" streams.
+    `result[name]` is each one's (text, finish_reason); `errors` any error it met."""
+
     def __init__(self, url: str, bodies: dict[str, dict]):
         self.url, self.bodies = url, bodies
         self.result: dict[str, tuple[str, str | None]] = {}
         self.errors: list[str] = []
         self.started = threading.Event()
-        self.threads = [threading.Thread(target=self._stream), threading.Thread(target=self._plain)]
+        if not any(b.get("stream") for b in bodies.values()):
+            self.started.set()
+        self.threads = [threading.Thread(target=self._run, args=item) for item in bodies.items()]
 
     def start(self) -> None:
         for t in self.threads:
@@ -61,10 +66,20 @@ class Neighbours:
         for t in self.threads:
             t.join(180)
 
-    def _stream(self) -> None:
+    def __enter__(self) -> Neighbours:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.join()
+
+    def _run(self, name: str, body: dict) -> None:
+        (self._stream if body.get("stream") else self._plain)(name, body)
+
+    def _stream(self, name: str, body: dict) -> None:
         text, finish = [], None
         try:
-            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=self.bodies["stream"], timeout=180) as r:
+            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=180) as r:
                 for line in r.iter_lines():
                     if not line.startswith("data: {"):
                         continue
@@ -77,15 +92,15 @@ class Neighbours:
                         finish = choice["finish_reason"] or finish
         finally:
             self.started.set()
-            self.result["stream"] = ("".join(text), finish)
+            self.result[name] = ("".join(text), finish)
 
-    def _plain(self) -> None:
-        r = httpx.post(f"{self.url}/v1/chat/completions", json=self.bodies["image"], timeout=180)
+    def _plain(self, name: str, body: dict) -> None:
+        r = httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=180)
         if r.status_code != 200:
             self.errors.append(r.text)
             return
         choice = r.json()["choices"][0]
-        self.result["image"] = (choice["message"]["content"], choice["finish_reason"])
+        self.result[name] = (choice["message"]["content"], choice["finish_reason"])
 
 
 def run_neighbours(url: str, bodies: dict[str, dict]) -> tuple[dict[str, tuple[str, str | None]], float]:

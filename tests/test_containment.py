@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.hostile_helpers import Neighbours
 from tests.server_helpers import running_server
 
 BASE = "hylora-demo"
@@ -63,47 +64,9 @@ def load(url: str, name: str, path: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, timeout=60)
 
 
-class Neighbours:
-    """A streaming request on an adapter and a non-streaming one on the base model, greedy, running
-    in threads while a test sends its offenders."""
-
-    def __init__(self, url: str):
-        self.url = url
-        self.result: dict[str, tuple[str, str | None]] = {}
-        self.events: list[str] = []
-        self.started = threading.Event()
-        self.threads = [threading.Thread(target=self._stream), threading.Thread(target=self._plain)]
-
-    def __enter__(self) -> Neighbours:
-        for t in self.threads:
-            t.start()
-        assert self.started.wait(60), "the streaming neighbour never started"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for t in self.threads:
-            t.join(120)
-
-    def _stream(self) -> None:
-        body = _neighbour_body("relic") | {"stream": True}
-        text, finish = [], None
-        with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                self.started.set()
-                event = json.loads(line[6:])
-                self.events.append(line)
-                for choice in event.get("choices", []):
-                    text.append(choice["delta"].get("content") or "")
-                    finish = choice["finish_reason"] or finish
-        self.started.set()
-        self.result["stream"] = ("".join(text), finish)
-
-    def _plain(self) -> None:
-        r = httpx.post(f"{self.url}/v1/chat/completions", json=_neighbour_body(None), timeout=120)
-        choice = r.json()["choices"][0]
-        self.result["plain"] = (choice["message"]["content"], choice["finish_reason"])
+def neighbours(url: str) -> Neighbours:
+    """A streaming request on an adapter and a non-streaming one on the base model, greedy."""
+    return Neighbours(url, {"stream": _neighbour_body("relic") | {"stream": True}, "plain": _neighbour_body(None)})
 
 
 def _neighbour_body(model: str | None) -> dict:
@@ -118,7 +81,7 @@ def _neighbour_body(model: str | None) -> dict:
 
 @pytest.fixture(scope="module")
 def baseline(server):
-    with Neighbours(server) as n:
+    with neighbours(server) as n:
         pass
     assert n.result["stream"][1] == "length" and n.result["plain"][1] == "length"
     return n.result
@@ -137,14 +100,14 @@ def contained(server, baseline, probe):
 
     class _Check:
         def __enter__(self):
-            self.n = Neighbours(server).__enter__()
+            self.n = neighbours(server).__enter__()
             return self
 
         def __exit__(self, *exc):
             self.n.__exit__(*exc)
             if exc[0] is None:
                 assert self.n.result == baseline, "a neighbour changed"
-                assert not any('"error"' in e for e in self.n.events)
+                assert not self.n.errors
                 again = chat(server, BASE, "What is in the tomb?", max_tokens=12)
                 assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"] == probe
                 assert httpx.get(f"{server}/health", timeout=5).status_code == 200

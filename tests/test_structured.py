@@ -11,9 +11,7 @@ import time
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
-from hylora.demo import write_tokenizer
 from hylora.structured import (
     GrammarCompiler,
     GrammarError,
@@ -25,8 +23,7 @@ from hylora.structured import (
     parse_structured_outputs,
 )
 from hylora.structured.mask import _banned, banned_by_shifts
-
-VOCAB = 720  # model rows: more than the tokenizer's ids (padding), and not a multiple of 32
+from tests.structured_helpers import VOCAB, allowed_ids, demo_tokenizer, eos_pair
 
 RELIC_SCHEMA = {
     "type": "object",
@@ -64,14 +61,12 @@ GRAMMAR_LANGUAGE = r"period: (Shang|Zhou|Han); count: [1-9][0-9]?"
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("structured-tokenizer")
-    write_tokenizer(path, 1024)
-    return AutoTokenizer.from_pretrained(str(path))
+    return demo_tokenizer(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def eos_ids(tokenizer):
-    return (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    return eos_pair(tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +74,6 @@ def compiler(tokenizer, eos_ids):
     compiler = GrammarCompiler(tokenizer, VOCAB, eos_ids, cache_size=32)
     yield compiler
     compiler.close()
-
-
-def allowed_ids(matcher: GrammarMatcher) -> set[int]:
-    row = allocate_bitmask(1, VOCAB)[0]
-    matcher.fill_mask(row)
-    return {t for t in range(VOCAB) if (int(row[t // 32]) >> (t % 32)) & 1}
 
 
 def generate(matcher: GrammarMatcher, eos_ids, seed: int, steps: int = 400, bias=None) -> list[int]:

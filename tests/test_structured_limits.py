@@ -18,25 +18,21 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
 
-from hylora.demo import write_tokenizer
 from hylora.structured import (
     CompilerBusy,
     CompileTimeout,
     GrammarCompiler,
-    GrammarMatcher,
     StructuredOutputError,
     StructuredSpec,
-    allocate_bitmask,
     parse_structured_outputs,
 )
 from hylora.structured.grammar import is_lark
 from hylora.structured.limits import json_text_depth, regex_shape
 from hylora.structured.rules import check_grammar
 from hylora.structured.spec import MAX_CHOICES
+from tests.structured_helpers import VOCAB, allowed_ids, demo_tokenizer, eos_pair
 
-VOCAB = 720
 FUZZ_EXAMPLES = int(os.environ.get("HYLORA_FUZZ_EXAMPLES", "60"))
 FUZZ = settings(
     max_examples=FUZZ_EXAMPLES,
@@ -50,14 +46,12 @@ FUZZ_WALL_S = 25.0  # per fuzz test: later examples are skipped past this
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("structured-limits-tokenizer")
-    write_tokenizer(path, 1024)
-    return AutoTokenizer.from_pretrained(str(path))
+    return demo_tokenizer(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def eos_ids(tokenizer):
-    return (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    return eos_pair(tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +59,6 @@ def compiler(tokenizer, eos_ids):
     compiler = GrammarCompiler(tokenizer, VOCAB, eos_ids, max_workers=2)
     yield compiler
     compiler.close()
-
-
-def allowed_ids(matcher: GrammarMatcher) -> set[int]:
-    row = allocate_bitmask(1, VOCAB)[0]
-    matcher.fill_mask(row)
-    return {t for t in range(VOCAB) if (int(row[t // 32]) >> (t % 32)) & 1}
 
 
 def wait_for_workers(compiler: GrammarCompiler, count: int) -> None:

@@ -112,12 +112,10 @@ class HybridDecoder(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv: PagedKVCache, states: StatePool) -> torch.Tensor:
         """Returns the final-norm hidden states [T, hidden] of every new token."""
-        if self.rotary is None:
-            self.rotary = MRotaryEmbedding(self.config, self.device)
         x = F.embedding(batch.input_ids, self.embed_tokens.weight)
         if batch.embed_rows is not None:
             x = x.index_copy(0, batch.embed_rows, batch.embed_values.to(x.dtype))
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        cos, sin = self._cos_sin(batch, x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, batch, kv, states, cos, sin)
@@ -130,11 +128,14 @@ class HybridDecoder(nn.Module):
         returns its output hidden states [T, H] (`logits` gives the drafts' logits)."""
         if self.mtp is None:
             raise RuntimeError("this model was built without its MTP layer (HybridDecoder(..., mtp=True))")
-        if self.rotary is None:
-            self.rotary = MRotaryEmbedding(self.config, self.device)
         embeds = F.embedding(batch.input_ids, self.embed_tokens.weight)
-        cos, sin = self.rotary.cos_sin(batch.positions, embeds.dtype)
+        cos, sin = self._cos_sin(batch, embeds.dtype)
         return self.mtp(embeds, hidden.to(embeds.dtype), batch, kv, states, cos, sin, step)
+
+    def _cos_sin(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rotary is None:  # built on first use, on the weights' device
+            self.rotary = MRotaryEmbedding(self.config, self.device)
+        return self.rotary.cos_sin(batch.positions, dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head.weight).float()
