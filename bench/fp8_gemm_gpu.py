@@ -1,0 +1,226 @@
+"""FP8 block-scaled linear (hylora.ops.fp8_linear) at the Qwen3.6-27B linear shapes, on one GPU.
+
+For each weight shape N x K and token count M, bf16 x: the max error of the Triton fp8_linear (bf16
+out) against the torch reference's fp32 result (max |y - ref| / max |ref|), the median GPU time of
+one call (20 calls captured in one CUDA graph, so the launch path is not timed and capture is
+exercised), bf16 F.linear at the same shape, their ratio, the weight stream in GB/s for M ≤ 32 (N·K
+fp8 bytes plus the fp32 scales, over the fp8 time), and torch._scaled_mm with 1x128 / 128x128 block
+scales where this torch has them (timed with the Triton activation quantisation in front; "n/a"
+otherwise). Exits 1 when an error is NaN or above BOUND.
+
+    python bench/fp8_gemm_gpu.py [--quick] [--sweep]
+
+--sweep times candidate tile configurations instead (decode and prefill) at a few shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hylora.ops.fp8_linear import reference as R  # noqa: E402
+from hylora.ops.fp8_linear import triton as T  # noqa: E402
+
+DEV = "cuda"
+SHAPES = {  # name: (N, K) of the Qwen3.6-27B linears (hidden 5120)
+    "gate_up": (34816, 5120),
+    "down": (5120, 17408),
+    "gdn_in_qkvz": (16384, 5120),
+    "gdn_out": (5120, 6144),
+    "attn_q_gate": (12288, 5120),
+    "attn_kv": (2048, 5120),
+    "attn_o": (5120, 6144),
+}
+TOKENS = (1, 8, 32, 128, 2048, 8192)
+QUICK_SHAPES, QUICK_TOKENS = ("gate_up", "down", "attn_kv"), (1, 32, 2048)
+# max |y - ref| / max |ref|, ref in fp32: y's rounding to bf16 (half an ulp: ≤ 2^-8 relative), and
+# the fp8 MMA summing each 128-product group with fewer bits than fp32 (~2e-4 seen on an H200)
+BOUND = 2.0**-8 + 1e-3
+
+
+def bench(fn, calls: int = 20, reps: int = 7) -> float:
+    """Median ms per call of `fn`, `calls` calls captured in one CUDA graph and replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def max_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(got).all():
+        return float("nan")
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
+
+
+SCALED_MM_LAYOUTS = {  # (scale_a, scale_b) layouts cuBLAS may want, tried in order
+    "a [M, K/128] stride (1, M), b = w_scale.t()": lambda xs, ws: (xs.t().contiguous().t(), ws.t()),
+    "a [M, K/128] row-major, b = w_scale.t().contiguous()": lambda xs, ws: (xs, ws.t().contiguous()),
+    "a [M, K/128] stride (1, M), b = w_scale.t().contiguous()": lambda xs, ws: (
+        xs.t().contiguous().t(),
+        ws.t().contiguous(),
+    ),
+    "a [M, K/128] row-major, b = w_scale.t()": lambda xs, ws: (xs, ws.t()),
+}
+SCALED_MM_NOTES: dict[str, str] = {}  # the layout that worked; why it did not, by M
+
+
+def scaled_mm_fn(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, ref: torch.Tensor):
+    """A call of torch._scaled_mm with block scales (after the Triton activation quantisation) that
+    runs and agrees with the reference, or None."""
+    for desc, layout in SCALED_MM_LAYOUTS.items():
+
+        def call(layout=layout):
+            xq, xs = T.quantize_activation(x)
+            sa, sb = layout(xs, w_scale)
+            return torch._scaled_mm(xq, w_fp8.t(), scale_a=sa, scale_b=sb, out_dtype=x.dtype)
+
+        try:
+            y = call()
+            torch.cuda.synchronize()
+        except (RuntimeError, ValueError, TypeError, AttributeError) as e:
+            SCALED_MM_NOTES.setdefault(f"M={x.shape[0]}", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            continue
+        if max_error(y, ref) <= BOUND:
+            SCALED_MM_NOTES.setdefault("layout", desc)
+            return call
+        SCALED_MM_NOTES.setdefault(f"M={x.shape[0]}", f"error {max_error(y, ref):.1e} with {desc}")
+    return None
+
+
+def run_table(shapes: list[str], tokens: tuple[int, ...]) -> bool:
+    print(f"{'shape':<12} {'N':>6} {'K':>6} {'M':>5} {'err':>9} {'fp8 us':>9} {'bf16 us':>9} {'bf16/fp8':>8} "
+          f"{'GB/s':>6} {'scaled_mm us':>12}")  # fmt: skip
+    ok = True
+    for name in shapes:
+        N, K = SHAPES[name]
+        g = torch.Generator(device=DEV).manual_seed(N + K)
+        w_fp8, w_scale = R.quantize_weight(torch.randn(N, K, device=DEV, generator=g) * 0.02)
+        w_bf16 = R.dequantize_weight(w_fp8, w_scale, dtype=torch.bfloat16)
+        for M in tokens:
+            x = torch.randn(M, K, device=DEV, generator=g).bfloat16()
+            ref = R.fp8_linear(x.float(), w_fp8, w_scale)  # bf16 → fp32 is exact: the same quantised x
+            out = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
+            err = max_error(T.fp8_linear(x, w_fp8, w_scale, out=out), ref)
+            ok &= err <= BOUND  # False for NaN too
+            calls = 20 if M <= 128 else 4
+            t_fp8 = bench(lambda: T.fp8_linear(x, w_fp8, w_scale, out=out), calls)  # noqa: B023
+            t_bf16 = bench(lambda: F.linear(x, w_bf16), calls)  # noqa: B023
+            smm = scaled_mm_fn(x, w_fp8, w_scale, ref)
+            t_smm = f"{bench(smm, calls) * 1e3:12.1f}" if smm else f"{'n/a':>12}"
+            weight_bytes = N * K + w_scale.numel() * 4
+            gbs = f"{weight_bytes / (t_fp8 * 1e-3) / 1e9:6.0f}" if M <= 32 else f"{'':>6}"
+            flag = "" if err <= BOUND else "  <-- ERROR"
+            print(f"{name:<12} {N:>6} {K:>6} {M:>5} {err:9.2e} {t_fp8 * 1e3:9.1f} {t_bf16 * 1e3:9.1f} "
+                  f"{t_bf16 / t_fp8:8.2f} {gbs} {t_smm}{flag}", flush=True)  # fmt: skip
+        torch.cuda.empty_cache()
+    for key, note in SCALED_MM_NOTES.items():
+        print(f"torch._scaled_mm {key}: {note}")
+    return ok
+
+
+def _config(base: T.GemmConfig, **changes) -> T.GemmConfig:
+    return dataclasses.replace(base, **changes)
+
+
+SWEEPS = [  # (token counts, shapes, candidates)
+    (
+        (1, 4, 8, 16),
+        ("down", "gate_up", "gdn_in_qkvz", "attn_o", "attn_kv"),
+        {
+            "m16-n64-w4": T.DECODE,
+            "n64-w8": _config(T.DECODE, num_warps=8),
+            "n128-w4": _config(T.DECODE, block_n=128),
+            "n128-w8": _config(T.DECODE, block_n=128, num_warps=8),
+            "n128-w8-s3 (DECODE_1)": T.DECODE_1,
+            "n128-w8-pps4": _config(T.DECODE, block_n=128, num_warps=8, programs_per_sm=4),
+            "fused-n128-w8": _config(T.DECODE, block_n=128, num_warps=8, fuse_quant=True),
+        },
+    ),
+    (
+        (24, 32),
+        ("down", "gate_up", "gdn_in_qkvz", "attn_o", "attn_kv"),
+        {
+            "m32-n64-w4": T.DECODE_32,
+            "m16-n64-w4": T.DECODE,
+            "m32-n128-w4": _config(T.DECODE_32, block_n=128),
+            "m32-pps4": _config(T.DECODE_32, programs_per_sm=4),
+            "medium": T.MEDIUM,
+        },
+    ),
+    (
+        (512, 2048, 8192),
+        ("down", "gate_up", "gdn_in_qkvz", "attn_kv"),
+        {
+            "64x128-s4": _config(T.PREFILL, num_stages=4, group_m=8),
+            "64x128-s3": _config(T.PREFILL, group_m=8),
+            "64x128-s3-g16 (PREFILL)": T.PREFILL,
+            "64x128-s4-g16": _config(T.PREFILL, num_stages=4),
+            "64x64-s3-g16": _config(T.PREFILL, block_n=64),
+        },
+    ),
+]
+
+
+def sweep() -> None:
+    for tokens, shapes, configs in SWEEPS:
+        print(f"--- M {tokens}: us per call (/ GB/s of weight for M <= 64)")
+        for name in shapes:
+            N, K = SHAPES[name]
+            w_fp8, w_scale = R.quantize_weight(torch.randn(N, K, device=DEV) * 0.02)
+            for M in tokens:
+                x = torch.randn(M, K, device=DEV).bfloat16()
+                ref = R.fp8_linear(x.float(), w_fp8, w_scale)
+                cells = []
+                for cname, cfg in configs.items():
+                    err = max_error(T.fp8_linear(x, w_fp8, w_scale, config=cfg), ref)
+                    t = bench(lambda: T.fp8_linear(x, w_fp8, w_scale, config=cfg), 20 if M <= 256 else 4)  # noqa: B023
+                    gbs = f"/{N * K / (t * 1e-3) / 1e9:.0f}" if M <= 64 else ""
+                    bad = f"(e{err:.0e})" if not err <= BOUND else ""
+                    cells.append(f"{cname}={t * 1e3:.1f}{gbs}{bad}")
+                print(f"{name} M={M}: " + "  ".join(cells), flush=True)
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="gate_up, down, attn_kv at M 1, 32, 2048")
+    p.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.sweep:
+        sweep()
+        return
+    shapes = list(QUICK_SHAPES if args.quick else SHAPES)
+    if not run_table(shapes, QUICK_TOKENS if args.quick else TOKENS):
+        print(f"FAIL: an error is NaN or above {BOUND:.1e}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""`reference.fp8_linear` through cuBLAS (`torch._scaled_mm` with 1 x 128 activation and 128 x 128
+weight block scales, Hopper) for steps of many tokens, the Triton GEMM for the rest.
+
+On an H200 cuBLAS's block-scaled GEMM is 1.3-1.6x faster than the Triton kernel from ~128 tokens
+and slower below; it refuses a single token and takes only whole 128 x 128 weight blocks
+(`bench/fp8_gemm_gpu.py`). The activations are quantised by the Triton kernel either way, so both
+paths see the same FP8 inputs; cuBLAS sums in its own order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hylora.ops.fp8_linear import triton as fp8_triton
+from hylora.ops.fp8_linear.reference import BLOCK
+
+CUBLAS_FROM = 128  # tokens
+PAD_TOKENS = 16
+
+
+def usable(tokens: int, N: int, K: int, block: tuple[int, int]) -> bool:
+    return tokens >= CUBLAS_FROM and block == (128, 128) and N % 128 == 0 and K % 128 == 0
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [..., K]
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [N / 128, K / 128]
+    block: tuple[int, int] = BLOCK,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    *lead, K = x.shape
+    N = w_fp8.shape[0]
+    x2 = x.reshape(-1, K)
+    if not usable(x2.shape[0], N, K, block):
+        return fp8_triton.fp8_linear(x, w_fp8, w_scale, block, out=out)
+    M = x2.shape[0]
+    padded = -(-M // PAD_TOKENS) * PAD_TOKENS
+    if padded != M:  # cuBLAS's heuristics refuse some token counts: zero rows up to a multiple of 16
+        x2 = torch.cat([x2, x2.new_zeros(padded - M, K)])
+    xq, xs = fp8_triton.quantize_activation(x2, block[1])
+    # cuBLAS wants the activation scales column-major and the weight's as [K / 128, N / 128]
+    y = torch._scaled_mm(xq, w_fp8.t(), scale_a=xs.t().contiguous().t(), scale_b=w_scale.t(), out_dtype=x.dtype)
+    y = y[:M].view(*lead, N)
+    if out is None:
+        return y
+    return out.copy_(y)

@@ -1,0 +1,100 @@
+"""FP8 (e4m3) block-scaled linear in plain torch: the arithmetic the Triton kernels reproduce.
+
+Weights (the Qwen / DeepSeek FP8 checkpoints): W [N, K] float8_e4m3fn with `scale_inv`
+[ceil(N / bn), ceil(K / bk)] fp32, W ≈ W_fp8 * scale_inv[n // bn, k // bk]; block (bn, bk) is (128, 128)
+in the checkpoints, bn = 1 (one scale per row) where a loader fuses projections whose row counts are
+not multiples of 128. Activations are quantised when used, per token and per group of bk = 128
+inputs: scale = amax(|x_group|) / 448, x_fp8 = rne(clamp(x / scale, ±448)). Partial blocks / groups
+at the ends of N and K take the amax of the elements they hold.
+
+A block or group whose amax is 0 (or below AMAX_FLOOR) gets the scale AMAX_FLOOR / 448 instead of 0,
+so that its elements quantise to 0 rather than 0 / 0 = NaN and its dequantised values are 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-12  # far below any amax a real bf16 activation group or weight block has
+BLOCK = (128, 128)
+GROUP = 128
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize_weight(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] → (w_fp8 [N, K] e4m3, scale_inv [ceil(N/bn), ceil(K/bk)] fp32), scale = block amax / 448."""
+    N, K = w.shape
+    bn, bk = block
+    nb, kb = _cdiv(N, bn), _cdiv(K, bk)
+    blocks = F.pad(w.float(), (0, kb * bk - K, 0, nb * bn - N)).view(nb, bn, kb, bk)  # zero padding: same amax
+    scale = _div_rn(blocks.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR), FP8_MAX)  # [nb, kb]
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(nb * bn, kb * bk)[:N, :K].contiguous(), scale
+
+
+def dequantize_weight(
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    scale_inv: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)]
+    block: tuple[int, int] = BLOCK,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """W [N, K] = w_fp8 * scale_inv[n // bn, k // bk] (fp32 product, then cast to `dtype`)."""
+    N, K = w_fp8.shape
+    bn, bk = block
+    _check_scales(scale_inv, N, K, block)
+    scales = scale_inv.float().repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
+    return (w_fp8.float() * scales).to(dtype)
+
+
+def quantize_activation(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → (x_fp8 [M, K] e4m3, x_scale [M, ceil(K/group)] fp32), scale = group amax / 448."""
+    M, K = x.shape
+    G = _cdiv(K, group)
+    groups = F.pad(x.float(), (0, G * group - K)).view(M, G, group)
+    scale = _div_rn(groups.abs().amax(dim=-1).clamp_min(AMAX_FLOOR), FP8_MAX)  # [M, G]
+    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(M, G * group)[:, :K].contiguous(), scale
+
+
+def dequantize_activation(x_fp8: torch.Tensor, x_scale: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """[M, K] fp32 = x_fp8 * x_scale[m, k // group]."""
+    return x_fp8.float() * x_scale.float().repeat_interleave(group, 1)[:, : x_fp8.shape[1]]
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [..., K] bf16 / fp16 / fp32
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)] fp32
+    block: tuple[int, int] = BLOCK,
+) -> torch.Tensor:
+    """y [..., N] in x.dtype: x quantised per token and group of bk, both sides dequantised, one fp32
+    matmul, one rounding to x.dtype."""
+    *lead, K = x.shape
+    N = w_fp8.shape[0]
+    if w_fp8.shape[1] != K:
+        raise ValueError(f"fp8_linear: x has {K} features, the weight {w_fp8.shape[1]}")
+    x_fp8, x_scale = quantize_activation(x.reshape(-1, K), block[1])
+    a = dequantize_activation(x_fp8, x_scale, block[1])
+    y = a @ dequantize_weight(w_fp8, w_scale, block).T
+    return y.to(x.dtype).reshape(*lead, N)
+
+
+def _div_rn(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """t / divisor rounded once, on every device: CUDA torch divides by a Python scalar as a product
+    with its rounded reciprocal (1 / 448 is inexact), which moves some scales by an ulp and with
+    them the e4m3 rounding of elements near a tie."""
+    return t / torch.full_like(t, divisor)
+
+
+def _check_scales(scale: torch.Tensor, N: int, K: int, block: tuple[int, int]) -> None:
+    want = (_cdiv(N, block[0]), _cdiv(K, block[1]))
+    if tuple(scale.shape) != want:
+        raise ValueError(
+            f"fp8 weight scales: expected {want} for [{N}, {K}] in blocks {block}, got {tuple(scale.shape)}"
+        )

@@ -1,0 +1,311 @@
+"""`reference.fp8_linear` in Triton: per-token activation quantisation and a block-scaled FP8 GEMM.
+
+- `quantize_activation`: one program per (16 rows, group of 128 inputs); bit-equal to the reference.
+  The fp32 → e4m3 rounding is done in fp32 (`_e4m3`), so that the cast itself only meets
+  representable values: the interpreter's own fp32 → fp8 cast rounds wrongly, and fp32 division is
+  `div_rn` (Triton's `/` is the approximate `div.full.f32` on NVIDIA).
+- `fp8_linear`: y[m, n] = Σ_kb dot(a_fp8[m, kb], b_fp8[n, kb]) · a_scale[m, kb] · b_scale[n // bn, kb],
+  one tl.dot per 128-input group (its scales differ group to group), the sum in fp32. On Hopper the
+  fp8 MMA accumulates with reduced precision inside one dot; promoting every 128 inputs to fp32 keeps
+  that error to 128-term sums (DeepSeek-V3's recipe; ~2e-4 of the output's max on an H200).
+  Tiles over (M, N), GROUP_M swizzle for L2 reuse; rows past M / N read the tile's first rows again
+  (modulo: unmasked loads) and are not stored; a partial last K group is loaded masked after the
+  loop. Where a tile's weight rows share one scale row (bn a multiple of BLOCK_N) the scales cost
+  one FMA per element and group. Few tokens: A and B swapped (the weight's rows on the MMA's M side,
+  the tokens on its N side of 16 or 32), and K split over programs when the (M, N) tiles alone would
+  leave SMs idle: fp32 partials [split, M, N] summed by a second launch (no atomics: deterministic).
+  `GemmConfig.fuse_quant` quantises x inside the GEMM instead of in its own launch (slower, below).
+
+No host sync and no data-dependent Python: the launches depend on the shapes alone (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from hylora.ops.fp8_linear.reference import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX, GROUP, _check_scales
+
+QUANT_BLOCK_M = 16  # rows per quantisation program
+SUM_BLOCK = 1024  # outputs per program of the split-K sum
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int  # tokens per tile (16 at least: tl.dot)
+    block_n: int  # weight rows per tile
+    num_warps: int
+    num_stages: int
+    max_split_k: int = 1  # split K up to this many ways when the tiles alone leave SMs idle
+    swap_ab: bool = False  # dot(W tile, x tileᵀ): weight rows on the MMA's M side (few tokens)
+    fuse_quant: bool = False  # quantise x inside the GEMM (each N tile quantises its x tiles again)
+    group_m: int = 8  # M tiles swept together per N tile (L2 reuse of the weight)
+    programs_per_sm: int = 2  # split K until the grid holds this many programs per SM
+
+
+# From H200 sweeps (bench/fp8_gemm_gpu.py --sweep) at the Qwen3.6-27B shapes, bf16 x:
+# - decode is a weight stream (down_proj's 5120 x 17408 fp8 is 89 MB, ~21 us at 4.3 TB/s): swap A and
+#   B (weight rows on the MMA's M side, 64 at a time), split K until 2 programs sit on every SM, 4
+#   stages. One token takes 128-row tiles and 8 warps (Triton specialises M = 1 as a constant; the
+#   64-row tile ran up to 25% slower there). 17-32 tokens: 32-token tiles where N is narrow (split K
+#   on), two 16-token tiles where N is wide. ~2.7-3.5 TB/s on the large linears.
+# - quantising x inside the GEMM (fuse_quant) ran 1.3-1.8x slower than the separate launch: each
+#   weight tile quantises its x tile again (div_rn, amax) on the critical path.
+# - from 33 tokens: 64 x 128 tiles, one warpgroup (two CTAs per SM overlap one's scale FMAs with the
+#   other's MMAs); 128 x 128 tiles with 8 warps use all 255 registers, one CTA per SM, and ran slower.
+#   Prefill runs at about bf16 F.linear's speed; cuBLAS's block-scaled torch._scaled_mm was ~1.5x
+#   faster there (and slower than these kernels below 32 tokens).
+DECODE_1 = GemmConfig(block_m=16, block_n=128, num_warps=8, num_stages=3, max_split_k=8, swap_ab=True)
+DECODE = GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=4, max_split_k=8, swap_ab=True)
+DECODE_32 = GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=4, max_split_k=8, swap_ab=True)
+MEDIUM = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4, max_split_k=4)
+PREFILL = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, group_m=16)
+WIDE_N = 12288  # from this many output features, 17-32 tokens take two 16-token tiles
+PREFILL_FROM = 1024  # tokens
+MIN_GROUPS_PER_SPLIT = 4  # 512 inputs at least per split
+
+
+def choose_config(num_tokens: int, out_features: int) -> GemmConfig:
+    if num_tokens == 1:
+        return DECODE_1
+    if num_tokens <= 16 or (num_tokens <= 32 and out_features >= WIDE_N):
+        return DECODE
+    if num_tokens <= 32:
+        return DECODE_32
+    return MEDIUM if num_tokens < PREFILL_FROM else PREFILL
+
+
+def split_k(config: GemmConfig, M: int, N: int, groups: int, num_sms: int) -> int:
+    """Ways to split the K groups: 1 unless the (M, N) tiles fill fewer than programs_per_sm per SM."""
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    want = triton.cdiv(config.programs_per_sm * num_sms, tiles)
+    split = max(1, min(config.max_split_k, want, groups // MIN_GROUPS_PER_SPLIT))
+    return triton.cdiv(groups, triton.cdiv(groups, split))  # no empty split
+
+
+@functools.lru_cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: decide as on an H200
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def quantize_activation(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → (x_fp8 [M, K] e4m3, x_scale [M, ceil(K/group)] fp32), bit-equal to the reference."""
+    M, K = x.shape
+    _check_group(group)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(M, triton.cdiv(K, group), dtype=torch.float32, device=x.device)
+    if M and K:
+        grid = (triton.cdiv(M, QUANT_BLOCK_M), triton.cdiv(K, group))
+        _quantize_kernel[grid](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), BLOCK_M=QUANT_BLOCK_M, GROUP=group)
+    return q, s
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [..., K] bf16 / fp16 / fp32
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)]
+    block: tuple[int, int] = BLOCK,
+    out: torch.Tensor | None = None,  # [..., N] in x.dtype
+    config: GemmConfig | None = None,  # None: choose_config(tokens, N)
+) -> torch.Tensor:
+    """y [..., N] = `reference.fp8_linear(x, w_fp8, w_scale, block)` up to fp32 summation order (and
+    the fp8 MMA's own accumulation on a GPU), written into `out` when given."""
+    *lead, K = x.shape
+    N = w_fp8.shape[0]
+    bn, bk = block
+    _check_group(bk)
+    if w_fp8.shape[1] != K or w_fp8.dtype != FP8_DTYPE or w_fp8.stride(1) != 1:
+        raise ValueError(f"fp8_linear: needs an e4m3 weight [N, {K}] with unit stride along K")
+    _check_scales(w_scale, N, K, block)
+    if out is None:
+        out = torch.empty(*lead, N, dtype=x.dtype, device=x.device)
+    elif out.shape != (*lead, N) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"fp8_linear: out must be [{', '.join(map(str, (*lead, N)))}] {x.dtype}, unit last stride")
+    x2, y = x.reshape(-1, K), out.view(-1, N)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    cfg = config or choose_config(M, N)
+    groups = triton.cdiv(K, bk)
+    split = split_k(cfg, M, N, groups, _num_sms(x.device))
+    if cfg.fuse_quant:
+        a, a_scale = x2, x2  # the kernel reads x and quantises it; no scale tensor
+    else:
+        a, a_scale = quantize_activation(x2, bk)
+    target = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
+    _gemm_kernel[grid](
+        a, a_scale, w_fp8, w_scale, target,
+        M, N, K, bn, triton.cdiv(groups, split),
+        a.stride(0), a_scale.stride(0), w_fp8.stride(0), w_scale.stride(0), target.stride(-2),
+        M * N if split > 1 else 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        SWAP_AB=cfg.swap_ab, FUSE_QUANT=cfg.fuse_quant, EVEN_K=K % bk == 0, ONE_B_SCALE=bn % cfg.block_n == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        _sum_splits_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](
+            target, y, M * N, N, y.stride(0), SPLIT=split, BLOCK=SUM_BLOCK
+        )
+    return out
+
+
+def _check_group(group: int) -> None:
+    if group < 32 or group & (group - 1):
+        raise ValueError(f"fp8 group / K block must be a power of two ≥ 32 (one tl.dot), got {group}")
+
+
+@triton.jit
+def _e4m3(q):
+    """fp32 q, |q| ≤ 448 → e4m3, rounded to nearest even: q + c - c with c = 1.5·2^23 e4m3 ulps of q
+    rounds q to a multiple of that ulp in fp32 arithmetic; the cast then meets exact values only."""
+    bits = q.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    # e4m3 keeps 3 mantissa bits; below its smallest normal 2^-6 (biased 121) the ulp stays 2^-9
+    ulp = ((tl.maximum(exponent, 121) - 3) << 23).to(tl.float32, bitcast=True)
+    magic = ulp * 12582912.0
+    rounded = (tl.abs(q) + magic) - magic
+    sign = (bits >> 31) << 31
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_rows(x):
+    """x [R, GROUP] fp32, one group per row → (e4m3 [R, GROUP], scale [R] fp32), as the reference."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
+    q = tl.math.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
+    return _e4m3(q), scale
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.constexpr, GROUP: tl.constexpr
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = tl.program_id(1)
+    rk = g * GROUP + tl.arange(0, GROUP)
+    mask = (rm < M)[:, None] & (rk < K)[None, :]
+    rows = rm.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, scale = _quantize_rows(x)
+    tl.store(q_ptr + rows * stride_qm + rk[None, :], q, mask=mask)
+    tl.store(s_ptr + rm.to(tl.int64) * stride_sm + g, scale, mask=rm < M)
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr,  # [M, K] e4m3, or x itself when FUSE_QUANT
+    as_ptr,  # [M, K / BLOCK_K] fp32 (unused when FUSE_QUANT)
+    b_ptr,  # [N, K] e4m3
+    bs_ptr,  # [N / bn, K / BLOCK_K]
+    c_ptr,  # [M, N] out, or [split, M, N] fp32 partials
+    M, N, K, bn, groups_per_split,
+    stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr, EVEN_K: tl.constexpr, ONE_B_SCALE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+
+    om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = (om % M).to(tl.int64)
+    rn = (on % N).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    kb0 = split * groups_per_split
+    kb1 = tl.minimum(kb0 + groups_per_split, tl.cdiv(K, BLOCK_K))
+    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]  # group 0; group kb at + kb * BLOCK_K
+    b_ptrs = b_ptr + rn[:, None] * stride_bn + rk[None, :]
+    as_ptrs = as_ptr + rm * stride_asm
+    if ONE_B_SCALE:  # the tile's rows share one scale row (rows past N are not stored)
+        bs_ptrs = bs_ptr + (pid_n * BLOCK_N // bn).to(tl.int64) * stride_bsn
+    else:
+        bs_ptrs = bs_ptr + (rn // bn) * stride_bsn
+
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # whole groups unmasked, a partial last group (K % BLOCK_K) masked after the loop: the mask
+    # varies along the contiguous dimension, which would cost the loop's loads their vector width
+    for kb in range(kb0, tl.minimum(kb1, K // BLOCK_K)):
+        a = tl.load(a_ptrs + kb * BLOCK_K)
+        b = tl.load(b_ptrs + kb * BLOCK_K)
+        acc = _accumulate(acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, FUSE_QUANT, ONE_B_SCALE)
+    if not EVEN_K:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if kb1 * BLOCK_K > K:  # this split holds the partial group
+            kb = kb1 - 1
+            k_in = (rk < K - kb * BLOCK_K)[None, :]
+            a = tl.load(a_ptrs + kb * BLOCK_K, mask=k_in, other=0.0)
+            b = tl.load(b_ptrs + kb * BLOCK_K, mask=k_in, other=0.0)
+            acc = _accumulate(acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, FUSE_QUANT, ONE_B_SCALE)
+
+    c_base = c_ptr + split.to(tl.int64) * stride_cs
+    if SWAP_AB:
+        mask = (on < N)[:, None] & (om < M)[None, :]
+        c_ptrs = c_base + om.to(tl.int64)[None, :] * stride_cm + on[:, None]
+    else:
+        mask = (om < M)[:, None] & (on < N)[None, :]
+        c_ptrs = c_base + om.to(tl.int64)[:, None] * stride_cm + on[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _accumulate(
+    acc, a, b, as_ptrs, bs_ptrs, SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr, ONE_B_SCALE: tl.constexpr
+):
+    """acc + dot over one group of BLOCK_K inputs, times its activation and weight scales (ONE_B_SCALE:
+    bs_ptrs is one pointer, the tile's weight rows share a scale: one FMA per element)."""
+    if FUSE_QUANT:
+        a, a_scale = _quantize_rows(a.to(tl.float32))
+    else:
+        a_scale = tl.load(as_ptrs)
+    b_scale = tl.load(bs_ptrs).to(tl.float32)
+    if SWAP_AB:
+        part = tl.dot(b, tl.trans(a))  # [BLOCK_N, BLOCK_M]
+        if ONE_B_SCALE:
+            acc += part * (a_scale * b_scale)[None, :]
+        else:
+            acc += part * b_scale[:, None] * a_scale[None, :]
+    else:
+        part = tl.dot(a, tl.trans(b))  # [BLOCK_M, BLOCK_N]
+        if ONE_B_SCALE:
+            acc += part * (a_scale * b_scale)[:, None]
+        else:
+            acc += part * a_scale[:, None] * b_scale[None, :]
+    return acc
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, y_ptr, size, N, stride_ym, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < size
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    part_ptrs = part_ptr + i
+    for _ in tl.static_range(SPLIT):
+        acc += tl.load(part_ptrs, mask=mask, other=0.0)
+        part_ptrs += size
+    tl.store(y_ptr + (i // N) * stride_ym + i % N, acc.to(y_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,321 @@
+"""FP8 (e4m3) block-scaled linear: the torch reference against dense fp32 arithmetic, the Triton
+kernels against the reference.
+
+Without CUDA the kernels run in Triton's CPU interpreter (its tl.dot takes e4m3 operands; its own
+fp32 → fp8 cast rounds wrongly, which the kernels never rely on): activation quantisation bit for bit,
+the GEMM to fp32 summation order, at sizes straddling every tile boundary. With CUDA the same
+comparisons run compiled, plus bf16 inputs and a CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the CPU has no Triton backend)
+
+pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from hylora.ops.fp8_linear import reference as R  # noqa: E402
+from hylora.ops.fp8_linear import triton as T  # noqa: E402
+
+INTERPRETED = isinstance(T._gemm_kernel, InterpretedFunction)
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("the kernels were imported compiled (no TRITON_INTERPRET) with no CUDA", allow_module_level=True)
+DEVICE = "cpu" if INTERPRETED else "cuda"
+cuda_only = pytest.mark.skipif(
+    INTERPRETED, reason="needs CUDA and compiled Triton (the interpreter was chosen at import)"
+)
+E4M3 = 2.0**-4  # e4m3's relative rounding bound on normals: half an ulp of 3 mantissa bits
+E4M3_SUBNORMAL = 2.0**-10  # its absolute rounding bound below 2^-6, in units of the scale
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
+
+
+def blocky(N: int, K: int, block: tuple[int, int], seed: int) -> torch.Tensor:
+    """Random [N, K] whose (bn, bk) blocks differ in magnitude by up to 10^4: a scale applied to the
+    wrong block (transposed, shifted, per wrong row) is off by orders of magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    bn, bk = block
+    rows = torch.arange(N)[:, None] // bn
+    cols = torch.arange(K)[None, :] // bk
+    magnitude = 10.0 ** ((rows * 3 + cols * 7) % 5 - 2).float()
+    return torch.randn(N, K, generator=g) * magnitude
+
+
+def rounding_bound(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """|dequantize(quantize(w)) - w| ≤ 2^-4 |w| + 2^-10 scale (normal / subnormal e4m3), plus fp32 slack."""
+    N, K = w.shape
+    s = scale.repeat_interleave(block[0], 0)[:N].repeat_interleave(block[1], 1)[:, :K]
+    return E4M3 * w.abs() + E4M3_SUBNORMAL * s + 1e-6 * 448 * s
+
+
+# --- reference --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, block", [((300, 200), (128, 128)), ((5, 130), (1, 128)), ((128, 256), (128, 128))])
+def test_weight_round_trip_within_e4m3_rounding(shape, block):
+    N, K = shape
+    w = blocky(N, K, block, seed=N)
+    w_fp8, scale = R.quantize_weight(w, block)
+    assert w_fp8.dtype == R.FP8_DTYPE and w_fp8.shape == w.shape
+    assert scale.dtype == torch.float32 and scale.shape == (-(-N // block[0]), -(-K // block[1]))
+    back = R.dequantize_weight(w_fp8, scale, block)
+    assert (back - w).abs().le(rounding_bound(w, scale, block)).all()
+    # each block's amax lands on ±448 and comes back (to fp32 rounding)
+    amax = R.dequantize_weight(w_fp8.float().abs().to(R.FP8_DTYPE), torch.ones_like(scale), block)
+    per_block = torch.nn.functional.pad(amax, (0, -K % block[1], 0, -N % block[0]))
+    per_block = per_block.view(scale.shape[0], block[0], scale.shape[1], block[1]).amax(dim=(1, 3))
+    assert per_block.eq(R.FP8_MAX).all()
+    torch.testing.assert_close(back.abs().amax(), w.abs().amax(), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError):
+        R.dequantize_weight(w_fp8, scale[:, :-1], block)
+
+
+def test_scale_shapes_of_partial_blocks():
+    w = torch.randn(257, 129)
+    assert R.quantize_weight(w)[1].shape == (3, 2)
+    assert R.quantize_weight(w, (1, 128))[1].shape == (257, 2)
+    assert R.quantize_activation(torch.randn(3, 129))[1].shape == (3, 2)
+    assert R.quantize_activation(torch.randn(3, 384))[1].shape == (3, 3)
+
+
+def test_zero_blocks_and_groups_stay_zero_and_finite():
+    w = torch.randn(256, 256)
+    w[:128, 128:] = 0  # one whole zero block
+    w_fp8, scale = R.quantize_weight(w)
+    assert torch.isfinite(scale).all() and (scale > 0).all()
+    back = R.dequantize_weight(w_fp8, scale)
+    assert back[:128, 128:].eq(0).all()
+    x = torch.randn(4, 256)
+    x[1] = 0  # a zero token
+    x[2, :128] = 0  # a zero group
+    x_fp8, x_scale = R.quantize_activation(x)
+    assert torch.isfinite(x_scale).all() and x_fp8.float()[1].eq(0).all() and x_fp8.float()[2, :128].eq(0).all()
+    y = R.fp8_linear(x, w_fp8, scale)
+    assert torch.isfinite(y).all() and y[1].eq(0).all()
+
+
+@pytest.mark.parametrize("block", [(128, 128), (1, 128)], ids=str)
+def test_fp8_linear_within_quantisation_error_of_dense(block):
+    M, N, K = 9, 300, 400
+    w = blocky(N, K, block, seed=1)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(2)) * 10.0 ** (torch.arange(K) // 128 % 3 - 1)
+    w_fp8, w_scale = R.quantize_weight(w, block)
+    dense = x.double() @ w.double().T
+    got = R.fp8_linear(x, w_fp8, w_scale, block)
+    # |Σ a b - Σ x w| ≤ Σ |a - x| |b| + |x| |b - w|, with a, b the dequantised x and w (exact bound)
+    a = R.dequantize_activation(*R.quantize_activation(x)).double()
+    b = R.dequantize_weight(w_fp8, w_scale, block).double()
+    bound = (a - x).abs() @ b.abs().T + x.abs().double() @ (b - w).abs().T
+    assert ((got.double() - dense).abs() <= bound * (1 + 1e-5) + 1e-5 * dense.abs().amax()).all()
+    rel = float((got.double() - dense).norm() / dense.norm())
+    assert 1e-3 < rel < 0.05, rel  # e4m3 on both sides: a few per cent, not exact, not far off
+    # what this bound catches: the same scales read transposed, or one row / block row off
+    for wrong in (w_scale.T.reshape(w_scale.shape), w_scale.roll(1, 0)):
+        off = R.fp8_linear(x, w_fp8, wrong, block).double()
+        assert not ((off - dense).abs() <= bound * (1 + 1e-5) + 1e-5 * dense.abs().amax()).all()
+        assert float((off - dense).norm() / dense.norm()) > 0.5
+
+
+def test_fp8_linear_flattens_leading_dims_and_keeps_the_dtype():
+    w_fp8, w_scale = R.quantize_weight(torch.randn(40, 160))
+    x = torch.randn(2, 3, 160).bfloat16()
+    y = R.fp8_linear(x, w_fp8, w_scale)
+    assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16
+    assert torch.equal(y, R.fp8_linear(x.reshape(6, 160), w_fp8, w_scale).reshape(2, 3, 40))
+
+
+# --- Triton kernels ----------------------------------------------------------------------------------
+
+
+def rounding_cases(device: str) -> torch.Tensor:
+    """Rows [448 | values]: amax 448 makes the scale exactly 1, so every value below is rounded as
+    is: all e4m3 values, the midpoints between neighbours (ties to even, the binade crossings
+    15.5 → 16, subnormal ties), one fp32 ulp either side of each midpoint, signs, ±0, random values."""
+    grid = torch.arange(256, dtype=torch.uint8).view(R.FP8_DTYPE).float()
+    grid = grid[grid.isfinite() & (grid >= 0)].unique()  # 0 ... 448
+    mid = (grid[1:] + grid[:-1]) / 2
+    values = torch.cat(
+        [grid, mid, mid.nextafter(torch.tensor(0.0)), mid.nextafter(torch.tensor(1e9)), torch.rand(2000) * 448]
+    )
+    values = torch.cat([values, -values, torch.tensor([0.0, -0.0])])
+    rows = -(-len(values) // 127)
+    body = torch.cat([values, torch.zeros(rows * 127 - len(values))]).view(rows, 127)
+    return torch.cat([torch.full((rows, 1), 448.0), body], 1).to(device)
+
+
+def test_quantize_activation_rounds_like_torch_bit_for_bit():
+    x = rounding_cases(DEVICE)
+    q, s = T.quantize_activation(x)
+    q_ref, s_ref = R.quantize_activation(x)
+    assert s.eq(1).all()
+    assert torch.equal(bits(q), bits(q_ref)) and torch.equal(bits(s), bits(s_ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 64), (15, 127), (17, 129), (65, 384), (3, 1000)], ids=str)
+def test_quantize_activation_equals_reference(shape, dtype):
+    M, K = shape
+    g = torch.Generator().manual_seed(K)
+    x = (torch.randn(M, K, generator=g) * 10.0 ** torch.randint(-6, 4, (M, 1), generator=g)).to(dtype)
+    x[0, : min(K, 128)] = 0  # a zero group
+    wide = torch.randn(M, K + 16, dtype=dtype)
+    wide[:, :K] = x  # rows with a stride past K
+    for inp in (x, wide[:, :K]):
+        q, s = T.quantize_activation(inp.to(DEVICE))
+        q_ref, s_ref = R.quantize_activation(inp)
+        assert torch.equal(bits(q.cpu()), bits(q_ref)) and torch.equal(bits(s.cpu()), bits(s_ref))
+
+
+# fp32 summation order in the interpreter; on a GPU the fp8 MMA also sums 128 products with fewer bits
+GEMM_RTOL = 1e-5 if INTERPRETED else 1e-3
+CONFIGS = {
+    "decode1": T.DECODE_1,
+    "decode": T.DECODE,
+    "decode32": T.DECODE_32,
+    "medium": T.MEDIUM,
+    "prefill": T.PREFILL,
+    "fused-noswap": T.GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, max_split_k=4, fuse_quant=True),
+    "swap-unfused": T.GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=2, max_split_k=4, swap_ab=True),
+    "wide": T.GemmConfig(block_m=16, block_n=256, num_warps=4, num_stages=2),  # a tile over 2 scale rows
+}
+# (M, N, K, bn): each of M 1 15 16 17 65, N 1 127 128 129 257, K 64 127 128 129 384 and bn 128 / 1
+# at least once against each configuration (split K: K of 2 and 3 groups where it may split)
+CASES = [
+    (1, 1, 64, 128),
+    (15, 127, 129, 1),
+    (16, 128, 128, 128),
+    (17, 129, 384, 1),
+    (65, 257, 127, 128),
+    (1, 257, 384, 128),
+    (65, 129, 64, 1),
+    (16, 1, 129, 1),
+]
+
+
+def gemm_inputs(M: int, N: int, K: int, bn: int, seed: int, dtype=torch.float32):
+    block = (bn, 128)
+    w_fp8, w_scale = R.quantize_weight(blocky(N, K, block, seed), block)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = (torch.randn(M, K, generator=g) * 10.0 ** torch.randint(-2, 2, (M, 1), generator=g)).to(dtype)
+    return x, w_fp8, w_scale, block
+
+
+def assert_close_to_reference(got: torch.Tensor, ref: torch.Tensor, rtol: float) -> None:
+    assert not got.isnan().any(), "elements left unwritten"
+    err = (got.double() - ref.double()).abs().amax().item()
+    assert err <= rtol * ref.double().abs().amax().item() + 1e-30, err
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_fp8_linear_equals_reference(case, config, monkeypatch):
+    monkeypatch.setattr(T, "MIN_GROUPS_PER_SPLIT", 1)  # let K of 2-3 groups split (as 4+ groups on a GPU)
+    M, N, K, bn = case
+    x, w_fp8, w_scale, block = gemm_inputs(M, N, K, bn, seed=M * N + K)
+    out = torch.full((M, N), float("nan"), device=DEVICE)
+    got = T.fp8_linear(x.to(DEVICE), w_fp8.to(DEVICE), w_scale.to(DEVICE), block, out=out, config=CONFIGS[config])
+    assert got is out
+    assert_close_to_reference(got.cpu(), R.fp8_linear(x, w_fp8, w_scale, block), GEMM_RTOL)
+
+
+def test_split_k_happens_and_changes_nothing(monkeypatch):
+    monkeypatch.setattr(T, "MIN_GROUPS_PER_SPLIT", 1)
+    M, N, K, bn = 5, 70, 640, 128  # 5 groups: split 5, 3 (2 + 2 + 1) and 1
+    x, w_fp8, w_scale, block = gemm_inputs(M, N, K, bn, seed=3)
+    ref = R.fp8_linear(x, w_fp8, w_scale, block)
+    x, w_fp8, w_scale = x.to(DEVICE), w_fp8.to(DEVICE), w_scale.to(DEVICE)
+    for max_split, split in ((5, 5), (3, 3), (1, 1)):
+        cfg = T.GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, max_split_k=max_split, swap_ab=True)
+        assert T.split_k(cfg, M, N, 5, 132) == split
+        assert_close_to_reference(T.fp8_linear(x, w_fp8, w_scale, block, config=cfg).cpu(), ref, GEMM_RTOL)
+
+
+def test_fp8_linear_batch_dims_strides_and_out():
+    x, w_fp8, w_scale, block = gemm_inputs(6, 129, 257, 128, seed=5)
+    wide = torch.randn(6, 300)
+    wide[:, :257] = x  # x rows with a stride past K
+    ref = R.fp8_linear(x, w_fp8, w_scale, block)
+    w_fp8, w_scale = w_fp8.to(DEVICE), w_scale.to(DEVICE)
+    got = T.fp8_linear(wide[:, :257].reshape(2, 3, 257).to(DEVICE), w_fp8, w_scale, block)
+    assert got.shape == (2, 3, 129)
+    assert_close_to_reference(got.reshape(6, 129).cpu(), ref, GEMM_RTOL)
+    buffer = torch.full((6, 200), float("nan"), device=DEVICE)
+    T.fp8_linear(x.to(DEVICE), w_fp8, w_scale, block, out=buffer[:, 10:139])  # out with a row stride
+    assert_close_to_reference(buffer[:, 10:139].cpu(), ref, GEMM_RTOL)
+    assert buffer[:, :10].isnan().all() and buffer[:, 139:].isnan().all()  # nothing written outside
+    with pytest.raises(ValueError):
+        T.fp8_linear(x.to(DEVICE), w_fp8, w_scale[:, :1], block)
+    assert T.fp8_linear(x[:0].to(DEVICE), w_fp8, w_scale, block).shape == (0, 129)
+
+
+def test_fp8_linear_bf16_inputs():
+    """bf16 x: the quantisation is exact from bf16 as from fp32; the result is rounded to bf16 (the
+    interpreter truncates instead: one bf16 ulp)."""
+    x, w_fp8, w_scale, block = gemm_inputs(17, 129, 384, 1, seed=7, dtype=torch.bfloat16)
+    ref = R.fp8_linear(x, w_fp8, w_scale, block)
+    for config in (T.DECODE, T.MEDIUM):
+        got = T.fp8_linear(x.to(DEVICE), w_fp8.to(DEVICE), w_scale.to(DEVICE), block, config=config).cpu()
+        assert got.dtype == torch.bfloat16
+        diff = (got.float() - ref.float()).abs()
+        assert (diff <= 2.0**-7 * ref.float().abs() + GEMM_RTOL * ref.float().abs().amax()).all()
+
+
+# --- CUDA only -----------------------------------------------------------------------------------------
+
+
+@cuda_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 32, 128, 512])
+def test_cuda_bf16_27b_shapes(tokens):
+    """bf16 x at a 27B shape (down_proj's K, a GDN-sized N), each token count's own configuration:
+    within half a bf16 ulp (≤ 2^-8 relative) of the fp32 result, plus the GEMM's own error."""
+    torch.manual_seed(tokens)
+    N, K = 1152, 17408
+    w_fp8, w_scale = (t.cuda() for t in R.quantize_weight(torch.randn(N, K) * 0.02))
+    x = torch.randn(tokens, K, device="cuda").bfloat16()
+    got = T.fp8_linear(x, w_fp8, w_scale)
+    assert got.dtype == torch.bfloat16
+    ref = R.fp8_linear(x.float(), w_fp8, w_scale)  # bf16 → fp32 is exact: the same quantised x
+    diff = (got.float() - ref).abs()
+    assert (diff <= 2.0**-8 * ref.abs() + GEMM_RTOL * ref.abs().amax()).all()
+
+
+@cuda_only
+@pytest.mark.gpu
+def test_cuda_reference_equals_the_cpu_reference():
+    """bf16-valued x lands on e4m3 ties often: a scale one ulp off (CUDA torch divides by a Python
+    scalar through its reciprocal) rounds those elements the other way."""
+    x = torch.randn(64, 5120, device="cuda").bfloat16()
+    for got, ref in zip(R.quantize_activation(x), R.quantize_activation(x.cpu()), strict=True):
+        assert torch.equal(bits(got.cpu()), bits(ref))
+    for got, ref in zip(T.quantize_activation(x), R.quantize_activation(x), strict=True):
+        assert torch.equal(bits(got), bits(ref))
+    w = torch.randn(384, 640, device="cuda") * 0.02
+    for got, ref in zip(R.quantize_weight(w), R.quantize_weight(w.cpu()), strict=True):
+        assert torch.equal(bits(got.cpu()), bits(ref))
+
+
+@cuda_only
+@pytest.mark.gpu
+def test_cuda_graph_replay():
+    w_fp8, w_scale = (t.cuda() for t in R.quantize_weight(torch.randn(640, 5120)))
+    x = torch.randn(8, 5120, device="cuda").bfloat16()
+    out = torch.empty(8, 640, device="cuda", dtype=torch.bfloat16)
+    T.fp8_linear(x, w_fp8, w_scale, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        T.fp8_linear(x, w_fp8, w_scale, out=out)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, T.fp8_linear(x, w_fp8, w_scale))
