@@ -69,6 +69,13 @@ def cmd_merge(args: argparse.Namespace) -> None:
     print(f"wrote {args.model_dir} + {args.adapter_dir} merged to {out}")
 
 
+def cmd_quantize(args: argparse.Namespace) -> None:
+    from hylora.model.fp8 import quantize_checkpoint
+
+    out = quantize_checkpoint(args.model_dir, args.out_dir)
+    print(f"wrote {args.model_dir} block-quantised to FP8 (e4m3, 128x128 scales) in {out}")
+
+
 def cmd_doctor(args: argparse.Namespace) -> None:
     from hylora.doctor.cli import run_from_args
 
@@ -123,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("adapter_dir")
     p.add_argument("out_dir")
     p.set_defaults(func=cmd_merge)
+
+    p = sub.add_parser(
+        "quantize", help="write an FP8 copy of a model (e4m3 weights, 128x128 block scales, as Qwen's -FP8 releases)"
+    )
+    p.add_argument("model_dir")
+    p.add_argument("out_dir")
+    p.set_defaults(func=cmd_quantize)
     return parser
 
 

@@ -117,6 +117,55 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class QuantizationConfig:
+    """A block-quantised FP8 checkpoint as Qwen and DeepSeek publish them (`quant_method: fp8`):
+    e4m3 weights with one `weight_scale_inv` per (block_n x block_k) block; activations are
+    quantised at run time per token and per block_k columns (`activation_scheme: dynamic`).
+    Which tensors are FP8 is read from the checkpoint (a weight with a `weight_scale_inv` beside it);
+    `modules_to_not_convert` is kept for the record."""
+
+    method: str  # "fp8"
+    weight_block_size: tuple[int, int]  # (block_n, block_k): rows x columns per scale
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    @classmethod
+    def from_hf(cls, q: dict[str, Any]) -> QuantizationConfig:
+        method = q.get("quant_method")
+        if method != "fp8":
+            raise ConfigError(
+                f"quantization_config.quant_method {method!r} is not supported: hylora serves unquantised "
+                "checkpoints and block-quantised FP8 ones (quant_method 'fp8', the format of Qwen's -FP8 releases)"
+            )
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise ConfigError(f"quantization_config.fmt {q['fmt']!r} is not supported (only e4m3)")
+        if q.get("activation_scheme", "dynamic") != "dynamic":
+            raise ConfigError(
+                f"quantization_config.activation_scheme {q['activation_scheme']!r} is not supported "
+                "(only 'dynamic': activation scales computed per token at run time)"
+            )
+        block = q.get("weight_block_size")
+        if not (isinstance(block, list | tuple) and len(block) == 2 and all(int(b) > 0 for b in block)):
+            raise ConfigError(
+                f"quantization_config.weight_block_size {block!r} is not supported: FP8 needs block scales, "
+                "e.g. [128, 128] (per-tensor and per-channel FP8 checkpoints are not supported)"
+            )
+        return cls(
+            method="fp8",
+            weight_block_size=(int(block[0]), int(block[1])),
+            modules_to_not_convert=tuple(q.get("modules_to_not_convert") or ()),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            "quant_method": self.method,
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(self.weight_block_size),
+            "modules_to_not_convert": list(self.modules_to_not_convert),
+        }
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The text decoder of a Qwen3.5 / Qwen3.6 hybrid model (Gated DeltaNet + gated attention)."""
 
@@ -147,6 +196,7 @@ class ModelConfig:
     is_multimodal: bool = False
     vision: VisionConfig | None = None  # None for a text-only checkpoint
     mtp_num_hidden_layers: int = 0  # multi-token-prediction layers (`mtp.*`) the checkpoint ships
+    quantization: QuantizationConfig | None = None  # None: unquantised weights
 
     @property
     def num_layers(self) -> int:
@@ -267,7 +317,13 @@ class ModelConfig:
             is_multimodal=is_multimodal,
             vision=VisionConfig.from_hf(hf) if is_multimodal else None,
             mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", hf.get("mtp_num_hidden_layers", 0)) or 0),
+            quantization=_quantization(hf, text),
         )
+
+
+def _quantization(hf: dict[str, Any], text: dict[str, Any]) -> QuantizationConfig | None:
+    q = hf.get("quantization_config") or text.get("quantization_config")
+    return QuantizationConfig.from_hf(q) if q else None
 
 
 _DTYPES = {

@@ -3,11 +3,17 @@
 The output keeps the input's layout (same files, shards, keys and dtypes; config, tokenizer and
 every weight the adapter does not touch copied as they are), so whatever loads the base loads it.
 Tower LoRA is folded into `model.visual.*` (the Conv3d patch embedding's delta reshaped to its kernel).
+
+An FP8 checkpoint merges into an unquantised one: every FP8 weight is dequantised to the checkpoint's
+dtype (config.json `dtype`, bfloat16 for Qwen's releases), the adapter is added, the block scales and
+`quantization_config` are dropped. Adding the delta to FP8 values would need requantising the merged
+weight, which rounds the adapter's small delta away block by block (docs/FP8.md measures it); serve
+the FP8 base with the adapter dynamically instead.
 """
 
 from __future__ import annotations
 
-import shutil
+import json
 from pathlib import Path
 
 from safetensors import safe_open
@@ -16,18 +22,19 @@ from tqdm import tqdm
 
 from hylora.adapters.files import LoRAWeight, read_adapter
 from hylora.config import ModelConfig
-from hylora.model.loader import TEXT_PREFIXES, VISION_PREFIX, weight_files
+from hylora.model.fp8 import prepare_out, set_quantization
+from hylora.model.loader import SCALE_SUFFIX, TEXT_PREFIXES, VISION_PREFIX, weight_files
+from hylora.ops.fp8_linear.reference import dequantize_weight
 
 
 def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    if out_dir.resolve() == model_dir.resolve():
-        raise ValueError("the output directory must differ from the model directory")
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"{out_dir} is not empty")
     config = ModelConfig.from_dir(model_dir)
     adapter = read_adapter(adapter_dir, config)
     files = weight_files(model_dir)
+    scales = {k[: -len(SCALE_SUFFIX)]: p for k, p in files.items() if k.endswith(SCALE_SUFFIX)}
+    block = config.quantization.weight_block_size if config.quantization else (128, 128)
+    out_dtype = config.checkpoint_dtype
 
     deltas: dict[str, LoRAWeight] = {}
     for (layer, sub, module), w in adapter.weights.items():
@@ -42,19 +49,32 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
             raise ValueError(f"base checkpoint has no {key}")
         deltas[key] = w
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for item in model_dir.iterdir():
-        if item.is_file() and item.suffix != ".safetensors":
-            shutil.copy2(item, out_dir / item.name)
+    prepare_out(model_dir, out_dir)
     for path in tqdm(sorted(set(files.values())), desc="merging", unit="file", disable=not progress):
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata()
             tensors = {}
             for key in f.keys():  # noqa: SIM118
+                if key.endswith(SCALE_SUFFIX):
+                    continue
                 t = f.get_tensor(key)
+                if key in scales:
+                    with safe_open(str(scales[key]), framework="pt") as sf:
+                        t = dequantize_weight(t, sf.get_tensor(key + SCALE_SUFFIX).float(), block, out_dtype)
                 if key in deltas:
                     w = deltas[key]
                     t = (t.float() + w.delta().reshape(t.shape)).to(t.dtype)
                 tensors[key] = t.contiguous()
         save_file(tensors, out_dir / path.name, metadata=metadata)
+    if scales:
+        _drop_scales_from_index(out_dir)
+        set_quantization(out_dir, None)
     return out_dir
+
+
+def _drop_scales_from_index(out_dir: Path) -> None:
+    index = out_dir / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {k: v for k, v in data["weight_map"].items() if not k.endswith(SCALE_SUFFIX)}
+        index.write_text(json.dumps(data, indent=2))

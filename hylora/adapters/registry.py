@@ -267,7 +267,8 @@ class AdapterRegistry:
 
     # --- internals -------------------------------------------------------------------------
     def _new_stack(self, linear: Linear | VisionLinear) -> LoRAStack:
-        dev, dtype, r = linear.weight.device, linear.weight.dtype, self.max_lora_rank
+        dev, r = linear.weight.device, self.max_lora_rank
+        dtype = linear.dtype if isinstance(linear, Linear) else linear.weight.dtype
         offsets = linear.slice_offsets if isinstance(linear, Linear) else [(0, linear.out_features)]
         if isinstance(linear, Linear):  # A stacked under the base weight: decode's shrink rides in its GEMM
             a = linear.stack_lora_a(self.max_loras, r)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
@@ -40,6 +40,13 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda when available)")
     g.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="in-process: serve FP8 weights (as hylora serve -q fp8; an FP8 checkpoint does on FP8 GPUs anyway); "
+        "the reference is the checkpoint dequantised",
+    )
+    g.add_argument(
         "--max-model-len", type=int, default=4097, help="the sweep runs up to this minus one (the generated token)"
     )
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -50,7 +57,7 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
         type=json.loads,
         default=None,
         metavar="JSON",
-        help='in-process: serve with MTP speculative decoding (as hylora serve), so the speculative check runs, '
+        help="in-process: serve with MTP speculative decoding (as hylora serve), so the speculative check runs, "
         'e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'',
     )
     g.add_argument(
@@ -166,6 +173,9 @@ def _tolerance_policy(args: argparse.Namespace, engine_dtype: str, endpoint: boo
 
 
 def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from hylora.config import ModelConfig, parse_dtype
     from hylora.doctor.deployment import EngineDeployment
     from hylora.doctor.doctor import PHASES, DoctorOptions, run_doctor
     from hylora.doctor.endpoint import Budget, Endpoint
@@ -178,6 +188,7 @@ def _run(args: argparse.Namespace) -> int:
     from hylora.engine.config import EngineConfig
     from hylora.engine.engine import LLMEngine
     from hylora.engine.speculative import check_speculative_config
+    from hylora.kernels import serve_fp8
     from hylora.tokenizer import load_tokenizer
 
     x = _inputs(args)
@@ -208,6 +219,7 @@ def _run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
         device=args.device,
+        quantization=None if endpoint else args.quantization,
         # the reference alone needs no LoRA slots and one sequence at a time
         max_num_seqs=2 if endpoint else args.max_num_seqs,
         max_loras=1 if endpoint else max(4, len(x.adapters)),
@@ -217,14 +229,22 @@ def _run(args: argparse.Namespace) -> int:
         num_speculative_tokens=0 if endpoint else speculative.get("num_speculative_tokens", 0),
         enable_prefix_caching=args.enable_prefix_caching and endpoint is None,
     )
-    # the reference's engine; in-process it is also the deployment checked
-    engine = LLMEngine(x.model_dir, config, lora_modules=None if endpoint else x.adapters)
+    # the reference's engine, an FP8 checkpoint's weights dequantised (adapters merge into them); in-process
+    # it is also the deployment checked, unless that serves FP8 weights: then the deployment is a second engine
+    dequantized = replace(config, quantization="dequantized")
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
+    if endpoint is None and serve_fp8(ModelConfig.from_dir(x.model_dir), config.quantization, device, dtype):
+        served = LLMEngine(x.model_dir, config, lora_modules=x.adapters)
+        engine = LLMEngine(x.model_dir, replace(dequantized, max_num_seqs=2, max_loras=1, fault_injection=False))
+    else:
+        engine = served = LLMEngine(x.model_dir, dequantized, lora_modules=None if endpoint else x.adapters)
     reference = Reference(engine, x.adapters, sequence, x.lengths[-1], args.restore)
     engine_dtype = str(engine.model.dtype).removeprefix("torch.")
     if endpoint is not None:
         deployment, kernels = endpoint, None
     else:
-        deployment, kernels = EngineDeployment(engine, sequence, args.request_timeout), dict(engine.kernels)
+        deployment, kernels = EngineDeployment(served, sequence, args.request_timeout), dict(served.kernels)
     options = DoctorOptions(
         lengths=x.lengths,
         tolerance=_tolerance_policy(args, engine_dtype, endpoint is not None),

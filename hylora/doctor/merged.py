@@ -75,6 +75,11 @@ def merged(
 ) -> Iterator[str]:
     """Within the block `model` computes with `adapter` merged into its weights; afterwards every
     touched row holds its original bits again. Yields the restore strategy used."""
+    if any(getattr(m, "is_fp8", False) for m in model.modules()):
+        raise ValueError(
+            "adapters merge into unquantised weights only: load the FP8 checkpoint dequantised "
+            "(EngineConfig(quantization='dequantized')) for the reference"
+        )
     plan = touched_rows(model, adapter)
     strategy = _choose(restore, touched_bytes(model, adapter), model_dir)
     params = dict(model.named_parameters())

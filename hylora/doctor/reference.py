@@ -36,6 +36,8 @@ class Reference:
         self.sequence, self.prompt = sequence, sequence[:length]
         self.restore = restore
         self.notes: dict[str, str] = {}  # target label → how it was computed
+        # an FP8 checkpoint's weights dequantised (the fp8 check's reference)
+        self.dequantised = engine.model.config.quantization is not None and engine.quantization is None
         self._scores: dict[str | None, ReferenceScores] = {}
 
     @property
@@ -45,6 +47,8 @@ class Reference:
     @property
     def description(self) -> str:
         where = f"{self.engine.model_dir.name}, {self.engine.model.device.type}, {self.dtype}"
+        if self.dequantised:
+            where += ", FP8 weights dequantised"
         return f"hylora, adapters merged into the weights ({where})"
 
     def scores(self, target: str | None) -> ReferenceScores:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, replace
 
 from hylora.kernels.config import KernelsConfig
 
+QUANTIZATIONS = (None, "fp8", "dequantized")
+
 
 @dataclass
 class EngineConfig:
@@ -21,6 +23,11 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
     dtype: str = "auto"
+    # weights: None serves an FP8 checkpoint with FP8 GEMMs where the device has them (dequantised
+    # elsewhere); "fp8" serves FP8 weights everywhere (the CPU then runs the exact reference GEMM) and
+    # quantises an unquantised checkpoint at load, as `hylora quantize` would write it; "dequantized"
+    # loads an FP8 checkpoint's weights dequantised (doctor's reference)
+    quantization: str | None = None
     device: str | None = None  # None: cuda if available else cpu
     # vision: tower output tokens encoded per step (an image, or one temporal patch of a video, must fit)
     max_num_encoder_tokens: int = 16384
@@ -55,6 +62,7 @@ class EngineConfig:
             (self.encoder_cache_gb >= 0, "encoder_cache_gb must be >= 0"),
             (self.prefix_cache_states is None or self.prefix_cache_states >= 0, "prefix_cache_states must be >= 0"),
             (0 <= self.num_speculative_tokens <= 4, "num_speculative_tokens must be in [0, 4]"),
+            (self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}"),
         ]
         for ok, message in checks:
             if not ok:

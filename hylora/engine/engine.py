@@ -41,8 +41,9 @@ from hylora.engine.sampler import (
 from hylora.engine.scheduler import ScheduledChunk, Scheduler
 from hylora.engine.speculative import Drafter, PendingVerify, SpecStats, commit_state, grammar_masks, launch_verify
 from hylora.engine.stats import EngineStats
-from hylora.kernels import as_text, select_kernels
+from hylora.kernels import as_text, select_kernels, serve_fp8
 from hylora.model.decoder import HybridDecoder
+from hylora.model.fp8 import quantize_linears
 from hylora.model.loader import load_model
 from hylora.structured import CompiledGrammar, GrammarCompiler, GrammarError, apply_token_masks
 from hylora.tokenizer import load_tokenizer
@@ -87,12 +88,19 @@ class LLMEngine:
         self.config = config = config.for_device(device)
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
         self.model_dir = Path(model_dir)
-        vision = model is None and ModelConfig.from_dir(model_dir).vision is not None
+        model_config = None if model is not None else ModelConfig.from_dir(model_dir)
+        vision = model_config is not None and model_config.vision is not None
         speculate = config.num_speculative_tokens > 0
+        fp8 = model_config is not None and serve_fp8(model_config, config.quantization, device, dtype)
         self.model = model or load_model(
-            model_dir, dtype=dtype, device=device, progress=progress, vision=vision, mtp=speculate
+            model_dir, dtype=dtype, device=device, progress=progress, vision=vision, mtp=speculate, fp8=fp8
         )
+        if fp8 and model_config.quantization is None:  # type: ignore[union-attr]  # --quantization fp8 on an unquantised checkpoint
+            count = quantize_linears(self.model)
+            log.info("quantised %d projections to FP8 at load (e4m3, 128x128 block scales)", count)
         self.kernels = select_kernels(self.model, config.page_size, config.kernels)
+        # what the served weights are ("fp8": FP8 GEMMs; doctor's fp8 check reads it)
+        self.quantization = "fp8" if any(getattr(m, "is_fp8", False) for m in self.model.modules()) else None
         log.info("kernels: %s", as_text(self.kernels))
         self.adapters = AdapterRegistry(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         for name, path in (lora_modules or {}).items():

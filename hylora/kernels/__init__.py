@@ -2,7 +2,7 @@
 reference on the model's shapes at start-up and serves only if it passes (`select_kernels`); the
 verdicts are records (`KernelVerdict`) the engine keeps and `hylora doctor` reads."""
 
-from hylora.kernels.config import KernelsConfig, triton_usable
+from hylora.kernels.config import KernelsConfig, serve_fp8, triton_usable
 from hylora.kernels.select import FAST_KERNELS, model_kernels, select_kernels
 from hylora.kernels.verdict import KernelVerdict, as_text
 
@@ -13,5 +13,6 @@ __all__ = [
     "as_text",
     "model_kernels",
     "select_kernels",
+    "serve_fp8",
     "triton_usable",
 ]

@@ -457,6 +457,50 @@ def gated_delta_rule_error(
     return worst
 
 
+# decode rows to prefill chunks: each tile configuration of the Triton GEMM (compiled here, at start-up)
+FP8_TOKENS = (1, 15, 16, 17, 33, 129, 1100)
+
+
+def fp8_shapes(model: torch.nn.Module) -> list[tuple[int, int, tuple[int, int]]]:
+    """Distinct (FP8 rows, in_features, scale block) of the model's FP8 projections."""
+    fp8 = [m for m in model.modules() if isinstance(m, Linear) and m.is_fp8]
+    return sorted({(m.weight.shape[0], m.in_features, m.quant_block) for m in fp8})
+
+
+@torch.inference_mode()
+def fp8_linear_error(
+    rows: int,
+    in_features: int,
+    block: tuple[int, int],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tokens: Sequence[int] = FP8_TOKENS,
+    kernel: Callable[..., torch.Tensor] | None = None,
+) -> float:
+    """The FP8 GEMM vs the reference on one projection's shape: weights with block magnitudes
+    spread over 2^-6..2^6 (a scale read from the wrong block shows), every token count of FP8_TOKENS,
+    outputs NaN-filled first."""
+    from hylora.ops.fp8_linear.reference import fp8_linear as fp8_reference
+    from hylora.ops.fp8_linear.reference import quantize_weight
+
+    if kernel is None:
+        from hylora.ops.fp8_linear.triton import fp8_linear as kernel
+    g = _generator(device, rows + in_features)
+    w = torch.randn(rows, in_features, generator=g, device=device)
+    magnitudes = torch.exp2(torch.randint(-6, 7, (-(-rows // 128), -(-in_features // 128)), generator=g, device=device))
+    w = w * magnitudes.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :in_features]
+    w8, scale = quantize_weight(w, (128, 128))
+    if block[0] == 1:  # the per-row layout the loader gives fused projections with unaligned slices
+        scale = scale.repeat_interleave(128, 0)[:rows]
+    worst = 0.0
+    for T in tokens:
+        x = torch.randn(T, in_features, generator=g, device=device).to(dtype)
+        out = torch.full((T, rows), float("nan"), dtype=dtype, device=device)
+        got = kernel(x, w8, scale, block, out=out)
+        worst = max(worst, _rel_error(got, fp8_reference(x, w8, scale, block)))
+    return worst
+
+
 def _generator(device: torch.device | str, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from hylora.config import ModelConfig
 from hylora.env import triton_interpreter
 from hylora.model.layers import LORA_BACKENDS
 
+log = logging.getLogger(__name__)
 FAST_KERNEL_CHOICES = ("auto", "off")
 GDN_BACKENDS = ("auto", "reference", "fla")
 
@@ -51,6 +54,39 @@ def triton_usable(device: torch.device | str) -> bool:
     if torch.device(device).type == "cuda":
         return True
     return torch.device(device).type == "cpu" and triton_interpreter()
+
+
+def fp8_unusable(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why FP8 weights cannot be served with FP8 GEMMs here (None: they can): e4m3 tensor cores
+    (compute capability 8.9 or newer) and Triton, for a 16-bit model (an fp32 model is a reference:
+    it computes with the dequantised weights)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"no FP8 GEMM on {device.type}"
+    if dtype == torch.float32:
+        return "an fp32 model computes with the dequantised weights"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        return f"compute capability {capability[0]}.{capability[1]} has no FP8 tensor cores (8.9+ has)"
+    if not triton_usable(device):
+        return "triton is not installed"
+    return None
+
+
+def serve_fp8(
+    model: ModelConfig, quantization: str | None, device: torch.device | str, dtype: torch.dtype | None
+) -> bool:
+    """Whether the engine serves FP8 weights. quantization "fp8": always (an unquantised checkpoint is
+    quantised at load, as vLLM's --quantization fp8 does); "dequantized": never; None: an FP8
+    checkpoint where the device runs FP8 GEMMs (fp8_unusable), else its weights are dequantised."""
+    if quantization in ("fp8", "dequantized"):
+        return quantization == "fp8"
+    if model.quantization is None:
+        return False
+    why = fp8_unusable(device, dtype or model.checkpoint_dtype)
+    if why:
+        log.info("FP8 checkpoint: weights dequantised at load (%s)", why)
+    return why is None
 
 
 def parse_launch(text: str) -> tuple[int, int, int]:

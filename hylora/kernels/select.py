@@ -11,8 +11,10 @@ Triton dots run fp32 inputs in TF32, ~1e-3 relative).
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -21,6 +23,7 @@ from hylora.kernels.config import KernelsConfig, triton_usable
 from hylora.kernels.verdict import KernelVerdict, passed, reference
 from hylora.model.decoder import HybridDecoder
 from hylora.model.kernels import ModelKernels
+from hylora.model.layers import Linear
 from hylora.ops.gated_delta_rule import fla
 
 log = logging.getLogger(__name__)
@@ -30,6 +33,7 @@ FAST_KERNELS = (
 )  # fmt: skip
 IMPLEMENTATION = {"prefill_attention": "flash"}  # what a passing kernel is, when not hylora's Triton
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+FP8_TOLERANCE = 1e-2  # the kernel vs the reference on the same FP8 inputs: fp32 sums in another order, bf16 out
 GDN_TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 2e-2, torch.float16: 2e-2}  # fp32 only when forced
 
 
@@ -44,6 +48,8 @@ def select_kernels(
         verdicts |= {name: reference(name, "fast kernels off") for name in FAST_KERNELS}
     else:
         verdicts |= select_fast_kernels(model, page_size, config)
+    if any(isinstance(m, Linear) and m.is_fp8 for m in model.modules()):
+        verdicts["fp8_linear"] = select_fp8_kernel(model, config.fast_kernels)
     model.use_kernels(model_kernels(verdicts, config))
     return verdicts
 
@@ -88,6 +94,9 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
         from hylora.ops.silu_mul.triton import silu_mul
 
         chosen["silu_mul"] = silu_mul
+    if "fp8_linear" in fast:
+        kernel = "cublas" if verdicts["fp8_linear"].implementation == "cublas+triton" else "triton"
+        chosen["fp8_linear"] = importlib.import_module(f"hylora.ops.fp8_linear.{kernel}").fp8_linear
     if config.lora_backend != "auto":  # forced, for the decoder and the tower alike
         chosen["lora_backend"] = chosen["tower_lora_backend"] = config.lora_backend
     elif "lora" in fast:
@@ -124,6 +133,37 @@ def select_gdn_kernel(model: HybridDecoder, backend: str = "auto") -> KernelVerd
         log.error("%s; serving with the reference kernel", message)
         return reference(name, message, error=error, tolerance=tolerance, check_failed=True)
     return passed(name, "fla", error, tolerance)
+
+
+def select_fp8_kernel(model: HybridDecoder, fast_kernels: str = "auto") -> KernelVerdict:
+    """The FP8 GEMM for the model's FP8 projections, checked against the reference (quantised
+    activations x dequantised weights) on the model's shapes: cuBLAS's block-scaled GEMM for steps of
+    many tokens with hylora's Triton kernel below ("cublas+triton"), else the Triton kernel alone. On
+    the CPU, or with fast kernels off, the reference (exact, slow: it dequantises per call); on CUDA
+    when no kernel passes, the weights are dequantised."""
+    name = "fp8_linear"
+    if fast_kernels == "off":
+        return reference(name, "fast kernels off")
+    if not triton_usable(model.device) or model.device.type != "cuda":
+        return reference(name, "no CUDA or no triton")
+    dtype, dev, shapes = model.dtype, model.device, checks.fp8_shapes(model)
+
+    def check(kernel_module: str):
+        def run() -> float:
+            kernel = importlib.import_module(f"hylora.ops.fp8_linear.{kernel_module}").fp8_linear
+            return max(checks.fp8_linear_error(*s, dtype, dev, kernel=kernel) for s in shapes)
+
+        return run
+
+    verdict = _verdict(name, check("triton"), FP8_TOLERANCE)
+    if not verdict.check_failed:
+        with_cublas = _verdict(name, check("cublas"), FP8_TOLERANCE)
+        return replace(with_cublas, implementation="cublas+triton") if not with_cublas.check_failed else verdict
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.dequantize()
+    log.error("FP8 kernel failed its check: the FP8 weights are dequantised to %s", dtype)
+    return replace(verdict, reason=verdict.reason + "; weights dequantised")
 
 
 def select_fast_kernels(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hylora import ops
+from hylora.ops.fp8_linear.reference import fp8_linear
 from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
 from hylora.ops.silu_mul.reference import silu_mul
 
@@ -37,6 +38,7 @@ class ModelKernels:
     rms_norm: Kernel = rms_norm
     gated_rms_norm: Kernel = gated_rms_norm
     silu_mul: Kernel = silu_mul
+    fp8_linear: Kernel = fp8_linear  # the GEMM of FP8 projections (Linear.set_fp8)
     lora_backend: str | None = None  # model.layers.LORA_BACKENDS; None: masked on CUDA, grouped on the CPU
     tower_lora_backend: str | None = None  # the vision tower's linears
 
@@ -65,6 +67,6 @@ def install(model: HybridDecoder, kernels: ModelKernels) -> None:
             module.act = kernels.silu_mul
     for module in model.modules():
         if isinstance(module, Linear):
-            module.lora_backend = kernels.lora_backend
+            module.lora_backend, module.fp8_kernel = kernels.lora_backend, kernels.fp8_linear
         elif isinstance(module, VisionLinear):
             module.lora_backend = kernels.tower_lora_backend

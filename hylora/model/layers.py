@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hylora.lora import DeviceLoRABatch, LoRABatch, LoRAStack
+from hylora.ops.fp8_linear.reference import fp8_linear
 from hylora.ops.lora.reference import lora_apply_grouped, lora_apply_masked, rank_mask
 from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
 from hylora.ops.silu_mul.reference import silu_mul
@@ -19,9 +20,7 @@ STACKED_LORA_BELOW = 128
 LORA_BACKENDS = ("grouped", "masked", "triton")
 
 
-def add_lora(
-    x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, lora: LoRABatch, backend: str | None
-) -> torch.Tensor:
+def add_lora(x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, lora: LoRABatch, backend: str | None) -> torch.Tensor:
     """y + each token's adapter delta, by `backend` (what the kernel floor chose for the linear:
     "triton" once hylora's LoRA kernels passed their start-up check; None: masked on CUDA, grouped
     on the CPU). A host batch runs the slices its adapters target; a device batch (CUDA graph) runs
@@ -72,6 +71,61 @@ class Linear(nn.Module):
         self.lora_backend: str | None = None  # set by the kernel floor (one of LORA_BACKENDS); None: by device
         # [W; every slice's A]: `weight` and the LoRA stack's A tensors are views of it (stack_lora_a)
         self.stacked_weight: torch.Tensor | None = None
+        self.compute_dtype = torch.float32
+        # FP8 (set by the loader for a block-quantised checkpoint served on FP8 hardware): `weight` holds the
+        # first `weight.shape[0]` output rows in e4m3, `weight_scale` their block scales
+        # [ceil(rows / block_n), ceil(in / block_k)] (fp32), `tail_weight` the remaining rows unquantised
+        # (the GDN in_proj's b and a rows, which Qwen keeps in bf16)
+        self.register_buffer("weight_scale", None, persistent=False)
+        self.quant_block: tuple[int, int] = (128, 128)
+        self.register_buffer("tail_weight", None, persistent=False)
+        self.fp8_kernel = fp8_linear  # ops.fp8_linear: the Triton kernel once the start-up check installs it
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_scale is not None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of activations, outputs and LoRA tensors (an FP8 projection computes in the model's
+        dtype, `compute_dtype`)."""
+        return self.compute_dtype if self.is_fp8 else self.weight.dtype
+
+    def set_fp8(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        block: tuple[int, int],
+        tail: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> None:
+        """Serve this projection from FP8 rows (`weight` e4m3 [q, in], `scale` [ceil(q / block[0]), ...])
+        followed by `tail` [out - q, in] in `dtype`."""
+        rows = weight.shape[0] + (0 if tail is None else tail.shape[0])
+        if rows != self.out_features or weight.shape[1] != self.in_features:
+            want = [self.out_features, self.in_features]
+            raise ValueError(f"FP8 rows {list(weight.shape)} and the tail do not make {want}")
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale, self.quant_block, self.tail_weight, self.compute_dtype = scale, block, tail, dtype
+
+    def dequantize(self) -> None:
+        """Back to one unquantised weight (the values FP8 stood for), e.g. when no FP8 kernel runs here."""
+        if not self.is_fp8:
+            return
+        from hylora.ops.fp8_linear.reference import dequantize_weight
+
+        w = dequantize_weight(self.weight, self.weight_scale, self.quant_block, self.compute_dtype)
+        if self.tail_weight is not None:
+            w = torch.cat([w, self.tail_weight])
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.weight_scale = self.tail_weight = None
+
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """x Wᵀ without LoRA."""
+        if not self.is_fp8:
+            return F.linear(x, self.weight)
+        y = self.fp8_kernel(x, self.weight, self.weight_scale, self.quant_block)
+        return y if self.tail_weight is None else torch.cat([y, F.linear(x, self.tail_weight)], dim=-1)
 
     @property
     def slice_offsets(self) -> list[tuple[int, int]]:
@@ -87,6 +141,11 @@ class Linear(nn.Module):
         gives y and every slot's x·Aᵀ: a decode step's LoRA shrink rides in the base GEMM. `weight`
         stays [out, in] (a view) with the same values."""
         n, slices = self.out_features, len(self.slices)
+        if self.is_fp8:  # the FP8 GEMM cannot carry A: separate tensors, shrunk by the LoRA kernels
+            return [
+                torch.zeros(num_slots, rank, self.in_features, dtype=self.dtype, device=self.weight.device)
+                for _ in range(slices)
+            ]
         stacked = torch.zeros(
             n + slices * num_slots * rank, self.in_features, dtype=self.weight.dtype, device=self.weight.device
         )
@@ -98,7 +157,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         if lora is None or self.lora is None or not lora.has_adapters:
-            return F.linear(x, self.weight)
+            return self.base(x)
         if (
             self.lora_backend == "triton"
             and self.stacked_weight is not None
@@ -108,7 +167,7 @@ class Linear(nn.Module):
 
             meta = triton_meta(lora, self.lora.num_slots)
             return lora_apply_stacked(x, self.stacked_weight, self.out_features, self.lora.b, self.lora.offsets, meta)
-        return add_lora(x, F.linear(x, self.weight), self.lora, lora, self.lora_backend)
+        return add_lora(x, self.base(x), self.lora, lora, self.lora_backend)
 
 
 class RMSNorm(nn.Module):

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from hylora.config import ConfigError, ModelConfig
 from hylora.model.decoder import HybridDecoder
 from hylora.model.layers import Linear
+from hylora.ops.fp8_linear.reference import dequantize_weight
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ SKIPPED_PREFIXES = {
     "mtp.": "multi-token prediction head (loaded with --speculative-config)",
 }
 MTP_PREFIX = "mtp."
+SCALE_SUFFIX = "_scale_inv"  # FP8 checkpoints: `X.weight_scale_inv` holds the block scales of `X.weight`
 
 
 class CheckpointError(ValueError):
@@ -102,12 +104,18 @@ def load_model(
     progress: bool = True,
     vision: bool = False,
     mtp: bool = False,
+    fp8: bool = False,
 ) -> HybridDecoder:
     """Build the decoder from `model_dir`. dtype None = the checkpoint's dtype.
 
     vision=True also loads the vision tower of a VL checkpoint as `model.visual` (same dtype and
     device); otherwise its tensors are skipped with a note. mtp=True also loads the
-    multi-token-prediction layer (`model.mtp`, speculative decoding's draft model)."""
+    multi-token-prediction layer (`model.mtp`, speculative decoding's draft model).
+
+    A block-quantised FP8 checkpoint (config.quantization) is dequantised to `dtype` (the values its
+    e4m3 weights and scales stand for), unless fp8=True: then the decoder's projections keep their
+    FP8 rows and scales (`Linear.set_fp8`) and compute with the FP8 kernel; everything else (embeddings,
+    head, vision tower, the rows a checkpoint keeps unquantised) is dequantised or loaded as is."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     if vision and config.vision is None:
@@ -125,6 +133,15 @@ def load_model(
         del layout["lm_head.weight"]
 
     files = weight_files(model_dir)
+    scales = {key[: -len(SCALE_SUFFIX)]: files.pop(key) for key in list(files) if key.endswith(SCALE_SUFFIX)}
+    orphans = sorted(set(scales) - set(files))
+    if orphans:
+        raise CheckpointError(f"{model_dir}: block scales without their weights: {_names(orphans)}")
+    if scales and config.quantization is None:
+        raise CheckpointError(
+            f"{model_dir}: tensors {_names(sorted(scales))} have block scales "
+            "but config.json has no quantization_config"
+        )
     by_file: dict[Path, list[tuple[str, str]]] = defaultdict(list)
     unexpected, skipped = [], defaultdict(int)
     for key, path in files.items():
@@ -150,7 +167,11 @@ def load_model(
         raise CheckpointError(f"{model_dir}: missing tensors {_names(missing)}")
 
     params = dict(model.named_parameters())
+    linears = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, Linear)}
+    block = config.quantization.weight_block_size if config.quantization else (128, 128)
     filled: dict[str, torch.Tensor] = {}
+    fp8_rows: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = defaultdict(dict)  # param → start → (w, s)
+    scale_files = ScaleFiles(model_dir, scales)
     bar = tqdm(total=len(seen), desc="loading weights", unit="tensor", disable=not progress)
     for path, entries in by_file.items():
         with safe_open(str(path), framework="pt") as handle:
@@ -164,18 +185,93 @@ def load_model(
                         f"{model_dir}: tensor {key!r} has shape {list(tensor.shape)}, "
                         f"the config expects {list(expected)}"
                     )
+                if key in scales:
+                    if tensor.dtype != torch.float8_e4m3fn:
+                        raise CheckpointError(f"{model_dir}: {key!r} has block scales but is {tensor.dtype}, not e4m3")
+                    scale = scale_files.get(key, tensor.shape, block)
+                    if fp8 and dest_name in linears:
+                        fp8_rows[dest_name][start] = (tensor.to(device), scale.to(device))
+                        bar.update()
+                        continue
+                    tensor = dequantize_weight(tensor, scale, block)
                 if dest_name not in filled:
                     filled[dest_name] = torch.empty(dest_shape, dtype=_param_dtype(dest_name, dtype), device=device)
                 filled[dest_name][start : start + rows].copy_(tensor)
                 bar.update()
     bar.close()
+    scale_files.close()
     for dest_name, tensor in filled.items():
-        _assign(model, dest_name, tensor)
+        if dest_name not in fp8_rows:
+            _assign(model, dest_name, tensor)
+    for dest_name, parts in fp8_rows.items():
+        assign_fp8(linears[dest_name], parts, filled.get(dest_name), block, dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     for prefix, count in skipped.items():
         log.info("skipped %d tensors of the %s", count, SKIPPED_PREFIXES[prefix])
     return model.eval()
+
+
+class ScaleFiles:
+    """The `weight_scale_inv` tensors of an FP8 checkpoint, read on demand (they may sit in other shards
+    than their weights), checked against their weight's shape and returned as fp32."""
+
+    def __init__(self, model_dir: Path, scales: dict[str, Path]):
+        self.model_dir, self.scales = model_dir, scales
+        self._handles: dict[Path, object] = {}
+
+    def get(self, key: str, weight_shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
+        path = self.scales[key]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        scale = self._handles[path].get_tensor(key + SCALE_SUFFIX)  # type: ignore[attr-defined]
+        expected = (-(-weight_shape[0] // block[0]), -(-weight_shape[1] // block[1]))
+        if tuple(scale.shape) != expected:
+            raise CheckpointError(
+                f"{self.model_dir}: {key + SCALE_SUFFIX!r} has shape {list(scale.shape)}; weight_block_size "
+                f"{list(block)} and the weight's {list(weight_shape)} need {list(expected)}"
+            )
+        return scale.float()
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def assign_fp8(
+    linear: Linear,
+    parts: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    unquantised: torch.Tensor | None,
+    block: tuple[int, int],
+    dtype: torch.dtype,
+) -> None:
+    """Give a (possibly fused) projection its FP8 rows. FP8 slices must come first in the fused order
+    (Qwen quantises the GDN in_proj's qkv and z rows, not b and a); the rest becomes the unquantised
+    tail. Slices whose row counts are not multiples of block_n get one scale row per weight row, so
+    that one FP8 GEMM covers them all. A layout that does not fit is dequantised instead."""
+    starts = sorted(parts)
+    quantised_rows = sum(parts[s][0].shape[0] for s in starts)
+    if starts != [start for start, _ in linear.slice_offsets[: len(starts)]]:
+        weights = [dequantize_weight(w, sc, block, dtype) for w, sc in (parts[s] for s in starts)]
+        full = (
+            unquantised
+            if unquantised is not None
+            else torch.empty(linear.out_features, linear.in_features, dtype=dtype, device=weights[0].device)
+        )
+        for s, w in zip(starts, weights, strict=True):
+            full[s : s + w.shape[0]].copy_(w)
+        log.info("FP8 rows of %s are not leading rows: dequantised", linear.slices)
+        linear.weight = torch.nn.Parameter(full, requires_grad=False)
+        return
+    weight = torch.cat([parts[s][0] for s in starts])
+    if all(parts[s][0].shape[0] % block[0] == 0 for s in starts[:-1]):
+        scale, kernel_block = torch.cat([parts[s][1] for s in starts]), block
+    else:  # a slice ends inside a scale block: one scale row per weight row
+        scale = torch.cat([parts[s][1].repeat_interleave(block[0], dim=0)[: parts[s][0].shape[0]] for s in starts])
+        kernel_block = (1, block[1])
+    tail = None
+    if quantised_rows < linear.out_features:
+        tail = unquantised[quantised_rows:].clone()  # type: ignore[index]  (a copy: frees the full-size buffer)
+    linear.set_fp8(weight, scale.contiguous(), kernel_block, tail, dtype)
 
 
 def _param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

@@ -161,6 +161,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=d[name].default)
     p.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"].default)
     p.add_argument("--dtype", default="auto", choices=list(DTYPES))
+    p.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["fp8"],
+        help="fp8: serve FP8 weights on any device, quantising an unquantised checkpoint at load (128x128 blocks, "
+        "as `hylora quantize` writes). Default: an FP8 checkpoint runs FP8 GEMMs where the GPU has them "
+        "(compute capability 8.9+), dequantised elsewhere",
+    )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument(
@@ -309,6 +318,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         max_num_encoder_tokens=args.max_num_encoder_tokens,
         encoder_cache_gb=args.encoder_cache_gb,

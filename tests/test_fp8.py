@@ -1,0 +1,256 @@
+"""FP8 checkpoints (Qwen's -FP8 layout): written by `hylora quantize`, read as transformers reads
+them, served with FP8 weights (the reference GEMM on the CPU) with dynamic LoRA on top, merged into an
+unquantised model, and refused clearly where hylora cannot serve them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hylora.adapters.merge import merge_adapter
+from hylora.config import ConfigError, ModelConfig
+from hylora.engine import EngineConfig, LLMEngine, SamplingParams
+from hylora.kernels import select_kernels
+from hylora.model.fp8 import quantize_checkpoint
+from hylora.model.layers import Linear
+from hylora.model.loader import CheckpointError, load_model
+from hylora.ops.fp8_linear.reference import dequantize_activation, quantize_activation
+from tests.conftest import write_causal
+from tests.engine_helpers import run
+from tests.helpers import hf_logits, hylora_logits, random_ids
+from tests.lora_helpers import peft_adapter
+
+# rows and columns straddling the 128 x 128 scale blocks: K = 192 and 160 end inside a block, and the
+# fused gate_up (160 + 160 rows) and qkv (256 + 64 + 64) slices end inside one (per-row scales)
+UNALIGNED = dict(hidden_size=192, intermediate_size=160)
+# every dimension a multiple of 128 or under one block, as in the released checkpoints
+ALIGNED = dict(hidden_size=256, intermediate_size=256)
+
+
+def logprobs(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float().log_softmax(-1)
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpts(tmp_path_factory):
+    """{"unaligned" | "aligned": (bf16-style source dir, its FP8 copy, transformers model of the source)}."""
+    root = tmp_path_factory.mktemp("fp8")
+    out = {}
+    for name, shape in (("unaligned", UNALIGNED), ("aligned", ALIGNED)):
+        src, dst = root / f"{name}-src", root / f"{name}-fp8"
+        model = write_causal(src, seed=3, **shape)
+        quantize_checkpoint(src, dst, progress=False)
+        out[name] = (src, dst, model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_adapter(fp8_ckpts, tmp_path_factory):
+    """A PEFT adapter on every projection (FP8 rows and the unquantised in_proj_a/b alike)."""
+    path = tmp_path_factory.mktemp("fp8-adapter") / "all"
+    peft_adapter(fp8_ckpts["unaligned"][2], path, seed=5, r=8, lora_alpha=16, target_modules="all-linear")
+    return path
+
+
+def test_quantize_writes_the_qwen_fp8_layout(fp8_ckpts):
+    _, dst, _ = fp8_ckpts["unaligned"]
+    config = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "fp8" and config["weight_block_size"] == [128, 128]
+    assert config["activation_scheme"] == "dynamic" and config["fmt"] == "e4m3"
+    tensors = load_file(dst / "model.safetensors")
+    gate = tensors["model.layers.0.mlp.gate_proj.weight"]
+    assert gate.dtype == torch.float8_e4m3fn
+    assert tensors["model.layers.0.mlp.gate_proj.weight_scale_inv"].shape == (2, 2)  # 160 x 192 in 128 blocks
+    for kept in ("model.layers.0.linear_attn.in_proj_a.weight", "model.embed_tokens.weight", "lm_head.weight"):
+        assert tensors[kept].dtype != torch.float8_e4m3fn and kept + "_scale_inv" not in tensors
+    assert ModelConfig.from_dir(dst).quantization.weight_block_size == (128, 128)
+
+
+def test_transformers_reads_the_fp8_checkpoint_as_hylora_does(fp8_ckpts):
+    """An independent reader: transformers' FineGrainedFP8 loader, dequantising, gives hylora's logits
+    (on block-aligned shapes: it derives the block size from the scale grid)."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    _, dst, _ = fp8_ckpts["aligned"]
+    hf = AutoModelForCausalLM.from_pretrained(
+        dst, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32
+    ).eval()
+    ids = random_ids(40, hf.config.vocab_size, 1)
+    ours = hylora_logits(load_model(dst, dtype=torch.float32, progress=False), ids)
+    assert (logprobs(ours) - logprobs(hf_logits(hf, ids))).abs().max() < 1e-4
+
+
+def test_fp8_projections_compute_the_checkpoint_values(fp8_ckpts):
+    """Every FP8-kept projection (fused slices, per-row scales where slices end inside a block, the
+    unquantised tail of the GDN in_proj) equals the dequantised weights on quantised activations for
+    its FP8 rows and on the plain activations for its tail."""
+    _, dst, _ = fp8_ckpts["unaligned"]
+    fp8 = load_model(dst, dtype=torch.float32, progress=False, fp8=True)
+    plain = dict(load_model(dst, dtype=torch.float32, progress=False).named_modules())
+    layouts = set()
+    g = torch.Generator().manual_seed(0)
+    for name, linear in fp8.named_modules():
+        if not isinstance(linear, Linear) or not linear.is_fp8:
+            continue
+        layouts.add((linear.quant_block[0], linear.tail_weight is not None))
+        x = torch.randn(5, linear.in_features, generator=g)
+        q = linear.weight.shape[0]
+        w = plain[name].weight
+        x_q = dequantize_activation(*quantize_activation(x, 128))
+        expected = torch.cat([x_q @ w[:q].T, x @ w[q:].T], dim=-1)
+        torch.testing.assert_close(linear.base(x), expected, rtol=1e-5, atol=1e-5)
+    # per-block and per-row scales, and a tail: each layout was exercised
+    assert {(128, True), (1, False), (128, False)} <= layouts
+
+
+def test_fp8_weights_serve_close_to_the_dequantised_model(fp8_ckpts):
+    _, dst, _ = fp8_ckpts["unaligned"]
+    ids = random_ids(48, 320, 2)
+    fp8 = logprobs(hylora_logits(load_model(dst, dtype=torch.float32, progress=False, fp8=True), ids))
+    plain = logprobs(hylora_logits(load_model(dst, dtype=torch.float32, progress=False), ids))
+    assert torch.isfinite(fp8).all()
+    # activation quantisation only (the weights are the same values); a scale from the wrong block
+    # would move every logit by orders of magnitude
+    assert (fp8 - plain).abs().mean() < 0.2
+
+
+def _prompt_logprobs(engine: LLMEngine, prompt: list[int], adapter: str | None) -> list[float]:
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    out = run(engine, {0: [("r", prompt, params, adapter)]})["r"]
+    return [p.logprob for p in out.prompt_logprobs if p is not None]
+
+
+def test_dynamic_lora_on_fp8_matches_the_dequantised_merged_model(fp8_ckpts, fp8_adapter, tmp_path):
+    """The oracle of FP8 + LoRA: the dequantised base with the adapter merged. `hylora merge` writes it
+    (unquantised; it used to add the delta to raw e4m3 values); dynamic LoRA on the dequantised weights
+    equals it exactly, and on the FP8 weights differs only by activation quantisation."""
+    _, dst, _ = fp8_ckpts["unaligned"]
+    merged_dir = merge_adapter(dst, fp8_adapter, tmp_path / "merged", progress=False)
+    assert ModelConfig.from_dir(merged_dir).quantization is None
+    assert not any(k.endswith("_scale_inv") for k in load_file(merged_dir / "model.safetensors"))
+    prompt = random_ids(70, 320, 3)
+    common = dict(device="cpu", dtype="float32", max_lora_rank=8, max_num_seqs=2)
+    merged = _prompt_logprobs(LLMEngine(merged_dir, EngineConfig(**common), progress=False), prompt, None)
+    lora = {"all": fp8_adapter}
+    dequantised = LLMEngine(dst, EngineConfig(quantization="dequantized", **common), lora_modules=lora, progress=False)
+    assert dequantised.quantization is None
+    exact = _prompt_logprobs(dequantised, prompt, "all")
+    assert max(abs(a - b) for a, b in zip(exact, merged, strict=True)) < 1e-4
+    fp8 = LLMEngine(dst, EngineConfig(quantization="fp8", **common), lora_modules=lora, progress=False)
+    assert fp8.quantization == "fp8"
+    served = _prompt_logprobs(fp8, prompt, "all")
+    base = _prompt_logprobs(fp8, prompt, None)
+    gap = sum(abs(a - b) for a, b in zip(served, merged, strict=True)) / len(merged)
+    effect = sum(abs(a - b) for a, b in zip(base, merged, strict=True)) / len(merged)
+    assert gap < effect / 3  # the adapter is served, not dropped: its effect dwarfs the FP8 error
+
+
+def test_fp8_checkpoint_without_fp8_hardware_is_dequantised(fp8_ckpts):
+    _, dst, _ = fp8_ckpts["unaligned"]
+    auto = LLMEngine(dst, EngineConfig(device="cpu", dtype="float32", max_num_seqs=1), progress=False)
+    assert auto.quantization is None and not any(getattr(m, "is_fp8", False) for m in auto.model.modules())
+
+
+def test_quantization_fp8_on_an_unquantised_checkpoint_quantises_it_as_the_checkpoint_writer(fp8_ckpts):
+    """vLLM's --quantization fp8 on a bf16 checkpoint: hylora quantises at load exactly as
+    `hylora quantize` writes the checkpoint."""
+    src, dst, _ = fp8_ckpts["unaligned"]
+    prompt = random_ids(40, 320, 4)
+    common = dict(device="cpu", dtype="float32", max_num_seqs=1, quantization="fp8")
+    online = LLMEngine(src, EngineConfig(**common), progress=False)
+    assert online.quantization == "fp8"
+    written = LLMEngine(dst, EngineConfig(**common), progress=False)
+    assert _prompt_logprobs(online, prompt, None) == _prompt_logprobs(written, prompt, None)
+
+
+def test_kernel_floor_reports_the_fp8_gemm(fp8_ckpts):
+    _, dst, _ = fp8_ckpts["unaligned"]
+    model = load_model(dst, dtype=torch.float32, progress=False, fp8=True)
+    verdicts = select_kernels(model, page_size=16)
+    assert verdicts["fp8_linear"].implementation == "reference"
+    assert "fp8_linear" not in select_kernels(load_model(dst, dtype=torch.float32, progress=False), page_size=16)
+
+
+def _copy_with(src: Path, dst: Path, edit) -> Path:
+    dst.mkdir()
+    for item in src.iterdir():
+        if item.suffix != ".safetensors":
+            (dst / item.name).write_bytes(item.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    edit(tensors, dst)
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+def test_broken_fp8_checkpoints_are_refused_with_the_tensor_named(fp8_ckpts, tmp_path):
+    _, dst, _ = fp8_ckpts["unaligned"]
+    key = "model.layers.0.mlp.down_proj.weight_scale_inv"
+
+    def wrong_scale(tensors, _):
+        tensors[key] = tensors[key][:, :1].contiguous()
+
+    with pytest.raises(CheckpointError, match="down_proj.weight_scale_inv"):
+        load_model(_copy_with(dst, tmp_path / "scale", wrong_scale), progress=False)
+
+    def no_config(_, path):
+        config = json.loads((path / "config.json").read_text())
+        del config["quantization_config"]
+        (path / "config.json").write_text(json.dumps(config))
+
+    with pytest.raises(CheckpointError, match="no quantization_config"):
+        load_model(_copy_with(dst, tmp_path / "noconfig", no_config), progress=False)
+
+    def other_method(_, path):
+        config = json.loads((path / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+        (path / "config.json").write_text(json.dumps(config))
+
+    with pytest.raises(ConfigError, match="'awq' is not supported"):
+        load_model(_copy_with(dst, tmp_path / "awq", other_method), progress=False)
+
+
+@pytest.fixture(scope="module")
+def fp8_demo(demo_dir, tmp_path_factory):
+    return quantize_checkpoint(demo_dir, tmp_path_factory.mktemp("demo-fp8") / "demo-fp8", progress=False)
+
+
+def _doctor(model_dir: Path, adapters: Path, monkeypatch, broken_kernel=None) -> dict:
+    import contextlib
+    import io
+    from dataclasses import replace
+
+    import hylora.kernels.select as select
+    from hylora.cli import build_parser
+    from hylora.doctor.cli import run_from_args
+
+    if broken_kernel is not None:
+        chosen = select.model_kernels
+        monkeypatch.setattr(select, "model_kernels", lambda *a: replace(chosen(*a), fp8_linear=broken_kernel))
+    out = model_dir.parent / "doctor.json"
+    argv = ["doctor", str(model_dir), "--lora-modules", f"relic={adapters / 'relic'}", "--device", "cpu"]
+    argv += ["--quantization", "fp8", "--max-model-len", "300", "--json", str(out)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = run_from_args(build_parser().parse_args(argv))
+    report = json.loads(out.read_text())
+    checks = {c["name"]: c["status"] for c in report["checks"]}
+    return {"exit": code, "checks": checks}
+
+
+def test_doctor_checks_fp8_serving_against_the_dequantised_checkpoint(fp8_demo, demo_dir, monkeypatch):
+    """In-process doctor on the FP8 demo served with FP8 weights: the reference is a second engine on
+    the dequantised weights; fidelity and the fp8 check pass. An FP8 GEMM that applies wrong scales
+    (each block its neighbour's along K, 4x) fails the fp8 check."""
+    from hylora.ops.fp8_linear.reference import fp8_linear
+
+    good = _doctor(fp8_demo, demo_dir / "adapters", monkeypatch)
+    assert good["exit"] == 0 and good["checks"]["fp8"] == "pass" and good["checks"]["fidelity"] == "pass"
+
+    def shifted_scales(x, w, scale, block):
+        return fp8_linear(x, w, scale.roll(1, dims=1) * 4, block)
+
+    bad = _doctor(fp8_demo, demo_dir / "adapters", monkeypatch, broken_kernel=shifted_scales)
+    assert bad["exit"] == 1 and bad["checks"]["fp8"] == "fail"
