@@ -11,7 +11,7 @@ import torch
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams
 from hylora.engine.multimodal import build_multimodal_prompt
 from hylora.media.processor import ProcessedMedia
-from tests.engine_helpers import run
+from tests.engine_helpers import max_logprob_diff, run
 from tests.lora_helpers import peft_adapter
 from tests.vl_helpers import IMAGE, VIDEO, build_prompt, hf_vl_logits
 
@@ -165,6 +165,38 @@ def test_encoder_cache_encodes_a_video_once_for_several_adapters(vl_media_ckpt, 
         assert out[f"v-{adapter}"].token_ids == fresh[f"v-{adapter}"].token_ids
     assert sum(calls) == 3  # three temporal patches, encoded once
     assert e.encoder_cache.hits == 3 and len(e.encoder_cache) == 3
+
+
+@pytest.mark.parametrize("encoder_cache_gb", [1.0, 0.0])
+def test_a_video_sent_to_several_adapters_in_one_step_is_encoded_once(
+    vl_media_ckpt, prompts, adapter_dir, encoder_cache_gb
+):
+    """The users' workload: one video to several adapters at once. Their chunks land in the same step,
+    which encodes each temporal patch once for all of them (also with the encoder cache off), and an
+    encoder budget of one video's tokens still lets both start in that step."""
+    path, _ = adapter_dir
+    p = prompts["video_odd_t"]
+    fresh = {}
+    for adapter in (None, "survey"):
+        e = engine(vl_media_ckpt[0], path, encoder_cache_gb=0)
+        request(e, f"v-{adapter}", p, "one-video", adapter=adapter)
+        fresh.update(run(e, {}))
+    segments = build_multimodal_prompt(p.ids, media_items(p, "one-video"), e.model.config.vision).segments
+    budget = sum(seg.num_tokens for seg in segments)
+    e = engine(vl_media_ckpt[0], path, encoder_cache_gb=encoder_cache_gb, max_num_encoder_tokens=budget)
+    calls = []
+    real = e.model.visual.forward
+    e.model.visual.forward = lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k)
+    for adapter in (None, "survey"):
+        request(e, f"v-{adapter}", p, "one-video", adapter=adapter)
+    outs = {o.request_id: o for o in e.step() if o.finished}
+    # the first step took both requests past the video (the budget pays for it once)
+    assert all(r.num_computed >= segments[-1].end for r in e.requests.values())
+    outs |= run(e, {})
+    assert len(calls) == 1 and sum(calls) == 3  # one tower call: three temporal patches for both adapters
+    for rid, out in fresh.items():
+        assert outs[rid].token_ids == out.token_ids
+        assert max_logprob_diff(outs[rid], out) < 1e-5  # batched with the other adapter vs alone
 
 
 def test_media_refusals(vl_media_ckpt, causal_ckpt, prompts):

@@ -4,7 +4,7 @@ alone, and a device fault escapes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -17,6 +17,7 @@ from hylora.model.decoder import HybridDecoder
 
 # fail(request, message, why) ends the request with that error and returns its final output
 Fail = Callable[[Request, str, FailureKind], object]
+Use = tuple[Request, Segment]  # a request that needs a segment
 
 
 def media_key(req: Request, seg: Segment) -> tuple:
@@ -32,48 +33,61 @@ class MediaEncoder:
         self.model, self.cache, self.fail = model, cache, fail
 
     def prepare(self, chunks: list[ScheduledChunk], step: int) -> tuple[list[ScheduledChunk], list]:
-        """(the chunks whose media are ready, the final outputs of the requests that failed)."""
-        todo: list[tuple[Request, Segment]] = []
+        """(the chunks whose media are ready, the final outputs of the requests that failed). A segment
+        several chunks need (one video sent to several adapters in the same step) is encoded once."""
+        todo: dict[Hashable, list[Use]] = {}
         for c in chunks:
             for seg in c.media:
-                cached = self.cache.get(media_key(c.request, seg))
+                key = media_key(c.request, seg)
+                if key in todo:  # another chunk of this step encodes it
+                    todo[key].append((c.request, seg))
+                    self.cache.hits += 1
+                    continue
+                cached = self.cache.get(key)
                 if cached is not None:
                     c.request.mm.ready[seg.id] = cached  # type: ignore[union-attr]
                 else:
-                    todo.append((c.request, seg))
+                    todo[key] = [(c.request, seg)]
         failed: dict[str, object] = {}
         if todo:
-            self._encode(todo, failed, step)
+            self._encode(list(todo.items()), failed, step)
         return [c for c in chunks if c.request.request_id not in failed], list(failed.values())
 
     @torch.inference_mode()
-    def _encode(self, todo: list[tuple[Request, Segment]], failed: dict[str, object], step: int) -> None:
+    def _encode(self, todo: list[tuple[Hashable, list[Use]]], failed: dict[str, object], step: int) -> None:
+        """Encode each key's segment once (with its first user's pixels and tower adapter: the key holds
+        both) and hand the rows to every user."""
+        firsts = [uses[0] for _, uses in todo]
         try:
-            pieces = [req.mm.pixels(seg) for req, seg in todo]  # type: ignore[union-attr]
+            pieces = [req.mm.pixels(seg) for req, seg in firsts]  # type: ignore[union-attr]
             pixels = torch.cat([p for p, _ in pieces]).to(self.model.device)
             grids = torch.tensor([g for _, g in pieces])
-            slots = [req.lora.tower_slot if req.lora is not None else -1 for req, _ in todo]
-            out = self.model.visual(pixels, grids, slots).split([seg.num_tokens for _, seg in todo])  # type: ignore[misc]
+            slots = [req.lora.tower_slot if req.lora is not None else -1 for req, _ in firsts]
+            out = self.model.visual(pixels, grids, slots).split([seg.num_tokens for _, seg in firsts])  # type: ignore[misc]
         except Exception as e:
             if is_device_error(e):
                 raise DeviceFault(f"device fault in the vision tower at engine step {step}: {e}") from e
-            requests = {id(req): req for req, _ in todo}
-            if len(requests) > 1:  # find the request that breaks it: encode each alone
-                for rid in requests:
-                    self._encode([(r, s) for r, s in todo if id(r) == rid], failed, step)
+            if len(todo) > 1:  # find the media that break it: encode each alone
+                for entry in todo:
+                    self._encode([entry], failed, step)
                 return
-            req = todo[0][0]
-            failed[req.request_id] = self.fail(req, f"encoding its media failed: {e!r}", FailureKind.INTERNAL)
+            for req, _ in todo[0][1]:
+                if req.request_id not in failed:
+                    failed[req.request_id] = self.fail(req, f"encoding its media failed: {e!r}", FailureKind.INTERNAL)
             return
-        for (req, seg), rows in zip(todo, out, strict=True):
-            if req.request_id in failed:
-                continue
-            if not torch.isfinite(rows).all():
-                message = (
-                    f"numerical fault: non-finite values (NaN/Inf) in the vision tower output of request "
-                    f"{req.request_id!r} (media item {seg.item}, temporal patch {seg.t}); other requests are unaffected"
-                )
-                failed[req.request_id] = self.fail(req, message, FailureKind.NUMERICAL_FAULT)
-                continue
-            req.mm.ready[seg.id] = rows  # type: ignore[union-attr]
-            self.cache.put(media_key(req, seg), rows)
+        for (key, uses), rows in zip(todo, out, strict=True):
+            finite = bool(torch.isfinite(rows).all())
+            for req, seg in uses:
+                if req.request_id in failed:
+                    continue
+                if not finite:
+                    message = (
+                        f"numerical fault: non-finite values (NaN/Inf) in the vision tower output of request "
+                        f"{req.request_id!r} (media item {seg.item}, temporal patch {seg.t}); other requests "
+                        "are unaffected"
+                    )
+                    failed[req.request_id] = self.fail(req, message, FailureKind.NUMERICAL_FAULT)
+                    continue
+                req.mm.ready[seg.id] = rows  # type: ignore[union-attr]
+            if finite:
+                self.cache.put(key, rows)

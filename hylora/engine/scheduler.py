@@ -108,6 +108,7 @@ class Scheduler:
         self.slots_per_request = 1 + config.num_speculative_tokens
         self.num_preemptions = 0  # cumulative (metrics)
         self._encoder_budget = 0  # encoder tokens left in the step being planned
+        self._step_media: set[Hashable] = set()  # media keys the step being planned encodes already
 
     @property
     def num_unfinished(self) -> int:
@@ -128,6 +129,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self._encoder_budget = self.config.max_num_encoder_tokens
+        self._step_media = set()
         suspect = self.waiting[0] if self.waiting and self.waiting[0].suspect_count else None
         room = len(self.running) < self.config.max_num_seqs
         if suspect is not None and room and self._admit(suspect, plan) in (Admission.STARTED, Admission.FAILED):
@@ -263,11 +265,17 @@ class Scheduler:
         return n, needed
 
     def _encoder_cost(self, req: Request, seg: Segment) -> int:
-        cached = self.encoder_cache is not None and self.media_key is not None
-        return 0 if cached and self.media_key(req, seg) in self.encoder_cache else seg.num_tokens  # type: ignore[misc,operator]
+        """Nothing for a segment the encoder cache holds or this step encodes for another chunk
+        (MediaEncoder encodes each once)."""
+        if self.encoder_cache is None or self.media_key is None:
+            return seg.num_tokens
+        key = self.media_key(req, seg)
+        return 0 if key in self.encoder_cache or key in self._step_media else seg.num_tokens
 
     def _spend(self, req: Request, media: list[Segment]) -> None:
         self._encoder_budget -= sum(self._encoder_cost(req, seg) for seg in media)
+        if self.media_key is not None:
+            self._step_media.update(self.media_key(req, seg) for seg in media)
 
     def requeue_suspect(self, req: Request) -> None:
         """`req` was in a step whose forward raised: scrub what it wrote, and queue it to recompute
