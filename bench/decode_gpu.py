@@ -421,6 +421,7 @@ def main() -> None:
         EngineConfig(
             max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=max(step_tokens), max_loras=8, max_lora_rank=16,
             fault_injection=True,  # the fault-isolation check at the end
+            enable_prefix_caching=False,  # every mode runs the same prompts: none may find them cached
         ),  # fmt: skip
         adapters,
         progress=False,

@@ -266,7 +266,8 @@ def throughput(
         quick = LLMEngine(
             demo,
             EngineConfig(
-                max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=2048, dtype="bfloat16", num_pages=4096
+                max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=2048, dtype="bfloat16", num_pages=4096,
+                enable_prefix_caching=False,
             ),
             progress=False,
             model=model,
@@ -310,6 +311,7 @@ def throughput(
             max_lora_rank=16,
             dtype="bfloat16",
             fault_injection=True,  # fault_check, after the workload
+            enable_prefix_caching=False,  # every mode runs the same prompts: none may find them cached
         ),
         adapters,
         progress=False,
@@ -338,7 +340,10 @@ def throughput(
 
 
 def _run_workload(engine: LLMEngine, label: str, adapter_of, warm: int) -> dict:
-    """DESIGN.md's workload: 32 requests x 512 random prompt tokens + 64 greedy tokens, all at once."""
+    """DESIGN.md's workload: 32 requests x 512 random prompt tokens + 64 greedy tokens, all at once.
+    The same prompts every call: the engine must not cache prefixes (EngineConfig.enable_prefix_caching)."""
+    if engine.prefix_cache is not None:
+        raise ValueError("the workload reruns its prompts: build the engine with enable_prefix_caching=False")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1000, (512,), generator=g).tolist() for _ in range(32)]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)

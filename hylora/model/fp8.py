@@ -35,7 +35,10 @@ QUANTISED = re.compile(  # their checkpoint keys, text prefix included
     + "|".join(QUANTISED_MODULES)
     + r")\.weight$"
 )
-NOT_CONVERTED = ("lm_head", "embed_tokens", "in_proj_a", "in_proj_b", "visual", "mtp")
+NOT_CONVERTED = ("lm_head", "embed_tokens", "visual", "mtp")
+# decoder projections that stay unquantised; modules_to_not_convert names each in full, as Qwen's
+# releases do (vLLM matches full module names: a short name would leave its fused in_proj_ba FP8)
+KEPT = re.compile(r"^(model\.(?:language_model\.)?layers\.\d+\.linear_attn\.in_proj_[ab])\.weight$")
 
 
 def quantize_checkpoint(
@@ -48,8 +51,9 @@ def quantize_checkpoint(
     if config.quantization is not None:
         raise ValueError(f"{model_dir} is already quantised ({config.quantization.method})")
     prepare_out(model_dir, out_dir)
-    quant = QuantizationConfig("fp8", block, NOT_CONVERTED)
     files = weight_files(model_dir)
+    kept = sorted(m.group(1) for m in map(KEPT.match, files) if m)
+    quant = QuantizationConfig("fp8", block, (*NOT_CONVERTED, *kept))
     for path in tqdm(sorted(set(files.values())), desc="quantising", unit="file", disable=not progress):
         with safe_open(str(path), framework="pt") as f:
             metadata, tensors = f.metadata(), {}
