@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.kernel_sweep_gpu import bench  # noqa: E402  (median ms per call, calls replayed in one CUDA graph)
 from hylora.ops.fp8_linear import reference as R  # noqa: E402
 from hylora.ops.fp8_linear import triton as T  # noqa: E402
 
@@ -43,32 +44,6 @@ QUICK_SHAPES, QUICK_TOKENS = ("gate_up", "down", "attn_kv"), (1, 32, 2048)
 # max |y - ref| / max |ref|, ref in fp32: y's rounding to bf16 (half an ulp: ≤ 2^-8 relative), and
 # the fp8 MMA summing each 128-product group with fewer bits than fp32 (~2e-4 seen on an H200)
 BOUND = 2.0**-8 + 1e-3
-
-
-def bench(fn, calls: int = 20, reps: int = 7) -> float:
-    """Median ms per call of `fn`, `calls` calls captured in one CUDA graph and replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 def max_error(got: torch.Tensor, ref: torch.Tensor) -> float:

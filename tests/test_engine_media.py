@@ -75,6 +75,16 @@ def request(e: LLMEngine, rid: str, p, tag: str, max_tokens: int = 6, adapter=No
     e.add_request(rid, p.ids, params, adapter, mm=mm)
 
 
+def alone_per_adapter(ckpt, adapter_path, p, tag: str) -> dict:
+    """The request for the base and for the adapter, each alone on a fresh engine with no encoder cache."""
+    outs = {}
+    for adapter in (None, "survey"):
+        e = engine(ckpt, adapter_path, encoder_cache_gb=0)
+        request(e, f"v-{adapter}", p, tag, adapter=adapter)
+        outs.update(run(e, {}))
+    return outs
+
+
 def assert_matches(out, p, ref) -> None:
     """Prompt logprobs and the generated tokens' logprobs equal the reference model's, up to the first
     generated placeholder id (transformers would take it for more media)."""
@@ -150,11 +160,7 @@ def test_mixed_media_text_and_adapters_equal_each_alone(vl_media_ckpt, prompts, 
 def test_encoder_cache_encodes_a_video_once_for_several_adapters(vl_media_ckpt, prompts, adapter_dir):
     path, _ = adapter_dir
     p = prompts["video_odd_t"]
-    fresh = {}
-    for adapter in (None, "survey"):
-        e = engine(vl_media_ckpt[0], path, encoder_cache_gb=0)
-        request(e, f"v-{adapter}", p, "same-video", adapter=adapter)
-        fresh.update(run(e, {}))
+    fresh = alone_per_adapter(vl_media_ckpt[0], path, p, "same-video")
     e = engine(vl_media_ckpt[0], path)
     calls = []
     real = e.model.visual.forward
@@ -176,11 +182,8 @@ def test_a_video_sent_to_several_adapters_in_one_step_is_encoded_once(
     encoder budget of one video's tokens still lets both start in that step."""
     path, _ = adapter_dir
     p = prompts["video_odd_t"]
-    fresh = {}
-    for adapter in (None, "survey"):
-        e = engine(vl_media_ckpt[0], path, encoder_cache_gb=0)
-        request(e, f"v-{adapter}", p, "one-video", adapter=adapter)
-        fresh.update(run(e, {}))
+    fresh = alone_per_adapter(vl_media_ckpt[0], path, p, "one-video")
+    e = engine(vl_media_ckpt[0], path)
     segments = build_multimodal_prompt(p.ids, media_items(p, "one-video"), e.model.config.vision).segments
     budget = sum(seg.num_tokens for seg in segments)
     e = engine(vl_media_ckpt[0], path, encoder_cache_gb=encoder_cache_gb, max_num_encoder_tokens=budget)

@@ -10,20 +10,7 @@ mkdir -p "$OUT"
 set -o pipefail
 {
   t0=$(date +%s)
-  if [ -d /tmp/site/vllm ]; then
-    echo "reusing /tmp/site"
-  else
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-      .vllm/*.whl .peerwhl/*.whl || { echo "pip install failed"; exit 1; }
-    if command -v xz > /dev/null; then
-      tar xJf .vllm/vllm-0.20.2-slim.tar.xz -C /tmp/site
-    else
-      python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
-        .vllm/vllm-0.20.2-slim.tar.xz /tmp/site
-    fi || { echo "unpack failed"; exit 1; }
-  fi
-  export PYTHONPATH=/tmp/site:$(pwd)${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-  echo "install took $(( $(date +%s) - t0 ))s; $(python3 -V 2>&1); $(nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader)"
+  . bench/peer/install.sh
   (nice python3 -m compileall -q -j 8 /tmp/site/vllm > /dev/null 2>&1 &)  # .pyc ahead of vllm serve's imports
   python3 bench/peer/doctor_peer.py --out "$OUT" --budget "${PEER_BUDGET:-500}" ${PEER_ARGS:-}
 } 2>&1 | tee "$OUT/peer.log"

@@ -45,6 +45,7 @@ from unittest import mock
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.peer.child_env import child_env  # noqa: E402
 from hylora.demo import DemoShape  # noqa: E402
 
 # the Qwen3.6-27B head shapes (head_dim 256, GDN heads 128 wide, 1 attention layer in 4) at hidden size 1024
@@ -469,23 +470,6 @@ def summary(results: list[EngineResult], inputs: Inputs, args: argparse.Namespac
 # --------------------------------------------------------------------------------------------
 
 
-def child_env(args: argparse.Namespace) -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-    env.update(
-        PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)),
-        PYTHONUNBUFFERED="1",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-    )
-    if args.device == "cpu":  # shared cores: one thread each (torch's spinning threads are slower here)
-        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    return env
-
-
 def versions() -> str:
     import importlib.metadata as md
 
@@ -541,7 +525,7 @@ def main() -> None:
     inputs = write_inputs(work, args.shape, args.reuse, peft=not args.no_peft)
     if args.inputs_only:
         return
-    env = child_env(args)
+    env = child_env(single_thread=args.device == "cpu")  # shared cores: one torch thread each
     builders = {"vllm": vllm_server, "hylora": hylora_server}
     servers = [builders[e](inputs, args, out) for e in engines]
     results: list[EngineResult] = []

@@ -60,6 +60,8 @@ from unittest import mock
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.peer.child_env import child_env  # noqa: E402
+
 VERSION = "1"  # bump when the checkpoint or adapters change: a reused work dir with another stamp is rewritten
 N_LAYERS = 16  # the 27B shape cut to 16 layers (the tiny CPU shape: 4)
 N_ADAPTERS = 8
@@ -848,21 +850,6 @@ def wait_gpu_free(limit_s: float = 30) -> None:
             return
         time.sleep(1)
     log("GPU memory still in use after the step")
-
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-    env.update(
-        PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)),
-        PYTHONUNBUFFERED="1",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-    )
-    return env
 
 
 def phase_run(args: argparse.Namespace) -> None:
