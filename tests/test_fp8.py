@@ -198,6 +198,13 @@ def test_broken_fp8_checkpoints_are_refused_with_the_tensor_named(fp8_ckpts, tmp
     with pytest.raises(CheckpointError, match="down_proj.weight_scale_inv"):
         load_model(_copy_with(dst, tmp_path / "scale", wrong_scale), progress=False)
 
+    def nan_scale(tensors, _):
+        tensors[key] = tensors[key].clone()
+        tensors[key][0, 0] = float("nan")
+
+    with pytest.raises(CheckpointError, match="down_proj.weight_scale_inv.*non-finite"):
+        load_model(_copy_with(dst, tmp_path / "nan", nan_scale), progress=False)
+
     def no_config(_, path):
         config = json.loads((path / "config.json").read_text())
         del config["quantization_config"]

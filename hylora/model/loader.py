@@ -231,7 +231,13 @@ class ScaleFiles:
                 f"{self.model_dir}: {key + SCALE_SUFFIX!r} has shape {list(scale.shape)}; weight_block_size "
                 f"{list(block)} and the weight's {list(weight_shape)} need {list(expected)}"
             )
-        return scale.float()
+        scale = scale.float()
+        if not bool(torch.isfinite(scale).all() and (scale > 0).all()):
+            raise CheckpointError(
+                f"{self.model_dir}: {key + SCALE_SUFFIX!r} holds non-finite or non-positive scales: every "
+                "output of this projection would be NaN or zero"
+            )
+        return scale
 
     def close(self) -> None:
         self._handles.clear()
