@@ -263,3 +263,35 @@ def test_doctor_checks_fp8_serving_against_the_dequantised_checkpoint(fp8_demo, 
 
     bad = _doctor(fp8_demo, demo_dir / "adapters", monkeypatch, broken_kernel=shifted_scales)
     assert bad["exit"] == 1 and bad["checks"]["fp8"] == "fail"
+
+
+def test_quantised_tower_weights_and_scales_in_another_shard_load(vl_media_ckpt, tmp_path):
+    """A checkpoint that also quantises the vision tower's linears, with every scale in a shard of
+    its own (as a sharded release may place them): the tower loads dequantised (with vision=True, and
+    is skipped without it), each scale read from its own shard."""
+    from hylora.ops.fp8_linear.reference import dequantize_weight, quantize_weight
+
+    fp8 = quantize_checkpoint(vl_media_ckpt[0], tmp_path / "fp8", progress=False)
+    tensors = load_file(fp8 / "model.safetensors")
+    tower = [k for k, t in tensors.items() if k.startswith("model.visual.blocks.") and t.ndim == 2]
+    tower = [k for k in tower if k.endswith(".weight")]
+    assert tower
+    for key in tower:
+        tensors[key], tensors[key + "_scale_inv"] = quantize_weight(tensors[key].float())
+    scales = {k: v for k, v in tensors.items() if k.endswith("_scale_inv")}
+    weights = {k: v for k, v in tensors.items() if k not in scales}
+    (fp8 / "model.safetensors").unlink()
+    save_file(weights, fp8 / "model-00001-of-00002.safetensors")
+    save_file(scales, fp8 / "model-00002-of-00002.safetensors")
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in weights}
+    weight_map |= {k: "model-00002-of-00002.safetensors" for k in scales}
+    (fp8 / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    model = load_model(fp8, dtype=torch.float32, progress=False, vision=True, fp8=True)
+    params = dict(model.named_parameters())
+    for key in tower:
+        expected = dequantize_weight(tensors[key], tensors[key + "_scale_inv"])
+        assert torch.equal(params[key.removeprefix("model.")], expected), key
+    assert any(m.is_fp8 for m in model.modules() if isinstance(m, Linear))
+    text_only = load_model(fp8, dtype=torch.float32, progress=False, fp8=True)
+    assert text_only.visual is None
