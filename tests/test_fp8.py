@@ -295,3 +295,21 @@ def test_quantised_tower_weights_and_scales_in_another_shard_load(vl_media_ckpt,
     assert any(m.is_fp8 for m in model.modules() if isinstance(m, Linear))
     text_only = load_model(fp8, dtype=torch.float32, progress=False, fp8=True)
     assert text_only.visual is None
+
+
+def test_fp8_slices_that_do_not_lead_a_fused_projection_are_dequantised(fp8_ckpts, tmp_path):
+    """in_proj_a quantised but in_proj_b (fused between z and a) not: no FP8 GEMM can cover those rows,
+    so the GDN in_proj loads dequantised, with the values its checkpoint tensors stand for."""
+    from hylora.ops.fp8_linear.reference import quantize_weight
+
+    _, dst, _ = fp8_ckpts["unaligned"]
+
+    def quantise_a(tensors, _):
+        key = "model.layers.0.linear_attn.in_proj_a.weight"
+        tensors[key], tensors[key + "_scale_inv"] = quantize_weight(tensors[key].float())
+
+    odd = _copy_with(dst, tmp_path / "odd", quantise_a)
+    fp8 = load_model(odd, dtype=torch.float32, progress=False, fp8=True)
+    plain = load_model(odd, dtype=torch.float32, progress=False)
+    assert not fp8.layers[0].linear_attn.in_proj.is_fp8 and fp8.layers[1].linear_attn.in_proj.is_fp8
+    assert torch.equal(fp8.layers[0].linear_attn.in_proj.weight, plain.layers[0].linear_attn.in_proj.weight)

@@ -84,7 +84,9 @@ def quantize_linears(model: torch.nn.Module, block: tuple[int, int] = (128, 128)
             if part in QUANTISED_MODULES
         }
         if parts:
-            assign_fp8(linear, parts, linear.weight.detach(), block, linear.weight.dtype)
+            lead = sum(parts[start][0].shape[0] for start in parts)
+            tail = linear.weight[lead:].clone() if lead < linear.out_features else None
+            assign_fp8(linear, parts, tail, block, linear.weight.dtype)
             count += 1
     return count
 

@@ -169,6 +169,8 @@ def load_model(
     params = dict(model.named_parameters())
     linears = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, Linear)}
     block = config.quantization.weight_block_size if config.quantization else (128, 128)
+    # FP8-kept projection → its leading FP8 rows (the unquantised rest, if any, is its tail)
+    fp8_lead = _fp8_leading_rows(linears, layout, seen, scales) if fp8 else {}
     filled: dict[str, torch.Tensor] = {}
     fp8_rows: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = defaultdict(dict)  # param → start → (w, s)
     scale_files = ScaleFiles(model_dir, scales)
@@ -189,22 +191,24 @@ def load_model(
                     if tensor.dtype != torch.float8_e4m3fn:
                         raise CheckpointError(f"{model_dir}: {key!r} has block scales but is {tensor.dtype}, not e4m3")
                     scale = scale_files.get(key, tensor.shape, block)
-                    if fp8 and dest_name in linears:
+                    if dest_name in fp8_lead:
                         fp8_rows[dest_name][start] = (tensor.to(device), scale.to(device))
                         bar.update()
                         continue
                     tensor = dequantize_weight(tensor, scale, block)
+                lead = fp8_lead.get(dest_name, 0)  # rows of an FP8 projection's tail start after its FP8 rows
                 if dest_name not in filled:
-                    filled[dest_name] = torch.empty(dest_shape, dtype=_param_dtype(dest_name, dtype), device=device)
-                filled[dest_name][start : start + rows].copy_(tensor)
+                    shape = (dest_shape[0] - lead, *dest_shape[1:])
+                    filled[dest_name] = torch.empty(shape, dtype=_param_dtype(dest_name, dtype), device=device)
+                filled[dest_name][start - lead : start - lead + rows].copy_(tensor)
                 bar.update()
     bar.close()
     scale_files.close()
     for dest_name, tensor in filled.items():
-        if dest_name not in fp8_rows:
+        if dest_name not in fp8_lead:
             _assign(model, dest_name, tensor)
-    for dest_name, parts in fp8_rows.items():
-        assign_fp8(linears[dest_name], parts, filled.get(dest_name), block, dtype)
+    for dest_name in fp8_lead:
+        assign_fp8(linears[dest_name], fp8_rows[dest_name], filled.get(dest_name), block, dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     for prefix, count in skipped.items():
@@ -243,40 +247,49 @@ class ScaleFiles:
         self._handles.clear()
 
 
+def _fp8_leading_rows(
+    linears: dict[str, Linear],
+    layout: dict[str, tuple[str, int, int]],
+    seen: dict[str, str],
+    scales: dict[str, Path],
+) -> dict[str, int]:
+    """Projections that keep FP8 rows → how many leading rows are FP8. A fused projection keeps FP8
+    only where its FP8 slices come first in the fused order (Qwen quantises the GDN in_proj's qkv and
+    z rows, not b and a); any other mix is dequantised."""
+    starts: dict[str, set[int]] = defaultdict(set)
+    for name, key in seen.items():
+        dest, start, _ = layout[name]
+        if key in scales and dest in linears:
+            starts[dest].add(start)
+    lead = {}
+    for dest, quantised in starts.items():
+        leading = linears[dest].slice_offsets[: len(quantised)]
+        if quantised == {start for start, _ in leading}:
+            lead[dest] = sum(rows for _, rows in leading)
+        else:
+            log.info("FP8 slices of %s are not its leading rows: dequantised", dest)
+    return lead
+
+
 def assign_fp8(
     linear: Linear,
-    parts: dict[int, tuple[torch.Tensor, torch.Tensor]],
-    unquantised: torch.Tensor | None,
+    parts: dict[int, tuple[torch.Tensor, torch.Tensor]],  # first row → (e4m3 rows, their block scales)
+    tail: torch.Tensor | None,  # the unquantised rows after them
     block: tuple[int, int],
     dtype: torch.dtype,
 ) -> None:
-    """Give a (possibly fused) projection its FP8 rows. FP8 slices must come first in the fused order
-    (Qwen quantises the GDN in_proj's qkv and z rows, not b and a); the rest becomes the unquantised
-    tail. Slices whose row counts are not multiples of block_n get one scale row per weight row, so
-    that one FP8 GEMM covers them all. A layout that does not fit is dequantised instead."""
+    """Give a (possibly fused) projection its FP8 rows, which lead, and its unquantised tail. Slices
+    whose row counts are not multiples of block_n get one scale row per weight row, so that one FP8
+    GEMM covers them all."""
     starts = sorted(parts)
-    quantised_rows = sum(parts[s][0].shape[0] for s in starts)
     if starts != [start for start, _ in linear.slice_offsets[: len(starts)]]:
-        weights = [dequantize_weight(w, sc, block, dtype) for w, sc in (parts[s] for s in starts)]
-        full = (
-            unquantised
-            if unquantised is not None
-            else torch.empty(linear.out_features, linear.in_features, dtype=dtype, device=weights[0].device)
-        )
-        for s, w in zip(starts, weights, strict=True):
-            full[s : s + w.shape[0]].copy_(w)
-        log.info("FP8 rows of %s are not leading rows: dequantised", linear.slices)
-        linear.weight = torch.nn.Parameter(full, requires_grad=False)
-        return
+        raise ValueError(f"the FP8 slices of {list(linear.slices)} must lead the fused rows")
     weight = torch.cat([parts[s][0] for s in starts])
     if all(parts[s][0].shape[0] % block[0] == 0 for s in starts[:-1]):
         scale, kernel_block = torch.cat([parts[s][1] for s in starts]), block
     else:  # a slice ends inside a scale block: one scale row per weight row
         scale = torch.cat([parts[s][1].repeat_interleave(block[0], dim=0)[: parts[s][0].shape[0]] for s in starts])
         kernel_block = (1, block[1])
-    tail = None
-    if quantised_rows < linear.out_features:
-        tail = unquantised[quantised_rows:].clone()  # type: ignore[index]  (a copy: frees the full-size buffer)
     linear.set_fp8(weight, scale.contiguous(), kernel_block, tail, dtype)
 
 
