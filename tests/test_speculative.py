@@ -97,6 +97,49 @@ def test_an_exact_draft_head_is_always_accepted(mtp_ckpts):
     assert spec.step_count == 1 + math.ceil(30 / 3) and plain.step_count == 31
 
 
+def test_drafting_waits_for_the_host_once_and_a_non_finite_draft_ends_its_drafts(mtp_ckpts, monkeypatch):
+    """The k MTP passes keep their tokens on the device (one host read for all of them); a draft whose
+    logits are not finite ends its request's drafts there, and the output stays the plain run's."""
+    import hylora.engine.speculative as speculative
+
+    plain, spec = engines(mtp_ckpts["exact"], 3)
+    arrivals = {0: [(f"r{i}", list(range(3 + i, 20 + i)), greedy(13), None) for i in range(2)]}
+    expected = run(plain, arrivals)
+    reads, calls = [], []
+    real_copy, real_logits = speculative.HostCopy, spec.model.logits
+
+    def counting_copy(*tensors):
+        reads.append(len(tensors))
+        return real_copy(*tensors)
+
+    def nan_second_draft(h):  # the second pass: request row 0's draft is NaN
+        calls.append(h.shape[0])
+        out = real_logits(h)
+        if len(calls) == 2:
+            out[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(speculative, "HostCopy", counting_copy)
+    drafts = []
+    real_propose = spec.drafter.propose
+
+    def propose(ran, num_drafts):
+        reads.clear()
+        calls.clear()
+        spec.model.logits = nan_second_draft
+        try:
+            real_propose(ran, num_drafts)
+        finally:
+            del spec.model.logits  # the class's method again
+        if calls:
+            assert len(reads) == 1  # one device→host copy for all passes
+            drafts.append(sorted(len(c.request.draft_ids) for c, _ in ran if c.request.draft_ids))
+
+    monkeypatch.setattr(spec.drafter, "propose", propose)
+    assert_same(expected, run(spec, arrivals))
+    assert drafts and all(d[0] == 1 for d in drafts)  # the NaN row: its first draft only
+
+
 def test_stops_and_limits_inside_a_verified_run_end_where_they_would_without_it(mtp_ckpts):
     plain, spec = engines(mtp_ckpts["exact"], 3)
     reference = run(plain, {0: [("r", list(range(3, 20)), greedy(30), None)]})["r"]

@@ -265,29 +265,41 @@ class Drafter:
         batch = ForwardBatch.build(seqs, self.kv.page_size, self.model.device)
         out = self.model.draft(batch, torch.cat(hidden), self.kv, self.states)  # [T, H]
         last = (torch.tensor(batch.seq_lens).cumsum(0) - 1).tolist()
-        live = [(req, k, out[row]) for (req, k), row in zip(wanted, last, strict=True) if k > 0]
-        drafts: list[list[int]] = [[] for _ in live]
-        for step in range(max((k for _, k, _ in live), default=0)):
-            if step > 0:  # the layer again, on its own output and the draft before, one position on
-                live_idx = [i for i, (_, k, _) in enumerate(live) if k > step and len(drafts[i]) == step]
-                if not live_idx:
+        live = [(req, k, row) for (req, k), row in zip(wanted, last, strict=True) if k > 0]
+        if live:
+            drafts = self._drafts([(req, k) for req, k, _ in live], out[[row for _, _, row in live]])
+            for (req, _, _), d in zip(live, drafts, strict=True):
+                req.draft_ids = _grammar_prefix(req, d)
+
+    def _drafts(self, live: list[tuple[Request, int]], hidden: torch.Tensor) -> list[list[int]]:
+        """Each request's k drafts: the MTP layer again on its own output and the draft before, one
+        position on, the tokens staying on the device; one wait for the host at the end. A request's
+        drafts end before its first non-finite one (its output is unaffected)."""
+        device, n = self.model.device, len(live)
+        tokens = torch.zeros(max(k for _, k in live), n, dtype=torch.long, device=device)  # [K, n]
+        finite = torch.zeros(tokens.shape, dtype=torch.bool, device=device)
+        h = hidden  # [n, H]: each request's MTP output at its last position
+        for step in range(tokens.shape[0]):
+            rows = [i for i, (_, k) in enumerate(live) if k > step]
+            index = torch.tensor(rows, device=device)
+            if step > 0:  # the draft before is the input token: set on the device (no host read)
+                seqs = [self._chunk(live[i][0], [0], live[i][0].num_tokens - 2 + step) for i in rows]
+                batch = ForwardBatch.build(seqs, self.kv.page_size, device)
+                batch.input_ids = tokens[step - 1, index]
+                h = h.index_copy(0, index, self.model.draft(batch, h[index], self.kv, self.states, step))
+            logits = self.model.logits(h[index])
+            tokens[step, index] = logits.argmax(-1)
+            finite[step, index] = torch.isfinite(logits).all(-1)
+        host_tokens, host_finite = HostCopy(tokens, finite).values()
+        drafts = []
+        for i, (_, k) in enumerate(live):
+            d = []
+            for step in range(k):
+                if not host_finite[step][i]:
                     break
-                seqs = [self._chunk(live[i][0], [drafts[i][-1]], live[i][0].num_tokens - 2 + step) for i in live_idx]
-                batch = ForwardBatch.build(seqs, self.kv.page_size, self.model.device)
-                prev = torch.stack([live[i][2] for i in live_idx])
-                new = self.model.draft(batch, prev, self.kv, self.states, step)
-                for j, i in enumerate(live_idx):
-                    live[i] = (live[i][0], live[i][1], new[j])
-            else:
-                live_idx = list(range(len(live)))
-            h = torch.stack([live[i][2] for i in live_idx])
-            logits = self.model.logits(h)
-            tokens, finite = HostCopy(logits.argmax(-1), torch.isfinite(logits).all(-1)).values()
-            for j, i in enumerate(live_idx):
-                if finite[j]:  # a non-finite draft ends that request's drafting; its output is unaffected
-                    drafts[i].append(int(tokens[j]))
-        for (req, _, _), d in zip(live, drafts, strict=True):
-            req.draft_ids = _grammar_prefix(req, d)
+                d.append(int(host_tokens[step][i]))
+            drafts.append(d)
+        return drafts
 
     def _chunk(self, req: Request, tokens: list[int], start: int) -> SequenceChunk:
         """MTP rows at positions start.. (row t: the token at t + 1), on the base weights."""
