@@ -14,7 +14,8 @@ A step with speculation, for a request that speculates:
    the request's slot; attention KV of rejected positions is simply overwritten later.
 4. draft (`Drafter.propose`): the MTP layer runs over the positions this step computed (row t: the
    decoder's hidden state at t with the token at t+1), filling its own KV cache and giving the
-   first draft; k-1 more single-row passes feed it its own output and the draft before.
+   first draft; k-1 more single-row passes feed it its own output and the draft before, the
+   drafts staying on the device until one copy brings all of them to the host.
 
 Structured outputs speculate: a grammar cuts the drafts it cannot take (`GrammarMatcher.draft_prefix`)
 and masks each verified row with its state after the drafts before it (`grammar_masks`).
