@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine_gpu import QWEN36_27B, _run_workload, fault_check, random_model, write_random_adapter  # noqa: E402
+from bench.engine_gpu import QWEN36_27B, _run_workload, fault_check, random_adapters, random_model  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import write_tokenizer  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -412,10 +412,7 @@ def main() -> None:
     result["short_prefill"] = short_prefill_timings(cfg)
     model = random_model(cfg, "cuda", torch.bfloat16)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    adapters = {}
-    for i in range(8):
-        write_random_adapter(work / f"a{i}", cfg, rank=16, seed=i)
-        adapters[f"a{i}"] = work / f"a{i}"
+    adapters = random_adapters(work, cfg)
     t0 = time.perf_counter()
     engine = LLMEngine(  # max_num_seqs 64: decode graphs for buckets up to 64 (the workload runs 32)
         demo,

@@ -206,6 +206,13 @@ def write_random_adapter(path: Path, cfg: ModelConfig, rank: int, seed: int) -> 
     )
 
 
+def random_adapters(work: Path, cfg: ModelConfig, n: int = 8, rank: int = 16) -> dict[str, Path]:
+    """n random adapters a0, a1, ... (write_random_adapter, seed i) under `work`: name → directory."""
+    for i in range(n):
+        write_random_adapter(work / f"a{i}", cfg, rank=rank, seed=i)
+    return {f"a{i}": work / f"a{i}" for i in range(n)}
+
+
 def write_checkpoint(model: HybridDecoder, shape: dict, demo: Path, path: Path, shard_bytes: int = 5 << 30) -> None:
     """The model as a Hugging Face VL-wrapper checkpoint: `model.language_model.` keys in ~5 GB
     safetensors shards with an index, one vision tensor (to be skipped), the demo's tokenizer."""
@@ -295,10 +302,7 @@ def throughput(
             flush=True,
         )
     t0 = time.perf_counter()
-    adapters = {}
-    for i in range(n_adapters):
-        write_random_adapter(workdir / f"a{i}", cfg, rank=16, seed=i)
-        adapters[f"a{i}"] = workdir / f"a{i}"
+    adapters = random_adapters(workdir, cfg, n_adapters)
     write_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine = LLMEngine(

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_gpu import BW, wall_ms  # noqa: E402
-from bench.engine_gpu import QWEN36_27B, _run_workload, random_model, write_random_adapter  # noqa: E402
+from bench.engine_gpu import QWEN36_27B, _run_workload, random_adapters, random_model, write_random_adapter  # noqa: E402
 from hylora.adapters.merge import merge_adapter  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import DEMO_ADAPTERS, write_demo, write_tokenizer  # noqa: E402
@@ -183,10 +183,7 @@ def speed(args) -> dict:
         quantize_linears(model)
         torch.cuda.empty_cache()
     floor_bytes = weight_bytes(model)
-    adapters = {}
-    for i in range(8):
-        write_random_adapter(work / f"a{i}", cfg, rank=16, seed=i)
-        adapters[f"a{i}"] = work / f"a{i}"
+    adapters = random_adapters(work, cfg)
     t0 = time.perf_counter()
     engine = LLMEngine(
         tok,

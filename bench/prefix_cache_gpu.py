@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine_gpu import QWEN36_27B, random_model, write_random_adapter  # noqa: E402
+from bench.engine_gpu import QWEN36_27B, random_adapters, random_model  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import write_tokenizer  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -148,10 +148,7 @@ def main() -> None:
     # role names as one id each (any ids do: the weights are random)
     tokens |= {"\n": vocab["Ċ"], "user": vocab["u"], "assistant": vocab["a"], "system": vocab["s"]}
     model = random_model(cfg, device, torch.float32 if args.tiny else torch.bfloat16)
-    adapters = {}
-    for i in range(8):
-        write_random_adapter(work / f"a{i}", cfg, rank=16, seed=i)
-        adapters[f"a{i}"] = work / f"a{i}"
+    adapters = random_adapters(work, cfg)
     long, convs, turns, system = (600, 6, 3, 200) if args.tiny else (9000, 32, 4, 2000)
     config = EngineConfig(
         max_model_len=12288, max_num_seqs=32, max_num_batched_tokens=8192, max_loras=8, max_lora_rank=16,

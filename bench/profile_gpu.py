@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine_gpu import QWEN36_27B, random_model, write_random_adapter  # noqa: E402
+from bench.engine_gpu import QWEN36_27B, random_adapters, random_model  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import write_tokenizer  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -184,10 +184,7 @@ def main() -> None:
     demo.mkdir()
     write_tokenizer(demo, 1024)
     model = random_model(cfg, "cuda", torch.bfloat16)
-    adapters = {}
-    for i in range(8):
-        write_random_adapter(work / f"a{i}", cfg, rank=16, seed=i)
-        adapters[f"a{i}"] = work / f"a{i}"
+    adapters = random_adapters(work, cfg)
     t0 = time.perf_counter()
     config = EngineConfig(
         max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens, max_loras=8,

@@ -173,9 +173,6 @@ def _tolerance_policy(args: argparse.Namespace, engine_dtype: str, endpoint: boo
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
-
-    from hylora.config import ModelConfig, parse_dtype
     from hylora.doctor.deployment import EngineDeployment
     from hylora.doctor.doctor import PHASES, DoctorOptions, run_doctor
     from hylora.doctor.endpoint import Budget, Endpoint
@@ -188,7 +185,6 @@ def _run(args: argparse.Namespace) -> int:
     from hylora.engine.config import EngineConfig
     from hylora.engine.engine import LLMEngine
     from hylora.engine.speculative import check_speculative_config
-    from hylora.kernels import serve_fp8
     from hylora.tokenizer import load_tokenizer
 
     x = _inputs(args)
@@ -229,16 +225,15 @@ def _run(args: argparse.Namespace) -> int:
         num_speculative_tokens=0 if endpoint else speculative.get("num_speculative_tokens", 0),
         enable_prefix_caching=args.enable_prefix_caching and endpoint is None,
     )
-    # the reference's engine, an FP8 checkpoint's weights dequantised (adapters merge into them); in-process
-    # it is also the deployment checked, unless that serves FP8 weights: then the deployment is a second engine
+    # the reference's engine: unquantised weights (an FP8 checkpoint's dequantised), which adapters merge
+    # into; in-process it is also the deployment checked, unless that serves FP8 weights
     dequantized = replace(config, quantization="dequantized")
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
-    if endpoint is None and serve_fp8(ModelConfig.from_dir(x.model_dir), config.quantization, device, dtype):
-        served = LLMEngine(x.model_dir, config, lora_modules=x.adapters)
-        engine = LLMEngine(x.model_dir, replace(dequantized, max_num_seqs=2, max_loras=1, fault_injection=False))
+    if endpoint is not None:
+        engine = served = LLMEngine(x.model_dir, dequantized)
     else:
-        engine = served = LLMEngine(x.model_dir, dequantized, lora_modules=None if endpoint else x.adapters)
+        engine = served = LLMEngine(x.model_dir, config, lora_modules=x.adapters)
+        if served.quantization is not None:
+            engine = LLMEngine(x.model_dir, replace(dequantized, max_num_seqs=2, max_loras=1, fault_injection=False))
     reference = Reference(engine, x.adapters, sequence, x.lengths[-1], args.restore)
     engine_dtype = str(engine.model.dtype).removeprefix("torch.")
     if endpoint is not None:

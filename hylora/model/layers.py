@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hylora.lora import DeviceLoRABatch, LoRABatch, LoRAStack
-from hylora.ops.fp8_linear.reference import fp8_linear
+from hylora.ops.fp8_linear.reference import dequantize_weight, fp8_linear
 from hylora.ops.lora.reference import lora_apply_grouped, lora_apply_masked, rank_mask
 from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
 from hylora.ops.silu_mul.reference import silu_mul
@@ -112,8 +112,6 @@ class Linear(nn.Module):
         """Back to one unquantised weight (the values FP8 stood for), e.g. when no FP8 kernel runs here."""
         if not self.is_fp8:
             return
-        from hylora.ops.fp8_linear.reference import dequantize_weight
-
         w = dequantize_weight(self.weight, self.weight_scale, self.quant_block, self.compute_dtype)
         if self.tail_weight is not None:
             w = torch.cat([w, self.tail_weight])
