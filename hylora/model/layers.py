@@ -122,8 +122,13 @@ class Linear(nn.Module):
         """x Wᵀ without LoRA."""
         if not self.is_fp8:
             return F.linear(x, self.weight)
-        y = self.fp8_kernel(x, self.weight, self.weight_scale, self.quant_block)
-        return y if self.tail_weight is None else torch.cat([y, F.linear(x, self.tail_weight)], dim=-1)
+        if self.tail_weight is None:
+            return self.fp8_kernel(x, self.weight, self.weight_scale, self.quant_block)
+        # the FP8 GEMM writes its columns of the output in place: no concatenation copy
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
+        self.fp8_kernel(x, self.weight, self.weight_scale, self.quant_block, out=y[..., : self.weight.shape[0]])
+        y[..., self.weight.shape[0] :] = F.linear(x, self.tail_weight)
+        return y
 
     @property
     def slice_offsets(self) -> list[tuple[int, int]]:

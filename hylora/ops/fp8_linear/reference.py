@@ -72,6 +72,7 @@ def fp8_linear(
     w_fp8: torch.Tensor,  # [N, K] e4m3
     w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)] fp32
     block: tuple[int, int] = BLOCK,
+    out: torch.Tensor | None = None,  # [..., N] in x.dtype (may be a column slice of a wider output)
 ) -> torch.Tensor:
     """y [..., N] in x.dtype: x quantised per token and group of bk, both sides dequantised, one fp32
     matmul, one rounding to x.dtype."""
@@ -81,8 +82,8 @@ def fp8_linear(
         raise ValueError(f"fp8_linear: x has {K} features, the weight {w_fp8.shape[1]}")
     x_fp8, x_scale = quantize_activation(x.reshape(-1, K), block[1])
     a = dequantize_activation(x_fp8, x_scale, block[1])
-    y = a @ dequantize_weight(w_fp8, w_scale, block).T
-    return y.to(x.dtype).reshape(*lead, N)
+    y = (a @ dequantize_weight(w_fp8, w_scale, block).T).to(x.dtype).reshape(*lead, N)
+    return y if out is None else out.copy_(y)
 
 
 def _div_rn(t: torch.Tensor, divisor: float) -> torch.Tensor:
