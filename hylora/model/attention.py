@@ -45,7 +45,7 @@ class GatedAttention(nn.Module):
         layer = kv.layer_index[self.layer_idx]
         kv.k[layer].index_copy_(0, batch.kv_slot_mapping, k.to(kv.k.dtype))  # no host sync, graph-safe
         kv.v[layer].index_copy_(0, batch.kv_slot_mapping, v.to(kv.v.dtype))
-        if batch.is_decode and (self.decode_attention is not None or batch.padded):
+        if batch.attends_by_row and (self.decode_attention is not None or batch.padded):
             attend = self.decode_attention or paged_decode_attention_reference  # both: length 0 gives zeros
             o = attend(
                 q, kv.k[layer], kv.v[layer], batch.block_table, batch.decode_lens, batch.page_size,

@@ -40,8 +40,9 @@ class ForwardBatch:
     lora: LoRABatch | None = None  # per-token adapter slots; None = no adapter in this batch
     embed_rows: torch.Tensor | None = None  # [K] flat rows whose embedding is replaced; None = none
     embed_values: torch.Tensor | None = None  # [K, hidden] their embeddings
-    # decode batches only (one new token per sequence): tokens each attends to, new one included
-    decode_lens: torch.Tensor | None = None  # [N] int32
+    # decode attention: the tokens each query row attends to, its own included (a decode batch: one
+    # row per sequence; a padded short step: one row per token, with `block_table` per token too)
+    decode_lens: torch.Tensor | None = None  # [N] (or [T]) int
     max_decode_len: int = 0  # host bound on decode_lens (sizes the attention grid)
     # a decode batch padded to a CUDA-graph bucket (engine/decode_batch.py): rows may be padding
     # (state slot -1, decode length 0, KV row in the null page), so only the padding-aware decode
@@ -50,9 +51,19 @@ class ForwardBatch:
     # [N, J] pool slot that receives each sequence's GDN state after its token j (j < seq_len - 1;
     # -1: none), for speculative verify steps (SequenceChunk.spec_slots); None: no such sequence
     spec_slots: torch.Tensor | None = None
+    # a padded short step (engine/short_step.py): (sequence of each token [T], first token of each
+    # sequence [N + 1]) on the device, which the GDN kernels read; `seq_lens` then only fixes T and N
+    # (a CUDA graph replays the step for other lengths)
+    seq_layout: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def is_decode(self) -> bool:
+        """One new token per sequence (the GDN layers' fused decode step)."""
+        return self.decode_lens is not None and self.seq_layout is None
+
+    @property
+    def attends_by_row(self) -> bool:
+        """Attention runs as decode attention, one query row per `decode_lens` entry."""
         return self.decode_lens is not None
 
     @property

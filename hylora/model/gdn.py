@@ -62,21 +62,25 @@ class GatedDeltaNet(nn.Module):
             o = self.norm(o, z.reshape(T, self.hv, self.dv))
             return self.out_proj(o.reshape(T, self.value_dim), batch.lora)
 
+        layout = batch.seq_layout  # a padded short step: the sequences as the device holds them
+        starts = layout[1] if layout is not None else None
         if batch.spec_slots is not None:  # a verify step: the conv state after each token, before the conv moves on
-            save_conv_states(qkv, states.conv[layer], slots, batch.seq_lens, batch.spec_slots)
+            save_conv_states(qkv, states.conv[layer], slots, batch.seq_lens, batch.spec_slots, starts=starts)
         # q, k, v as three contiguous tensors: the delta-rule kernels would copy strided views
         splits = (self.key_dim, self.key_dim, self.value_dim)
-        q, k, v = self.conv(qkv, self.conv1d.weight[:, 0], states.conv[layer], slots, batch.seq_lens, splits=splits)
+        w = self.conv1d.weight[:, 0]
+        q, k, v = self.conv(qkv, w, states.conv[layer], slots, batch.seq_lens, splits=splits, layout=layout)
         q, k = q.reshape(T, self.hk, self.dk), k.reshape(T, self.hk, self.dk)
         v = v.reshape(T, self.hv, self.dv)
 
-        if batch.spec_slots is not None:  # token by token, keeping the state after each token
+        # token by token (keeping the state after each token for a verify step) when every chunk is short
+        if batch.spec_slots is not None or layout is not None:
             if self.short_prefill is not None and max(batch.seq_lens) > RECURRENT_MAX_TOKENS:
-                raise ValueError(f"a verify step's chunks must be at most {RECURRENT_MAX_TOKENS} tokens")
+                raise ValueError(f"a verify or padded step's chunks must be at most {RECURRENT_MAX_TOKENS} tokens")
             recurrent = self.short_prefill or recurrent_by_slot_reference
             o = recurrent(
                 q, k, v, b, a, self.A_log, self.dt_bias, states.recurrent[layer], slots, batch.seq_lens,
-                self.dk**-0.5, spec_slots=batch.spec_slots,
+                self.dk**-0.5, spec_slots=batch.spec_slots, starts=starts,
             )  # fmt: skip
         elif self.short_prefill is not None and max(batch.seq_lens) <= RECURRENT_MAX_TOKENS:
             o = self.short_prefill(

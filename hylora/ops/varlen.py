@@ -28,3 +28,16 @@ def single_token_seqs(seq_lens: list[int]) -> list[int]:
 def device_seq_starts(seq_lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """`seq_starts` as an int64 tensor on `device` (cu_seqlens), built once per step."""
     return torch.tensor(seq_starts(list(seq_lens)), dtype=torch.int64).to(device, non_blocking=True)
+
+
+def live_sequences(slots: torch.Tensor, seq_lens: list[int]) -> tuple[list[int], torch.Tensor] | None:
+    """For the by-slot references: None when every sequence has a state slot; else (the sequences with
+    one, their tokens' flat rows [T_live]). A negative slot is a padded step's padding sequence
+    (engine/short_step.py): it reads no state, writes none, and its tokens' outputs are zeros."""
+    live = (slots >= 0).tolist()
+    if all(live):
+        return None
+    starts = seq_starts(seq_lens)
+    keep = [i for i, ok in enumerate(live) if ok]
+    rows = [t for i in keep for t in range(starts[i], starts[i + 1])]
+    return keep, torch.tensor(rows, dtype=torch.long, device=slots.device)

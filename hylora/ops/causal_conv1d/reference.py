@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from hylora.ops.varlen import seq_starts, single_token_seqs
+from hylora.ops.varlen import device_seq_starts, live_sequences, seq_starts, single_token_seqs
 
 
 def causal_conv1d_varlen(
@@ -58,12 +58,22 @@ def causal_conv1d_by_slot(
     slots: torch.Tensor,  # [N] pool slot of each sequence
     seq_lens: list[int],
     splits: Sequence[int] | None = None,
+    layout: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """`causal_conv1d_varlen` reading and writing the pool's rows at `slots` (the signature of the
     fused kernel, `triton.causal_conv1d_by_slot`). Returns silu(conv(x)) [T, C], or with `splits`
-    (channel counts summing to C, at most 3) one contiguous [T, split] tensor per group of channels."""
-    out, new_states = causal_conv1d_varlen(x, weight, conv_state[slots], seq_lens)
-    conv_state[slots] = new_states
+    (channel counts summing to C, at most 3) one contiguous [T, split] tensor per group of channels.
+    A negative slot reads and writes no state (its tokens' outputs are zeros here; the kernel's are
+    unspecified). `layout` is the kernel's device copy of `seq_lens`; the reference reads `seq_lens`."""
+    live = live_sequences(slots, seq_lens)
+    if live is None:
+        out, new_states = causal_conv1d_varlen(x, weight, conv_state[slots], seq_lens)
+        conv_state[slots] = new_states
+    else:
+        keep, rows = live
+        out = torch.zeros_like(x)
+        if keep:
+            out[rows] = causal_conv1d_by_slot(x[rows], weight, conv_state, slots[keep], [seq_lens[i] for i in keep])
     if splits is None:
         return out
     check_splits(splits, x.shape[1])
@@ -76,28 +86,31 @@ def save_conv_states(
     slots: torch.Tensor,  # [N]
     seq_lens: list[int],
     spec_slots: torch.Tensor,  # [N, J], J >= max(seq_lens) - 1
+    starts: torch.Tensor | None = None,  # [N + 1] on the device (a CUDA graph's padded step); None: from seq_lens
 ) -> None:
     """For a speculative verify step: writes into conv_state[spec_slots[i, j]] the conv state sequence i
     has after its token j < n_i - 1 (its last K-1 inputs up to token j); -1 entries and rows whose slot
     is negative write nothing. Call it before the conv, which moves conv_state[slots] past the chunk.
 
-    Spec slots must be distinct and differ from every slot in `slots`. No host sync: entries that write
-    nothing rewrite a live row's own slot (or slot 0 if no row is live) with the value it holds."""
-    N, J = len(seq_lens), max(seq_lens, default=0) - 1
-    if spec_slots.dim() != 2 or spec_slots.shape[0] != N or spec_slots.shape[1] < J:
+    Spec slots must be distinct and differ from every slot in `slots`. No host sync (a CUDA graph
+    captures it): which entries write follows from `starts` on the device; entries that write nothing
+    rewrite a live row's own slot (or slot 0 if no row is live) with the value it holds."""
+    N, J, T = len(seq_lens), spec_slots.shape[1] if spec_slots.dim() == 2 else 0, x.shape[0]
+    if spec_slots.dim() != 2 or spec_slots.shape[0] != N or max(seq_lens, default=0) - 1 > J:
         raise ValueError(f"save_conv_states: spec_slots {tuple(spec_slots.shape)} do not fit lengths {seq_lens}")
-    if J <= 0:
+    if J <= 0 or T == 0:
         return
-    starts, T, device = seq_starts(seq_lens), x.shape[0], x.device
-    rows = [[min(start + j, T - 1) for j in range(J)] for start in starts[:-1]]  # [N, J], past n_i: unused
-    writes = [[j < n - 1 for j in range(J)] for n in seq_lens]
-    rows, writes = (torch.tensor(t).to(device, non_blocking=True) for t in (rows, writes))
+    if starts is None:
+        starts = device_seq_starts(tuple(seq_lens), x.device)
+    j = torch.arange(J, device=x.device)
+    rows = (starts[:-1, None] + j).clamp_max(T - 1)  # [N, J]; past n_i: unused
+    writes = j[None, :] < (starts[1:] - starts[:-1] - 1)[:, None]
     live = slots.long() >= 0
     keep = torch.where(live, slots.long(), slots.long().max()).clamp_min(0)  # [N]
     held = conv_state[keep]  # [N, C, K-1]
     window = torch.cat([held, x[rows].transpose(1, 2).to(conv_state.dtype)], dim=2)  # [N, C, K-1+J]
     after = window.unfold(2, conv_state.shape[2], 1)[:, :, 1:].transpose(1, 2)  # [N, J, C, K-1]
-    spec = spec_slots[:, :J].long()
+    spec = spec_slots.long()
     valid = writes & (spec >= 0) & live[:, None]
     dst = torch.where(valid, spec, keep[:, None])
     conv_state[dst] = torch.where(valid[..., None, None], after, held[:, None])

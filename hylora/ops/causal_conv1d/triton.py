@@ -39,7 +39,10 @@ def causal_conv1d_by_slot(
     block_t: int = BLOCK_T,
     block_c: int = BLOCK_C,
     splits: Sequence[int] | None = None,
+    layout: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """`layout` (token_seq [T], starts [N + 1] on the device): the sequences as the device holds them
+    (a CUDA graph's padded step, whose `seq_lens` fix only T and N); None: built from `seq_lens`."""
     T, C = x.shape
     K = weight.shape[1]
     N = len(seq_lens)
@@ -55,7 +58,7 @@ def causal_conv1d_by_slot(
     out = torch.empty(T * C, dtype=x.dtype, device=x.device)
     parts = tuple(out[T * lo : T * (lo + n)].view(T, n) for lo, n in zip(firsts, splits or [C], strict=True))
     if T > 0:
-        token_seq, starts = _token_meta(tuple(seq_lens), x.device)
+        token_seq, starts = layout if layout is not None else _token_meta(tuple(seq_lens), x.device)
         _conv_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
             x, weight.contiguous(), conv_state, slots, token_seq, starts, out, T, C, x.stride(0), *bounds,
             K=K, BLOCK_T=block_t, BLOCK_C=block_c,

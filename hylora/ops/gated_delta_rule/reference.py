@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hylora.ops.varlen import seq_starts, single_token_seqs
+from hylora.ops.varlen import live_sequences, seq_starts, single_token_seqs
 
 CHUNK_SIZE = 64
 
@@ -147,13 +147,25 @@ def recurrent_by_slot(
     scale: float,
     *,
     spec_slots: torch.Tensor | None = None,  # [N, J], J >= max(seq_lens) - 1
+    starts: torch.Tensor | None = None,  # the kernel's device copy of seq_lens; the reference reads seq_lens
 ) -> torch.Tensor:
     """The layer's prefill delta rule with the gating, states read and written in the pool by slot:
     what `triton.recurrent_by_slot` computes token by token. Returns o [T, Hv, dv] in v's dtype.
 
     With `spec_slots` (a speculative verify step) every sequence is stepped token by token and its
     state after token j < n_i - 1 is also written to slot spec_slots[i, j] (-1: nowhere). Spec slots
-    must be distinct and differ from every slot in `slots`."""
+    must be distinct and differ from every slot in `slots`. A negative slot reads and writes no
+    state, and its tokens' outputs are zeros."""
+    live = live_sequences(slots, seq_lens)
+    if live is not None:
+        keep, rows = live
+        out = torch.zeros_like(v)
+        if keep:
+            out[rows] = recurrent_by_slot(
+                q[rows], k[rows], v[rows], b[rows], a[rows], A_log, dt_bias, state_pool, slots[keep],
+                [seq_lens[i] for i in keep], scale, spec_slots=spec_slots[keep] if spec_slots is not None else None,
+            )  # fmt: skip
+        return out
     g, beta = gating(b, a, A_log, dt_bias)
     if spec_slots is None:
         o, final = varlen_gated_delta_rule(q, k, v, g, beta, state_pool[slots], seq_lens, scale)

@@ -47,6 +47,7 @@ def recurrent_by_slot(
     num_warps: int = NUM_WARPS,
     *,
     spec_slots: torch.Tensor | None = None,  # [N, J] int32/int64, J >= max(seq_lens) - 1
+    starts: torch.Tensor | None = None,  # [N + 1] on the device (a CUDA graph's padded step); None: from seq_lens
 ) -> torch.Tensor:
     """`reference.recurrent_by_slot` in one launch. Returns o [T, Hv, dv] (`out` if given)."""
     T, hk, dk = q.shape
@@ -77,8 +78,10 @@ def recurrent_by_slot(
     block_v = min(block_v, triton.next_power_of_2(dv))
     spec = slots if spec_slots is None else spec_slots  # a dummy pointer without HAS_SPEC
     spec_strides = (0, 0) if spec_slots is None else spec_slots.stride()
+    if starts is None:
+        starts = device_seq_starts(tuple(seq_lens), v.device)
     _recurrent_kernel[(N, hv, triton.cdiv(dv, block_v))](
-        q, k, v, b, a, A_log, dt_bias, state_pool, slots, device_seq_starts(tuple(seq_lens), v.device), out, spec,
+        q, k, v, b, a, A_log, dt_bias, state_pool, slots, starts, out, spec,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), b.stride(0), a.stride(0),
         *state_pool.stride(), out.stride(0), out.stride(1), *spec_strides, scale,
         HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
