@@ -274,14 +274,15 @@ def eager_step(engine: LLMEngine, rows: list[DecodeRow]) -> torch.Tensor:
 
 def wall_ms(fn, reps: int = 30) -> float:
     """Median wall ms of `fn` (which ends with a device→host copy, as an engine step does)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(1e3 * (time.perf_counter() - t0))
     return sorted(times)[len(times) // 2]
 

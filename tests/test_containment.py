@@ -44,7 +44,8 @@ def server(decode_mode, demo_cache_dir, root, tmp_path_factory):
     args = ["--demo", "--max-model-len", "512", "--max-num-seqs", "16", "--max-loras", "2", "--max-cpu-loras", "2"]
     args += ["--adapter-root", str(root), "--dtype", "float32", "--device", "cpu"]
     log = tmp_path_factory.mktemp("logs") / "server.log"
-    args += ["--enable-fault-injection"] + (["--padded-decode"] if decode_mode == "padded-decode-ahead" else [])
+    padded = ["--padded-decode", "--max-short-step-tokens", "64"]  # decode and short steps as graphs pad them
+    args += ["--enable-fault-injection"] + (padded if decode_mode == "padded-decode-ahead" else [])
     with running_server(args, demo_cache_dir, log) as handle:
         yield handle.url
 

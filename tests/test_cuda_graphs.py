@@ -1,9 +1,9 @@
-"""CUDA graphs for decode steps (needs a CUDA device; skipped on the CPU).
+"""CUDA graphs for decode steps and short steps (needs a CUDA device; skipped on the CPU).
 
 A graph replay equals the same padded step run eagerly, bit for bit (logits, finiteness flags and
 every byte of the caches); the engine with graphs gives the tokens and logprobs of the engine with
 `enforce_eager`; a NaN poisoned into one request inside a graph fails that request alone; the eager
-decode forward makes no host sync.
+decode forward and the padded short step make no host sync.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import logging
 import pytest
 import torch
 
-from hylora.engine.cuda_graphs import CudaGraphDecode
+from hylora.engine.cuda_graphs import CudaGraphDecode, CudaGraphShortStep
 from hylora.engine.padded_decode import PaddedDecode
 from hylora.engine.runner import _decode_rows
+from hylora.engine.short_step import PaddedShortStep
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk
 from tests.decode_helpers import same_bits
 from tests.engine_helpers import free_pages, greedy, make_engine, max_logprob_diff, run
@@ -36,7 +37,10 @@ def adapter_root(engine_adapter_root):
 
 def cuda_engine(causal_ckpt, adapter_root, dtype: str = "bfloat16", **config):
     # a small explicit KV cache (not 90% of the card: the tests copy the caches)
-    config = dict(dict(max_model_len=600, max_num_seqs=8, max_num_batched_tokens=1024, num_pages=160), **config)
+    config = dict(
+        dict(max_model_len=600, max_num_seqs=8, max_num_batched_tokens=1024, num_pages=160, max_short_step_tokens=64),
+        **config,
+    )
     return make_engine(causal_ckpt[0], adapter_root, device="cuda", dtype=dtype, **config)
 
 
@@ -83,8 +87,18 @@ def test_engine_with_graphs_equals_enforce_eager(causal_ckpt, adapter_root, dtyp
         # without decode ahead: with it, step() calls hand out a step's tokens one call later, so the
         # late arrival would join one device step later than in the eager run (another batch mix)
         engine = cuda_engine(causal_ckpt, adapter_root, DTYPES[dtype], enforce_eager=eager, async_scheduling=False)
-        assert (engine.runner.decode is None) == eager
+        assert (engine.runner.decode is None) == eager and (engine.runner.short is None) == eager
+        short_steps = []
+        if not eager:  # the late arrival's prompt joins decode rows: a short step
+            replay = engine.runner.short.run
+
+            def counted(seqs, replay=replay, calls=short_steps):
+                calls.append(len(seqs))
+                return replay(seqs)
+
+            engine.runner.short.run = counted
         outputs[eager] = run(engine, arrivals)
+        assert eager or short_steps
     tolerance = {"fp32": 1e-4, "bf16": 5e-2}[dtype]
     for rid, out in outputs[False].items():
         ref = outputs[True][rid]
@@ -156,3 +170,67 @@ def test_eager_decode_forward_makes_no_host_sync(causal_ckpt, adapter_root):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert finite.all()
+
+
+def _short_step_seqs(engine, verify: bool) -> list[SequenceChunk]:
+    """The next step's decode rows as 3-token verify chunks (spec slots and a spare page each), or
+    with a new 16-token prompt beside them."""
+    kv, states = engine.kv, engine.states
+    seqs = []
+    for c in engine.scheduler.schedule().chunks:
+        r = c.request
+        lora = r.lora.slot if r.lora is not None else -1
+        if verify:
+            spec = [states.allocate() for _ in range(2)]
+            ids = r.all_ids[c.start : c.start + 1] + [7, 8]
+            seqs.append(SequenceChunk(ids, c.start, r.state_slot, r.pages + kv.allocate(1), lora, spec_slots=spec))
+        else:
+            seqs.append(SequenceChunk(r.all_ids[c.start : c.start + 1], c.start, r.state_slot, r.pages, lora))
+    if not verify:
+        slot = states.allocate()
+        states.reset(slot)
+        seqs.append(SequenceChunk(random_ids(16, 320, seed=5), 0, slot, kv.allocate(1), seqs[1].lora_slot))
+    return seqs
+
+
+@pytest.mark.parametrize("shape", ["mixed", "verify"])
+def test_short_step_graph_replay_equals_the_eager_padded_step_bit_for_bit(causal_ckpt, adapter_root, shape):
+    engine = cuda_engine(causal_ckpt, adapter_root)
+    prefilled(engine, ADAPTER_OF[:5])
+    kv, states = engine.kv, engine.states
+    seqs = _short_step_seqs(engine, verify=shape == "verify")
+    args = (engine.model, kv, states, 32, 2, 600)
+    graphs = CudaGraphShortStep(*args)  # buckets 16, 32; its own graphs with spec slots (k = 2)
+    caches = (kv.k, kv.v, states.conv, states.recurrent)
+    before = [t.clone() for t in caches]
+
+    graphed = graphs.run(seqs)
+    graphed = [t.clone() for t in (graphed.hidden, graphed.logits, graphed.finite)]
+    after_graph = [t.clone() for t in caches]
+    for t, b in zip(caches, before, strict=True):
+        t.copy_(b)
+    eager = PaddedShortStep(*args).run(seqs)
+
+    tokens = sum(len(s.token_ids) for s in seqs)
+    assert tokens == (15 if shape == "verify" else 21)  # bucket 16 or 32: padding tokens ran
+    for g, e in zip(graphed, (eager.hidden, eager.logits, eager.finite), strict=True):
+        assert torch.equal(g, e)
+    assert graphed[2].all()
+    for g, e in zip(after_graph, caches, strict=True):
+        assert same_bits(g, e)
+
+
+def test_padded_short_step_makes_no_host_sync(causal_ckpt, adapter_root):
+    engine = cuda_engine(causal_ckpt, adapter_root, enforce_eager=True)
+    prefilled(engine, ADAPTER_OF[:5])
+    seqs = _short_step_seqs(engine, verify=True)
+    short = PaddedShortStep(engine.model, engine.kv, engine.states, 32, 2, 600)
+    short.buffers.fill(seqs, 16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            hidden, logits, finite = short.step(16, lora=True, spec=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert finite[:, :15].all()

@@ -452,7 +452,8 @@ def summary(results: list[EngineResult], inputs: Inputs, args: argparse.Namespac
     for res in results:
         for engine, target, verdict, detail in target_rows(res, targets):
             lines.append(f"| {engine} | {target} | {verdict} | {expected(engine, target)} | {detail} |")
-    lines += ["", "| engine | server seen ready (upper bound) | doctor | exit | checks failed | error |", "|" + " --- |" * 6]
+    header = "| engine | server seen ready (upper bound) | doctor | exit | checks failed | error |"
+    lines += ["", header, "|" + " --- |" * 6]
     for res in results:
         failed = [c["name"] for c in (res.report or {}).get("checks", []) if c["status"] == "fail"]
         ready = f"{res.ready_s:.0f} s" if res.ready_s is not None else "-"

@@ -38,7 +38,12 @@ class EngineConfig:
     async_scheduling: bool = True
     seed: int | None = None  # seeds requests that bring none, in arrival order (vLLM's --seed); None = random
     kernels: KernelsConfig = field(default_factory=KernelsConfig)  # which fast kernels may serve
-    # decode steps padded as a CUDA graph pads them, run eagerly (the CPU tests drive decode ahead this way)
+    # steps whose chunks are all short (decode rows with a prompt's last few tokens, speculative verify
+    # steps) and of at most this many tokens replay CUDA graphs per token bucket (engine/short_step.py);
+    # 0: they run eagerly. Off by default until the graphs have run on a GPU (docs/BASELINE.md); 128 is the
+    # intended default
+    max_short_step_tokens: int = 0
+    # decode and short steps padded as CUDA graphs pad them, run eagerly (the CPU tests drive decode ahead this way)
     padded_decode: bool = False
     # prefix caching (engine/prefix_cache.py): reuse the KV pages and GDN states of cached prompt prefixes
     enable_prefix_caching: bool = True
@@ -62,6 +67,7 @@ class EngineConfig:
             (self.encoder_cache_gb >= 0, "encoder_cache_gb must be >= 0"),
             (self.prefix_cache_states is None or self.prefix_cache_states >= 0, "prefix_cache_states must be >= 0"),
             (0 <= self.num_speculative_tokens <= 4, "num_speculative_tokens must be in [0, 4]"),
+            (self.max_short_step_tokens >= 0, "max_short_step_tokens must be >= 0"),
             (self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}"),
         ]
         for ok, message in checks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -10,10 +11,11 @@ import torch
 
 from hylora.cache import PagedKVCache, StatePool
 from hylora.engine.config import EngineConfig
-from hylora.engine.cuda_graphs import make_graph_decode
+from hylora.engine.cuda_graphs import make_graph_decode, make_graph_short_step
 from hylora.engine.decode_batch import DecodeRow
 from hylora.engine.padded_decode import DecodeOutput, PaddedDecode
 from hylora.engine.scheduler import ScheduledChunk
+from hylora.engine.short_step import PaddedShortStep
 from hylora.model.decoder import HybridDecoder
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk
 
@@ -37,63 +39,46 @@ class ChunkResult:
 
 class ModelRunner:
     def __init__(self, model: HybridDecoder, kv: PagedKVCache, states: StatePool, config: EngineConfig | None = None):
-        """With `config` on CUDA (and not `enforce_eager`), decode steps replay CUDA graphs captured here."""
+        """With `config` on CUDA (and not `enforce_eager`), decode steps and short steps (every chunk
+        short: decode rows with a prompt's last tokens, verify steps) replay CUDA graphs captured here."""
         self.model, self.kv, self.states = model, kv, states
-        # padded static-shape decode steps (CUDA graphs); None: every step runs eagerly
+        # padded static-shape decode steps (CUDA graphs); None: decode steps run eagerly
         self.decode: PaddedDecode | None = None if config is None else make_graph_decode(model, kv, states, config)
+        # padded short steps (CUDA graphs per token bucket); None: they run eagerly
+        self.short: PaddedShortStep | None = None
+        if config is not None:
+            self.short = make_graph_short_step(model, kv, states, config)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None = None) -> list[ChunkResult]:
         """`input_ids` [len(chunks)] on the device: the input tokens of a decode step planned ahead
         (every chunk `ahead`), which only the padded decode step can take."""
-        rows = _decode_rows(chunks, self.decode.max_batch) if self.decode is not None else None
-        if rows is not None:
-            return self._execute_decode(chunks, rows, input_ids)
+        decode_rows = _decode_rows(chunks, self.decode.max_batch) if self.decode is not None else None
+        if decode_rows is not None:
+            return self._execute_decode(chunks, decode_rows, input_ids)
         if input_ids is not None:
             raise ValueError("a decode step planned ahead needs the padded decode step")
-        seqs = []
-        for c in chunks:
-            r = c.request
-            assert r.state_slot is not None
-            end = c.start + c.num_tokens
-            seqs.append(
-                SequenceChunk(
-                    token_ids=r.all_ids[c.start : end] + c.drafts,
-                    context_len=c.start,
-                    state_slot=r.state_slot,
-                    pages=r.pages,
-                    positions=r.mm.positions.window(c.start, end + len(c.drafts)) if r.mm is not None else None,
-                    lora_slot=r.lora.slot if r.lora is not None else -1,
-                    embeds=r.mm.chunk_embeds(c.start, end) if r.mm is not None else None,
-                    spec_slots=r.spec_slots if c.drafts else None,
-                )
-            )
-        batch = ForwardBatch.build(seqs, self.kv.page_size, self.model.device)
-        hidden = self.model(batch, self.kv, self.states)  # [T, hidden]
+        seqs = [_sequence_chunk(c) for c in chunks]
         keep_hidden = self.model.mtp is not None
-
-        ends = torch.tensor(batch.seq_lens).cumsum(0).tolist()
-        starts = [e - n for e, n in zip(ends, batch.seq_lens, strict=True)]
-        rows: list[int] = []  # rows of `hidden` that need logits
-        wanted: list[tuple[int | None, range, int]] = []  # per chunk: sample row, prompt positions, first row
-        for c, first in zip(chunks, starts, strict=True):
-            positions = _prompt_positions(c)
-            first_prompt_row = len(rows)
-            rows.extend(first + p - c.start for p in positions)
-            sample_row = None
-            if c.samples:  # a verify chunk: its last token's row and each draft's
-                sample_row = len(rows)
-                rows.extend(range(first + c.num_tokens - 1, first + c.num_tokens + len(c.drafts)))
-            wanted.append((sample_row, positions, first_prompt_row))
-
-        finite_rows = torch.isfinite(hidden).all(dim=-1)
-        logits = self.model.logits(hidden[rows]) if rows else hidden.new_zeros(0, 0)
-        finite_logits = torch.isfinite(logits).all(dim=-1) if rows else finite_rows.new_ones(0)
+        rows, wanted = _logit_rows(chunks, [len(s.token_ids) for s in seqs])
+        if self.short is not None and self.short.fits(seqs):
+            out = self.short.run(seqs)  # views of the step's buffers: copy what must outlive it
+            hidden = out.hidden.clone() if keep_hidden else out.hidden
+            logits = out.logits[rows] if rows else hidden.new_zeros(0, 0)
+            finite_rows, finite_logits = out.finite[0], out.finite[1][rows]
+        else:
+            batch = ForwardBatch.build(seqs, self.kv.page_size, self.model.device)
+            hidden = self.model(batch, self.kv, self.states)  # [T, hidden]
+            finite_rows = torch.isfinite(hidden).all(dim=-1)
+            logits = self.model.logits(hidden[rows]) if rows else hidden.new_zeros(0, 0)
+            finite_logits = torch.isfinite(logits).all(dim=-1) if rows else finite_rows.new_ones(0)
         finite_rows, finite_logits = finite_rows.cpu(), finite_logits.cpu()
 
+        seq_lens = [len(s.token_ids) for s in seqs]
+        starts = [0, *itertools.accumulate(seq_lens)][:-1]
         results = []
         for c, (sample_row, positions, first_prompt_row), start, n in zip(
-            chunks, wanted, starts, batch.seq_lens, strict=True
+            chunks, wanted, starts, seq_lens, strict=True
         ):
             logit_rows = list(range(first_prompt_row, first_prompt_row + len(positions)))
             if sample_row is not None:
@@ -132,6 +117,44 @@ class ModelRunner:
                 )
             )
         return results
+
+
+def _sequence_chunk(c: ScheduledChunk) -> SequenceChunk:
+    """The model's view of a scheduled chunk: its tokens (drafts included) and where its state lives."""
+    r = c.request
+    assert r.state_slot is not None
+    end = c.start + c.num_tokens
+    return SequenceChunk(
+        token_ids=r.all_ids[c.start : end] + c.drafts,
+        context_len=c.start,
+        state_slot=r.state_slot,
+        pages=r.pages,
+        positions=r.mm.positions.window(c.start, end + len(c.drafts)) if r.mm is not None else None,
+        lora_slot=r.lora.slot if r.lora is not None else -1,
+        embeds=r.mm.chunk_embeds(c.start, end) if r.mm is not None else None,
+        spec_slots=r.spec_slots if c.drafts else None,
+    )
+
+
+def _logit_rows(
+    chunks: list[ScheduledChunk], seq_lens: list[int]
+) -> tuple[list[int], list[tuple[int | None, range, int]]]:
+    """(the flat token rows that need logits, per chunk: (its first sampling row among them or None,
+    its prompt-logprob positions, its first prompt-logprob row among them))."""
+    rows: list[int] = []
+    wanted: list[tuple[int | None, range, int]] = []
+    first = 0
+    for c, n in zip(chunks, seq_lens, strict=True):
+        positions = _prompt_positions(c)
+        first_prompt_row = len(rows)
+        rows.extend(first + p - c.start for p in positions)
+        sample_row = None
+        if c.samples:  # a verify chunk: its last token's row and each draft's
+            sample_row = len(rows)
+            rows.extend(range(first + c.num_tokens - 1, first + c.num_tokens + len(c.drafts)))
+        wanted.append((sample_row, positions, first_prompt_row))
+        first += n
+    return rows, wanted
 
 
 def _decode_rows(chunks: list[ScheduledChunk], max_batch: int) -> list[DecodeRow] | None:

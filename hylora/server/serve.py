@@ -171,7 +171,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "(compute capability 8.9+), dequantised elsewhere",
     )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode and short steps run eagerly)")
+    p.add_argument(
+        "--max-short-step-tokens",
+        type=int,
+        default=d["max_short_step_tokens"].default,
+        help="steps whose chunks are all short (decode rows with a prompt's last few tokens, speculative verify "
+        "steps) and of at most this many tokens replay CUDA graphs per token bucket (e.g. 128); 0 (the default "
+        "until they have run on a GPU): they run eagerly",
+    )
     p.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
@@ -181,7 +189,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_kernel_args(p)
     t = p.add_argument_group("testing aids (never in production)")
     t.add_argument(
-        "--padded-decode", action="store_true", help="on the CPU, run decode steps padded as CUDA graphs pad them"
+        "--padded-decode",
+        action="store_true",
+        help="on the CPU, run decode and short steps padded as CUDA graphs pad them",
     )
     t.add_argument(
         "--enable-fault-injection",
@@ -323,6 +333,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         max_num_encoder_tokens=args.max_num_encoder_tokens,
         encoder_cache_gb=args.encoder_cache_gb,
         enforce_eager=args.enforce_eager,
+        max_short_step_tokens=args.max_short_step_tokens,
         async_scheduling=args.async_scheduling,
         seed=args.seed,
         kernels=kernels_config(args),

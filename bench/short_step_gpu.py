@@ -1,0 +1,171 @@
+"""Short steps on the 27B shape (issue 29 item 2; issue 26's verify steps): CUDA graph vs eager.
+
+    python3 bench/short_step_gpu.py --layers 64 --out short.json     # H200, bf16, random weights
+    python3 bench/short_step_gpu.py --tiny                           # CPU: the padded twin vs eager
+
+A short step is one whose chunks are all short (engine/short_step.py). Shapes:
+
+- "31 x 1 + 16": 31 decode rows and a 16-token prompt chunk (an arrival during decoding; the issue's
+  target: at most 1.5x a decode step of 32 rows at 64 layers);
+- "verify b x 3": b sequences of k+1 = 3 tokens with their spec slots (a speculative verify step at
+  k = 2), b = 1, 4, 8, 32.
+
+Per shape, base and 8 mixed rank-16 adapters: median wall ms (bench/decode_gpu.wall_ms: the step,
+all logits, the finiteness flags copied to the host) of the short step replayed from its graph, the
+same step run eagerly (the runner's path before short-step graphs: ForwardBatch.build, forward,
+logits), and the plain decode step of the same sequences (graph); the graph's logits against the
+eager step's from the same states (max |diff|, and whether every row's argmax agrees).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.decode_gpu import wall_ms  # noqa: E402
+from bench.engine_gpu import QWEN36_27B, random_adapters, random_model  # noqa: E402
+from bench.prefix_cache_gpu import TINY  # noqa: E402
+from hylora.config import ModelConfig  # noqa: E402
+from hylora.demo import write_tokenizer  # noqa: E402
+from hylora.engine import EngineConfig, LLMEngine  # noqa: E402
+from hylora.engine.decode_batch import DecodeRow  # noqa: E402
+from hylora.model.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
+
+
+def shapes(k: int) -> dict[str, tuple[list[int], bool]]:
+    """name → (chunk lengths, verify)."""
+    out = {"31 x 1 + 16": ([1] * 31 + [16], False)}
+    for b in (1, 4, 8, 32):
+        out[f"verify {b} x {k + 1}"] = ([k + 1] * b, True)
+    return out
+
+
+def eager(engine: LLMEngine, seqs: list[SequenceChunk]) -> torch.Tensor:
+    batch = ForwardBatch.build(seqs, engine.kv.page_size, engine.model.device)
+    hidden = engine.model(batch, engine.kv, engine.states)
+    logits = engine.model.logits(hidden)
+    torch.stack([torch.isfinite(hidden).all(-1), torch.isfinite(logits).all(-1)]).cpu()
+    return logits
+
+
+def graphed(engine: LLMEngine, seqs: list[SequenceChunk]) -> torch.Tensor:
+    out = engine.runner.short.run(seqs)
+    out.finite.cpu()
+    return out.logits
+
+
+@torch.inference_mode()
+def measure(engine: LLMEngine, name: str, lens: list[int], verify: bool, k: int, context: int, leases) -> list[dict]:
+    kv, states = engine.kv, engine.states
+    n = len(lens)
+    slots = [states.allocate() for _ in range(n)]
+    spec = [[states.allocate() for _ in range(k)] for _ in range(n)] if verify else [None] * n
+    pages = [kv.allocate(kv.pages_needed(context + max(lens))) for _ in range(n)]
+    rows = []
+    try:
+        for mixed in (False, True):
+            seqs = [
+                SequenceChunk(
+                    token_ids=[100 + i + j for j in range(m)], context_len=context, state_slot=slots[i],
+                    pages=pages[i], lora_slot=leases[i % len(leases)].slot if mixed else -1, spec_slots=spec[i],
+                )
+                for i, m in enumerate(lens)
+            ]  # fmt: skip
+            decode_rows = [DecodeRow(100 + i, context, slots[i], pages[i], seqs[i].lora_slot) for i in range(n)]
+            held = [t[:, slots].cpu() for t in (states.conv, states.recurrent)]
+
+            def restore(held: list[torch.Tensor] = held) -> None:
+                states.conv[:, slots], states.recurrent[:, slots] = (h.to(states.conv.device) for h in held)
+
+            restore()
+            ref = eager(engine, seqs).float().cpu()
+            restore()
+            got = graphed(engine, seqs).float().cpu()
+            row = {
+                "step": name,
+                "adapters": "8 mixed" if mixed else "base",
+                "tokens": sum(lens),
+                "graph_ms": wall_ms(lambda seqs=seqs: graphed(engine, seqs)),
+                "eager_ms": wall_ms(lambda seqs=seqs: eager(engine, seqs)),
+                "decode_ms": wall_ms(lambda r=decode_rows: engine.runner.decode.run(r).finite_hidden)
+                if engine.runner.decode is not None
+                else None,
+                "max_abs_logit_diff": float((got - ref).abs().max()),
+                "argmax_agree": bool((got.argmax(-1) == ref.argmax(-1)).all()),
+                "finite": bool(torch.isfinite(got).all()),
+            }
+            restore()
+            rows.append(row)
+            dec = f"{row['decode_ms']:.2f}" if row["decode_ms"] is not None else "-"
+            ratio = f"{row['graph_ms'] / row['decode_ms']:.2f}" if row["decode_ms"] else "-"
+            print(
+                f"| {name} | {row['adapters']} | {row['tokens']} | {row['graph_ms']:.2f} | {row['eager_ms']:.2f} | "
+                f"{row['eager_ms'] / row['graph_ms']:.2f} | {dec} | {ratio} | {row['max_abs_logit_diff']:.3g} | "
+                f"{row['argmax_agree']} |",
+                flush=True,
+            )
+    finally:
+        for p in pages:
+            kv.free(p)
+        for slot in slots + [s for group in spec if group for s in group]:
+            states.free(slot)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--context", type=int, default=576)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the bench runs")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    shape = TINY if args.tiny else dict(QWEN36_27B, num_hidden_layers=args.layers)
+    cfg = ModelConfig.from_hf(dict(shape, mtp_num_hidden_layers=1))
+    work = Path(tempfile.mkdtemp())
+    write_tokenizer(work, 1024)
+    t0 = time.perf_counter()
+    model = random_model(cfg, device, torch.float32 if args.tiny else torch.bfloat16, mtp=True)
+    adapters = random_adapters(work / "adapters", cfg)
+    config = EngineConfig(
+        max_model_len=args.context + 64, max_num_seqs=32, device=device, max_loras=8, max_lora_rank=16,
+        num_speculative_tokens=args.k, enable_prefix_caching=False, padded_decode=args.tiny,
+        max_short_step_tokens=128,
+    )  # fmt: skip
+    engine = LLMEngine(work, config, adapters, progress=False, model=model)
+    setup = time.perf_counter() - t0
+    print(f"engine set-up {setup:.1f} s (short-step buckets {engine.runner.short.buckets})", flush=True)
+    result = {
+        "card": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "layers": cfg.num_layers,
+        "k": args.k,
+        "context": args.context,
+        "date": time.strftime("%Y-%m-%d"),
+        "engine_setup_s": setup,
+        "rows": [],
+    }
+    print("| step | adapters | tokens | graph ms | eager ms | eager / graph | decode ms (graph) | graph / decode | "
+          "max abs logit diff | argmax agree |", flush=True)  # fmt: skip
+    print("|" + " --- |" * 10, flush=True)
+    leases = [engine.adapters.acquire(name) for name in adapters]
+    try:
+        for name, (lens, verify) in shapes(args.k).items():
+            result["rows"] += measure(engine, name, lens, verify, args.k, args.context, leases)
+            if args.out:
+                Path(args.out).write_text(json.dumps(result, indent=2))
+    finally:
+        for lease in leases:
+            engine.adapters.release(lease)
+
+
+if __name__ == "__main__":
+    main()
