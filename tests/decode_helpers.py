@@ -98,3 +98,28 @@ def padded(engine):
 
     decode.run = run_recorded
     return engine
+
+
+def cache_snapshot(kv, states) -> tuple[torch.Tensor, ...]:
+    """(k, v, conv, recurrent) cloned: what a step may write."""
+    return kv.k.clone(), kv.v.clone(), states.conv.clone(), states.recurrent.clone()
+
+
+def assert_step_wrote_only_its_own(kv, states, chunks, eager_kv, eager_states, before, **tol) -> None:
+    """After a padded step of `chunks`: their own state slots and pages hold what the eager step wrote
+    (within `tol`), and everything else (foreign sequences, free slots and pages, still NaN) is bit for
+    bit as `before` (cache_snapshot); the null page is the padding rows' write sink."""
+    before_k, before_v, before_conv, before_rec = before
+    own_slots = [c.request.state_slot for c in chunks]
+    ps = kv.page_size
+    own_rows = torch.cat([torch.arange(p * ps, (p + 1) * ps) for c in chunks for p in c.request.pages])
+    torch.testing.assert_close(states.recurrent[:, own_slots], eager_states.recurrent[:, own_slots], **tol)
+    torch.testing.assert_close(states.conv[:, own_slots], eager_states.conv[:, own_slots], **tol)
+    torch.testing.assert_close(kv.k[:, own_rows], eager_kv.k[:, own_rows], equal_nan=True, **tol)
+    other_slots = [s for s in range(states.num_slots) if s not in own_slots]
+    keep = torch.ones(kv.k.shape[1], dtype=torch.bool)
+    keep[own_rows] = False
+    keep[kv.null_page * ps : (kv.null_page + 1) * ps] = False
+    assert same_bits(states.recurrent[:, other_slots], before_rec[:, other_slots])
+    assert same_bits(states.conv[:, other_slots], before_conv[:, other_slots])
+    assert same_bits(kv.k[:, keep], before_k[:, keep]) and same_bits(kv.v[:, keep], before_v[:, keep])

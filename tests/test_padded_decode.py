@@ -25,7 +25,12 @@ from hylora.engine import decode_batch as db  # noqa: E402
 from hylora.engine.decode_batch import DecodeBuffers, DecodeRow, bucket_for, decode_buckets  # noqa: E402
 from hylora.engine.padded_decode import PaddedDecode  # noqa: E402
 from hylora.engine.runner import ModelRunner, _decode_rows  # noqa: E402
-from tests.decode_helpers import nan_fill_unowned, padded, same_bits  # noqa: E402
+from tests.decode_helpers import (  # noqa: E402
+    assert_step_wrote_only_its_own,
+    cache_snapshot,
+    nan_fill_unowned,
+    padded,
+)
 from tests.engine_helpers import free_pages, greedy, make_engine, max_logprob_diff, run  # noqa: E402
 from tests.helpers import random_ids  # noqa: E402
 
@@ -156,8 +161,7 @@ def test_padded_step_equals_unpadded_and_writes_nowhere_else(causal_ckpt, adapte
     eager = ModelRunner(engine.model, eager_kv, eager_states).execute(chunks)
 
     kv, states = engine.kv, engine.states
-    before_k, before_v = kv.k.clone(), kv.v.clone()
-    before_conv, before_rec = states.conv.clone(), states.recurrent.clone()
+    before = cache_snapshot(kv, states)
     runner = ModelRunner(engine.model, kv, states)
     runner.decode = PaddedDecode(engine.model, kv, states, max_num_seqs=8, max_model_len=96)
     if bucket is not None:
@@ -167,22 +171,7 @@ def test_padded_step_equals_unpadded_and_writes_nowhere_else(causal_ckpt, adapte
     for c, a, b in zip(chunks, padded, eager, strict=True):
         assert a.is_finite() and b.is_finite(), c.request.request_id
         torch.testing.assert_close(a.sample_logits, b.sample_logits, rtol=1e-5, atol=1e-5)
-    # the batch's own slots and pages: what the eager step wrote
-    own_slots = [c.request.state_slot for c in chunks]
-    ps = kv.page_size
-    own_rows = torch.cat([torch.arange(p * ps, (p + 1) * ps) for c in chunks for p in c.request.pages])
-    torch.testing.assert_close(states.recurrent[:, own_slots], eager_states.recurrent[:, own_slots])
-    torch.testing.assert_close(states.conv[:, own_slots], eager_states.conv[:, own_slots])
-    torch.testing.assert_close(kv.k[:, own_rows], eager_kv.k[:, own_rows], rtol=1e-5, atol=1e-5)
-    # everything else (foreign live sequences, free slots and pages, still NaN) bit for bit as before;
-    # the null page is the padding rows' write sink
-    other_slots = [s for s in range(states.num_slots) if s not in own_slots]
-    keep = torch.ones(kv.k.shape[1], dtype=torch.bool)
-    keep[own_rows] = False
-    keep[kv.null_page * ps : (kv.null_page + 1) * ps] = False
-    assert same_bits(states.recurrent[:, other_slots], before_rec[:, other_slots])
-    assert same_bits(states.conv[:, other_slots], before_conv[:, other_slots])
-    assert same_bits(kv.k[:, keep], before_k[:, keep]) and same_bits(kv.v[:, keep], before_v[:, keep])
+    assert_step_wrote_only_its_own(kv, states, chunks, eager_kv, eager_states, before, rtol=1e-5, atol=1e-5)
     assert torch.isnan(states.recurrent[:, sorted(set(range(8)) - states._slots._allocated)]).all()
 
 

@@ -24,7 +24,7 @@ from hylora.engine import short_step as ss  # noqa: E402
 from hylora.engine.runner import ModelRunner  # noqa: E402
 from hylora.engine.short_step import PaddedShortStep, ShortStepBuffers, fits_short_step, short_buckets  # noqa: E402
 from hylora.model.forward_batch import SequenceChunk  # noqa: E402
-from tests.decode_helpers import nan_fill_unowned, same_bits  # noqa: E402
+from tests.decode_helpers import assert_step_wrote_only_its_own, cache_snapshot, nan_fill_unowned  # noqa: E402
 from tests.engine_helpers import ADAPTERS, free_pages, greedy, make_engine, max_logprob_diff, run  # noqa: E402
 from tests.helpers import random_ids  # noqa: E402
 from tests.spec_helpers import write_mtp_checkpoint  # noqa: E402
@@ -147,8 +147,7 @@ def test_padded_short_step_equals_eager_and_writes_nowhere_else(causal_ckpt, ada
     eager = ModelRunner(engine.model, eager_kv, eager_states).execute(chunks)
 
     kv, states = engine.kv, engine.states
-    before_k, before_v = kv.k.clone(), kv.v.clone()
-    before_conv, before_rec = states.conv.clone(), states.recurrent.clone()
+    before = cache_snapshot(kv, states)
     runner = ModelRunner(engine.model, kv, states)
     runner.short = PaddedShortStep(engine.model, kv, states, max_tokens=64, max_drafts=0, max_model_len=96)
     if bucket is not None:
@@ -165,19 +164,7 @@ def test_padded_short_step_equals_eager_and_writes_nowhere_else(causal_ckpt, ada
         torch.testing.assert_close(a.sample_logits, b.sample_logits, **tol)
         torch.testing.assert_close(a.prompt_logits, b.prompt_logits, **tol)
     assert padded[-1].prompt_logits.shape[0] == 15
-    own_slots = [c.request.state_slot for c in chunks]
-    ps = kv.page_size
-    own_rows = torch.cat([torch.arange(p * ps, (p + 1) * ps) for c in chunks for p in c.request.pages])
-    torch.testing.assert_close(states.recurrent[:, own_slots], eager_states.recurrent[:, own_slots], **tol)
-    torch.testing.assert_close(states.conv[:, own_slots], eager_states.conv[:, own_slots], **tol)
-    torch.testing.assert_close(kv.k[:, own_rows], eager_kv.k[:, own_rows], **tol, equal_nan=True)
-    other_slots = [s for s in range(states.num_slots) if s not in own_slots]
-    keep = torch.ones(kv.k.shape[1], dtype=torch.bool)
-    keep[own_rows] = False
-    keep[kv.null_page * ps : (kv.null_page + 1) * ps] = False  # the padding tokens' write sink
-    assert same_bits(states.recurrent[:, other_slots], before_rec[:, other_slots])
-    assert same_bits(states.conv[:, other_slots], before_conv[:, other_slots])
-    assert same_bits(kv.k[:, keep], before_k[:, keep]) and same_bits(kv.v[:, keep], before_v[:, keep])
+    assert_step_wrote_only_its_own(kv, states, chunks, eager_kv, eager_states, before, **tol)
 
 
 # --- the engine with padded short steps ---------------------------------------------------------
