@@ -234,3 +234,22 @@ def test_padded_short_step_makes_no_host_sync(causal_ckpt, adapter_root):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert finite[:, :15].all()
+
+
+def test_speculating_with_verify_and_drafting_graphs_keeps_greedy_output(causal_ckpt, adapter_root, tmp_path):
+    from hylora.engine.cuda_graphs import CudaGraphDraft
+    from tests.spec_helpers import write_mtp_checkpoint
+
+    exact = write_mtp_checkpoint(causal_ckpt[0], tmp_path / "exact", "arranged", layer_scale=0.0)
+    arrivals = {0: [(f"r{i}", random_ids(20 + 9 * i, 320, seed=i), greedy(24), a) for i, a in enumerate(ADAPTER_OF)]}
+    config = dict(max_model_len=600, max_num_seqs=8, num_pages=160, dtype="float32", device="cuda")
+    plain = run(make_engine(exact, adapter_root, **config), arrivals)
+    engine = make_engine(exact, adapter_root, num_speculative_tokens=2, max_short_step_tokens=64, **config)
+    assert isinstance(engine.runner.short, CudaGraphShortStep) and isinstance(engine.drafter.padded, CudaGraphDraft)
+    spec = run(engine, arrivals)
+    for rid, out in plain.items():
+        assert spec[rid].error is None and spec[rid].token_ids == out.token_ids, rid
+        assert max_logprob_diff(spec[rid], out) <= 1e-4, rid
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
+    assert free_pages(engine) == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots

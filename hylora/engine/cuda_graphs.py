@@ -5,7 +5,8 @@ buffers of its bucket: the base-only graph runs no LoRA kernel; the adapter grap
 kernels over every slice for every slot, the grouping built on the device, so it serves any adapter
 mix. Short steps (engine/short_step.py: decode rows with a prompt's last few tokens, speculative
 verify steps): one graph per (token bucket, adapters present, verify), replaying
-`PaddedShortStep.step` the same way.
+`PaddedShortStep.step` the same way; the MTP layer's k drafting passes (engine/draft_step.py): one
+graph per token bucket.
 
 Each kind's graphs share one memory pool (captured largest first, so the smaller ones reuse its
 blocks). Graphs need the kernels that read their layout from the device and skip padding (the GDN
@@ -24,6 +25,7 @@ import torch
 from hylora import ops
 from hylora.cache import PagedKVCache, StatePool
 from hylora.engine.config import EngineConfig
+from hylora.engine.draft_step import PaddedDraft
 from hylora.engine.padded_decode import PaddedDecode
 from hylora.engine.short_step import PaddedShortStep
 from hylora.model.decoder import HybridDecoder
@@ -108,6 +110,20 @@ class CudaGraphShortStep(PaddedShortStep):
         return hidden, logits, finite
 
 
+class CudaGraphDraft(PaddedDraft):
+    """`PaddedDraft` whose steps replay captured graphs (one per token bucket; the MTP layer has no LoRA)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        fill = lambda bucket: self.fill([], bucket)  # noqa: E731
+        self.graphs = capture_graphs("MTP drafting", list(reversed(self.buckets)), fill, self.step, self.model.device)
+
+    def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        graph, (tokens, finite) = self.graphs[bucket]
+        graph.replay()
+        return tokens, finite
+
+
 def decode_kernels_graphable(model: HybridDecoder) -> str | None:
     """None if every decode kernel of the model can be captured, else why not (for the log)."""
     for layer in model.layers:
@@ -127,6 +143,25 @@ def short_step_kernels_graphable(model: HybridDecoder) -> str | None:
         if not layer.is_linear and layer.self_attn.decode_attention is None:
             return "the Triton paged decode attention is not installed (start-up check or --fast-kernels off)"
     return None
+
+
+def make_graph_draft(
+    model: HybridDecoder, kv: PagedKVCache, states: StatePool, config: EngineConfig
+) -> PaddedDraft | None:
+    """The MTP layer's drafting graphs when speculating with short-step graphs on (or their eager twin
+    on the CPU with `config.padded_decode`), else None: drafting runs pass by pass, eagerly."""
+    k = config.num_speculative_tokens
+    if not k or not config.max_short_step_tokens or model.mtp is None:
+        return None
+    args = (model, kv, states, config.max_short_step_tokens, k, config.max_model_len)
+    if model.device.type != "cuda":
+        return PaddedDraft(*args) if config.padded_decode else None
+    if config.enforce_eager:
+        return None
+    if any(layer.self_attn.decode_attention is None for layer in model.mtp.layers):
+        log.warning("MTP drafting graphs off: the Triton paged decode attention is not installed")
+        return None
+    return CudaGraphDraft(*args)
 
 
 def make_graph_decode(

@@ -18,6 +18,7 @@ from hylora.cache import PagedKVCache, StatePool
 from hylora.config import ModelConfig, parse_dtype
 from hylora.engine.chat_input import MediaSettings
 from hylora.engine.config import EngineConfig
+from hylora.engine.cuda_graphs import make_graph_draft
 from hylora.engine.encoder_cache import EncoderCache
 from hylora.engine.errors import DeviceFault, RequestError, is_device_error
 from hylora.engine.faults import FaultInjector
@@ -123,7 +124,10 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv, self.states, config)
         k = config.num_speculative_tokens
-        self.drafter = Drafter(self.model, self.kv, self.states, k) if speculate else None
+        self.drafter = None
+        if speculate:
+            padded = make_graph_draft(self.model, self.kv, self.states, config)
+            self.drafter = Drafter(self.model, self.kv, self.states, k, padded)
         self.spec_stats = SpecStats(accepted_per_position=[0] * k)
         self.eos_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from hylora.cache import PagedKVCache, StatePool
+from hylora.engine.draft_step import DraftJob, PaddedDraft
 from hylora.engine.host_copy import HostCopy
 from hylora.engine.request import Request, TokenLogprob
 from hylora.engine.sampler import (
@@ -229,12 +230,21 @@ def _grammar_prefix(req: Request, drafts: list[int]) -> list[int]:
 # --- draft -------------------------------------------------------------------------------------
 class Drafter:
     """Runs the MTP layer after each step and leaves each speculating request's drafts in
-    `Request.draft_ids` (module docstring, step 4)."""
+    `Request.draft_ids` (module docstring, step 4). With `padded` (engine/draft_step.py) a step that
+    fits runs as one padded drafting step (a CUDA graph on the GPU); else pass by pass, eagerly."""
 
-    def __init__(self, model: HybridDecoder, kv: PagedKVCache, states: StatePool, num_tokens: int) -> None:
+    def __init__(
+        self,
+        model: HybridDecoder,
+        kv: PagedKVCache,
+        states: StatePool,
+        num_tokens: int,
+        padded: PaddedDraft | None = None,
+    ) -> None:
         if model.mtp is None:
             raise ValueError("speculative decoding needs the model's MTP layer (load_model(..., mtp=True))")
         self.model, self.kv, self.states, self.k = model, kv, states, num_tokens
+        self.padded = padded
 
     def budget(self, req: Request, max_model_len: int) -> int:
         """How many drafts the request's next step may verify."""
@@ -250,57 +260,57 @@ class Drafter:
         num_drafts: Callable[[Request], int],  # drafts wanted (0: only keep the MTP cache up to date)
     ) -> None:
         """The MTP layer over the positions each request computed this step, then its drafts."""
-        seqs, hidden, wanted = [], [], []
+        reqs, jobs = [], []
         for c, rows in ran:
             req = c.request
             req.draft_ids = []
             n = req.num_computed - c.start  # positions computed this step (a verify chunk: 1 + accepted)
             if req.finished or n <= 0 or len(req.all_ids) < c.start + n + 1:
                 continue
-            end = c.start + n
-            seqs.append(self._chunk(req, req.all_ids[c.start + 1 : end + 1], c.start))
-            hidden.append(rows[:n])
-            wanted.append((req, num_drafts(req)))
-        if not seqs:
+            k = num_drafts(req)
+            first = self._chunk(req, req.all_ids[c.start + 1 : c.start + n + 1], c.start)
+            later = [self._chunk(req, [0], req.num_tokens - 2 + step) for step in range(1, k)]
+            reqs.append(req)
+            jobs.append(DraftJob(first, rows[:n], later, k))
+        if not jobs:
             return
-        batch = ForwardBatch.build(seqs, self.kv.page_size, self.model.device)
-        out = self.model.draft(batch, torch.cat(hidden), self.kv, self.states)  # [T, H]
-        last = (torch.tensor(batch.seq_lens).cumsum(0) - 1).tolist()
-        live = [(req, k, row) for (req, k), row in zip(wanted, last, strict=True) if k > 0]
-        if live:
-            drafts = self._drafts([(req, k) for req, k, _ in live], out[[row for _, _, row in live]])
-            for (req, _, _), d in zip(live, drafts, strict=True):
-                req.draft_ids = _grammar_prefix(req, d)
+        live = [i for i, job in enumerate(jobs) if job.drafts > 0]
+        if self.padded is not None and self.padded.fits(jobs):
+            tokens, finite = self.padded.run(jobs)  # [K, len(jobs)]
+        else:
+            tokens, finite = self._eager(jobs)
+        if not live:
+            return
+        host_tokens, host_finite = HostCopy(tokens, finite).values()  # the one wait for the host
+        for i in live:
+            d = []
+            for step in range(jobs[i].drafts):
+                if not host_finite[step][i]:
+                    break  # a request's drafts end before its first non-finite one (its output is unaffected)
+                d.append(int(host_tokens[step][i]))
+            reqs[i].draft_ids = _grammar_prefix(reqs[i], d)
 
-    def _drafts(self, live: list[tuple[Request, int]], hidden: torch.Tensor) -> list[list[int]]:
-        """Each request's k drafts: the MTP layer again on its own output and the draft before, one
-        position on, the tokens staying on the device; one wait for the host at the end. A request's
-        drafts end before its first non-finite one (its output is unaffected)."""
-        device, n = self.model.device, len(live)
-        tokens = torch.zeros(max(k for _, k in live), n, dtype=torch.long, device=device)  # [K, n]
+    def _eager(self, jobs: list[DraftJob]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pass by pass: the MTP layer over every job's first chunk, then again on its own output and
+        the draft before, one position on, for the jobs that want that many drafts, the tokens staying
+        on the device. Returns (tokens, finite) [K, len(jobs)] (K: the most drafts a job wants)."""
+        device = self.model.device
+        batch = ForwardBatch.build([j.first for j in jobs], self.kv.page_size, device)
+        h = self.model.draft(batch, torch.cat([j.hidden for j in jobs]), self.kv, self.states)  # [T, H]
+        h = h[(torch.tensor(batch.seq_lens).cumsum(0) - 1).tolist()]  # [n, H]: each job's last position
+        tokens = torch.zeros(max(j.drafts for j in jobs), len(jobs), dtype=torch.long, device=device)
         finite = torch.zeros(tokens.shape, dtype=torch.bool, device=device)
-        h = hidden  # [n, H]: each request's MTP output at its last position
         for step in range(tokens.shape[0]):
-            rows = [i for i, (_, k) in enumerate(live) if k > step]
+            rows = [i for i, j in enumerate(jobs) if j.drafts > step]
             index = torch.tensor(rows, device=device)
             if step > 0:  # the draft before is the input token: set on the device (no host read)
-                seqs = [self._chunk(live[i][0], [0], live[i][0].num_tokens - 2 + step) for i in rows]
-                batch = ForwardBatch.build(seqs, self.kv.page_size, device)
+                batch = ForwardBatch.build([jobs[i].later[step - 1] for i in rows], self.kv.page_size, device)
                 batch.input_ids = tokens[step - 1, index]
                 h = h.index_copy(0, index, self.model.draft(batch, h[index], self.kv, self.states, step))
             logits = self.model.logits(h[index])
             tokens[step, index] = logits.argmax(-1)
             finite[step, index] = torch.isfinite(logits).all(-1)
-        host_tokens, host_finite = HostCopy(tokens, finite).values()
-        drafts = []
-        for i, (_, k) in enumerate(live):
-            d = []
-            for step in range(k):
-                if not host_finite[step][i]:
-                    break
-                d.append(int(host_tokens[step][i]))
-            drafts.append(d)
-        return drafts
+        return tokens, finite
 
     def _chunk(self, req: Request, tokens: list[int], start: int) -> SequenceChunk:
         """MTP rows at positions start.. (row t: the token at t + 1), on the base weights."""
