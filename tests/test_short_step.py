@@ -86,7 +86,8 @@ def test_buffers_lay_out_tokens_sequences_and_padding():
     assert starts.tolist() == [0, 1, 4, 6, 7, 8, 8, 8, 8]
     assert batch.state_slots.tolist() == [3, 0, 2, -1, -1, -1, -1, -1]
     assert batch.seq_lens == [1, 3, 2, 1, 1, 0, 0, 0]
-    assert batch.spec_slots.tolist()[:3] == [[-1, -1], [7, 8], [-1, -1]]
+    assert batch.spec_slots.shape == (8, 63)  # a column per token after a chunk's first (chunks <= 64 tokens)
+    assert batch.spec_slots[:3, :2].tolist() == [[-1, -1], [7, 8], [-1, -1]] and (batch.spec_slots[:, 2:] == -1).all()
     assert batch.block_table[:6, :2].tolist() == [[4, 2], [6, 8], [6, 8], [6, 8], [5, 0], [5, 0]]
     assert batch.padded and not batch.is_decode and batch.attends_by_row
     assert buffers.batch(8, lora=False, spec=False, max_seq_len=16).lora is None

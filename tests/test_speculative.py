@@ -33,11 +33,19 @@ def mtp_ckpts(causal_ckpt, tmp_path_factory):
     }
 
 
-def engines(ckpt, k: int, adapter_root=None, **config):
-    """The same checkpoint without and with speculation."""
+# the speculating engine eagerly, and with its verify and drafting steps padded as their CUDA graphs pad them
+STEPS = pytest.mark.parametrize("padded", [False, True], ids=["eager-steps", "padded-steps"])
+
+
+def engines(ckpt, k: int, adapter_root=None, padded: bool = False, **config):
+    """The same checkpoint without and with speculation (`padded`: through the short-step and drafting
+    steps' padded twins, engine/short_step.py and engine/draft_step.py)."""
     config.setdefault("max_model_len", 256)
     plain = make_engine(ckpt, adapter_root, **config)
+    if padded:
+        config |= dict(padded_decode=True, max_short_step_tokens=64)
     spec = make_engine(ckpt, adapter_root, num_speculative_tokens=k, **config)
+    assert (spec.runner.short is not None) == (spec.drafter.padded is not None) == padded
     return plain, spec
 
 
@@ -68,10 +76,11 @@ def test_the_mtp_layer_loads_under_the_released_names(mtp_ckpts, causal_ckpt, de
 
 
 @pytest.mark.parametrize(("head", "k"), [("arranged", 1), ("arranged", 3), ("random", 2)])
-def test_greedy_tokens_and_logprobs_equal_decoding_without_speculation(mtp_ckpts, engine_adapter_root, head, k):
+@STEPS
+def test_greedy_tokens_and_logprobs_equal_decoding_without_speculation(mtp_ckpts, engine_adapter_root, head, k, padded):
     """Base and every adapter in one batch, arriving over several steps (prefill chunks mixed with
     verify chunks, and a prompt longer than a verify step allows alongside)."""
-    plain, spec = engines(mtp_ckpts[head], k, engine_adapter_root, max_loras=3)
+    plain, spec = engines(mtp_ckpts[head], k, engine_adapter_root, padded, max_loras=3)
     arrivals = {
         0: [("base", list(range(3, 40)), greedy(20), None), ("a0", list(range(5, 25)), greedy(17), ADAPTERS[0])],
         2: [("a1", list(range(7, 30)), greedy(19), ADAPTERS[1])],
@@ -171,8 +180,9 @@ def test_penalised_requests_decode_plainly_beside_speculating_ones(mtp_ckpts):
     assert_same(run(plain, requests), run(spec, requests))
 
 
-def test_a_faulted_speculating_request_fails_alone(mtp_ckpts):
-    plain, spec = engines(mtp_ckpts["arranged"], 2, enable_prefix_caching=False)
+@STEPS
+def test_a_faulted_speculating_request_fails_alone(mtp_ckpts, padded):
+    plain, spec = engines(mtp_ckpts["arranged"], 2, padded=padded, enable_prefix_caching=False)
     requests = {0: [(f"r{i}", list(range(3 + i, 22 + i)), greedy(14), None) for i in range(3)]}
     expected = run(plain, requests)
     for rid, prompt, params, adapter in requests[0]:
@@ -191,12 +201,13 @@ def test_a_faulted_speculating_request_fails_alone(mtp_ckpts):
     assert free_pages(spec) == spec.kv.num_pages and spec.states.num_free == spec.states.num_slots
 
 
-def test_speculation_with_the_prefix_cache_and_preemption(mtp_ckpts):
+@STEPS
+def test_speculation_with_the_prefix_cache_and_preemption(mtp_ckpts, padded):
     """Requests sharing a cached prefix, on too few KV pages for all of them (preemptions)."""
     shared = list(range(3, 70))
     requests = {i: [(f"r{i}", [*shared, 100 + i, 101 + i], greedy(24), None)] for i in range(4)}
     plain, _ = engines(mtp_ckpts["arranged"], 2, enable_prefix_caching=False)
-    _, spec = engines(mtp_ckpts["arranged"], 2, num_pages=14, page_size=8)
+    _, spec = engines(mtp_ckpts["arranged"], 2, padded=padded, num_pages=14, page_size=8)
     assert_same(run(plain, requests), run(spec, requests), tol=1e-4)  # (the cache's own tolerance)
     stats = spec.stats()
     assert stats.preemptions > 0 and stats.prefix_cache_hits > 0 and stats.spec_accepted_tokens > 0
@@ -280,7 +291,8 @@ def test_a_checkpoint_without_an_mtp_layer_is_refused_clearly(causal_ckpt):
         make_engine(causal_ckpt[0], num_speculative_tokens=2)
 
 
-def test_structured_outputs_speculate_within_their_grammar(mtp_ckpts):
+@STEPS
+def test_structured_outputs_speculate_within_their_grammar(mtp_ckpts, padded):
     """Drafts a grammar cannot take are cut before the verify step; each verified row is masked by
     the grammar's state after the drafts before it; the output is the one without speculation."""
     import re
@@ -289,7 +301,7 @@ def test_structured_outputs_speculate_within_their_grammar(mtp_ckpts):
 
     patterns = {"loose": r"[^<>]{0,40}", "strict": r"(Shang|Zhou|Han)( (Shang|Zhou|Han)){2,5}\."}
     results = []
-    for engine in engines(mtp_ckpts["arranged"], 3):
+    for engine in engines(mtp_ckpts["arranged"], 3, padded=padded):
         for name, pattern in patterns.items():
             grammar = engine.grammar_compiler().compile_blocking(StructuredSpec("regex", pattern))
             engine.add_request(name, list(range(3, 20)), greedy(30), grammar=grammar)

@@ -80,9 +80,12 @@ class ShortStepBuffers:
         self.device = torch.device(device)
         self.max_tokens, self.max_drafts, self.max_pages, self.page_size = max_tokens, max_drafts, max_pages, page_size
         self.null_row = null_page * page_size
-        self.head_size = TOKEN_FIELDS * max_tokens + 2 * max_tokens + 1 + max_tokens * max_drafts
+        # spec-slot columns: as many as the longest chunk has tokens after its first (the GDN kernels read
+        # a column per token of every chunk, -1 for a chunk that verifies nothing), not only max_drafts
+        self.spec_width = RECURRENT_MAX_TOKENS - 1 if max_drafts else 0
         pinned = self.device.type == "cuda"
-        size = self.head_size + max_tokens * max_pages
+        head = TOKEN_FIELDS * max_tokens + 2 * max_tokens + 1 + max_tokens * self.spec_width
+        size = head + max_tokens * max_pages
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
         self.staged = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.block_table = torch.zeros(max_tokens, max_pages, dtype=torch.int64, device=self.device)
@@ -95,12 +98,12 @@ class ShortStepBuffers:
         tok_end = TOKEN_FIELDS * bucket
         slot_end = tok_end + bucket
         start_end = slot_end + bucket + 1
-        spec_end = start_end + bucket * self.max_drafts
+        spec_end = start_end + bucket * self.spec_width
         return (
             buf[:tok_end].view(TOKEN_FIELDS, bucket),
             buf[tok_end:slot_end],
             buf[slot_end:start_end],
-            buf[start_end:spec_end].view(bucket, self.max_drafts),
+            buf[start_end:spec_end].view(bucket, self.spec_width),
             spec_end,
         )
 
@@ -118,7 +121,7 @@ class ShortStepBuffers:
         tokens[KV_ROW], tokens[LORA] = self.null_row, -1
         slots = np.full(bucket, -1, dtype=np.int64)
         starts = np.full(bucket + 1, bucket, dtype=np.int64)
-        spec = np.full((bucket, self.max_drafts), -1, dtype=np.int64)
+        spec = np.full((bucket, self.spec_width), -1, dtype=np.int64)
         table = np.zeros((bucket, width), dtype=np.int64)
         lens: list[int] = []
         t = 0
