@@ -2,6 +2,7 @@
 
     python3 bench/speculative_gpu.py --layers 16 --out spec.json     # H200, bf16, random weights
     python3 bench/speculative_gpu.py --tiny                          # CPU smoke run of the same code
+    python3 bench/speculative_gpu.py --layers 16 --short-step-tokens 0   # verify and drafting eager (run 18)
 
 Random weights draft nothing useful, so the drafts' *acceptance* is set by an oracle: the drafter
 runs the MTP layer as in serving (its cost is paid), then its tokens are replaced by the plain run's
@@ -87,6 +88,12 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the bench runs")
     ap.add_argument("--small", action="store_true", help="bench/engine_gpu.py's SMALL shape (a quick GPU check)")
     ap.add_argument("--fp32", action="store_true", help="fp32 weights: speculation must then change no token")
+    ap.add_argument(
+        "--short-step-tokens",
+        type=int,
+        default=128,
+        help="EngineConfig.max_short_step_tokens: verify and drafting steps as CUDA graphs (0: eager, as in run 18)",
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
@@ -99,7 +106,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     config = EngineConfig(
         max_model_len=args.prompt + args.max_tokens + 16, max_num_seqs=max(batches), device=device,
-        num_speculative_tokens=args.k, enable_prefix_caching=False,
+        num_speculative_tokens=args.k, enable_prefix_caching=False, max_short_step_tokens=args.short_step_tokens,
+        padded_decode=args.tiny,
     )  # fmt: skip
     t0 = time.perf_counter()
     engine = LLMEngine(work, config, {}, progress=False, model=model)
@@ -108,6 +116,7 @@ def main() -> None:
         "card": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "layers": cfg.num_layers,
         "k": args.k,
+        "short_step_tokens": args.short_step_tokens,
         "date": time.strftime("%Y-%m-%d"),
         "engine_setup_s": time.perf_counter() - t0,
         "rows": [],
