@@ -44,10 +44,12 @@ def capture_graphs(
     prepare: Callable[[Hashable], None],
     step: Callable[[Hashable], tuple[torch.Tensor, ...]],
     device: torch.device,
+    without: str = "--enforce-eager",
 ) -> dict[Hashable, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]]:
     """One graph of `step(key)` per key, in the order given (largest first: one shared pool), after
     `prepare(key)` (fill the buffers with padding: the warm-up writes nowhere live) and one eager
-    warm-up run (Triton compilation, cuBLAS workspaces). Returns key → (graph, its outputs)."""
+    warm-up run (Triton compilation, cuBLAS workspaces). Returns key → (graph, its outputs); on a
+    failure the error names the flag `without` that serves without these graphs."""
     torch.cuda.synchronize(device)
     free_before = torch.cuda.mem_get_info(device)[0]
     t0 = time.perf_counter()
@@ -65,7 +67,7 @@ def capture_graphs(
                 graphs[key] = (graph, outputs)
     except Exception as e:
         raise GraphCaptureError(
-            f"capturing the {what} CUDA graphs failed: {e!r}; start with --enforce-eager to serve without them"
+            f"capturing the {what} CUDA graphs failed: {e!r}; start with {without} to serve without them"
         ) from e
     torch.cuda.synchronize(device)
     used = free_before - torch.cuda.mem_get_info(device)[0]
@@ -102,7 +104,8 @@ class CudaGraphShortStep(PaddedShortStep):
         spec_variants = (False, True) if self.max_drafts else (False,)
         keys = [(b, lora, spec) for b in reversed(self.buckets) for lora in lora_variants for spec in spec_variants]
         fill = lambda key: self.buffers.fill([], key[0])  # noqa: E731
-        self.graphs = capture_graphs("short-step", keys, fill, lambda key: self.step(*key), self.model.device)
+        step = lambda key: self.step(*key)  # noqa: E731
+        self.graphs = capture_graphs("short-step", keys, fill, step, self.model.device, "--max-short-step-tokens 0")
 
     def _forward(self, bucket: int, lora: bool, spec: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         graph, (hidden, logits, finite) = self.graphs[(bucket, lora, spec)]
@@ -116,7 +119,8 @@ class CudaGraphDraft(PaddedDraft):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         fill = lambda bucket: self.fill([], bucket)  # noqa: E731
-        self.graphs = capture_graphs("MTP drafting", list(reversed(self.buckets)), fill, self.step, self.model.device)
+        buckets, device = list(reversed(self.buckets)), self.model.device
+        self.graphs = capture_graphs("MTP drafting", buckets, fill, self.step, device, "--max-short-step-tokens 0")
 
     def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         graph, (tokens, finite) = self.graphs[bucket]
