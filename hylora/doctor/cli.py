@@ -61,6 +61,13 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
         'e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'',
     )
     g.add_argument(
+        "--max-short-step-tokens",
+        type=int,
+        default=0,
+        help="in-process: serve short steps (decode rows with a few prompt tokens, verify steps) as CUDA graphs "
+        "(as hylora serve), so every check runs through them",
+    )
+    g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -224,6 +231,7 @@ def _run(args: argparse.Namespace) -> int:
         # the fast paths of the deployment checked in-process (a server's are its own)
         num_speculative_tokens=0 if endpoint else speculative.get("num_speculative_tokens", 0),
         enable_prefix_caching=args.enable_prefix_caching and endpoint is None,
+        max_short_step_tokens=0 if endpoint else args.max_short_step_tokens,
     )
     # the reference's engine: unquantised weights (an FP8 checkpoint's dequantised), which adapters merge
     # into; in-process it is also the deployment checked, unless that serves FP8 weights
