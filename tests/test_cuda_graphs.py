@@ -195,7 +195,7 @@ def _short_step_seqs(engine, verify: bool) -> list[SequenceChunk]:
 
 @pytest.mark.parametrize("shape", ["mixed", "verify"])
 def test_short_step_graph_replay_equals_the_eager_padded_step_bit_for_bit(causal_ckpt, adapter_root, shape):
-    engine = cuda_engine(causal_ckpt, adapter_root)
+    engine = cuda_engine(causal_ckpt, adapter_root, max_num_seqs=16)  # state slots for the spec slots too
     prefilled(engine, ADAPTER_OF[:5])
     kv, states = engine.kv, engine.states
     seqs = _short_step_seqs(engine, verify=shape == "verify")
@@ -221,7 +221,7 @@ def test_short_step_graph_replay_equals_the_eager_padded_step_bit_for_bit(causal
 
 
 def test_padded_short_step_makes_no_host_sync(causal_ckpt, adapter_root):
-    engine = cuda_engine(causal_ckpt, adapter_root, enforce_eager=True)
+    engine = cuda_engine(causal_ckpt, adapter_root, enforce_eager=True, max_num_seqs=16)
     prefilled(engine, ADAPTER_OF[:5])
     seqs = _short_step_seqs(engine, verify=True)
     short = PaddedShortStep(engine.model, engine.kv, engine.states, 32, 2, 600)
