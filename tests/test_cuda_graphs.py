@@ -183,13 +183,14 @@ def _short_step_seqs(engine, verify: bool) -> list[SequenceChunk]:
         if verify:
             spec = [states.allocate() for _ in range(2)]
             ids = r.all_ids[c.start : c.start + 1] + [7, 8]
-            seqs.append(SequenceChunk(ids, c.start, r.state_slot, r.pages + kv.allocate(1), lora, spec_slots=spec))
+            pages = r.pages + kv.allocate(1)
+            seqs.append(SequenceChunk(ids, c.start, r.state_slot, pages, lora_slot=lora, spec_slots=spec))
         else:
-            seqs.append(SequenceChunk(r.all_ids[c.start : c.start + 1], c.start, r.state_slot, r.pages, lora))
+            seqs.append(SequenceChunk(r.all_ids[c.start : c.start + 1], c.start, r.state_slot, r.pages, lora_slot=lora))
     if not verify:
         slot = states.allocate()
         states.reset(slot)
-        seqs.append(SequenceChunk(random_ids(16, 320, seed=5), 0, slot, kv.allocate(1), seqs[1].lora_slot))
+        seqs.append(SequenceChunk(random_ids(16, 320, seed=5), 0, slot, kv.allocate(1), lora_slot=seqs[1].lora_slot))
     return seqs
 
 
@@ -250,6 +251,6 @@ def test_speculating_with_verify_and_drafting_graphs_keeps_greedy_output(causal_
     for rid, out in plain.items():
         assert spec[rid].error is None and spec[rid].token_ids == out.token_ids, rid
         assert max_logprob_diff(spec[rid], out) <= 1e-4, rid
-    stats = engine.stats()
-    assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
+    stats = engine.stats()  # (the head drafts the base model's tokens: the adapters' requests reject some)
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
     assert free_pages(engine) == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
