@@ -95,8 +95,9 @@ def test_greedy_tokens_and_logprobs_equal_decoding_without_speculation(mtp_ckpts
     assert free_pages(spec) == spec.kv.num_pages and spec.states.num_free == spec.states.num_slots
 
 
-def test_an_exact_draft_head_is_always_accepted(mtp_ckpts):
-    plain, spec = engines(mtp_ckpts["exact"], 2)
+@STEPS
+def test_an_exact_draft_head_is_always_accepted(mtp_ckpts, padded):
+    plain, spec = engines(mtp_ckpts["exact"], 2, padded=padded)
     arrivals = {0: [("r", list(range(3, 20)), greedy(31), None)]}
     assert_same(run(plain, arrivals), run(spec, arrivals))
     stats = spec.stats()
@@ -149,8 +150,9 @@ def test_drafting_waits_for_the_host_once_and_a_non_finite_draft_ends_its_drafts
     assert drafts and all(d[0] == 1 for d in drafts)  # the NaN row: its first draft only
 
 
-def test_stops_and_limits_inside_a_verified_run_end_where_they_would_without_it(mtp_ckpts):
-    plain, spec = engines(mtp_ckpts["exact"], 3)
+@STEPS
+def test_stops_and_limits_inside_a_verified_run_end_where_they_would_without_it(mtp_ckpts, padded):
+    plain, spec = engines(mtp_ckpts["exact"], 3, padded=padded)
     reference = run(plain, {0: [("r", list(range(3, 20)), greedy(30), None)]})["r"]
     stop_token = reference.token_ids[6]
     stop_text = plain.tokenizer.decode(reference.token_ids[9:11])
@@ -167,8 +169,9 @@ def test_stops_and_limits_inside_a_verified_run_end_where_they_would_without_it(
     assert len(out_spec["length"].token_ids) == 6
 
 
-def test_penalised_requests_decode_plainly_beside_speculating_ones(mtp_ckpts):
-    plain, spec = engines(mtp_ckpts["arranged"], 2)
+@STEPS
+def test_penalised_requests_decode_plainly_beside_speculating_ones(mtp_ckpts, padded):
+    plain, spec = engines(mtp_ckpts["arranged"], 2, padded=padded)
     penalised = greedy(12, presence_penalty=0.8, frequency_penalty=0.3)
     requests = {
         0: [
@@ -213,8 +216,9 @@ def test_speculation_with_the_prefix_cache_and_preemption(mtp_ckpts, padded):
     assert stats.preemptions > 0 and stats.prefix_cache_hits > 0 and stats.spec_accepted_tokens > 0
 
 
-def test_streamed_outputs_carry_every_token_once(mtp_ckpts):
-    _, spec = engines(mtp_ckpts["exact"], 3)
+@STEPS
+def test_streamed_outputs_carry_every_token_once(mtp_ckpts, padded):
+    _, spec = engines(mtp_ckpts["exact"], 3, padded=padded)
     spec.add_request("r", list(range(3, 20)), greedy(20), None)
     streamed, texts, per_step = [], [], []
     while spec.has_unfinished():
