@@ -22,11 +22,12 @@ BASE = "hylora-demo"
 NEIGHBOUR_TOKENS = 160
 
 
-@pytest.fixture(scope="module", params=["eager-decode", "padded-decode-ahead"])
+@pytest.fixture(scope="module", params=["eager-decode", "padded-decode-ahead", "padded-speculating"])
 def decode_mode(request):
-    """Every test runs against the demo server twice: as it serves on the CPU, and with decode steps
-    padded as with CUDA graphs, so that decode ahead (the next step queued before the current one is
-    read) runs under the same offenders."""
+    """Every test runs against the demo server three times: as it serves on the CPU; with decode and
+    short steps padded as with CUDA graphs, so that decode ahead (the next step queued before the
+    current one is read) runs under the same offenders; and padded while speculating with the demo's
+    MTP layer (verify and drafting steps padded too)."""
     return request.param
 
 
@@ -45,7 +46,12 @@ def server(decode_mode, demo_cache_dir, root, tmp_path_factory):
     args += ["--adapter-root", str(root), "--dtype", "float32", "--device", "cpu"]
     log = tmp_path_factory.mktemp("logs") / "server.log"
     padded = ["--padded-decode", "--max-short-step-tokens", "64"]  # decode and short steps as graphs pad them
-    args += ["--enable-fault-injection"] + (padded if decode_mode == "padded-decode-ahead" else [])
+    mode_args = {
+        "eager-decode": [],
+        "padded-decode-ahead": padded,
+        "padded-speculating": [*padded, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'],
+    }
+    args += ["--enable-fault-injection", *mode_args[decode_mode]]
     with running_server(args, demo_cache_dir, log) as handle:
         yield handle.url
 
@@ -389,4 +395,8 @@ def test_decode_ahead_ran_on_the_padded_server(server, decode_mode):
     if decode_mode == "padded-decode-ahead":
         assert ahead > 50
     else:
-        assert ahead == 0  # the CPU runs decode eagerly: nothing to queue ahead
+        assert ahead == 0  # eager decode: nothing to queue ahead; speculating: decode ahead is off
+    drafts = sum(
+        float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total")
+    )
+    assert (drafts > 0) == (decode_mode == "padded-speculating")  # the offenders ran beside verify steps
