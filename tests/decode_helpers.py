@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from hylora.engine.decode_batch import bucket_for
@@ -98,6 +100,18 @@ def padded(engine):
 
     decode.run = run_recorded
     return engine
+
+
+def eager_step_on_copies(engine, chunks) -> tuple:
+    """(the eager step's results for `chunks`, run on copies of the engine's caches; those copies' kv
+    and states after it; cache_snapshot of the engine's own caches; a fresh runner on them, for the
+    padded step to compare)."""
+    from hylora.engine.runner import ModelRunner
+
+    eager_kv, eager_states = copy.deepcopy(engine.kv), copy.deepcopy(engine.states)
+    eager = ModelRunner(engine.model, eager_kv, eager_states).execute(chunks)
+    before = cache_snapshot(engine.kv, engine.states)
+    return eager, eager_kv, eager_states, before, ModelRunner(engine.model, engine.kv, engine.states)
 
 
 def cache_snapshot(kv, states) -> tuple[torch.Tensor, ...]:

@@ -10,7 +10,6 @@ interpreter. Capturing the graphs themselves needs CUDA (tests/test_cuda_graphs.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
@@ -24,10 +23,10 @@ from hylora.engine import EngineConfig  # noqa: E402
 from hylora.engine import decode_batch as db  # noqa: E402
 from hylora.engine.decode_batch import DecodeBuffers, DecodeRow, bucket_for, decode_buckets  # noqa: E402
 from hylora.engine.padded_decode import PaddedDecode  # noqa: E402
-from hylora.engine.runner import ModelRunner, _decode_rows  # noqa: E402
+from hylora.engine.runner import _decode_rows  # noqa: E402
 from tests.decode_helpers import (  # noqa: E402
     assert_step_wrote_only_its_own,
-    cache_snapshot,
+    eager_step_on_copies,
     nan_fill_unowned,
     padded,
 )
@@ -157,12 +156,8 @@ def test_padded_step_equals_unpadded_and_writes_nowhere_else(causal_ckpt, adapte
     assert len(chunks) == len(wanted) and all(c.num_tokens == 1 for c in chunks)
     nan_fill_unowned(engine)
 
-    eager_kv, eager_states = copy.deepcopy(engine.kv), copy.deepcopy(engine.states)
-    eager = ModelRunner(engine.model, eager_kv, eager_states).execute(chunks)
-
+    eager, eager_kv, eager_states, before, runner = eager_step_on_copies(engine, chunks)
     kv, states = engine.kv, engine.states
-    before = cache_snapshot(kv, states)
-    runner = ModelRunner(engine.model, kv, states)
     runner.decode = PaddedDecode(engine.model, kv, states, max_num_seqs=8, max_model_len=96)
     if bucket is not None:
         runner.decode.buckets = [bucket]  # force padding rows

@@ -11,7 +11,6 @@ Capturing the graphs needs CUDA (tests/test_cuda_graphs.py).
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
@@ -21,10 +20,13 @@ import torch  # noqa: E402
 
 from hylora.engine import EngineConfig  # noqa: E402
 from hylora.engine import short_step as ss  # noqa: E402
-from hylora.engine.runner import ModelRunner  # noqa: E402
 from hylora.engine.short_step import PaddedShortStep, ShortStepBuffers, fits_short_step, short_buckets  # noqa: E402
 from hylora.model.forward_batch import SequenceChunk  # noqa: E402
-from tests.decode_helpers import assert_step_wrote_only_its_own, cache_snapshot, nan_fill_unowned  # noqa: E402
+from tests.decode_helpers import (  # noqa: E402
+    assert_step_wrote_only_its_own,
+    eager_step_on_copies,
+    nan_fill_unowned,
+)
 from tests.engine_helpers import ADAPTERS, free_pages, greedy, make_engine, max_logprob_diff, run  # noqa: E402
 from tests.helpers import random_ids  # noqa: E402
 from tests.spec_helpers import write_mtp_checkpoint  # noqa: E402
@@ -144,12 +146,8 @@ def test_padded_short_step_equals_eager_and_writes_nowhere_else(causal_ckpt, ada
     assert sorted(c.num_tokens for c in chunks) == [1, 1, 1, 16]
     nan_fill_unowned(engine)
 
-    eager_kv, eager_states = copy.deepcopy(engine.kv), copy.deepcopy(engine.states)
-    eager = ModelRunner(engine.model, eager_kv, eager_states).execute(chunks)
-
+    eager, eager_kv, eager_states, before, runner = eager_step_on_copies(engine, chunks)
     kv, states = engine.kv, engine.states
-    before = cache_snapshot(kv, states)
-    runner = ModelRunner(engine.model, kv, states)
     runner.short = PaddedShortStep(engine.model, kv, states, max_tokens=64, max_drafts=0, max_model_len=96)
     if bucket is not None:
         runner.short.buckets = [bucket]  # force padding tokens
