@@ -204,3 +204,14 @@ def test_start_up_check_covers_spec_slots():
 
 def ignore_spec_slots(*args, spec_slots=None, **kwargs):
     return gdn_triton.recurrent_by_slot(*args, **kwargs)
+
+
+def test_save_conv_states_columns_bound_the_work_not_the_result():
+    lens = [3, 20, 2]  # a verify chunk of 1 + 2 drafts beside a longer prefill chunk: spec slots 19 wide
+    g, slots, spec, pool = spec_case(lens, seed=7, shape=(5, 3))
+    spec[:, 2:] = -1  # only the drafts' columns hold slots
+    x = torch.randn(sum(lens), 5, generator=g)
+    full, narrow = pool.clone(), pool.clone()
+    save_conv_states(x, full, slots, lens, spec)
+    save_conv_states(x, narrow, slots, lens, spec, columns=2)
+    assert same_bits(narrow, full) and not same_bits(full, pool)

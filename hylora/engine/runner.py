@@ -59,8 +59,9 @@ class ModelRunner:
         if input_ids is not None:
             raise ValueError("a decode step planned ahead needs the padded decode step")
         seqs = [_sequence_chunk(c) for c in chunks]
+        seq_lens = [len(s.token_ids) for s in seqs]
         keep_hidden = self.model.mtp is not None
-        rows, wanted = _logit_rows(chunks, [len(s.token_ids) for s in seqs])
+        rows, wanted = _logit_rows(chunks, seq_lens)
         if self.short is not None and self.short.fits(seqs):
             out = self.short.run(seqs)  # views of the step's buffers: copy what must outlive it
             hidden = out.hidden.clone() if keep_hidden else out.hidden
@@ -74,7 +75,6 @@ class ModelRunner:
             finite_logits = torch.isfinite(logits).all(dim=-1) if rows else finite_rows.new_ones(0)
         finite_rows, finite_logits = finite_rows.cpu(), finite_logits.cpu()
 
-        seq_lens = [len(s.token_ids) for s in seqs]
         starts = [0, *itertools.accumulate(seq_lens)][:-1]
         results = []
         for c, (sample_row, positions, first_prompt_row), start, n in zip(

@@ -183,6 +183,7 @@ class ShortStepBuffers:
             max_decode_len=max_seq_len,
             padded=True,
             spec_slots=spec_slots if spec else None,
+            spec_columns=self.max_drafts if spec else None,
             seq_layout=(tokens[SEQ], starts),
         )
 

@@ -51,6 +51,8 @@ class ForwardBatch:
     # [N, J] pool slot that receives each sequence's GDN state after its token j (j < seq_len - 1;
     # -1: none), for speculative verify steps (SequenceChunk.spec_slots); None: no such sequence
     spec_slots: torch.Tensor | None = None
+    # only spec_slots[:, :spec_columns] may hold a slot (a padded step's drafts); None: every column
+    spec_columns: int | None = None
     # a padded short step (engine/short_step.py): (sequence of each token [T], first token of each
     # sequence [N + 1]) on the device, which the GDN kernels read; `seq_lens` then only fixes T and N
     # (a CUDA graph replays the step for other lengths)

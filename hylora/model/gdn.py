@@ -65,7 +65,10 @@ class GatedDeltaNet(nn.Module):
         layout = batch.seq_layout  # a padded short step: the sequences as the device holds them
         starts = layout[1] if layout is not None else None
         if batch.spec_slots is not None:  # a verify step: the conv state after each token, before the conv moves on
-            save_conv_states(qkv, states.conv[layer], slots, batch.seq_lens, batch.spec_slots, starts=starts)
+            save_conv_states(
+                qkv, states.conv[layer], slots, batch.seq_lens, batch.spec_slots, starts=starts,
+                columns=batch.spec_columns,
+            )  # fmt: skip
         # q, k, v as three contiguous tensors: the delta-rule kernels would copy strided views
         splits = (self.key_dim, self.key_dim, self.value_dim)
         w = self.conv1d.weight[:, 0]

@@ -87,10 +87,13 @@ def save_conv_states(
     seq_lens: list[int],
     spec_slots: torch.Tensor,  # [N, J], J >= max(seq_lens) - 1
     starts: torch.Tensor | None = None,  # [N + 1] on the device (a CUDA graph's padded step); None: from seq_lens
+    columns: int | None = None,  # only spec_slots[:, :columns] may hold a slot (the rest are -1); None: all
 ) -> None:
     """For a speculative verify step: writes into conv_state[spec_slots[i, j]] the conv state sequence i
     has after its token j < n_i - 1 (its last K-1 inputs up to token j); -1 entries and rows whose slot
     is negative write nothing. Call it before the conv, which moves conv_state[slots] past the chunk.
+    `columns` bounds the work (a padded step's spec slots are as wide as its longest chunk, its drafts
+    only `columns` wide).
 
     Spec slots must be distinct and differ from every slot in `slots`. No host sync (a CUDA graph
     captures it): which entries write follows from `starts` on the device; entries that write nothing
@@ -98,6 +101,8 @@ def save_conv_states(
     N, J, T = len(seq_lens), spec_slots.shape[1] if spec_slots.dim() == 2 else 0, x.shape[0]
     if spec_slots.dim() != 2 or spec_slots.shape[0] != N or max(seq_lens, default=0) - 1 > J:
         raise ValueError(f"save_conv_states: spec_slots {tuple(spec_slots.shape)} do not fit lengths {seq_lens}")
+    if columns is not None:
+        J, spec_slots = min(J, columns), spec_slots[:, :columns]
     if J <= 0 or T == 0:
         return
     if starts is None:
