@@ -132,6 +132,8 @@ class ForwardBatch:
             decode_lens=decode_lens.to(device) if decode_lens is not None else None,
             max_decode_len=int(decode_lens.max()) if decode_lens is not None else 0,
             spec_slots=spec_slots.to(device) if spec_slots is not None else None,
+            # a verify chunk's drafts: the columns that may hold a slot (a prefill chunk beside it is longer)
+            spec_columns=max((len(c.token_ids) - 1 for c in chunks if c.spec_slots), default=None),
         )
 
 
