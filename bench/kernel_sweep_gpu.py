@@ -13,7 +13,9 @@ candidate that is not exact to bf16 rounding is marked, never picked). The defau
   down): decode (32, 64 tokens) and prefill (2048, 8192 tokens in 512-token sequences), each config
   of `hylora.ops.lora.triton.SWEEP_CONFIGS` beside the base GEMM of the same linear.
 
-    python bench/kernel_sweep_gpu.py [--out sweep.json] [--only gdn,attention,lora]
+- The short steps' token-by-token GDN kernel (`--only recurrent`): 32 x 1, verify 1/8/32 x 3, 4 x 16.
+
+    python bench/kernel_sweep_gpu.py [--out sweep.json] [--only gdn,attention,lora,recurrent]
 """
 
 from __future__ import annotations
@@ -132,6 +134,52 @@ def gdn_sweep(cfg: ModelConfig) -> list[dict]:
     GDN_BEST.append(best)
     return rows
 
+
+@torch.inference_mode()
+def recurrent_sweep(cfg: ModelConfig) -> list[dict]:
+    """The token-by-token GDN kernel of short steps (`ops/gated_delta_rule/triton.recurrent_by_slot`):
+    decode-like rows (32 x 1), speculative verify chunks (b x 3 with spec slots) and a short prompt."""
+    from hylora.ops.gated_delta_rule import triton as recurrent
+
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    rows = []
+    for N, L, spec in ((32, 1, False), (1, 3, True), (8, 3, True), (32, 3, True), (4, 16, False)):
+        T, S = N * L, N * L + 1
+        g = torch.Generator(DEV).manual_seed(T)
+        q, k = (torch.randn(T, hk, dk, device=DEV, dtype=DT, generator=g) for _ in range(2))
+        v = torch.randn(T, hv, dv, device=DEV, dtype=DT, generator=g)
+        b, a = (torch.randn(T, hv, device=DEV, dtype=DT, generator=g) for _ in range(2))
+        A_log, dt_bias = torch.rand(hv, device=DEV, generator=g).log(), torch.zeros(hv, device=DEV)
+        perm = torch.randperm(S, device=DEV, generator=g)
+        slots = perm[:N]
+        spec_slots = perm[N : N + N * (L - 1)].view(N, L - 1) if spec else None
+        pool0 = torch.randn(S, hv, dk, dv, device=DEV, generator=g) * 0.1
+        lens = [L] * N
+        kw = dict(q=q, k=k, v=v, b=b, a=a, A_log=A_log, dt_bias=dt_bias, slots=slots, seq_lens=lens, scale=dk**-0.5,
+                  spec_slots=spec_slots)  # fmt: skip
+        ref_pool = pool0.clone()
+        o_ref = recurrent.recurrent_by_slot(**kw, state_pool=ref_pool, block_v=32, num_warps=4, v_blocks=1)
+        writes = N * (1 + (L - 1 if spec else 0))
+        roofline = 1e3 * ((N + writes) * hv * dk * dv * 4 + 4 * T * hv * dv * 2) / BW
+        name = f"{N} x {L}" + (" verify" if spec else "")
+        print(f"recurrent_by_slot, {name} (roofline {1e3 * roofline:.1f} us; the first config is the default)")
+        group = []
+        for block_v, warps, v_blocks in RECURRENT_CONFIGS:
+            knobs = dict(block_v=block_v, num_warps=warps, v_blocks=v_blocks)
+            pool = pool0.clone()
+            err = rel_error(recurrent.recurrent_by_slot(**kw, state_pool=pool, **knobs), o_ref)
+            err = max(err, rel_error(pool, ref_pool))
+            ms = bench(partial(recurrent.recurrent_by_slot, **kw, state_pool=pool0.clone(), **knobs))
+            config = f"block_v {block_v}, {warps} warps, {v_blocks} blocks a program"
+            group.append(dict(kernel="recurrent_by_slot", shape=name, config=config, knobs=(block_v, warps, v_blocks),
+                              ms=ms, roofline_ms=roofline, err=err, ok=err < 1e-4))  # fmt: skip
+        show(group, "config", f"recurrent_by_slot {name}")
+        rows += group
+    return rows
+
+
+RECURRENT_CONFIGS = [(32, 4, 1), (32, 4, 2), (32, 4, 4), (16, 4, 1), (16, 4, 4), (64, 8, 1), (64, 8, 2), (16, 2, 2)]
 
 # (block_v, num_warps, dv blocks a program) that sm_90 compiles without register spills at the 27B
 # shape (ptxas -v through tests/sm90_compile.py); the sweep times only these
@@ -276,7 +324,12 @@ def main() -> None:
     cfg = ModelConfig.from_hf(QWEN36_27B)
     result = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
     tokens = tuple(int(t) for t in args.lora_tokens.split(","))
-    sweeps = {"gdn": gdn_sweep, "attention": attention_sweep, "lora": partial(lora_sweep, token_counts=tokens)}
+    sweeps = {
+        "gdn": gdn_sweep,
+        "recurrent": recurrent_sweep,
+        "attention": attention_sweep,
+        "lora": partial(lora_sweep, token_counts=tokens),
+    }
     for name in args.only.split(","):
         t0 = time.perf_counter()
         result[name] = sweeps[name](cfg)

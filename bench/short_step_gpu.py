@@ -14,7 +14,9 @@ Per shape, base and 8 mixed rank-16 adapters: median wall ms (bench/decode_gpu.w
 all logits, the finiteness flags copied to the host) of the short step replayed from its graph, the
 same step run eagerly (the runner's path before short-step graphs: ForwardBatch.build, forward,
 logits), and the plain decode step of the same sequences (graph); the graph's logits against the
-eager step's from the same states (max |diff|, and whether every row's argmax agrees).
+eager step's from the same states (max |diff|, the share of rows whose argmax agrees), beside the
+bf16 noise the engine already serves with: the plain decode step's logits of the one-token rows
+against the eager step's, and the largest |logit|.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from bench.prefix_cache_gpu import TINY  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import write_tokenizer  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine  # noqa: E402
-from hylora.engine.decode_batch import DecodeRow  # noqa: E402
+from hylora.engine.decode_batch import DecodeRow, bucket_for  # noqa: E402
+from hylora.engine.padded_decode import PaddedDecode  # noqa: E402
+from hylora.engine.short_step import PaddedShortStep  # noqa: E402
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
 
 
@@ -89,6 +93,15 @@ def measure(engine: LLMEngine, name: str, lens: list[int], verify: bool, k: int,
             ref = eager(engine, seqs).float().cpu()
             restore()
             got = graphed(engine, seqs).float().cpu()
+            restore()
+            # the bf16 noise the engine already accepts: the plain decode step's logits of the one-token
+            # rows against the eager step's (different kernels, same maths)
+            ones = [i for i, m in enumerate(lens) if m == 1]
+            decode_vs_eager = None
+            if ones and engine.runner.decode is not None:
+                first = [sum(lens[:i]) for i in ones]
+                dec = engine.runner.decode.run([decode_rows[i] for i in ones]).logits.float().cpu()
+                decode_vs_eager = float((dec - ref[first]).abs().max())
             row = {
                 "step": name,
                 "adapters": "8 mixed" if mixed else "base",
@@ -99,7 +112,9 @@ def measure(engine: LLMEngine, name: str, lens: list[int], verify: bool, k: int,
                 if engine.runner.decode is not None
                 else None,
                 "max_abs_logit_diff": float((got - ref).abs().max()),
-                "argmax_agree": bool((got.argmax(-1) == ref.argmax(-1)).all()),
+                "argmax_agree": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+                "decode_vs_eager_max_abs_diff": decode_vs_eager,
+                "max_abs_logit": float(ref.abs().max()),
                 "finite": bool(torch.isfinite(got).all()),
             }
             restore()
@@ -109,7 +124,8 @@ def measure(engine: LLMEngine, name: str, lens: list[int], verify: bool, k: int,
             print(
                 f"| {name} | {row['adapters']} | {row['tokens']} | {row['graph_ms']:.2f} | {row['eager_ms']:.2f} | "
                 f"{row['eager_ms'] / row['graph_ms']:.2f} | {dec} | {ratio} | {row['max_abs_logit_diff']:.3g} | "
-                f"{row['argmax_agree']} |",
+                f"{row['argmax_agree']:.2f} | {'-' if decode_vs_eager is None else f'{decode_vs_eager:.3g}'} | "
+                f"{row['max_abs_logit']:.3g} |",
                 flush=True,
             )
     finally:
@@ -120,12 +136,77 @@ def measure(engine: LLMEngine, name: str, lens: list[int], verify: bool, k: int,
     return rows
 
 
+def kernel_ms(fn, repeats: int = 5) -> dict[str, float]:
+    """GPU time per kernel name (ms per call of `fn`), under torch.profiler (CPU: time per op)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            fn()
+        sync()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total" if cuda else "self_cpu_time_total", 0.0)
+        if t > 0:
+            out[e.key] = out.get(e.key, 0.0) + t / 1e3 / repeats
+    return out
+
+
+@torch.inference_mode()
+def profile_against_decode(engine: LLMEngine, lens: list[int], verify: bool, k: int, context: int) -> dict:
+    """The eager padded short step against the eager padded decode step of as many sequences: GPU
+    time per kernel, the kernels that differ most first."""
+    kv, states, n = engine.kv, engine.states, len(lens)
+    slots = [states.allocate() for _ in range(n)]
+    spec = [[states.allocate() for _ in range(k)] for _ in range(n)] if verify else [None] * n
+    pages = [kv.allocate(kv.pages_needed(context + max(lens))) for _ in range(n)]
+    seqs = [
+        SequenceChunk(token_ids=[100 + j for j in range(m)], context_len=context, state_slot=slots[i],
+                      pages=pages[i], lora_slot=-1, spec_slots=spec[i])
+        for i, m in enumerate(lens)
+    ]  # fmt: skip
+    rows = [DecodeRow(100, context, slots[i], pages[i], -1) for i in range(n)]
+    short, decode = engine.runner.short, engine.runner.decode
+    bucket, dbucket = bucket_for(sum(lens), short.buckets), bucket_for(n, decode.buckets)
+
+    def short_step() -> None:
+        short.buffers.fill(seqs, bucket)
+        PaddedShortStep.step(short, bucket, False, verify)
+
+    def decode_step() -> None:
+        decode.buffers.fill(rows, dbucket)
+        PaddedDecode.step(decode, dbucket, False)
+
+    try:
+        a, b = kernel_ms(short_step), kernel_ms(decode_step)
+    finally:
+        for p in pages:
+            kv.free(p)
+        for slot in slots + [s for group in spec if group for s in group]:
+            states.free(slot)
+    names = sorted(set(a) | set(b), key=lambda x: -abs(a.get(x, 0) - b.get(x, 0)))
+    print(
+        f"\n{lens[0]} x {n} ({'verify' if verify else 'plain'}), bucket {bucket}: short step "
+        f"{sum(a.values()):.2f} ms of kernels, decode step of {n} rows {sum(b.values()):.2f} ms",
+        flush=True,
+    )
+    print("| kernel | short ms | decode ms |\n| --- | --- | --- |")
+    for name in names[:14]:
+        print(f"| {name[:90]} | {a.get(name, 0):.3f} | {b.get(name, 0):.3f} |")
+    return {"lens": lens, "verify": verify, "short_ms": a, "decode_ms": b}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=64)
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--context", type=int, default=576)
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the bench runs")
+    ap.add_argument("--profile", action="store_true", help="GPU time per kernel: short step vs decode step")
     ap.add_argument("--out")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
@@ -154,8 +235,16 @@ def main() -> None:
         "rows": [],
     }
     print("| step | adapters | tokens | graph ms | eager ms | eager / graph | decode ms (graph) | graph / decode | "
-          "max abs logit diff | argmax agree |", flush=True)  # fmt: skip
-    print("|" + " --- |" * 10, flush=True)
+          "max abs logit diff | argmax agree | decode vs eager: max abs diff | max abs logit |",
+          flush=True)  # fmt: skip
+    print("|" + " --- |" * 12, flush=True)
+    if args.profile:
+        result["profiles"] = [
+            profile_against_decode(engine, [args.k + 1] * b, True, args.k, args.context) for b in (1, 8)
+        ] + [profile_against_decode(engine, [1] * 31 + [16], False, args.k, args.context)]
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        return
     leases = [engine.adapters.acquire(name) for name in adapters]
     try:
         for name, (lens, verify) in shapes(args.k).items():

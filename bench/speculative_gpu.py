@@ -10,7 +10,19 @@ greedy continuation, each draft wrong with probability 1 - p (acceptance stops a
 one). The output must equal the plain run's (checked). Per batch size: the plain decode's output
 tokens/s (CUDA graphs and decode ahead, as served), and with speculation (k drafts) at per-draft
 acceptance p = 0.6 / 0.8 / 0.9 / 1.0: tokens/s, tokens per step, and the mean step time against the
-plain decode step's — the cost of a verify step of k + 1 tokens per sequence.
+plain decode step's — the cost of a verify step of k + 1 tokens per sequence. The row "head" uses
+the MTP layer's own drafts (no oracle).
+
+In bf16 a random model's greedy output is full of near-ties, so the verify step's rounding (not the
+plain decode step's) would turn the output aside within a few tokens, and the oracle's drafts (the
+plain run's continuation) would then all be wrong. `--arranged` (the default on a GPU) arranges the
+random weights as tests/spec_helpers.py's "arranged" checkpoint, with a large margin: the residual
+stream carries the token's embedding (scaled up; the layers' output projections scaled down, so
+every layer still computes at full size), the lm_head maps a token's embedding to the next token
+of a fixed permutation, and the MTP layer passes the next token's embedding through (fc = [I | 0],
+zero o_proj and down_proj): its drafts are the model's own next tokens, and bf16 rounding turns no
+greedy choice. `--adapters N`: request i runs on random rank-16 adapter i mod N (the verify and
+drafting steps with LoRA; the MTP layer runs on the base weights).
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine_gpu import QWEN36_27B, SMALL, random_model  # noqa: E402
+from bench.engine_gpu import QWEN36_27B, SMALL, random_adapters, random_model  # noqa: E402
 from bench.prefix_cache_gpu import TINY, random_ids  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import write_tokenizer  # noqa: E402
@@ -35,11 +47,35 @@ from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from hylora.engine.speculative import Drafter  # noqa: E402
 
 
-def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[dict, float, int]:
+def arrange(model: torch.nn.Module, layer_scale: float = 0.01, embed_rms: float = 1.0, top_logit: float = 30.0) -> None:
+    """Arrange random weights in place so that greedy decoding follows a fixed permutation of the
+    vocabulary with a large margin and the MTP layer drafts it exactly (the module docstring)."""
+    embed = model.embed_tokens.weight
+    embed.mul_(embed_rms / embed.float().pow(2).mean().sqrt())
+    for name, p in model.named_parameters():
+        if not name.startswith("mtp.") and name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
+            p.mul_(layer_scale)
+    vocab, hidden = embed.shape
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(0)).to(embed.device)
+    # logit of token j for hidden h: lm_head[j] . norm(h); with lm_head[j] = c * embed[perm[j]] the
+    # largest is the j with perm[j] = the current token, about c * embed_rms * hidden
+    model.lm_head.weight.copy_(embed[perm] * (top_logit / (embed_rms * hidden)))
+    mtp = model.mtp
+    with torch.no_grad():
+        mtp.fc.weight.zero_()
+        mtp.fc.weight[:, :hidden].copy_(torch.eye(hidden, dtype=mtp.fc.weight.dtype))
+        for name, p in mtp.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")) or name.endswith("norm.weight"):
+                p.zero_()
+
+
+def generate(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, adapters: list[str]
+) -> tuple[dict, float, int]:
     """All prompts at once; (outputs, seconds from the last first token to the end, decode steps)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
+        engine.add_request(f"r{i}", p, params, adapter=adapters[i % len(adapters)] if adapters else None)
     done, started, t0, steps0 = {}, set(), None, 0
     while engine.has_unfinished():
         for out in engine.step():
@@ -94,8 +130,16 @@ def main() -> None:
         default=128,
         help="EngineConfig.max_short_step_tokens: verify and drafting steps as CUDA graphs (0: eager, as in run 18)",
     )
+    ap.add_argument(
+        "--arranged",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="arranged weights (default: on a GPU); --no-arranged: plain random weights (run 18)",
+    )
+    ap.add_argument("--adapters", type=int, default=0, help="requests round-robin over N random adapters")
     ap.add_argument("--out")
     args = ap.parse_args()
+    arranged = (not args.tiny) if args.arranged is None else args.arranged
     device = "cpu" if args.tiny else "cuda"
     big = SMALL if args.small else dict(QWEN36_27B, num_hidden_layers=args.layers)
     shape = dict(TINY if args.tiny else big, mtp_num_hidden_layers=1)
@@ -103,20 +147,26 @@ def main() -> None:
     work = Path(tempfile.mkdtemp())
     write_tokenizer(work, 1024)
     model = random_model(cfg, device, torch.float32 if args.tiny or args.fp32 else torch.bfloat16, mtp=True)
+    if arranged:
+        arrange(model)
+    adapter_dirs = random_adapters(work / "adapters", cfg, n=args.adapters) if args.adapters else {}
+    names = list(adapter_dirs)
     batches = [int(b) for b in args.batches.split(",")]
     config = EngineConfig(
         max_model_len=args.prompt + args.max_tokens + 16, max_num_seqs=max(batches), device=device,
         num_speculative_tokens=args.k, enable_prefix_caching=False, max_short_step_tokens=args.short_step_tokens,
-        padded_decode=args.tiny,
+        padded_decode=args.tiny, max_loras=max(1, args.adapters), max_lora_rank=16,
     )  # fmt: skip
     t0 = time.perf_counter()
-    engine = LLMEngine(work, config, {}, progress=False, model=model)
+    engine = LLMEngine(work, config, adapter_dirs, progress=False, model=model)
     drafter = engine.drafter
     result = {
         "card": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "layers": cfg.num_layers,
         "k": args.k,
         "short_step_tokens": args.short_step_tokens,
+        "arranged": arranged,
+        "adapters": args.adapters,
         "date": time.strftime("%Y-%m-%d"),
         "engine_setup_s": time.perf_counter() - t0,
         "rows": [],
@@ -127,21 +177,23 @@ def main() -> None:
     for b in batches:
         prompts = [random_ids(args.prompt, seed=100 * b + i) for i in range(b)]
         engine.drafter = None  # plain decoding: CUDA graphs and decode ahead
-        generate(engine, prompts[:1], 8)  # warm-up
-        plain, secs, steps = generate(engine, prompts, args.max_tokens)
+        generate(engine, prompts[:1], 8, names)  # warm-up
+        plain, secs, steps = generate(engine, prompts, args.max_tokens, names)
         tokens = b * (args.max_tokens - 1)  # (the first token of each comes from its prefill)
         plain_tok_s, plain_ms = tokens / secs, 1e3 * secs / steps
         result["rows"].append({"batch": b, "mode": "plain", "tok_s": plain_tok_s, "step_ms": plain_ms})
         print(f"| {b} | plain | {plain_tok_s:.0f} | 1.00 | {plain_ms:.2f} | 1.00 | 1.00 |", flush=True)
         engine.drafter = drafter
-        for accept in (float(a) for a in args.accept.split(",")):
-            oracle(engine, plain, accept, seed=b)
-            done, secs, steps = generate(engine, prompts, args.max_tokens)
+        for accept in [float(a) for a in args.accept.split(",")] + ["head"]:
+            mode = "head" if accept == "head" else f"p={accept}"
+            if accept != "head":
+                oracle(engine, plain, accept, seed=b)
+            done, secs, steps = generate(engine, prompts, args.max_tokens, names)
             drafter.propose = Drafter.propose.__get__(drafter)  # type: ignore[method-assign]
             same = all(done[r].token_ids == plain[r].token_ids for r in plain)
             diverge = [_first_difference(done[r].token_ids, plain[r].token_ids) for r in plain]
             row = {
-                "batch": b, "mode": f"k={args.k} p={accept}", "tok_s": tokens / secs, "step_ms": 1e3 * secs / steps,
+                "batch": b, "mode": f"k={args.k} {mode}", "tok_s": tokens / secs, "step_ms": 1e3 * secs / steps,
                 "tokens_per_step": tokens / b / steps, "speedup": tokens / secs / plain_tok_s, "same_output": same,
                 "first_difference": diverge,
             }  # fmt: skip

@@ -100,9 +100,9 @@ def test_reference_spec_state_is_the_state_after_the_prefix(lens):
     assert same_bits(pool[~expected], pool0[~expected])  # -1 entries, columns past n_i - 1, unowned slots
 
 
-@pytest.mark.parametrize("block_v", [8, 16], ids=lambda b: f"block_v{b}")
+@pytest.mark.parametrize("block_v,v_blocks", [(8, 1), (16, 1), (8, 2)], ids=lambda b: str(b))
 @pytest.mark.parametrize("lens", [[1, 2, 3, 5, 0], [3, 1, 5, 2]], ids=str)
-def test_triton_spec_states_equal_the_reference(lens, block_v):
+def test_triton_spec_states_equal_the_reference(lens, block_v, v_blocks):
     g, slots, spec, pool = spec_case(lens, seed=7 + sum(lens), shape=(HV, DK, DV))
     pool[slots] *= 0.1
     args = gdn_args(lens, g)
@@ -113,7 +113,7 @@ def test_triton_spec_states_equal_the_reference(lens, block_v):
     out = torch.full_like(o_ref, NAN)
     o = gdn_triton.recurrent_by_slot(
         **args, state_pool=pool, slots=slots, seq_lens=lens, scale=SCALE, out=out, block_v=block_v,
-        spec_slots=spec.to(torch.int32),
+        v_blocks=v_blocks, spec_slots=spec.to(torch.int32),
     )  # fmt: skip
     assert o is out
     torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
