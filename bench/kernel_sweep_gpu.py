@@ -159,27 +159,29 @@ def recurrent_sweep(cfg: ModelConfig) -> list[dict]:
         kw = dict(q=q, k=k, v=v, b=b, a=a, A_log=A_log, dt_bias=dt_bias, slots=slots, seq_lens=lens, scale=dk**-0.5,
                   spec_slots=spec_slots)  # fmt: skip
         ref_pool = pool0.clone()
-        o_ref = recurrent.recurrent_by_slot(**kw, state_pool=ref_pool, block_v=32, num_warps=4, v_blocks=1)
+        o_ref = recurrent.recurrent_by_slot(**kw, state_pool=ref_pool, block_v=32, num_warps=4)
         writes = N * (1 + (L - 1 if spec else 0))
         roofline = 1e3 * ((N + writes) * hv * dk * dv * 4 + 4 * T * hv * dv * 2) / BW
         name = f"{N} x {L}" + (" verify" if spec else "")
         print(f"recurrent_by_slot, {name} (roofline {1e3 * roofline:.1f} us; the first config is the default)")
         group = []
-        for block_v, warps, v_blocks in RECURRENT_CONFIGS:
-            knobs = dict(block_v=block_v, num_warps=warps, v_blocks=v_blocks)
+        for block_v, warps in RECURRENT_CONFIGS:
+            knobs = dict(block_v=block_v, num_warps=warps)
             pool = pool0.clone()
             err = rel_error(recurrent.recurrent_by_slot(**kw, state_pool=pool, **knobs), o_ref)
             err = max(err, rel_error(pool, ref_pool))
             ms = bench(partial(recurrent.recurrent_by_slot, **kw, state_pool=pool0.clone(), **knobs))
-            config = f"block_v {block_v}, {warps} warps, {v_blocks} blocks a program"
-            group.append(dict(kernel="recurrent_by_slot", shape=name, config=config, knobs=(block_v, warps, v_blocks),
+            config = f"block_v {block_v}, {warps} warps"
+            group.append(dict(kernel="recurrent_by_slot", shape=name, config=config, knobs=(block_v, warps),
                               ms=ms, roofline_ms=roofline, err=err, ok=err < 1e-4))  # fmt: skip
         show(group, "config", f"recurrent_by_slot {name}")
         rows += group
     return rows
 
 
-RECURRENT_CONFIGS = [(32, 4, 1), (32, 4, 2), (32, 4, 4), (16, 4, 1), (16, 4, 4), (64, 8, 1), (64, 8, 2), (16, 2, 2)]
+# (block_v, num_warps); the first is the default. Run 21 also timed programs that walk 2 or 4 dv tiles
+# with the next tile's load ahead (as the decode kernel does; commit b4fb629): slower in every shape
+RECURRENT_CONFIGS = [(32, 4), (16, 4), (64, 8), (16, 2), (8, 2)]
 
 # (block_v, num_warps, dv blocks a program) that sm_90 compiles without register spills at the 27B
 # shape (ptxas -v through tests/sm90_compile.py); the sweep times only these

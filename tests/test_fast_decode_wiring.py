@@ -45,6 +45,7 @@ def test_engine_decode_through_triton_kernels_equals_reference(causal_ckpt, engi
                 "prefill_attention",
                 "causal_conv1d",
                 "gdn_recurrent",
+                "save_conv_states",
             ]
             engine.model.use_kernels(model_kernels(fast_verdicts(fast_kernels)))
             assert engine.model.layers[0].linear_attn.decode_step is not None
@@ -60,6 +61,7 @@ def test_engine_decode_through_triton_kernels_equals_reference(causal_ckpt, engi
 
 def test_the_default_kernels_are_the_references(causal_ckpt, engine_adapter_root):
     from hylora.ops import paged_attention
+    from hylora.ops.causal_conv1d.reference import save_conv_states
     from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
 
     engine = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=128, page_size=16)
@@ -69,6 +71,7 @@ def test_the_default_kernels_are_the_references(causal_ckpt, engine_adapter_root
     gdn = next(layer.linear_attn for layer in model.layers if layer.is_linear)
     attn = next(layer.self_attn for layer in model.layers if not layer.is_linear)
     assert gdn.decode_step is None and gdn.short_prefill is None
+    assert gdn.save_conv_states is save_conv_states
     assert attn.decode_attention is None and attn.prefill_attention is paged_attention
     assert model.norm.kernel is rms_norm and gdn.norm.kernel is gated_rms_norm
     assert all(getattr(m, "lora_backend", None) is None for m in model.modules())

@@ -206,16 +206,26 @@ def test_engine_with_padded_short_steps_equals_eager(causal_ckpt, adapter_root):
     assert free_pages(engine) == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
 
 
-def test_verify_steps_run_padded_and_keep_greedy_output(mtp_ckpt, adapter_root):
+@pytest.mark.parametrize("fast", [False, True], ids=["references", "triton-interpreted"])
+def test_verify_steps_run_padded_and_keep_greedy_output(mtp_ckpt, adapter_root, fast):
+    """(fast: the Triton kernels the GPU runs, the token-by-token GDN, the conv by slot and the
+    per-token conv states among them, under the interpreter.)"""
+    n = (lambda tokens: tokens // 3) if fast else (lambda tokens: tokens)  # the interpreter is slow
     arrivals = {
-        0: [("base", list(range(3, 40)), greedy(20), None), ("a0", list(range(5, 25)), greedy(17), ADAPTERS[0])],
-        2: [("a1", list(range(7, 30)), greedy(19), ADAPTERS[1])],
-        5: [("late", list(range(40, 52)), greedy(15), None)],
+        0: [("base", list(range(3, 40)), greedy(n(20)), None), ("a0", list(range(5, 25)), greedy(n(17)), ADAPTERS[0])],
+        2: [("a1", list(range(7, 30)), greedy(n(19)), ADAPTERS[1])],
+        5: [("late", list(range(40, 52)), greedy(n(15)), None)],
     }
     config = dict(max_model_len=256, max_loras=3)
     plain = run(make_engine(mtp_ckpt, adapter_root, **config), arrivals)
     config |= dict(num_speculative_tokens=2, padded_decode=True, max_short_step_tokens=128)
     engine = make_engine(mtp_ckpt, adapter_root, **config)
+    if fast:
+        from hylora.kernels import model_kernels
+        from hylora.kernels.select import fast_verdicts
+
+        kernels = ["gdn_decode", "paged_decode_attention", "causal_conv1d", "gdn_recurrent", "save_conv_states"]
+        engine.model.use_kernels(model_kernels(fast_verdicts(kernels)))
     calls = _record_short_steps(engine)
     spec = run(engine, arrivals)
     assert any(verify for *_, verify in calls)
@@ -248,15 +258,15 @@ def test_fault_in_a_short_step_fails_one_request_alone(causal_ckpt, adapter_root
     assert free_pages(e) == e.kv.num_pages and e.states.num_free == e.states.num_slots
 
 
-def test_the_token_limit_is_a_flag_and_zero_turns_short_steps_off(causal_ckpt):
+def test_the_token_limit_is_a_flag_on_by_default_and_zero_turns_short_steps_off(causal_ckpt):
     from hylora.server.serve import add_serve_args
 
     p = argparse.ArgumentParser()
     add_serve_args(p)
-    assert p.parse_args(["m"]).max_short_step_tokens == EngineConfig().max_short_step_tokens == 0
-    assert p.parse_args(["m", "--max-short-step-tokens", "128"]).max_short_step_tokens == 128
+    assert p.parse_args(["m"]).max_short_step_tokens == EngineConfig().max_short_step_tokens == 128
+    assert p.parse_args(["m", "--max-short-step-tokens", "0"]).max_short_step_tokens == 0
     with pytest.raises(ValueError, match="max_short_step_tokens"):
         EngineConfig(max_short_step_tokens=-1)
-    assert make_engine(causal_ckpt[0], padded_decode=True).runner.short is None  # off by default
-    assert make_engine(causal_ckpt[0], padded_decode=True, max_short_step_tokens=128).runner.short is not None
+    assert make_engine(causal_ckpt[0], padded_decode=True).runner.short.buckets[-1] == 128  # on by default
+    assert make_engine(causal_ckpt[0], padded_decode=True, max_short_step_tokens=0).runner.short is None
     assert make_engine(causal_ckpt[0]).runner.short is None  # the CPU runs eagerly unless padded on purpose

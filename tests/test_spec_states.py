@@ -16,6 +16,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
 
 from hylora.kernels import checks as check  # noqa: E402
+from hylora.ops.causal_conv1d import triton as conv_triton  # noqa: E402
 from hylora.ops.causal_conv1d.reference import causal_conv1d_by_slot, save_conv_states  # noqa: E402
 from hylora.ops.gated_delta_rule import reference as gdn_reference  # noqa: E402
 from hylora.ops.gated_delta_rule import triton as gdn_triton  # noqa: E402
@@ -100,9 +101,9 @@ def test_reference_spec_state_is_the_state_after_the_prefix(lens):
     assert same_bits(pool[~expected], pool0[~expected])  # -1 entries, columns past n_i - 1, unowned slots
 
 
-@pytest.mark.parametrize("block_v,v_blocks", [(8, 1), (16, 1), (8, 2)], ids=lambda b: str(b))
+@pytest.mark.parametrize("block_v", [8, 16], ids=lambda b: f"block_v{b}")
 @pytest.mark.parametrize("lens", [[1, 2, 3, 5, 0], [3, 1, 5, 2]], ids=str)
-def test_triton_spec_states_equal_the_reference(lens, block_v, v_blocks):
+def test_triton_spec_states_equal_the_reference(lens, block_v):
     g, slots, spec, pool = spec_case(lens, seed=7 + sum(lens), shape=(HV, DK, DV))
     pool[slots] *= 0.1
     args = gdn_args(lens, g)
@@ -113,7 +114,7 @@ def test_triton_spec_states_equal_the_reference(lens, block_v, v_blocks):
     out = torch.full_like(o_ref, NAN)
     o = gdn_triton.recurrent_by_slot(
         **args, state_pool=pool, slots=slots, seq_lens=lens, scale=SCALE, out=out, block_v=block_v,
-        v_blocks=v_blocks, spec_slots=spec.to(torch.int32),
+        spec_slots=spec.to(torch.int32),
     )  # fmt: skip
     assert o is out
     torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
@@ -215,3 +216,59 @@ def test_save_conv_states_columns_bound_the_work_not_the_result():
     save_conv_states(x, full, slots, lens, spec)
     save_conv_states(x, narrow, slots, lens, spec, columns=2)
     assert same_bits(narrow, full) and not same_bits(full, pool)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "lens,columns,block_c",
+    [([1, 2, 3, 5, 0], None, 4), ([3, 20, 2], 2, 8), ([3, 20, 2], None, 16), ([4, 1, 4, 1], 3, 16)],
+    ids=str,
+)
+def test_triton_save_conv_states_equals_the_reference(lens, columns, block_c, dtype):
+    """Chunks shorter and longer than K-1 (a column's window reaches back into the held state or lies
+    wholly in the chunk), empty and one-token sequences, `columns` narrower than the table, a padding
+    row and the channel tail straddled (C = 10, blocks of 4 / 8 / 16): the pool equals the
+    reference's bit for bit, every slot nobody writes (NaN-filled) untouched."""
+    C, K = 10, 4
+    g, slots, spec, pool = spec_case(lens, seed=sum(lens), shape=(C, K - 1))
+    if columns is not None:
+        spec[:, columns:] = -1
+    slots[-1] = -1  # a padding row: reads and writes nothing
+    pool = pool.to(dtype)
+    x = torch.randn(sum(lens), 2 * C, generator=g).to(dtype)[:, :C]  # strided, as the projection split
+    ref, got = pool.clone(), pool.clone()
+    save_conv_states(x, ref, slots, lens, spec, columns=columns)
+    conv_triton.save_conv_states(x, got, slots, lens, spec.to(torch.int32), columns=columns, block_c=block_c)
+    assert same_bits(got, ref)
+    assert not same_bits(got, pool)  # something was saved
+
+
+def test_triton_save_conv_states_reads_the_layout_from_the_device():
+    """A padded step's `starts` decide which columns write, not `seq_lens` (which fix only N and T)."""
+    lens, padded = [3, 1, 2], [1, 1, 4]  # the same N and T, another split
+    C, K = 6, 4
+    g, slots, spec, pool = spec_case(lens, seed=4, shape=(C, K - 1))
+    x = torch.randn(sum(lens), C, generator=g)
+    ref, got = pool.clone(), pool.clone()
+    save_conv_states(x, ref, slots, lens, spec)
+    starts = torch.tensor(seq_starts(lens))
+    conv_triton.save_conv_states(x, got, slots, padded, spec, starts=starts)
+    assert same_bits(got, ref)
+    with pytest.raises(ValueError, match="spec_slots"):
+        conv_triton.save_conv_states(x, got, slots, [5, 1], spec[:2, :1])
+
+
+def test_start_up_check_of_the_conv_states_kernel():
+    assert check.save_conv_states_error(12, 4, torch.float32, "cpu") == 0.0
+    assert check.save_conv_states_error(12, 4, torch.bfloat16, "cpu") == 0.0
+
+    def pads_too(x, pool, slots, lens, spec, columns=None):  # the padding row saves states as a live one
+        conv_triton.save_conv_states(x, pool, slots.clamp_min(0), lens, spec, columns=columns)
+
+    def one_token_late(x, pool, slots, lens, spec, columns=None):
+        conv_triton.save_conv_states(
+            x[1:], pool, slots, [n - (i == 0) for i, n in enumerate(lens)], spec, columns=columns
+        )
+
+    assert check.save_conv_states_error(12, 4, torch.float32, "cpu", kernel=pads_too) == check.FAILED
+    assert check.save_conv_states_error(12, 4, torch.float32, "cpu", kernel=one_token_late) > 0.05

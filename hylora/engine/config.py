@@ -40,9 +40,8 @@ class EngineConfig:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)  # which fast kernels may serve
     # steps whose chunks are all short (decode rows with a prompt's last few tokens, speculative verify
     # steps) and of at most this many tokens replay CUDA graphs per token bucket (engine/short_step.py);
-    # 0: they run eagerly. Off by default until the graphs have run on a GPU (docs/BASELINE.md); 128 is the
-    # intended default
-    max_short_step_tokens: int = 0
+    # 0: they run eagerly. On the CPU only with padded_decode (the graphs' eager twin)
+    max_short_step_tokens: int = 128
     # decode and short steps padded as CUDA graphs pad them, run eagerly (the CPU tests drive decode ahead this way)
     padded_decode: bool = False
     # prefix caching (engine/prefix_cache.py): reuse the KV pages and GDN states of cached prompt prefixes

@@ -19,6 +19,7 @@ from hylora.lora import LoRABatch, LoRAStack
 from hylora.model.layers import Linear
 from hylora.ops.attention.reference import paged_attention as attention_prefill_reference
 from hylora.ops.causal_conv1d.reference import causal_conv1d_by_slot as conv_reference
+from hylora.ops.causal_conv1d.reference import save_conv_states as conv_save_reference
 from hylora.ops.gated_delta_rule.reference import recurrent_by_slot as recurrent_reference
 from hylora.ops.gated_delta_rule.reference import varlen_gated_delta_rule as delta_rule_reference
 from hylora.ops.gdn_decode.reference import gdn_decode as gdn_decode_reference
@@ -38,6 +39,8 @@ NORM_TOKENS = (1, 3, 64, 129, 2048)
 RECURRENT_BATCHES = ((1,), (64,), (1, 1, 16, 1), (3, 0, 64, 1, 17, 2, 63))
 # speculative verify steps (1 + k tokens a sequence, states after every token kept in spare slots)
 SPEC_BATCHES = ((3, 1, 5, 2),)
+# verify steps' conv states: chunks shorter and longer than the conv window, an empty one; the last row pads
+SPEC_CONV_BATCHES = ((3, 1, 5, 2, 4), (2, 0, 7, 1))
 # (cached tokens, new tokens) per sequence of one prefill batch: fresh prompts, chunks after a
 # cached prefix across page boundaries, and a decode row mixed in
 PREFILL_CASES = ((0, 2), (0, 17), (15, 33), (1, 1), (0, 300), (500, 700))
@@ -382,6 +385,40 @@ def causal_conv1d_error(
         if not all(p.is_contiguous() for p in got):
             return FAILED
         worst = max(worst, *(_rel_error(a, b) for a, b in zip(got, ref, strict=True)), _rel_error(pool, ref_pool))
+    return worst
+
+
+@torch.inference_mode()
+def save_conv_states_error(
+    channels: int,
+    conv_kernel: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    batches: Sequence[Sequence[int]] = SPEC_CONV_BATCHES,
+    kernel: Callable[..., None] | None = None,
+) -> float:
+    """A verify step's conv state after each token: chunks shorter and longer than the kernel, an
+    empty one and a padding row, every third spec entry -1; slots nobody writes are NaN and must stay
+    so. The table is one column wider than the longest chunk needs and `columns` bounds it."""
+    if kernel is None:
+        from hylora.ops.causal_conv1d.triton import save_conv_states as kernel
+    worst = 0.0
+    for lens in batches:
+        g = _generator(device, sum(lens) + 7)
+        N, J = len(lens), max(lens)
+        order = torch.randperm(N + N * J + 2, generator=g, device=device)
+        slots = order[:N].clone()
+        slots[-1] = -1  # a padding row
+        spec = order[N : N + N * J].reshape(N, J).clone()
+        spec.view(-1)[::3] = -1
+        x = torch.randn(sum(lens), 2 * channels, generator=g, device=device).to(dtype)[:, :channels]  # strided
+        pool = _nan_unowned(torch.randn(len(order), channels, conv_kernel - 1, generator=g, device=device), slots)
+        pool = pool.to(dtype)
+        for columns in (None, J - 1):
+            ref_pool, got_pool = pool.clone(), pool.clone()
+            conv_save_reference(x, ref_pool, slots, list(lens), spec, columns=columns)
+            kernel(x, got_pool, slots, list(lens), spec.to(torch.int32), columns=columns)
+            worst = max(worst, _rel_error(got_pool, ref_pool))
     return worst
 
 

@@ -29,7 +29,7 @@ from hylora.ops.gated_delta_rule import fla
 log = logging.getLogger(__name__)
 FAST_KERNELS = (
     "gdn_decode", "paged_decode_attention", "lora", "rms_norm", "silu_mul", "prefill_attention", "causal_conv1d",
-    "gdn_recurrent",
+    "gdn_recurrent", "save_conv_states",
 )  # fmt: skip
 IMPLEMENTATION = {"prefill_attention": "flash"}  # what a passing kernel is, when not hylora's Triton
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
@@ -78,6 +78,10 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
         from hylora.ops.causal_conv1d.triton import causal_conv1d_by_slot
 
         chosen["conv"] = causal_conv1d_by_slot
+    if "save_conv_states" in fast:
+        from hylora.ops.causal_conv1d.triton import save_conv_states
+
+        chosen["save_conv_states"] = save_conv_states
     if "gdn_recurrent" in fast:
         from hylora.ops.gated_delta_rule.triton import recurrent_by_slot
 
@@ -200,6 +204,9 @@ def select_fast_kernels(
         ),
         "silu_mul": lambda: checks.silu_mul_error(c.intermediate_size, dtype, dev),
         "causal_conv1d": lambda: checks.causal_conv1d_error(c.linear_conv_dim, c.linear_conv_kernel_dim, dtype, dev),
+        "save_conv_states": lambda: checks.save_conv_states_error(
+            c.linear_conv_dim, c.linear_conv_kernel_dim, dtype, dev
+        ),
         "gdn_recurrent": lambda: checks.gdn_recurrent_error(
             c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, dtype, dev
         ),

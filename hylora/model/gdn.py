@@ -49,6 +49,7 @@ class GatedDeltaNet(nn.Module):
         self.conv = ops.causal_conv1d_by_slot  # the prefill conv, conv state in place by slot
         # the delta rule token by token, states in place by slot, for steps whose chunks are all short
         self.short_prefill: Callable[..., torch.Tensor] | None = None
+        self.save_conv_states: Callable[..., None] = save_conv_states  # a verify step's per-token conv states
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states: StatePool) -> torch.Tensor:
         T = x.shape[0]
@@ -65,7 +66,7 @@ class GatedDeltaNet(nn.Module):
         layout = batch.seq_layout  # a padded short step: the sequences as the device holds them
         starts = layout[1] if layout is not None else None
         if batch.spec_slots is not None:  # a verify step: the conv state after each token, before the conv moves on
-            save_conv_states(
+            self.save_conv_states(
                 qkv, states.conv[layer], slots, batch.seq_lens, batch.spec_slots, starts=starts,
                 columns=batch.spec_columns,
             )  # fmt: skip

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hylora import ops
+from hylora.ops.causal_conv1d.reference import save_conv_states
 from hylora.ops.fp8_linear.reference import fp8_linear
 from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
 from hylora.ops.silu_mul.reference import silu_mul
@@ -31,6 +32,7 @@ class ModelKernels:
     conv: Kernel = ops.causal_conv1d_by_slot  # the prefill conv, conv state in place by slot
     gdn_decode: Kernel | None = None  # a fused decode step by state slot (None: the reference, when padded)
     gdn_recurrent: Kernel | None = None  # the delta rule token by token, for steps of short chunks only
+    save_conv_states: Callable[..., None] = save_conv_states  # a verify step's conv state after each token
     # attention layers
     decode_attention: Kernel | None = None  # over the block table (None: the reference, when padded)
     prefill_attention: Kernel = ops.paged_attention
@@ -54,6 +56,7 @@ def install(model: HybridDecoder, kernels: ModelKernels) -> None:
             gdn = layer.linear_attn
             gdn.delta_rule, gdn.conv = kernels.delta_rule, kernels.conv
             gdn.decode_step, gdn.short_prefill = kernels.gdn_decode, kernels.gdn_recurrent
+            gdn.save_conv_states = kernels.save_conv_states
         else:
             layer.self_attn.decode_attention = kernels.decode_attention
             layer.self_attn.prefill_attention = kernels.prefill_attention

@@ -177,8 +177,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d["max_short_step_tokens"].default,
         help="steps whose chunks are all short (decode rows with a prompt's last few tokens, speculative verify "
-        "steps) and of at most this many tokens replay CUDA graphs per token bucket (e.g. 128); 0 (the default "
-        "until they have run on a GPU): they run eagerly",
+        "steps) and of at most this many tokens replay CUDA graphs per token bucket; 0: they run eagerly "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--async-scheduling",

@@ -133,3 +133,60 @@ def _state_kernel(
     sv = tl.load(row + (i + length)[None, :], mask=live & (src < 0)[None, :], other=0.0)
     new = tl.where((src >= 0)[None, :], xv.to(state_ptr.dtype.element_ty), sv)  # all loaded before the store
     tl.store(row + i[None, :], new, mask=live)
+
+
+def save_conv_states(
+    x: torch.Tensor,  # [T, C]
+    conv_state: torch.Tensor,  # [S, C, K-1] the state pool, before the conv updates it
+    slots: torch.Tensor,  # [N]
+    seq_lens: list[int],
+    spec_slots: torch.Tensor,  # [N, J], J >= max(seq_lens) - 1
+    starts: torch.Tensor | None = None,  # [N + 1] on the device (a CUDA graph's padded step); None: from seq_lens
+    columns: int | None = None,  # only spec_slots[:, :columns] may hold a slot (the rest are -1); None: all
+    block_c: int = BLOCK_C,
+) -> None:
+    """`reference.save_conv_states` in one launch, grid (sequence, spec column, channel block): the
+    program of (i, j) writes conv_state[spec_slots[i, j]] = the last K-1 inputs of [conv_state[slots[i]]
+    | the chunk's first j + 1 tokens] when j < n_i - 1, spec_slots[i, j] >= 0 and slots[i] >= 0, and
+    nothing otherwise (the reference rewrites such entries with the values they hold; here they are
+    masked off). Spec slots must be distinct and differ from every slot in `slots`: programs read
+    the main slots and write only spec slots."""
+    N, T = len(seq_lens), x.shape[0]
+    if spec_slots.dim() != 2 or spec_slots.shape[0] != N or max(seq_lens, default=0) - 1 > spec_slots.shape[1]:
+        raise ValueError(f"save_conv_states: spec_slots {tuple(spec_slots.shape)} do not fit lengths {seq_lens}")
+    J = spec_slots.shape[1] if columns is None else min(spec_slots.shape[1], columns)
+    if J <= 0 or T == 0:
+        return
+    S, C, km1 = conv_state.shape
+    if x.shape[1] != C or x.stride(1) != 1 or slots.shape != (N,):
+        raise ValueError("save_conv_states: x [T, C] with unit stride along C and one slot per sequence")
+    if starts is None:
+        starts = device_seq_starts(tuple(seq_lens), x.device)
+    _save_states_kernel[(N, J, triton.cdiv(C, block_c))](
+        x, conv_state, slots, starts, spec_slots, C, x.stride(0), *conv_state.stride(), *spec_slots.stride(),
+        KM1=km1, BLOCK_C=block_c,
+    )  # fmt: skip
+
+
+@triton.jit
+def _save_states_kernel(
+    x_ptr, state_ptr, slots_ptr, starts_ptr, spec_ptr, C, stride_xt, s_ss, s_sc, s_sk, s_pn, s_pj,
+    KM1: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64)
+    c = tl.program_id(2).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)  # [BC]
+    start = tl.load(starts_ptr + n).to(tl.int64)
+    length = tl.load(starts_ptr + n + 1).to(tl.int64) - start
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    spec = tl.load(spec_ptr + n * s_pn + j * s_pj).to(tl.int64)
+    mask = (c < C) & (j < length - 1) & (spec >= 0) & (slot >= 0)
+    src = state_ptr + tl.maximum(slot, 0) * s_ss + c * s_sc
+    dst = state_ptr + tl.maximum(spec, 0) * s_ss + c * s_sc
+    for m in tl.static_range(KM1):
+        # element m of the saved state is element w of the window [held state (K-1) | the chunk's inputs]
+        w = j + 1 + m
+        held = tl.load(src + tl.minimum(w, KM1 - 1) * s_sk, mask=mask & (w < KM1), other=0.0)
+        t = start + tl.maximum(w - KM1, 0)
+        new = tl.load(x_ptr + t * stride_xt + c, mask=mask & (w >= KM1), other=0.0)
+        tl.store(dst + m * s_sk, tl.where(w < KM1, held, new.to(state_ptr.dtype.element_ty)), mask=mask)

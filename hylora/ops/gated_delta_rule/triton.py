@@ -6,11 +6,11 @@ for long chunks, but each call costs ~1 ms of host time in its Python launch pat
 launches, per GDN layer) and needs the states gathered out of the pool and scattered back; a step of a
 few dozen tokens runs eagerly and spends most of its time there. Here one launch per layer does it.
 
-Grid (sequence, value head, group of V_BLOCKS dv blocks): the program keeps a [dk, BLOCK_V] fp32
-state tile in registers across the sequence's tokens, one tile after the other. Per token: q/k L2
-norm, beta = sigmoid(b) rounded to the model dtype, decay = exp(-exp(A_log) softplus(a + dt_bias)),
-the delta rule on the tile, o = Sᵀq. fp32 arithmetic, int64 offsets, masked loads. A negative
-slot reads nothing, writes no state, and outputs zeros. A sequence of 0 tokens leaves its state as it was.
+Grid (sequence, value head, dv block): the program keeps its [dk, BLOCK_V] fp32 state tile in
+registers across the sequence's tokens. Per token: q/k L2 norm, beta = sigmoid(b) rounded to the
+model dtype, decay = exp(-exp(A_log) softplus(a + dt_bias)), the delta rule on the tile, o = Sᵀq.
+fp32 arithmetic, int64 offsets, masked loads. A negative slot reads nothing, writes no state, and
+outputs zeros. A sequence of 0 tokens leaves its state as it was.
 
 With `spec_slots` [N, J] (a speculative verify step, as vLLM does it) the state after token j < n_i - 1
 of sequence i is also stored to pool slot spec_slots[i, j] (-1: nowhere); the final state still goes
@@ -28,7 +28,6 @@ from hylora.ops.varlen import device_seq_starts
 
 BLOCK_V = 32
 NUM_WARPS = 4
-V_BLOCKS = 1  # dv tiles one program walks (bench/kernel_sweep_gpu.py --only recurrent times the choices)
 
 
 def recurrent_by_slot(
@@ -46,7 +45,6 @@ def recurrent_by_slot(
     out: torch.Tensor | None = None,  # [T, Hv, dv]
     block_v: int = BLOCK_V,
     num_warps: int = NUM_WARPS,
-    v_blocks: int = V_BLOCKS,
     *,
     spec_slots: torch.Tensor | None = None,  # [N, J] int32/int64, J >= max(seq_lens) - 1
     starts: torch.Tensor | None = None,  # [N + 1] on the device (a CUDA graph's padded step); None: from seq_lens
@@ -78,17 +76,16 @@ def recurrent_by_slot(
     if N == 0:
         return out
     block_v = min(block_v, triton.next_power_of_2(dv))
-    v_blocks = max(1, min(v_blocks, triton.cdiv(dv, block_v)))
     spec = slots if spec_slots is None else spec_slots  # a dummy pointer without HAS_SPEC
     spec_strides = (0, 0) if spec_slots is None else spec_slots.stride()
     if starts is None:
         starts = device_seq_starts(tuple(seq_lens), v.device)
-    _recurrent_kernel[(N, hv, triton.cdiv(dv, block_v * v_blocks))](
+    _recurrent_kernel[(N, hv, triton.cdiv(dv, block_v))](
         q, k, v, b, a, A_log, dt_bias, state_pool, slots, starts, out, spec,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), b.stride(0), a.stride(0),
         *state_pool.stride(), out.stride(0), out.stride(1), *spec_strides, scale,
         HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
-        V_BLOCKS=v_blocks, HAS_SPEC=spec_slots is not None, num_warps=num_warps,
+        HAS_SPEC=spec_slots is not None, num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -102,45 +99,33 @@ def _recurrent_kernel(
     s_pn, s_pj,
     scale,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_BLOCKS: tl.constexpr, HAS_SPEC: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SPEC: tl.constexpr,
 ):  # fmt: skip
     n, h, kh, slot, live = program_slot(slots_ptr, HK, HV)
     start = tl.load(cu_ptr + n).to(tl.int64)
     end = tl.load(cu_ptr + n + 1).to(tl.int64)
 
     kk = tl.arange(0, BLOCK_K)
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     k_mask = kk < DK
-    v0 = tl.program_id(2) * (BLOCK_V * V_BLOCKS)
-    h_ptr = rec_ptr + slot * s_rs + h * s_rh + kk[:, None].to(tl.int64) * s_rk
+    v_mask = vv < DV
+    s_mask = (k_mask & live)[:, None] & v_mask[None, :]
+    s_ptr = rec_ptr + slot * s_rs + h * s_rh + kk[:, None].to(tl.int64) * s_rk + vv[None, :] * s_rv
+    state = tl.load(s_ptr, mask=s_mask, other=0.0)
     neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    vv = v0 + tl.arange(0, BLOCK_V)
-    state = tl.load(h_ptr + vv[None, :] * s_rv, mask=(k_mask & live)[:, None] & (vv < DV)[None, :], other=0.0)
 
-    # V_BLOCKS > 1: the program walks that many [dk, BLOCK_V] tiles, the next one's load issued before
-    # the current one's tokens run (as the decode kernel does); each tile runs all the tokens
-    for i in tl.static_range(V_BLOCKS):
-        vv = v0 + i * BLOCK_V + tl.arange(0, BLOCK_V)
-        v_mask = vv < DV
-        s_mask = (k_mask & live)[:, None] & v_mask[None, :]
-        s_ptr = h_ptr + vv[None, :] * s_rv
-        if i + 1 < V_BLOCKS:
-            next_vv = vv + BLOCK_V
-            next_mask = (k_mask & live)[:, None] & (next_vv < DV)[None, :]
-            next_state = tl.load(h_ptr + next_vv[None, :] * s_rv, mask=next_mask, other=0.0)
-        for t in range(start, end):
-            q = tl.load(q_ptr + t * s_qt + kh * s_qh + kk, mask=k_mask, other=0.0).to(tl.float32)
-            k = tl.load(k_ptr + t * s_kt + kh * s_kh + kk, mask=k_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + t * s_vt + h * s_vh + vv, mask=v_mask, other=0.0).to(tl.float32)
-            b = tl.load(b_ptr + t * s_bt + h).to(tl.float32)
-            x = tl.load(a_ptr + t * s_at + h).to(tl.float32) + dt_bias
-            beta, decay = gates(b, x, neg_A, b_ptr)
-            state, o = delta_rule(state, l2norm(q) * scale, l2norm(k), v, decay, beta)
-            o = tl.where(live, o, 0.0)
-            tl.store(o_ptr + t * s_ot + h * s_oh + vv, o.to(o_ptr.dtype.element_ty), mask=v_mask)
-            if HAS_SPEC:
-                spec = tl.load(spec_ptr + n * s_pn + (t - start) * s_pj, mask=t < end - 1, other=-1).to(tl.int64)
-                tl.store(s_ptr + (tl.maximum(spec, 0) - slot) * s_rs, state, mask=s_mask & (spec >= 0))
-        tl.store(s_ptr, state, mask=s_mask)
-        if i + 1 < V_BLOCKS:
-            state = next_state
+    for t in range(start, end):
+        q = tl.load(q_ptr + t * s_qt + kh * s_qh + kk, mask=k_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * s_kt + kh * s_kh + kk, mask=k_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * s_vt + h * s_vh + vv, mask=v_mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + t * s_bt + h).to(tl.float32)
+        x = tl.load(a_ptr + t * s_at + h).to(tl.float32) + dt_bias
+        beta, decay = gates(b, x, neg_A, b_ptr)
+        state, o = delta_rule(state, l2norm(q) * scale, l2norm(k), v, decay, beta)
+        o = tl.where(live, o, 0.0)
+        tl.store(o_ptr + t * s_ot + h * s_oh + vv, o.to(o_ptr.dtype.element_ty), mask=v_mask)
+        if HAS_SPEC:
+            spec = tl.load(spec_ptr + n * s_pn + (t - start) * s_pj, mask=t < end - 1, other=-1).to(tl.int64)
+            tl.store(s_ptr + (tl.maximum(spec, 0) - slot) * s_rs, state, mask=s_mask & (spec >= 0))
+    tl.store(s_ptr, state, mask=s_mask)
