@@ -214,8 +214,9 @@ def random_adapters(work: Path, cfg: ModelConfig, n: int = 8, rank: int = 16) ->
 
 
 def write_checkpoint(model: HybridDecoder, shape: dict, demo: Path, path: Path, shard_bytes: int = 5 << 30) -> None:
-    """The model as a Hugging Face VL-wrapper checkpoint: `model.language_model.` keys in ~5 GB
-    safetensors shards with an index, one vision tensor (to be skipped), the demo's tokenizer."""
+    """The model as a Hugging Face VL-wrapper checkpoint: `model.language_model.` keys (`lm_head.` and
+    an MTP layer's `mtp.` at the top level) in ~5 GB safetensors shards with an index, one vision tensor
+    (to be skipped), the demo's tokenizer."""
     path.mkdir(parents=True, exist_ok=True)
     weight_map, shard, size, n = {}, {}, 0, 0
 
@@ -230,7 +231,8 @@ def write_checkpoint(model: HybridDecoder, shape: dict, demo: Path, path: Path, 
     layout = checkpoint_layout(model)
     params = dict(model.named_parameters())
     for name, (dest, start, rows) in layout.items():
-        key = name if name == "lm_head.weight" else "model.language_model." + name
+        top_level = name == "lm_head.weight" or name.startswith("mtp.")  # as Qwen's releases store them
+        key = name if top_level else "model.language_model." + name
         shard[key] = params[dest][start : start + rows].detach().cpu().contiguous()
         size += shard[key].numel() * shard[key].element_size()
         if size >= shard_bytes:
