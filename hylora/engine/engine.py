@@ -528,7 +528,7 @@ class LLMEngine:
         for i in range(accepted):
             stats.accepted_per_position[i] += 1
         try:
-            commit_state(self.states, req, accepted, len(c.drafts))
+            commit_state(req, accepted, len(c.drafts))
             req.num_computed += accepted
             for token, info in result:
                 if req.grammar is not None:
