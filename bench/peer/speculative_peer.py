@@ -35,7 +35,6 @@ import os
 import shutil
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -439,22 +438,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> None:
-    args = parse_args()
-    if args.phase != "vllm":
-        PHASES[args.phase](args)
-        return
-    code = 0
-    try:
-        phase_vllm(args)
-    except SystemExit as e:  # a refusal with its reason
-        print(e, file=sys.stderr)
-        code = e.code if isinstance(e.code, int) else 1
-    except BaseException:  # noqa: BLE001 (reported, then the hard exit below)
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # no vLLM teardown (its threads can hold the exit); `run` kills the group
+    tp.run_phase(PHASES, parse_args())
 
 
 if __name__ == "__main__":

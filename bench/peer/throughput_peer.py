@@ -915,14 +915,15 @@ PHASE_FUNCTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
 }  # fmt: skip
 
 
-def main() -> None:
-    args = parse_args()
+def run_phase(phases: dict[str, Callable[[argparse.Namespace], None]], args: argparse.Namespace) -> None:
+    """`args.phase` of `phases`; the vllm phase ends with a hard exit (its code reported), since vLLM's
+    teardown threads can hold a normal one (`run` kills the group after it anyway)."""
     if args.phase != "vllm":
-        PHASE_FUNCTIONS[args.phase](args)
+        phases[args.phase](args)
         return
     code = 0
     try:
-        phase_vllm(args)
+        phases["vllm"](args)
     except SystemExit as e:  # a refusal with its reason
         print(e, file=sys.stderr)
         code = e.code if isinstance(e.code, int) else 1
@@ -931,7 +932,11 @@ def main() -> None:
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # no vLLM teardown (its threads can hold the exit); `run` kills the group
+    os._exit(code)
+
+
+def main() -> None:
+    run_phase(PHASE_FUNCTIONS, parse_args())
 
 
 if __name__ == "__main__":
