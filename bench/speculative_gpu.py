@@ -3,6 +3,7 @@
     python3 bench/speculative_gpu.py --layers 16 --out spec.json     # H200, bf16, random weights
     python3 bench/speculative_gpu.py --tiny                          # CPU smoke run of the same code
     python3 bench/speculative_gpu.py --layers 16 --short-step-tokens 0   # verify and drafting eager (run 18)
+    python3 bench/speculative_gpu.py --layers 64 --batches 1,8 --profile  # where a speculative step's time goes
 
 Random weights draft nothing useful, so the drafts' *acceptance* is set by an oracle: the drafter
 runs the MTP layer as in serving (its cost is paid), then its tokens are replaced by the plain run's
@@ -113,6 +114,53 @@ def oracle(engine: LLMEngine, reference: dict, accept: float, seed: int) -> None
     drafter.propose = patched  # type: ignore[method-assign]
 
 
+def profile_steps(engine: LLMEngine, prompts: list[list[int]], names: list[str], steps: int = 12) -> dict:
+    """Where a speculative step's time goes: `steps` engine steps of the batch (the MTP layer's own
+    drafts, after every prompt is prefilled) under torch.profiler. Prints the wall time per step, the
+    GPU's busy time per step (kernels summed: wall - busy is the device idle while the host works),
+    the kernels and the host-side ops that take the most."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    params = SamplingParams(max_tokens=steps * 4 + 16, temperature=0, ignore_eos=True)
+    ids = [f"profile{i}" for i in range(len(prompts))]
+    for rid, p, i in zip(ids, prompts, range(len(prompts)), strict=True):
+        engine.add_request(rid, p, params, adapter=names[i % len(names)] if names else None)
+    started: set[str] = set()
+    while len(started) < len(ids):  # prefill, and one speculative step to warm
+        started |= {o.request_id for o in engine.step() if o.new_token_ids}
+    engine.step()
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    events = prof.key_averages()
+    device = sorted(((getattr(e, "self_device_time_total", 0.0), e.key) for e in events), reverse=True)
+    host = sorted(((e.self_cpu_time_total, e.key) for e in events), reverse=True)
+    busy_ms = sum(t for t, _ in device) / 1e3 / steps
+    print(f"\n{len(prompts)} requests, {steps} speculative steps: {wall_ms:.2f} ms wall per step, "
+          f"GPU busy {busy_ms:.2f} ms per step (idle {wall_ms - busy_ms:.2f})", flush=True)  # fmt: skip
+    if cuda:
+        print("| kernel | ms per step |\n| --- | --- |")
+        for t, name in device[:12]:
+            print(f"| {name[:90]} | {t / 1e3 / steps:.3f} |")
+    print("| host op (self CPU time) | ms per step |\n| --- | --- |")
+    for t, name in host[:12]:
+        print(f"| {name[:90]} | {t / 1e3 / steps:.3f} |")
+    return {"requests": len(prompts), "steps": steps, "wall_ms": wall_ms, "gpu_busy_ms": busy_ms,
+            "kernels": [(n, t / 1e3 / steps) for t, n in device[:30]],
+            "host_ops": [(n, t / 1e3 / steps) for t, n in host[:30]]}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
@@ -137,6 +185,7 @@ def main() -> None:
         help="arranged weights (default: on a GPU); --no-arranged: plain random weights (run 18)",
     )
     ap.add_argument("--adapters", type=int, default=0, help="requests round-robin over N random adapters")
+    ap.add_argument("--profile", action="store_true", help="profile speculative steps at each batch size instead")
     ap.add_argument("--out")
     args = ap.parse_args()
     arranged = (not args.tiny) if args.arranged is None else args.arranged
@@ -174,6 +223,13 @@ def main() -> None:
     print(f"engine set-up {result['engine_setup_s']:.1f} s", flush=True)
     print("| batch | mode | out tok/s | tokens/step/seq | step ms | step vs plain | tok/s vs plain |", flush=True)
     print("| --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    if args.profile:
+        result["profiles"] = [
+            profile_steps(engine, [random_ids(args.prompt, seed=100 * b + i) for i in range(b)], names) for b in batches
+        ]
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        return
     for b in batches:
         prompts = [random_ids(args.prompt, seed=100 * b + i) for i in range(b)]
         engine.drafter = None  # plain decoding: CUDA graphs and decode ahead
