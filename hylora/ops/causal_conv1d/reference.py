@@ -98,11 +98,9 @@ def save_conv_states(
     Spec slots must be distinct and differ from every slot in `slots`. No host sync (a CUDA graph
     captures it): which entries write follows from `starts` on the device; entries that write nothing
     rewrite a live row's own slot (or slot 0 if no row is live) with the value it holds."""
-    N, J, T = len(seq_lens), spec_slots.shape[1] if spec_slots.dim() == 2 else 0, x.shape[0]
-    if spec_slots.dim() != 2 or spec_slots.shape[0] != N or max(seq_lens, default=0) - 1 > J:
-        raise ValueError(f"save_conv_states: spec_slots {tuple(spec_slots.shape)} do not fit lengths {seq_lens}")
-    if columns is not None:
-        J, spec_slots = min(J, columns), spec_slots[:, :columns]
+    T = x.shape[0]
+    J = spec_columns(seq_lens, spec_slots, columns)
+    spec_slots = spec_slots[:, :J]
     if J <= 0 or T == 0:
         return
     if starts is None:
@@ -119,6 +117,17 @@ def save_conv_states(
     valid = writes & (spec >= 0) & live[:, None]
     dst = torch.where(valid, spec, keep[:, None])
     conv_state[dst] = torch.where(valid[..., None, None], after, held[:, None])
+
+
+def spec_columns(seq_lens: list[int], spec_slots: torch.Tensor, columns: int | None) -> int:
+    """The spec-slot columns `save_conv_states` works over; ValueError if the table does not fit."""
+    if (
+        spec_slots.dim() != 2
+        or spec_slots.shape[0] != len(seq_lens)
+        or max(seq_lens, default=0) - 1 > spec_slots.shape[1]
+    ):
+        raise ValueError(f"save_conv_states: spec_slots {tuple(spec_slots.shape)} do not fit lengths {seq_lens}")
+    return spec_slots.shape[1] if columns is None else min(spec_slots.shape[1], columns)
 
 
 def check_splits(splits: Sequence[int], channels: int) -> None:

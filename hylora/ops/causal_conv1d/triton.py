@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hylora.ops.causal_conv1d.reference import check_splits
+from hylora.ops.causal_conv1d.reference import check_splits, spec_columns
 from hylora.ops.varlen import device_seq_starts
 
 BLOCK_T, BLOCK_C = 16, 256
@@ -152,9 +152,7 @@ def save_conv_states(
     masked off). Spec slots must be distinct and differ from every slot in `slots`: programs read
     the main slots and write only spec slots."""
     N, T = len(seq_lens), x.shape[0]
-    if spec_slots.dim() != 2 or spec_slots.shape[0] != N or max(seq_lens, default=0) - 1 > spec_slots.shape[1]:
-        raise ValueError(f"save_conv_states: spec_slots {tuple(spec_slots.shape)} do not fit lengths {seq_lens}")
-    J = spec_slots.shape[1] if columns is None else min(spec_slots.shape[1], columns)
+    J = spec_columns(seq_lens, spec_slots, columns)
     if J <= 0 or T == 0:
         return
     S, C, km1 = conv_state.shape
