@@ -877,6 +877,17 @@ def phase_run(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def add_shared_args(ap: argparse.ArgumentParser) -> None:
+    """The flags every peer bench's phases take alike (this one's and speculative_peer.py's)."""
+    ap.add_argument("--reuse", action="store_true", help="ckpt: keep what an earlier call completed in --work")
+    ap.add_argument("--tiny", action="store_true", help="the bench's small shape, 4 layers (CPU dry run)")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--budget", type=float, default=540, help="run: seconds for every step and the table")
+    ap.add_argument("--results", type=Path, nargs="*", default=[], help="table: more folders of result JSON")
+    ap.add_argument("--attention-backend", default=None, help="vllm: e.g. TRITON_ATTN (default: vLLM's choice)")
+    ap.add_argument("--dry-run", action="store_true", help="vllm: check the engine arguments, build nothing")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("phase", choices=PHASES)
@@ -886,13 +897,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--weights", default="bf16", help="bf16, fp8 (ckpt: both may be given, comma-separated)")
     ap.add_argument("--mnbt", default="2048", help="max_num_batched_tokens (hylora: several, comma-separated)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each workload; the last is reported")
-    ap.add_argument("--reuse", action="store_true", help="ckpt: keep what an earlier call completed in --work")
-    ap.add_argument("--tiny", action="store_true", help="the bench's small shape, 4 layers (CPU dry run)")
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    ap.add_argument("--budget", type=float, default=540, help="run: seconds for every step and the table")
-    ap.add_argument("--results", type=Path, nargs="*", default=[], help="table: more folders of result JSON")
-    ap.add_argument("--attention-backend", default=None, help="vllm: e.g. TRITON_ATTN (default: vLLM's choice)")
-    ap.add_argument("--dry-run", action="store_true", help="vllm: check the engine arguments, build nothing")
+    add_shared_args(ap)
     args = ap.parse_args(argv)
     args.weights = [w for w in args.weights.split(",") if w]
     args.mnbt = [int(m) for m in args.mnbt.split(",") if m]
