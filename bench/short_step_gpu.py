@@ -22,6 +22,7 @@ against the eager step's, and the largest |logit|.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -66,15 +67,28 @@ def graphed(engine: LLMEngine, seqs: list[SequenceChunk]) -> torch.Tensor:
     return out.logits
 
 
-@torch.inference_mode()
-def measure(engine: LLMEngine, name: str, lens: list[int], verify: bool, k: int, context: int, leases) -> list[dict]:
-    kv, states = engine.kv, engine.states
-    n = len(lens)
+@contextlib.contextmanager
+def held(engine: LLMEngine, lens: list[int], verify: bool, k: int, context: int):
+    """(state slots, spec slots per sequence or None, pages) for sequences of `lens` tokens after
+    `context` cached ones, given back on exit."""
+    kv, states, n = engine.kv, engine.states, len(lens)
     slots = [states.allocate() for _ in range(n)]
     spec = [[states.allocate() for _ in range(k)] for _ in range(n)] if verify else [None] * n
     pages = [kv.allocate(kv.pages_needed(context + max(lens))) for _ in range(n)]
-    rows = []
     try:
+        yield slots, spec, pages
+    finally:
+        for p in pages:
+            kv.free(p)
+        for slot in slots + [s for group in spec if group for s in group]:
+            states.free(slot)
+
+
+@torch.inference_mode()
+def measure(engine: LLMEngine, name: str, lens: list[int], verify: bool, k: int, context: int, leases) -> list[dict]:
+    states, n = engine.states, len(lens)
+    rows = []
+    with held(engine, lens, verify, k, context) as (slots, spec, pages):
         for mixed in (False, True):
             seqs = [
                 SequenceChunk(
@@ -84,10 +98,10 @@ def measure(engine: LLMEngine, name: str, lens: list[int], verify: bool, k: int,
                 for i, m in enumerate(lens)
             ]  # fmt: skip
             decode_rows = [DecodeRow(100 + i, context, slots[i], pages[i], seqs[i].lora_slot) for i in range(n)]
-            held = [t[:, slots].cpu() for t in (states.conv, states.recurrent)]
+            saved = [t[:, slots].cpu() for t in (states.conv, states.recurrent)]
 
-            def restore(held: list[torch.Tensor] = held) -> None:
-                states.conv[:, slots], states.recurrent[:, slots] = (h.to(states.conv.device) for h in held)
+            def restore(saved: list[torch.Tensor] = saved) -> None:
+                states.conv[:, slots], states.recurrent[:, slots] = (h.to(states.conv.device) for h in saved)
 
             restore()
             ref = eager(engine, seqs).float().cpu()
@@ -128,11 +142,6 @@ def measure(engine: LLMEngine, name: str, lens: list[int], verify: bool, k: int,
                 f"{row['max_abs_logit']:.3g} |",
                 flush=True,
             )
-    finally:
-        for p in pages:
-            kv.free(p)
-        for slot in slots + [s for group in spec if group for s in group]:
-            states.free(slot)
     return rows
 
 
@@ -160,34 +169,26 @@ def kernel_ms(fn, repeats: int = 5) -> dict[str, float]:
 def profile_against_decode(engine: LLMEngine, lens: list[int], verify: bool, k: int, context: int) -> dict:
     """The eager padded short step against the eager padded decode step of as many sequences: GPU
     time per kernel, the kernels that differ most first."""
-    kv, states, n = engine.kv, engine.states, len(lens)
-    slots = [states.allocate() for _ in range(n)]
-    spec = [[states.allocate() for _ in range(k)] for _ in range(n)] if verify else [None] * n
-    pages = [kv.allocate(kv.pages_needed(context + max(lens))) for _ in range(n)]
-    seqs = [
-        SequenceChunk(token_ids=[100 + j for j in range(m)], context_len=context, state_slot=slots[i],
-                      pages=pages[i], lora_slot=-1, spec_slots=spec[i])
-        for i, m in enumerate(lens)
-    ]  # fmt: skip
-    rows = [DecodeRow(100, context, slots[i], pages[i], -1) for i in range(n)]
+    n = len(lens)
     short, decode = engine.runner.short, engine.runner.decode
     bucket, dbucket = bucket_for(sum(lens), short.buckets), bucket_for(n, decode.buckets)
+    with held(engine, lens, verify, k, context) as (slots, spec, pages):
+        seqs = [
+            SequenceChunk(token_ids=[100 + j for j in range(m)], context_len=context, state_slot=slots[i],
+                          pages=pages[i], lora_slot=-1, spec_slots=spec[i])
+            for i, m in enumerate(lens)
+        ]  # fmt: skip
+        rows = [DecodeRow(100, context, slots[i], pages[i], -1) for i in range(n)]
 
-    def short_step() -> None:
-        short.buffers.fill(seqs, bucket)
-        PaddedShortStep.step(short, bucket, False, verify)
+        def short_step() -> None:
+            short.buffers.fill(seqs, bucket)
+            PaddedShortStep.step(short, bucket, False, verify)
 
-    def decode_step() -> None:
-        decode.buffers.fill(rows, dbucket)
-        PaddedDecode.step(decode, dbucket, False)
+        def decode_step() -> None:
+            decode.buffers.fill(rows, dbucket)
+            PaddedDecode.step(decode, dbucket, False)
 
-    try:
         a, b = kernel_ms(short_step), kernel_ms(decode_step)
-    finally:
-        for p in pages:
-            kv.free(p)
-        for slot in slots + [s for group in spec if group for s in group]:
-            states.free(slot)
     names = sorted(set(a) | set(b), key=lambda x: -abs(a.get(x, 0) - b.get(x, 0)))
     print(
         f"\n{lens[0]} x {n} ({'verify' if verify else 'plain'}), bucket {bucket}: short step "
