@@ -95,23 +95,20 @@ def generate(
 
 def oracle(engine: LLMEngine, reference: dict, accept: float, seed: int) -> None:
     """Drafts: the MTP layer runs, then its tokens become the reference continuation, each wrong
-    with probability 1 - accept."""
+    with probability 1 - accept (`restore` undoes this)."""
     drafter = engine.drafter
     assert drafter is not None
     rng = random.Random(seed)
-    propose = Drafter.propose
 
-    def patched(ran, num_drafts):
-        propose(drafter, ran, num_drafts)
-        for c, _ in ran:
-            req = c.request
-            if req.finished or not req.draft_ids:
-                continue
-            truth = reference[req.request_id].token_ids[len(req.output_ids) :]
-            drafts = truth[: len(req.draft_ids)]
-            req.draft_ids = [t if rng.random() < accept else (t + 1) % 1000 for t in drafts]
+    def assign(req, drafts):
+        truth = reference[req.request_id].token_ids[len(req.output_ids) :]
+        Drafter.assign(drafter, req, [t if rng.random() < accept else (t + 1) % 1000 for t in truth[: len(drafts)]])
 
-    drafter.propose = patched  # type: ignore[method-assign]
+    drafter.assign = assign  # type: ignore[method-assign]
+
+
+def restore(drafter: Drafter) -> None:
+    drafter.__dict__.pop("assign", None)
 
 
 def profile_steps(engine: LLMEngine, prompts: list[list[int]], names: list[str], steps: int = 12) -> dict:
@@ -184,6 +181,12 @@ def main() -> None:
         default=None,
         help="arranged weights (default: on a GPU); --no-arranged: plain random weights (run 18)",
     )
+    ap.add_argument(
+        "--queue-drafts",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="EngineConfig.queue_drafts: drafting queued behind the verify step (--no-queue-drafts: after it is read)",
+    )
     ap.add_argument("--adapters", type=int, default=0, help="requests round-robin over N random adapters")
     ap.add_argument("--profile", action="store_true", help="profile speculative steps at each batch size instead")
     ap.add_argument("--out")
@@ -204,7 +207,7 @@ def main() -> None:
     config = EngineConfig(
         max_model_len=args.prompt + args.max_tokens + 16, max_num_seqs=max(batches), device=device,
         num_speculative_tokens=args.k, enable_prefix_caching=False, max_short_step_tokens=args.short_step_tokens,
-        padded_decode=args.tiny, max_loras=max(1, args.adapters), max_lora_rank=16,
+        padded_decode=args.tiny, queue_drafts=args.queue_drafts, max_loras=max(1, args.adapters), max_lora_rank=16,
     )  # fmt: skip
     t0 = time.perf_counter()
     engine = LLMEngine(work, config, adapter_dirs, progress=False, model=model)
@@ -214,6 +217,7 @@ def main() -> None:
         "layers": cfg.num_layers,
         "k": args.k,
         "short_step_tokens": args.short_step_tokens,
+        "queue_drafts": args.queue_drafts,
         "arranged": arranged,
         "adapters": args.adapters,
         "date": time.strftime("%Y-%m-%d"),
@@ -245,7 +249,7 @@ def main() -> None:
             if accept != "head":
                 oracle(engine, plain, accept, seed=b)
             done, secs, steps = generate(engine, prompts, args.max_tokens, names)
-            drafter.propose = Drafter.propose.__get__(drafter)  # type: ignore[method-assign]
+            restore(drafter)
             same = all(done[r].token_ids == plain[r].token_ids for r in plain)
             diverge = [_first_difference(done[r].token_ids, plain[r].token_ids) for r in plain]
             row = {

@@ -24,8 +24,11 @@ from safetensors.torch import load_file, save_file
 OUTPUT_PROJECTIONS = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight")
 
 
-def mtp_tensors(hidden: int, cfg: dict, g: torch.Generator, arranged: bool) -> dict[str, torch.Tensor]:
-    """The MTP layer's tensors (a full-attention decoder layer with a gated q_proj and a dense MLP)."""
+def mtp_tensors(
+    hidden: int, cfg: dict, g: torch.Generator, arranged: bool, attention_scale: float = 0.0
+) -> dict[str, torch.Tensor]:
+    """The MTP layer's tensors (a full-attention decoder layer with a gated q_proj and a dense MLP).
+    An arranged layer's attention adds `attention_scale` times a random o_proj (0: nothing)."""
     heads, kv_heads, head_dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     inter = cfg["intermediate_size"]
     shapes = {
@@ -44,7 +47,9 @@ def mtp_tensors(hidden: int, cfg: dict, g: torch.Generator, arranged: bool) -> d
     out = {}
     for name, shape in shapes.items():
         t = torch.randn(shape, generator=g) * (0.1 if "norm" in name else 0.2)
-        if arranged and name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        if arranged and name == "self_attn.o_proj.weight":
+            t = t * attention_scale
+        if arranged and name == "mlp.down_proj.weight":
             t = torch.zeros(shape)
         out[f"mtp.layers.0.{name}"] = t
     for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
@@ -56,8 +61,12 @@ def mtp_tensors(hidden: int, cfg: dict, g: torch.Generator, arranged: bool) -> d
     return out
 
 
-def write_mtp_checkpoint(src: Path, dst: Path, mode: str = "random", layer_scale: float = 0.0, seed: int = 0) -> Path:
-    """`src` (a text test checkpoint, one safetensors file) with an MTP layer, into `dst`."""
+def write_mtp_checkpoint(
+    src: Path, dst: Path, mode: str = "random", layer_scale: float = 0.0, seed: int = 0, attention_scale: float = 0.0
+) -> Path:
+    """`src` (a text test checkpoint, one safetensors file) with an MTP layer, into `dst`. An arranged
+    head with `attention_scale` > 0 also draws on its attention over earlier positions (its drafts
+    then depend on what its KV rows hold and on their positions)."""
     if mode not in ("random", "arranged"):
         raise ValueError(mode)
     shutil.copytree(src, dst)
@@ -72,6 +81,8 @@ def write_mtp_checkpoint(src: Path, dst: Path, mode: str = "random", layer_scale
             if key.endswith(OUTPUT_PROJECTIONS):
                 weights[key] = weights[key] * layer_scale
         weights["model.norm.weight"] = torch.zeros_like(weights["model.norm.weight"])
-    weights.update(mtp_tensors(config["hidden_size"], config, g, arranged=mode == "arranged"))
+    weights.update(
+        mtp_tensors(config["hidden_size"], config, g, arranged=mode == "arranged", attention_scale=attention_scale)
+    )
     save_file({k: v.contiguous() for k, v in weights.items()}, weights_file, metadata={"format": "pt"})
     return dst

@@ -28,6 +28,9 @@ def mtp_ckpts(causal_ckpt, tmp_path_factory):
         "arranged": write_mtp_checkpoint(causal_ckpt[0], root / "arranged", "arranged", layer_scale=0.1),
         "exact": write_mtp_checkpoint(causal_ckpt[0], root / "exact", "arranged", layer_scale=0.0),
         "random": write_mtp_checkpoint(causal_ckpt[0], root / "random", "random", seed=3),
+        "attending": write_mtp_checkpoint(
+            causal_ckpt[0], root / "attending", "arranged", layer_scale=0.1, attention_scale=1.0, seed=5
+        ),
     }
 
 
@@ -100,10 +103,56 @@ def test_an_exact_draft_head_is_always_accepted_with_padded_drafting(mtp_ckpts):
     engine = make_engine(mtp_ckpts["exact"], **config)
     assert engine.drafter.padded is not None
     calls, real_run = [], engine.drafter.padded.run
-    engine.drafter.padded.run = lambda jobs: calls.append(len(jobs)) or real_run(jobs)
+    engine.drafter.padded.run = lambda jobs, *device: calls.append(len(jobs)) or real_run(jobs, *device)
     plain = run(make_engine(mtp_ckpts["exact"], max_model_len=256), {0: [("r", list(range(3, 20)), greedy(31), None)]})
     out = run(engine, {0: [("r", list(range(3, 20)), greedy(31), None)]})
     assert out["r"].token_ids == plain["r"].token_ids and calls
     stats = engine.stats()
     assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
     assert engine.step_count == 1 + math.ceil(30 / 3)  # the prefill, then 3 tokens a step
+
+
+@pytest.mark.parametrize(("head", "k"), [("random", 2), ("arranged", 3), ("attending", 3)])
+def test_drafting_queued_behind_the_verify_step_drafts_what_drafting_after_it_does(
+    mtp_ckpts, engine_adapter_root, monkeypatch, head, k
+):
+    """Queued behind the verify step (`Drafter.launch`), the drafting pass covers every verified
+    position and the later passes start where the device's acceptance says: each request must get the
+    drafts it gets when drafting waits for the host to read the step. The random head's drafts depend
+    on the MTP layer's attention over its own KV rows (a row written at the wrong place shows); the
+    arranged head accepts some drafts and rejects others (every shift is used); the attending one
+    does both, so a later pass at the wrong position, KV row or length shows too."""
+    config = dict(
+        max_model_len=128, num_speculative_tokens=k, padded_decode=True, max_short_step_tokens=64, max_loras=2
+    )
+    queued = make_engine(mtp_ckpts[head], engine_adapter_root, **config)
+    after = make_engine(mtp_ckpts[head], engine_adapter_root, queue_drafts=False, **config)
+    launched = {id(queued): 0, id(after): 0}
+    real_launch = Drafter.launch
+
+    def counting_launch(drafter, ran, verify):
+        pending = real_launch(drafter, ran, verify)
+        launched[id(drafter.engine)] += pending is not None
+        return pending
+
+    monkeypatch.setattr(Drafter, "launch", counting_launch)
+    seen = {}
+    for engine in (queued, after):
+        engine.drafter.engine = engine
+        log = seen[id(engine)] = []
+        real_assign = engine.drafter.assign
+        engine.drafter.assign = lambda req, drafts, log=log, real=real_assign: (
+            drafts and log.append((req.request_id, len(req.output_ids), tuple(drafts))),
+            real(req, drafts),
+        )
+    arrivals = {
+        0: [("base", list(range(3, 30)), greedy(25), None), ("a0", list(range(5, 21)), greedy(22), ADAPTERS[0])],
+        4: [("late", list(range(40, 52)), greedy(16), ADAPTERS[1])],
+    }
+    out_queued, out_after = run(queued, arrivals), run(after, arrivals)
+    assert {r: o.token_ids for r, o in out_queued.items()} == {r: o.token_ids for r, o in out_after.items()}
+    assert seen[id(queued)] == seen[id(after)] and len(seen[id(queued)]) > 10
+    assert launched[id(queued)] > 5 and launched[id(after)] == 0
+    if head != "random":
+        stats = queued.stats()
+        assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens

@@ -269,6 +269,13 @@ def test_greedy_verification_keeps_drafts_while_they_are_the_argmax():
     assert math.isclose(results[1][1][1].logprob, logprob, rel_tol=1e-6)  # logprobs of the accepted tokens
 
 
+def test_the_accepted_count_per_request_stops_at_its_first_rejected_row():
+    from hylora.engine.speculative import _leading_accepted
+
+    accept = torch.tensor([True, False, True, False, True, True, False, False, True])  # rows of 4 requests
+    assert _leading_accepted(accept, [3, 1, 3, 2]).tolist() == [1, 0, 2, 0]
+
+
 def test_sampled_output_with_speculation_follows_the_same_distribution(mtp_ckpts):
     """End to end on a small support (top_k 3): the second and third generated tokens — those the
     verify steps give — are distributed alike with and without speculation."""

@@ -50,6 +50,9 @@ class EngineConfig:
     prefix_cache_states: int | None = None
     # MTP speculative decoding (engine/speculative.py): drafts verified per step; 0 = off
     num_speculative_tokens: int = 0
+    # a step of verify chunks queues the next drafts behind its acceptance (the device drafts while the
+    # host reads the step); False: drafting starts once the step is read (needs the padded drafting step)
+    queue_drafts: bool = True
     # testing aid: a request may ask to fault in its next step (engine/faults.py); never on in production
     fault_injection: bool = False
 

@@ -81,8 +81,9 @@ class PaddedDraft:
         n = (self.k - 1) * PASS_FIELDS * bucket
         return buf[:n].view(self.k - 1, PASS_FIELDS, bucket), buf[n : n + bucket]
 
-    def fill(self, jobs: list[DraftJob], bucket: int) -> None:
-        """Write `jobs` then padding up to `bucket` into the buffers (stream-ordered)."""
+    def fill(self, jobs: list[DraftJob], bucket: int, from_first: bool = False) -> None:
+        """Write `jobs` then padding up to `bucket` into the buffers (stream-ordered). The later passes
+        read pass 1's output at each request's last row, or its first with `from_first`."""
         self.first.fill([j.first for j in jobs], bucket)
         ps, null_row = self.kv.page_size, self.kv.null_page * self.kv.page_size
         fields = np.zeros((self.k - 1, PASS_FIELDS, bucket), dtype=np.int64)
@@ -91,7 +92,7 @@ class PaddedDraft:
         t = 0
         for i, job in enumerate(jobs):
             n = len(job.first.token_ids)
-            last[i] = t + n - 1
+            last[i] = t if from_first else t + n - 1
             t += n
             if len(job.later) > self.k - 1 or len(job.later) > max(job.drafts - 1, 0):
                 raise ValueError(f"request {i}: {len(job.later)} later passes for {job.drafts} drafts (k = {self.k})")
@@ -113,13 +114,41 @@ class PaddedDraft:
         if self._sent is not None:
             self._sent.record()
 
-    def run(self, jobs: list[DraftJob]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, jobs: list[DraftJob], first_ids: torch.Tensor | None = None, accepted: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [k, len(jobs)] int64, finite [k, len(jobs)] bool) on the device: row i's first
-        `jobs[i].drafts` entries are its drafts and whether their logits were finite."""
+        `jobs[i].drafts` entries are its drafts and whether their logits were finite.
+
+        Drafting queued behind a verify step (`Drafter.launch`) passes what only the device knows yet:
+        `first_ids` [T], pass 1's input tokens, and `accepted` [len(jobs)], how far into its first
+        chunk each request's last accepted position lies; every job then drafts k, and its later
+        passes' positions are those of `jobs` moved on by its `accepted`."""
         bucket = bucket_for(sum(len(j.first.token_ids) for j in jobs), self.buckets)
-        self.fill(jobs, bucket)
+        self.fill(jobs, bucket, from_first=accepted is not None)
+        if accepted is not None:
+            assert first_ids is not None
+            self._move_on(bucket, first_ids, accepted)
         tokens, finite = self._forward(bucket)
         return tokens[:, : len(jobs)], finite[:, : len(jobs)]
+
+    def _move_on(self, bucket: int, first_ids: torch.Tensor, accepted: torch.Tensor) -> None:
+        """On the device, after `fill` (stream-ordered): pass 1's tokens become `first_ids`; each
+        request's row for the later passes moves on from its first by its `accepted`, and so do its
+        later passes' positions, KV rows and attention lengths."""
+        n = accepted.shape[0]
+        self.first.token_ids(bucket)[: first_ids.shape[0]].copy_(first_ids)
+        fields, last = self._views(self.staged, bucket)
+        last[:n] += accepted
+        if self.k == 1:
+            return
+        live = fields[:, :, :n]  # [k-1, PASS_FIELDS, n]
+        position = live[:, ATT_LEN] - 1 + accepted  # [k-1, n] each pass's place in its sequence
+        pages = self.first.block_table[last[:n]]  # [n, width] each request's block-table row
+        ps = self.kv.page_size
+        live[:, POS : POS + 3] += accepted
+        live[:, KV_ROW] = pages.gather(1, (position // ps).T).T * ps + position % ps
+        live[:, ATT_LEN] = position + 1
 
     def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.step(bucket)

@@ -40,7 +40,15 @@ from hylora.engine.sampler import (
     to_device,
 )
 from hylora.engine.scheduler import ScheduledChunk, Scheduler
-from hylora.engine.speculative import Drafter, PendingVerify, SpecStats, commit_state, grammar_masks, launch_verify
+from hylora.engine.speculative import (
+    Drafter,
+    PendingDrafts,
+    PendingVerify,
+    SpecStats,
+    commit_state,
+    grammar_masks,
+    launch_verify,
+)
 from hylora.engine.stats import EngineStats
 from hylora.kernels import as_text, select_kernels, serve_fp8
 from hylora.model.decoder import HybridDecoder
@@ -71,6 +79,7 @@ class LaunchedStep:
     sample: PendingSample | None  # the draw of the chunks that sample (None: none samples)
     snapshots: list[PendingSnapshot] = field(default_factory=list)  # prefix-cache states taken behind it
     verify: PendingVerify | None = None  # the acceptance of its speculative verify chunks
+    drafts: PendingDrafts | None = None  # the next drafts, queued behind `verify` (Drafter.launch)
 
 
 class LLMEngine:
@@ -127,7 +136,8 @@ class LLMEngine:
         self.drafter = None
         if speculate:
             padded = make_graph_draft(self.model, self.kv, self.states, config)
-            self.drafter = Drafter(self.model, self.kv, self.states, k, padded)
+            reserve = self.scheduler.ensure_pages if config.queue_drafts else (lambda req, num_tokens: False)
+            self.drafter = Drafter(self.model, self.kv, self.states, k, padded, config.max_model_len, reserve)
         self.spec_stats = SpecStats(accepted_per_position=[0] * k)
         self.eos_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}
@@ -364,11 +374,28 @@ class LLMEngine:
                 if err is not None:
                     outputs.append(self._fail(c.request, f"structured output failed: {err}", _grammar_failure(err)))
             verify = [(c, lg) for (c, _), lg, err in zip(verify, masked, errors, strict=True) if err is None]
+        drafts = None
         if verify:
             accepting = launch_verify(
                 [lg for _, lg in verify], [c.request for c, _ in verify], [c.drafts for c, _ in verify], self.eos_ids
             )
-        return LaunchedStep(self.step_count, chunks, results, pending, self._snapshot(chunks), accepting)
+            if len(verify) == len(chunks):
+                drafts = self._queue_drafts(chunks, results, accepting)
+        return LaunchedStep(self.step_count, chunks, results, pending, self._snapshot(chunks), accepting, drafts)
+
+    def _queue_drafts(
+        self, chunks: list[ScheduledChunk], results: list[ChunkResult], verify: PendingVerify
+    ) -> PendingDrafts | None:
+        """The next drafts of a step of verify chunks, queued behind its acceptance (the device drafts
+        while the host reads the step); None: they are made once the step is read (`_draft`)."""
+        assert self.drafter is not None
+        try:
+            return self.drafter.launch([(c, res.hidden) for c, res in zip(chunks, results, strict=True)], verify)
+        except Exception as e:
+            if is_device_error(e):
+                raise DeviceFault(f"device fault while drafting at engine step {self.step_count}: {e}") from e
+            log.exception("queueing the drafts failed at engine step %d; they are made after it", self.step_count)
+            return None
 
     def _snapshot(self, chunks: list[ScheduledChunk]) -> list[PendingSnapshot]:
         """Prefix-cache snapshots of the chunks that end at one of their request's snapshot points,
@@ -428,9 +455,22 @@ class LLMEngine:
         for pending in step.snapshots:  # a faulted request leaves no cache entry
             faulted = pending.request.failure is FailureKind.NUMERICAL_FAULT
             (self.prefix_cache.drop if faulted else self.prefix_cache.commit)(pending)  # type: ignore[union-attr]
-        if self.drafter is not None:
+        if step.drafts is not None:
+            self._collect_drafts(step.drafts, step.number)
+        elif self.drafter is not None:
             self._draft(step)
         return outputs
+
+    def _collect_drafts(self, drafts: PendingDrafts, number: int) -> None:
+        """The drafts queued behind step `number`, as many as each request may verify next."""
+        try:
+            drafts.collect(self._draft_budget)
+        except Exception as e:
+            if is_device_error(e):
+                raise DeviceFault(f"device fault while drafting at engine step {number}: {e}") from e
+            log.exception("reading the drafts failed at engine step %d; the next step does not speculate", number)
+            for req in drafts.requests:
+                req.draft_ids = []
 
     def _draft(self, step: LaunchedStep) -> None:
         """The MTP layer over what `step` computed, and the drafts of the next step. A failure here

@@ -13,6 +13,7 @@ from hylora.cache import PagedKVCache, StatePool
 from hylora.engine.config import EngineConfig
 from hylora.engine.cuda_graphs import make_graph_decode, make_graph_short_step
 from hylora.engine.decode_batch import DecodeRow
+from hylora.engine.host_copy import HostCopy
 from hylora.engine.padded_decode import DecodeOutput, PaddedDecode
 from hylora.engine.scheduler import ScheduledChunk
 from hylora.engine.short_step import PaddedShortStep
@@ -22,8 +23,8 @@ from hylora.model.forward_batch import ForwardBatch, SequenceChunk
 
 @dataclass
 class ChunkResult:
-    # every hidden state and logit of this request in this step is finite; a decode step gives a
-    # callable, which waits for the device only if nothing has waited since (read it via is_finite)
+    # every hidden state and logit of this request in this step is finite; a callable that waits for
+    # the step's flags on the device when first read (read it via is_finite)
     finite: bool | Callable[[], bool]
     sample_logits: torch.Tensor | None = None  # [V] fp32, when the chunk samples a next token
     prompt_logits: torch.Tensor | None = None  # [n, V] fp32 rows for prompt logprobs
@@ -73,7 +74,8 @@ class ModelRunner:
             finite_rows = torch.isfinite(hidden).all(dim=-1)
             logits = self.model.logits(hidden[rows]) if rows else hidden.new_zeros(0, 0)
             finite_logits = torch.isfinite(logits).all(dim=-1) if rows else finite_rows.new_ones(0)
-        finite_rows, finite_logits = finite_rows.cpu(), finite_logits.cpu()
+        # read when the host checks the step, so the sampler and the acceptance queue behind the forward
+        flags = HostCopy(finite_rows, finite_logits)
 
         starts = [0, *itertools.accumulate(seq_lens)][:-1]
         results = []
@@ -83,7 +85,7 @@ class ModelRunner:
             logit_rows = list(range(first_prompt_row, first_prompt_row + len(positions)))
             if sample_row is not None:
                 logit_rows.extend(range(sample_row, sample_row + 1 + len(c.drafts)))
-            finite = bool(finite_rows[start : start + n].all()) and bool(finite_logits[logit_rows].all())
+            finite = partial(_chunk_finite, flags, range(start, start + n), logit_rows)
             verifies = sample_row is not None and bool(c.drafts)
             results.append(
                 ChunkResult(
@@ -190,6 +192,11 @@ def _prompt_positions(c: ScheduledChunk) -> range:
         return range(0)
     first_needed = max(len(r.prompt_logprobs), 1) - 1
     return range(max(c.start, first_needed), min(c.start + c.num_tokens, len(r.prompt_ids) - 1))
+
+
+def _chunk_finite(flags: HostCopy, token_rows: range, logit_rows: list[int]) -> bool:
+    hidden_ok, logits_ok = flags.values()
+    return all(hidden_ok[r] for r in token_rows) and all(logits_ok[r] for r in logit_rows)
 
 
 def _row_finite(out: DecodeOutput, row: int, wants_logits: bool) -> bool:

@@ -163,6 +163,10 @@ class ShortStepBuffers:
             self._sent.record()
         self.block_table[:bucket, :width].copy_(self.staged[head:end].view(bucket, width))
 
+    def token_ids(self, bucket: int) -> torch.Tensor:
+        """[bucket] the input-token row of the device buffers laid out for `bucket`."""
+        return self._views(self.staged, bucket)[0][ID]
+
     def batch(self, bucket: int, lora: bool, spec: bool, max_seq_len: int) -> ForwardBatch:
         """The ForwardBatch over the buffers of `bucket` tokens (the same tensors every step: what a
         CUDA graph captures). `lora`: apply the adapters of the LoRA-slot row; `spec`: a verify step

@@ -28,6 +28,7 @@ GDN kernel takes (`RECURRENT_MAX_TOKENS`), and drafts that would pass max_tokens
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,6 +103,8 @@ class PendingVerify:
         logprobs: tuple[list[int], list[int], tuple[torch.Tensor, ...]] | None,
     ) -> None:
         self.requests, self.sizes, self._logprobs = requests, sizes, logprobs
+        self.candidates = candidates  # [R] on the device (drafting queued behind this step reads it)
+        self.accepted = _leading_accepted(accept, sizes)  # [len(requests)] on the device
         self._host = HostCopy(torch.stack([candidates, accept.long(), code]), *(logprobs[2] if logprobs else ()))
 
     def results(self) -> list[list[tuple[int, TokenLogprob | None]] | SamplingError]:
@@ -131,6 +134,18 @@ class PendingVerify:
                     break
             out.append(taken)
         return out
+
+
+def _leading_accepted(accept: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Per request (`sizes[i]` consecutive rows), how many of its rows from the first are accepted:
+    its accepted drafts (each request's last row is never accepted), on the device."""
+    device = accept.device
+    owner = to_device([i for i, n in enumerate(sizes) for _ in range(n)], device, torch.long)
+    firsts = to_device([0, *itertools.accumulate(sizes)][:-1], device, torch.long)
+    rejected = (~accept).long().cumsum(0)  # [R] rejections up to and including each row
+    before = rejected[firsts] - (~accept[firsts]).long()  # rejections before each request's first row
+    leading = rejected == before[owner]  # no rejection in the request up to this row
+    return torch.zeros(len(sizes), dtype=torch.long, device=device).index_add_(0, owner, leading.long())
 
 
 def launch_verify(
@@ -231,6 +246,33 @@ def _grammar_prefix(req: Request, drafts: list[int]) -> list[int]:
 
 
 # --- draft -------------------------------------------------------------------------------------
+def _column(tokens: list[list[int]], finite: list[list[bool]], i: int, wanted: int) -> list[int]:
+    """Request i's drafts from the passes' host rows: up to `wanted`, ending before its first
+    non-finite one (its output is unaffected)."""
+    drafts = []
+    for step in range(min(wanted, len(tokens))):
+        if not finite[step][i]:
+            break
+        drafts.append(int(tokens[step][i]))
+    return drafts
+
+
+class PendingDrafts:
+    """Drafts queued behind a verify step (`Drafter.launch`); `collect` waits for them once."""
+
+    def __init__(self, drafter: Drafter, requests: list[Request], host: HostCopy) -> None:
+        self.drafter, self.requests, self._host = drafter, requests, host
+
+    def collect(self, num_drafts: Callable[[Request], int]) -> None:
+        """Once the step's tokens are appended: each live request's drafts, as many as
+        `num_drafts(req)` allows now."""
+        tokens, finite = self._host.values()
+        for i, req in enumerate(self.requests):
+            req.draft_ids = []
+            if not req.finished:
+                self.drafter.assign(req, _column(tokens, finite, i, num_drafts(req)))
+
+
 class Drafter:
     """Runs the MTP layer after each step and leaves each speculating request's drafts in
     `Request.draft_ids` (module docstring, step 4). With `padded` (engine/draft_step.py) a step that
@@ -243,11 +285,15 @@ class Drafter:
         states: StatePool,
         num_tokens: int,
         padded: PaddedDraft | None = None,
+        max_model_len: int = 0,
+        reserve: Callable[[Request, int], bool] = lambda req, num_tokens: False,
     ) -> None:
+        """`reserve(req, num_tokens)` gives `req` KV pages for that many tokens if it can (the
+        scheduler's); with `max_model_len`, what `launch` needs to queue drafting ahead."""
         if model.mtp is None:
             raise ValueError("speculative decoding needs the model's MTP layer (load_model(..., mtp=True))")
         self.model, self.kv, self.states, self.k = model, kv, states, num_tokens
-        self.padded = padded
+        self.padded, self.max_model_len, self.reserve = padded, max_model_len, reserve
 
     def budget(self, req: Request, max_model_len: int) -> int:
         """How many drafts the request's next step may verify."""
@@ -286,12 +332,42 @@ class Drafter:
             return
         host_tokens, host_finite = HostCopy(tokens, finite).values()  # the one wait for the host
         for i in live:
-            d = []
-            for step in range(jobs[i].drafts):
-                if not host_finite[step][i]:
-                    break  # a request's drafts end before its first non-finite one (its output is unaffected)
-                d.append(int(host_tokens[step][i]))
-            reqs[i].draft_ids = _grammar_prefix(reqs[i], d)
+            self.assign(reqs[i], _column(host_tokens, host_finite, i, jobs[i].drafts))
+
+    def assign(self, req: Request, drafts: list[int]) -> None:
+        """`drafts` become the ones `req`'s next step verifies (cut where its grammar cannot take them)."""
+        req.draft_ids = _grammar_prefix(req, drafts)
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        ran: list[tuple[ScheduledChunk, torch.Tensor]],  # a step's verify chunks, with their hidden rows
+        verify: PendingVerify,  # their acceptance, queued on the device
+    ) -> PendingDrafts | None:
+        """Queue the next drafts behind a step of verify chunks, before the host reads the step: the
+        MTP layer's first pass covers every position each chunk computed, its input tokens the
+        acceptance's candidates (an accepted draft is its own candidate, the first rejected position's
+        candidate is the step's new token), and the later passes start at each request's last
+        accepted position (`PaddedDraft.run`'s `accepted`). The rows past that position compute
+        nothing used; the KV rows they write lie past the request's last token, and the next step's
+        first pass writes them again before any pass reads them. Each request drafts k; `collect` keeps
+        what its next step may verify. None when the step cannot be queued so (no padded drafting
+        step, no pages for the furthest draft, a draft past max_model_len): then `propose` runs after
+        the step is read."""
+        if self.padded is None or self.k < 1:
+            return None
+        jobs = []
+        for c, hidden in ran:
+            req, n = c.request, 1 + len(c.drafts)
+            if c.start + n + self.k > self.max_model_len or not self.reserve(req, c.start + n + self.k - 1):
+                return None
+            first = self._chunk(req, [0] * n, c.start)  # its tokens: the candidates, on the device
+            later = [self._chunk(req, [0], c.start + step) for step in range(1, self.k)]  # + accepted, on the device
+            jobs.append(DraftJob(first, hidden[:n], later, self.k))
+        if not self.padded.fits(jobs):
+            return None
+        tokens, finite = self.padded.run(jobs, verify.candidates, verify.accepted)
+        return PendingDrafts(self, [c.request for c, _ in ran], HostCopy(tokens, finite))
 
     def _eager(self, jobs: list[DraftJob]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pass by pass: the MTP layer over every job's first chunk, then again on its own output and
