@@ -158,6 +158,46 @@ def profile_steps(engine: LLMEngine, prompts: list[list[int]], names: list[str],
             "host_ops": [(n, t / 1e3 / steps) for t, n in host[:30]]}  # fmt: skip
 
 
+def phase_times(engine: LLMEngine, prompts: list[list[int]], names: list[str], max_tokens: int) -> dict:
+    """Host milliseconds per engine step spent in the engine's phases (nested: `_launch` holds
+    `execute` and `_queue_drafts`; `_finish_step` holds `_read_step` and the drafts; `wait` is every
+    wait for the device, wherever it happens), for one speculating run of `prompts`."""
+    table: dict[str, float] = {}
+
+    def timed(owner, name, key=None, cls=False):
+        real = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                table[key or name] = table.get(key or name, 0.0) + time.perf_counter() - t
+
+        setattr(owner, name, wrapper)
+        return real
+
+    patched = [
+        (engine, n) for n in ("_launch", "_queue_drafts", "_finish_step", "_read_step", "_collect_drafts", "_draft")
+    ]
+    patched += [(engine.scheduler, "schedule"), (engine.runner, "execute")]
+    reals = [(o, n, timed(o, n)) for o, n in patched]
+    real_sync = torch.cuda.Event.synchronize if torch.cuda.is_available() else None
+    if real_sync is not None:
+        timed(torch.cuda.Event, "synchronize", "wait")
+    try:
+        _, secs, steps = generate(engine, prompts, max_tokens, names)
+    finally:
+        for o, n, _ in reals:
+            del o.__dict__[n]  # the class's method again
+        if real_sync is not None:
+            torch.cuda.Event.synchronize = real_sync
+    out = {k: 1e3 * v / steps for k, v in table.items()}
+    out["wall"] = 1e3 * secs / steps
+    print(" | ".join(f"{k} {v:.2f}" for k, v in sorted(out.items())), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
@@ -189,6 +229,7 @@ def main() -> None:
     )
     ap.add_argument("--adapters", type=int, default=0, help="requests round-robin over N random adapters")
     ap.add_argument("--profile", action="store_true", help="profile speculative steps at each batch size instead")
+    ap.add_argument("--phases", action="store_true", help="print host ms per step in each engine phase instead")
     ap.add_argument("--out")
     args = ap.parse_args()
     arranged = (not args.tiny) if args.arranged is None else args.arranged
@@ -231,6 +272,16 @@ def main() -> None:
         result["profiles"] = [
             profile_steps(engine, [random_ids(args.prompt, seed=100 * b + i) for i in range(b)], names) for b in batches
         ]
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        return
+    if args.phases:
+        result["phases"] = []
+        for b in batches:
+            prompts = [random_ids(args.prompt, seed=100 * b + i) for i in range(b)]
+            generate(engine, prompts[:1], 8, names)  # warm-up
+            print(f"batch {b}, queue_drafts={engine.config.queue_drafts}: ", end="", flush=True)
+            result["phases"].append({"batch": b, **phase_times(engine, prompts, names, args.max_tokens)})
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))
         return

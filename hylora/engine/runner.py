@@ -15,6 +15,7 @@ from hylora.engine.cuda_graphs import make_graph_decode, make_graph_short_step
 from hylora.engine.decode_batch import DecodeRow
 from hylora.engine.host_copy import HostCopy
 from hylora.engine.padded_decode import DecodeOutput, PaddedDecode
+from hylora.engine.sampler import to_device
 from hylora.engine.scheduler import ScheduledChunk
 from hylora.engine.short_step import PaddedShortStep
 from hylora.model.decoder import HybridDecoder
@@ -63,16 +64,19 @@ class ModelRunner:
         seq_lens = [len(s.token_ids) for s in seqs]
         keep_hidden = self.model.mtp is not None
         rows, wanted = _logit_rows(chunks, seq_lens)
+        # the rows as a device index copied behind the step (indexing with a host list would copy it
+        # synchronously, and the host would wait for the whole forward here)
+        index = to_device(rows, self.model.device, torch.long)
         if self.short is not None and self.short.fits(seqs):
             out = self.short.run(seqs)  # views of the step's buffers: copy what must outlive it
             hidden = out.hidden.clone() if keep_hidden else out.hidden
-            logits = out.logits[rows] if rows else hidden.new_zeros(0, 0)
-            finite_rows, finite_logits = out.finite[0], out.finite[1][rows]
+            logits = out.logits[index] if rows else hidden.new_zeros(0, 0)
+            finite_rows, finite_logits = out.finite[0], out.finite[1][index]
         else:
             batch = ForwardBatch.build(seqs, self.kv.page_size, self.model.device)
             hidden = self.model(batch, self.kv, self.states)  # [T, hidden]
             finite_rows = torch.isfinite(hidden).all(dim=-1)
-            logits = self.model.logits(hidden[rows]) if rows else hidden.new_zeros(0, 0)
+            logits = self.model.logits(hidden[index]) if rows else hidden.new_zeros(0, 0)
             finite_logits = torch.isfinite(logits).all(dim=-1) if rows else finite_rows.new_ones(0)
         # read when the host checks the step, so the sampler and the acceptance queue behind the forward
         flags = HostCopy(finite_rows, finite_logits)
