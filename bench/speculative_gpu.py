@@ -34,6 +34,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -71,9 +72,14 @@ def arrange(model: torch.nn.Module, layer_scale: float = 0.01, embed_rms: float 
 
 
 def generate(
-    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, adapters: list[str]
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    adapters: list[str],
+    on_started: Callable[[], None] = lambda: None,
 ) -> tuple[dict, float, int]:
-    """All prompts at once; (outputs, seconds from the last first token to the end, decode steps)."""
+    """All prompts at once; (outputs, seconds from the last first token to the end, decode steps).
+    `on_started` is called when the timing starts (every prompt prefilled)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params, adapter=adapters[i % len(adapters)] if adapters else None)
@@ -87,6 +93,7 @@ def generate(
         if t0 is None and len(started) == len(prompts):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            on_started()
             t0, steps0 = time.perf_counter(), engine.step_count
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -159,7 +166,7 @@ def profile_steps(engine: LLMEngine, prompts: list[list[int]], names: list[str],
 
 
 def phase_times(engine: LLMEngine, prompts: list[list[int]], names: list[str], max_tokens: int) -> dict:
-    """Host milliseconds per engine step spent in the engine's phases (nested: `_launch` holds
+    """Host milliseconds per decode step (the prefill excluded) spent in the engine's phases (nested: `_launch` holds
     `execute` and `_queue_drafts`; `_finish_step` holds `_read_step` and the drafts; `wait` is every
     wait for the device, wherever it happens), for one speculating run of `prompts`."""
     table: dict[str, float] = {}
@@ -186,7 +193,7 @@ def phase_times(engine: LLMEngine, prompts: list[list[int]], names: list[str], m
     if real_sync is not None:
         timed(torch.cuda.Event, "synchronize", "wait")
     try:
-        _, secs, steps = generate(engine, prompts, max_tokens, names)
+        _, secs, steps = generate(engine, prompts, max_tokens, names, table.clear)
     finally:
         for o, n, _ in reals:
             del o.__dict__[n]  # the class's method again

@@ -9,6 +9,7 @@ padded drafting in the engine, an exact draft head is still always accepted.
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
@@ -156,3 +157,13 @@ def test_drafting_queued_behind_the_verify_step_drafts_what_drafting_after_it_do
     if head != "random":
         stats = queued.stats()
         assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+
+
+def test_queued_drafting_is_a_serve_flag_on_by_default():
+    from hylora.engine import EngineConfig
+    from hylora.server.serve import add_serve_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert p.parse_args(["m"]).queue_drafts is EngineConfig().queue_drafts is True
+    assert p.parse_args(["m", "--no-queue-drafts"]).queue_drafts is False

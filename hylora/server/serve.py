@@ -186,6 +186,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=d["async_scheduling"].default,
         help="queue the next decode step before reading this one's tokens (CUDA graphs only)",
     )
+    p.add_argument(
+        "--queue-drafts",
+        action=argparse.BooleanOptionalAction,
+        default=d["queue_drafts"].default,
+        help="when speculating, queue the next drafts behind the verify step's acceptance on the device, so the "
+        "GPU drafts while the host reads the step (needs the short-step graphs)",
+    )
     add_kernel_args(p)
     t = p.add_argument_group("testing aids (never in production)")
     t.add_argument(
@@ -341,6 +348,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_states=args.prefix_cache_states,
         num_speculative_tokens=spec.get("num_speculative_tokens", 0),
+        queue_drafts=args.queue_drafts,
         fault_injection=args.enable_fault_injection,
     )
     defaults = generation_defaults(args.generation_config, model_dir, args.override_generation_config)
