@@ -5,24 +5,24 @@
     python3 bench/speculative_gpu.py --layers 16 --short-step-tokens 0   # verify and drafting eager (run 18)
     python3 bench/speculative_gpu.py --layers 64 --batches 1,8 --profile  # where a speculative step's time goes
 
-Random weights draft nothing useful, so the drafts' *acceptance* is set by an oracle: the drafter
-runs the MTP layer as in serving (its cost is paid), then its tokens are replaced by the plain run's
-greedy continuation, each draft wrong with probability 1 - p (acceptance stops at the first wrong
-one). The output must equal the plain run's (checked). Per batch size: the plain decode's output
-tokens/s (CUDA graphs and decode ahead, as served), and with speculation (k drafts) at per-draft
-acceptance p = 0.6 / 0.8 / 0.9 / 1.0: tokens/s, tokens per step, and the mean step time against the
-plain decode step's — the cost of a verify step of k + 1 tokens per sequence. The row "head" uses
-the MTP layer's own drafts (no oracle).
-
-In bf16 a random model's greedy output is full of near-ties, so the verify step's rounding (not the
-plain decode step's) would turn the output aside within a few tokens, and the oracle's drafts (the
-plain run's continuation) would then all be wrong. `--arranged` (the default on a GPU) arranges the
-random weights as tests/spec_helpers.py's "arranged" checkpoint, with a large margin: the residual
-stream carries the token's embedding (scaled up; the layers' output projections scaled down, so
-every layer still computes at full size), the lm_head maps a token's embedding to the next token
-of a fixed permutation, and the MTP layer passes the next token's embedding through (fc = [I | 0],
-zero o_proj and down_proj): its drafts are the model's own next tokens, and bf16 rounding turns no
-greedy choice. `--adapters N`: request i runs on random rank-16 adapter i mod N (the verify and
+The weights are arranged (tests/spec_helpers.py's "arranged" checkpoint, with a large margin): the
+residual stream carries the token's embedding (scaled up; the layers' output projections scaled
+down, so every layer still computes at full size), the lm_head maps a token's embedding to the next
+token of a fixed permutation, and the MTP layer passes the next token's embedding through (fc =
+[I | 0], zero o_proj and down_proj): its drafts are the model's own next tokens, and bf16 rounding
+turns no greedy choice. (Plain random bf16 weights, `--no-arranged`, are full of near-ties: the
+verify step's rounding turns the output aside within a few tokens, and no draft is accepted.) The
+drafts' *acceptance* is then set by an oracle: the MTP layer drafts as in serving (its cost is paid),
+and each draft is made wrong with probability 1 - p (acceptance stops at the first wrong one), on
+the device where the drafts are made, so the drafts of a verify step planned ahead, which the host
+never reads, follow it too (drafting eagerly, `--short-step-tokens 0`: on the host, from the plain
+run's continuation).
+The output must equal the plain run's (checked). Per batch size: the plain decode's output tokens/s
+(CUDA graphs and decode ahead, as served), and with speculation (k drafts) at per-draft acceptance
+p = 0.6 / 0.8 / 0.9 / 1.0: tokens/s, tokens per step, and the mean step time against the plain
+decode step's: the cost of a verify step of k + 1 tokens per sequence. The row "head" uses the MTP
+layer's own drafts (no oracle).
+`--adapters N`: request i runs on random rank-16 adapter i mod N (the verify and
 drafting steps with LoRA; the MTP layer runs on the base weights).
 """
 
@@ -101,21 +101,39 @@ def generate(
 
 
 def oracle(engine: LLMEngine, reference: dict, accept: float, seed: int) -> None:
-    """Drafts: the MTP layer runs, then its tokens become the reference continuation, each wrong
-    with probability 1 - accept (`restore` undoes this)."""
+    """Drafts: the MTP layer's own (on arranged weights, the model's next tokens), each made wrong
+    (the next token id) with probability 1 - accept. With padded drafting (the GPU's graphs) on the
+    device where they are made, so the drafts of a verify step planned ahead, which the host never
+    reads, follow the oracle too; drafting eagerly, on the host: the reference continuation, each
+    draft wrong with that probability (`restore` undoes either)."""
     drafter = engine.drafter
     assert drafter is not None
-    rng = random.Random(seed)
+    if drafter.padded is None:
+        rng = random.Random(seed)
 
-    def assign(req, drafts):
-        truth = reference[req.request_id].token_ids[len(req.output_ids) :]
-        Drafter.assign(drafter, req, [t if rng.random() < accept else (t + 1) % 1000 for t in truth[: len(drafts)]])
+        def assign(req, drafts):
+            truth = reference[req.request_id].token_ids[len(req.output_ids) :]
+            wrong = [t if rng.random() < accept else (t + 1) % 1000 for t in truth[: len(drafts)]]
+            Drafter.assign(drafter, req, wrong)
 
-    drafter.assign = assign  # type: ignore[method-assign]
+        drafter.assign = assign  # type: ignore[method-assign]
+        return
+    vocab = engine.model.config.vocab_size
+    generator = torch.Generator(device=engine.model.device).manual_seed(seed)
+    real_run = drafter.padded.run
+
+    def run(*args):
+        tokens, finite = real_run(*args)
+        keep = torch.rand(tokens.shape, generator=generator, device=tokens.device) < accept
+        return torch.where(keep, tokens, (tokens + 1) % vocab), finite
+
+    drafter.padded.run = run  # type: ignore[method-assign]
 
 
 def restore(drafter: Drafter) -> None:
     drafter.__dict__.pop("assign", None)
+    if drafter.padded is not None:
+        drafter.padded.__dict__.pop("run", None)
 
 
 def profile_steps(engine: LLMEngine, prompts: list[list[int]], names: list[str], steps: int = 12) -> dict:
@@ -185,7 +203,16 @@ def phase_times(engine: LLMEngine, prompts: list[list[int]], names: list[str], m
         return real
 
     patched = [
-        (engine, n) for n in ("_launch", "_queue_drafts", "_finish_step", "_read_step", "_collect_drafts", "_draft")
+        (engine, n)
+        for n in (
+            "_launch",
+            "_queue_drafts",
+            "_verify_ahead",
+            "_finish_step",
+            "_read_step",
+            "_collect_drafts",
+            "_draft",
+        )
     ]
     patched += [(engine.scheduler, "schedule"), (engine.runner, "execute")]
     reals = [(o, n, timed(o, n)) for o, n in patched]
@@ -226,7 +253,7 @@ def main() -> None:
         "--arranged",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="arranged weights (default: on a GPU); --no-arranged: plain random weights (run 18)",
+        help="arranged weights (default); --no-arranged: plain random weights (run 18: no draft is accepted)",
     )
     ap.add_argument(
         "--queue-drafts",
@@ -234,12 +261,18 @@ def main() -> None:
         default=True,
         help="EngineConfig.queue_drafts: drafting queued behind the verify step (--no-queue-drafts: after it is read)",
     )
+    ap.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="EngineConfig.async_scheduling: decode ahead, and while speculating the next verify step planned ahead",
+    )
     ap.add_argument("--adapters", type=int, default=0, help="requests round-robin over N random adapters")
     ap.add_argument("--profile", action="store_true", help="profile speculative steps at each batch size instead")
     ap.add_argument("--phases", action="store_true", help="print host ms per step in each engine phase instead")
     ap.add_argument("--out")
     args = ap.parse_args()
-    arranged = (not args.tiny) if args.arranged is None else args.arranged
+    arranged = True if args.arranged is None else args.arranged
     device = "cpu" if args.tiny else "cuda"
     big = SMALL if args.small else dict(QWEN36_27B, num_hidden_layers=args.layers)
     shape = dict(TINY if args.tiny else big, mtp_num_hidden_layers=1)
@@ -255,7 +288,8 @@ def main() -> None:
     config = EngineConfig(
         max_model_len=args.prompt + args.max_tokens + 16, max_num_seqs=max(batches), device=device,
         num_speculative_tokens=args.k, enable_prefix_caching=False, max_short_step_tokens=args.short_step_tokens,
-        padded_decode=args.tiny, queue_drafts=args.queue_drafts, max_loras=max(1, args.adapters), max_lora_rank=16,
+        padded_decode=args.tiny, queue_drafts=args.queue_drafts, async_scheduling=args.async_scheduling,
+        max_loras=max(1, args.adapters), max_lora_rank=16,
     )  # fmt: skip
     t0 = time.perf_counter()
     engine = LLMEngine(work, config, adapter_dirs, progress=False, model=model)
@@ -266,6 +300,7 @@ def main() -> None:
         "k": args.k,
         "short_step_tokens": args.short_step_tokens,
         "queue_drafts": args.queue_drafts,
+        "async_scheduling": args.async_scheduling,
         "arranged": arranged,
         "adapters": args.adapters,
         "date": time.strftime("%Y-%m-%d"),

@@ -95,6 +95,25 @@ def vl_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def mtp_ckpts(causal_ckpt, tmp_path_factory):
+    """The causal test checkpoint with MTP heads (tests/spec_helpers.py): "arranged" (the model's own
+    next tokens, decoder layers scaled by 0.1: most drafts accepted, some not), "exact" (acceptance 1),
+    "random" (drafts almost always rejected) and "attending" (arranged, plus an attention whose output
+    counts: its drafts depend on its KV rows and their positions)."""
+    from tests.spec_helpers import write_mtp_checkpoint
+
+    root, src = tmp_path_factory.mktemp("mtp"), causal_ckpt[0]
+    return {
+        "arranged": write_mtp_checkpoint(src, root / "arranged", "arranged", layer_scale=0.1),
+        "exact": write_mtp_checkpoint(src, root / "exact", "arranged", layer_scale=0.0),
+        "random": write_mtp_checkpoint(src, root / "random", "random", seed=3),
+        "attending": write_mtp_checkpoint(
+            src, root / "attending", "arranged", layer_scale=0.1, attention_scale=1.0, seed=5
+        ),
+    }
+
+
+@pytest.fixture(scope="session")
 def engine_adapter_root(causal_ckpt, tmp_path_factory):
     """PEFT adapters gdn_attn, rs_mlp, all_linear on the causal test checkpoint (for engine tests)."""
     from tests.engine_helpers import ADAPTERS

@@ -170,8 +170,8 @@ def test_the_speculative_check_fails_a_verifier_that_accepts_every_draft(demo_di
     from hylora.engine import LLMEngine
     from hylora.engine.speculative import launch_verify
 
-    def accept_all(logits, requests, drafts, eos_ids=()):
-        pending = launch_verify(logits, requests, drafts, eos_ids)
+    def accept_all(logits, requests, drafts, *rest):
+        pending = launch_verify(logits, requests, drafts, *rest)
         results = pending.results()
         pending.results = lambda: [  # type: ignore[method-assign]
             [(t, None) for t in d] + r[len(d) :] if isinstance(r, list) else r

@@ -19,20 +19,6 @@ from hylora.engine.draft_step import DraftJob, PaddedDraft
 from hylora.engine.speculative import Drafter
 from hylora.model.forward_batch import SequenceChunk
 from tests.engine_helpers import ADAPTERS, greedy, make_engine, run
-from tests.spec_helpers import write_mtp_checkpoint
-
-
-@pytest.fixture(scope="module")
-def mtp_ckpts(causal_ckpt, tmp_path_factory):
-    root = tmp_path_factory.mktemp("mtp-draft")
-    return {
-        "arranged": write_mtp_checkpoint(causal_ckpt[0], root / "arranged", "arranged", layer_scale=0.1),
-        "exact": write_mtp_checkpoint(causal_ckpt[0], root / "exact", "arranged", layer_scale=0.0),
-        "random": write_mtp_checkpoint(causal_ckpt[0], root / "random", "random", seed=3),
-        "attending": write_mtp_checkpoint(
-            causal_ckpt[0], root / "attending", "arranged", layer_scale=0.1, attention_scale=1.0, seed=5
-        ),
-    }
 
 
 @pytest.mark.parametrize(
@@ -131,8 +117,8 @@ def test_drafting_queued_behind_the_verify_step_drafts_what_drafting_after_it_do
     launched = {id(queued): 0, id(after): 0}
     real_launch = Drafter.launch
 
-    def counting_launch(drafter, ran, verify):
-        pending = real_launch(drafter, ran, verify)
+    def counting_launch(drafter, ran, verify, ahead=None):
+        pending = real_launch(drafter, ran, verify, ahead)
         launched[id(drafter.engine)] += pending is not None
         return pending
 
@@ -152,7 +138,8 @@ def test_drafting_queued_behind_the_verify_step_drafts_what_drafting_after_it_do
     }
     out_queued, out_after = run(queued, arrivals), run(after, arrivals)
     assert {r: o.token_ids for r, o in out_queued.items()} == {r: o.token_ids for r, o in out_after.items()}
-    assert seen[id(queued)] == seen[id(after)] and len(seen[id(queued)]) > 10
+    # (the steps differ: the queued engine also plans verify steps ahead, so a late arrival joins later)
+    assert sorted(seen[id(queued)]) == sorted(seen[id(after)]) and len(seen[id(queued)]) > 10
     assert launched[id(queued)] > 5 and launched[id(after)] == 0
     if head != "random":
         stats = queued.stats()

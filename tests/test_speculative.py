@@ -19,19 +19,6 @@ from hylora.engine.request import Request
 from hylora.engine.speculative import launch_verify
 from hylora.model.loader import load_model
 from tests.engine_helpers import ADAPTERS, free_pages, greedy, make_engine, max_logprob_diff, run
-from tests.spec_helpers import write_mtp_checkpoint
-
-
-@pytest.fixture(scope="module")
-def mtp_ckpts(causal_ckpt, tmp_path_factory):
-    root = tmp_path_factory.mktemp("mtp")
-    src = causal_ckpt[0]
-    return {
-        "arranged": write_mtp_checkpoint(src, root / "arranged", "arranged", layer_scale=0.1),
-        "exact": write_mtp_checkpoint(src, root / "exact", "arranged", layer_scale=0.0),
-        "random": write_mtp_checkpoint(src, root / "random", "random", seed=3),
-    }
-
 
 # the speculating engine eagerly, and with its verify and drafting steps padded as their CUDA graphs pad them
 STEPS = pytest.mark.parametrize("padded", [False, True], ids=["eager-steps", "padded-steps"])

@@ -115,7 +115,11 @@ class PaddedDraft:
             self._sent.record()
 
     def run(
-        self, jobs: list[DraftJob], first_ids: torch.Tensor | None = None, accepted: torch.Tensor | None = None
+        self,
+        jobs: list[DraftJob],
+        first_ids: torch.Tensor | None = None,
+        accepted: torch.Tensor | None = None,
+        shift: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [k, len(jobs)] int64, finite [k, len(jobs)] bool) on the device: row i's first
         `jobs[i].drafts` entries are its drafts and whether their logits were finite.
@@ -123,19 +127,22 @@ class PaddedDraft:
         Drafting queued behind a verify step (`Drafter.launch`) passes what only the device knows yet:
         `first_ids` [T], pass 1's input tokens, and `accepted` [len(jobs)], how far into its first
         chunk each request's last accepted position lies; every job then drafts k, and its later
-        passes' positions are those of `jobs` moved on by its `accepted`."""
+        passes' positions are those of `jobs` moved on by its `accepted`. `shift` [len(jobs)]: the verify
+        step was itself planned ahead (`short_step.VerifyAhead`), so every position moves on by that too."""
         bucket = bucket_for(sum(len(j.first.token_ids) for j in jobs), self.buckets)
         self.fill(jobs, bucket, from_first=accepted is not None)
         if accepted is not None:
             assert first_ids is not None
-            self._move_on(bucket, first_ids, accepted)
+            if shift is not None:
+                self.first.move_on(bucket, shift)
+            self._move_on(bucket, first_ids, accepted, accepted if shift is None else accepted + shift)
         tokens, finite = self._forward(bucket)
         return tokens[:, : len(jobs)], finite[:, : len(jobs)]
 
-    def _move_on(self, bucket: int, first_ids: torch.Tensor, accepted: torch.Tensor) -> None:
+    def _move_on(self, bucket: int, first_ids: torch.Tensor, accepted: torch.Tensor, moved: torch.Tensor) -> None:
         """On the device, after `fill` (stream-ordered): pass 1's tokens become `first_ids`; each
-        request's row for the later passes moves on from its first by its `accepted`, and so do its
-        later passes' positions, KV rows and attention lengths."""
+        request's row for the later passes moves on from its first by its `accepted`, and its later
+        passes' positions, KV rows and attention lengths by its `moved`."""
         n = accepted.shape[0]
         self.first.token_ids(bucket)[: first_ids.shape[0]].copy_(first_ids)
         fields, last = self._views(self.staged, bucket)
@@ -143,10 +150,10 @@ class PaddedDraft:
         if self.k == 1:
             return
         live = fields[:, :, :n]  # [k-1, PASS_FIELDS, n]
-        position = live[:, ATT_LEN] - 1 + accepted  # [k-1, n] each pass's place in its sequence
+        position = live[:, ATT_LEN] - 1 + moved  # [k-1, n] each pass's place in its sequence
         pages = self.first.block_table[last[:n]]  # [n, width] each request's block-table row
         ps = self.kv.page_size
-        live[:, POS : POS + 3] += accepted
+        live[:, POS : POS + 3] += moved
         live[:, KV_ROW] = pages.gather(1, (position // ps).T).T * ps + position % ps
         live[:, ATT_LEN] = position + 1
 

@@ -3,6 +3,7 @@ queued on the device before the one before it is read (decode ahead, `LLMEngine.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -40,6 +41,7 @@ from hylora.engine.sampler import (
     to_device,
 )
 from hylora.engine.scheduler import ScheduledChunk, Scheduler
+from hylora.engine.short_step import VerifyAhead
 from hylora.engine.speculative import (
     Drafter,
     PendingDrafts,
@@ -334,23 +336,33 @@ class LLMEngine:
         except Exception as e:  # queued nothing usable: its requests recompute, as after any failed step
             ahead_error = e
         outputs = self._finish_step(step)
+        if self._inflight is not None:  # where the chunks planned ahead start is known now
+            for c in self._inflight.chunks:
+                if not c.request.finished:
+                    c.start = c.request.num_computed
         if ahead_error is not None:
             live = [c for c in step.chunks if not c.request.finished]
             outputs.extend(self._quarantine(live, ahead_error) if live else [])
         return outputs
 
     def _launch(
-        self, chunks: list[ScheduledChunk], outputs: list[RequestOutput], input_ids: torch.Tensor | None = None
+        self,
+        chunks: list[ScheduledChunk],
+        outputs: list[RequestOutput],
+        input_ids: torch.Tensor | None = None,
+        verify_ahead: tuple[VerifyAhead, torch.Tensor] | None = None,
     ) -> LaunchedStep | None:
         """Queue the forward and the sampler of `chunks` on the device (nothing waits for it). None:
-        the forward raised, and its requests were failed or requeued into `outputs`."""
+        the forward raised, and its requests were failed or requeued into `outputs`. A step planned
+        ahead gives its decode inputs (`input_ids`) or its verify inputs and drafts [R] on the device."""
         self.step_count += 1
+        ahead, device_drafts = verify_ahead if verify_ahead is not None else (None, None)
         try:
-            results = self._execute(chunks, input_ids)
+            results = self._execute(chunks, input_ids, ahead)
         except Exception as e:
             if is_device_error(e):
                 raise DeviceFault(f"device fault at engine step {self.step_count}: {e}") from e
-            if input_ids is not None:
+            if input_ids is not None or ahead is not None:
                 raise  # a step planned ahead: the caller requeues its requests after the step before
             outputs.extend(self._quarantine(chunks, e))
             return None
@@ -377,21 +389,32 @@ class LLMEngine:
         drafts = None
         if verify:
             accepting = launch_verify(
-                [lg for _, lg in verify], [c.request for c, _ in verify], [c.drafts for c, _ in verify], self.eos_ids
+                [lg for _, lg in verify],
+                [c.request for c, _ in verify],
+                [c.drafts for c, _ in verify],
+                self.eos_ids,
+                device_drafts,
             )
             if len(verify) == len(chunks):
-                drafts = self._queue_drafts(chunks, results, accepting)
+                drafts = self._queue_drafts(chunks, results, accepting, ahead)
         return LaunchedStep(self.step_count, chunks, results, pending, self._snapshot(chunks), accepting, drafts)
 
     def _queue_drafts(
-        self, chunks: list[ScheduledChunk], results: list[ChunkResult], verify: PendingVerify
+        self,
+        chunks: list[ScheduledChunk],
+        results: list[ChunkResult],
+        verify: PendingVerify,
+        ahead: VerifyAhead | None = None,
     ) -> PendingDrafts | None:
         """The next drafts of a step of verify chunks, queued behind its acceptance (the device drafts
         while the host reads the step); None: they are made once the step is read (`_draft`)."""
         assert self.drafter is not None
         try:
-            return self.drafter.launch([(c, res.hidden) for c, res in zip(chunks, results, strict=True)], verify)
+            ran = [(c, res.hidden) for c, res in zip(chunks, results, strict=True)]
+            return self.drafter.launch(ran, verify, ahead)  # type: ignore[arg-type]
         except Exception as e:
+            if ahead is not None:
+                raise  # the step planned ahead needs its drafts: its requests recompute
             if is_device_error(e):
                 raise DeviceFault(f"device fault while drafting at engine step {self.step_count}: {e}") from e
             log.exception("queueing the drafts failed at engine step %d; they are made after it", self.step_count)
@@ -418,11 +441,13 @@ class LLMEngine:
         samples, its rows need nothing that only the host knows (grammar, penalties, min_tokens),
         and pages are free. A request that ends by length in `step` is left out; one that stops
         on a token is found when `step` is read and its draw dropped."""
-        decode = self.runner.decode
-        if not self.config.async_scheduling or decode is None or step.sample is None or self.scheduler.can_admit():
-            return None  # (the CPU runs no padded decode step: it never plans ahead)
+        if not self.config.async_scheduling or self.scheduler.can_admit():
+            return None
         if self.drafter is not None:
-            return None  # the next step's drafts come from this step's tokens
+            return self._verify_ahead(step)
+        decode = self.runner.decode
+        if decode is None or step.sample is None:
+            return None  # (the CPU runs no padded decode step: it never plans ahead)
         if len(step.chunks) > decode.max_batch or any(c.num_tokens != 1 for c in step.chunks):
             return None
         drawn = {id(r): i for i, r in enumerate(step.sample.requests)}
@@ -446,6 +471,47 @@ class LLMEngine:
                 return None  # the scheduler decides who is preempted
         input_ids = step.sample.tokens[to_device(rows, step.sample.tokens.device)]
         launched = self._launch(chunks, [], input_ids)
+        self.steps_ahead += 1
+        return launched
+
+    def _verify_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
+        """Queue the verify step that follows `step` — each request's new token and the k drafts
+        queued behind `step`'s acceptance — before the host reads `step`, if nothing but the device
+        decides that step: `step` verified every running request and queued its drafts, no request
+        needs the host between tokens (grammar, penalties, min_tokens), and each has room for k more
+        drafts however many `step` accepts (max_tokens, max_model_len, KV pages). Where each request's
+        chunk starts, which token it verifies and which state slot it holds are read on the device
+        (`short_step.VerifyAhead`); the host learns them when it reads `step`."""
+        assert self.drafter is not None
+        k, drafts, accepted = self.drafter.k, step.drafts, step.verify
+        if drafts is None or accepted is None or self.runner.short is None:
+            return None
+        if len(step.chunks) != len(self.scheduler.running):
+            return None  # another running request needs the scheduler
+        chunks = []
+        for c in step.chunks:
+            req = c.request
+            after = len(c.drafts) + 1  # the most tokens `step` gives
+            if req.finished or not draws_without_host(req):
+                return None
+            if len(req.output_ids) + after + k + 1 > req.params.max_tokens:
+                return None  # it may end by length: the scheduler plans its last steps
+            if req.num_tokens + after + k + 1 > self.config.max_model_len:
+                return None
+            if not self.scheduler.ensure_pages(req, req.num_tokens + after + k):
+                return None
+            chunks.append(ScheduledChunk(req, c.start + 1, 1, ahead=True, drafts=[0] * k))
+        device = accepted.accepted.device
+        firsts = to_device([0, *itertools.accumulate(len(c.drafts) + 1 for c in step.chunks)][:-1], device, torch.long)
+        new_tokens = accepted.candidates[firsts + accepted.accepted]  # [n] the token after each one's accepted drafts
+        by_request = drafts.tokens.T  # [n, k]
+        ahead = VerifyAhead(
+            shift=accepted.accepted,
+            drafted=to_device([len(c.drafts) for c in step.chunks], device, torch.long),
+            ids=torch.cat([new_tokens[:, None], by_request], 1).reshape(-1),
+        )
+        rows = torch.cat([by_request, torch.full_like(new_tokens, -1)[:, None]], 1).reshape(-1)  # [n (k+1)]
+        launched = self._launch(chunks, [], verify_ahead=(ahead, rows))
         self.steps_ahead += 1
         return launched
 
@@ -612,10 +678,12 @@ class LLMEngine:
     def remove_observer(self, observer: StepObserver) -> None:
         self._observers.remove(observer)
 
-    def _execute(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None = None):
+    def _execute(
+        self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None = None, ahead: VerifyAhead | None = None
+    ):
         for observer in self._observers:
             observer.before_forward(chunks)
-        out = self.runner.execute(chunks, input_ids)
+        out = self.runner.execute(chunks, input_ids, ahead)
         for observer in self._observers:
             observer.after_forward(chunks)
         return out

@@ -17,7 +17,7 @@ from hylora.engine.host_copy import HostCopy
 from hylora.engine.padded_decode import DecodeOutput, PaddedDecode
 from hylora.engine.sampler import to_device
 from hylora.engine.scheduler import ScheduledChunk
-from hylora.engine.short_step import PaddedShortStep
+from hylora.engine.short_step import PaddedShortStep, VerifyAhead
 from hylora.model.decoder import HybridDecoder
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk
 
@@ -52,9 +52,12 @@ class ModelRunner:
             self.short = make_graph_short_step(model, kv, states, config)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None = None) -> list[ChunkResult]:
+    def execute(
+        self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None = None, verify: VerifyAhead | None = None
+    ) -> list[ChunkResult]:
         """`input_ids` [len(chunks)] on the device: the input tokens of a decode step planned ahead
-        (every chunk `ahead`), which only the padded decode step can take."""
+        (every chunk `ahead`), which only the padded decode step can take; `verify`: what the device
+        holds of a verify step planned ahead, which only the padded short step can take."""
         decode_rows = _decode_rows(chunks, self.decode.max_batch) if self.decode is not None else None
         if decode_rows is not None:
             return self._execute_decode(chunks, decode_rows, input_ids)
@@ -67,8 +70,10 @@ class ModelRunner:
         # the rows as a device index copied behind the step (indexing with a host list would copy it
         # synchronously, and the host would wait for the whole forward here)
         index = to_device(rows, self.model.device, torch.long)
+        if verify is not None and (self.short is None or not self.short.fits(seqs)):
+            raise ValueError("a verify step planned ahead needs the padded short step")
         if self.short is not None and self.short.fits(seqs):
-            out = self.short.run(seqs)  # views of the step's buffers: copy what must outlive it
+            out = self.short.run(seqs, verify)  # views of the step's buffers: copy what must outlive it
             hidden = out.hidden.clone() if keep_hidden else out.hidden
             logits = out.logits[index] if rows else hidden.new_zeros(0, 0)
             finite_rows, finite_logits = out.finite[0], out.finite[1][index]
@@ -130,8 +135,9 @@ def _sequence_chunk(c: ScheduledChunk) -> SequenceChunk:
     r = c.request
     assert r.state_slot is not None
     end = c.start + c.num_tokens
+    tokens = [0] * c.num_tokens if c.ahead else r.all_ids[c.start : end]  # planned ahead: given on the device
     return SequenceChunk(
-        token_ids=r.all_ids[c.start : end] + c.drafts,
+        token_ids=tokens + c.drafts,
         context_len=c.start,
         state_slot=r.state_slot,
         pages=r.pages,

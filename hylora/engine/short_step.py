@@ -163,6 +163,39 @@ class ShortStepBuffers:
             self._sent.record()
         self.block_table[:bucket, :width].copy_(self.staged[head:end].view(bucket, width))
 
+    def move_on(
+        self,
+        bucket: int,
+        shift: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        drafted: torch.Tensor | None = None,
+    ) -> None:
+        """On the device, after `fill` (stream-ordered), for a step planned before the host knows where
+        its first `len(shift)` sequences start: each one's tokens move on by its `shift` [n] (positions,
+        KV rows, attention lengths); `ids` [T] become the first T tokens' inputs. With `drafted` [n] (a
+        verify step planned ahead of the acceptance `shift` of the one before, which verified that many
+        drafts), each sequence's state slot is the one `speculative.commit_state` will keep: after
+        `shift` of `drafted` accepted drafts, the state slot and spec slot `shift` trade places."""
+        n = shift.shape[0]
+        T = sum(self.seq_lens[bucket][:n])
+        tokens, slots, _, spec, _ = self._views(self.staged, bucket)
+        moved = shift[tokens[SEQ, :T]]  # [T] each token's sequence's shift
+        position = tokens[ATT_LEN, :T] - 1 + moved  # [T] place in its sequence
+        tokens[POS : POS + 3, :T] += moved
+        row = self.block_table[:T].gather(1, (position // self.page_size)[:, None])[:, 0]
+        tokens[KV_ROW, :T] = row * self.page_size + position % self.page_size
+        tokens[ATT_LEN, :T] = position + 1
+        if ids is not None:
+            tokens[ID, : ids.shape[0]].copy_(ids)
+        if drafted is not None:
+            swap = shift < drafted  # [n]
+            column = shift.clamp(max=self.spec_width - 1)
+            held, spare = slots[:n].clone(), spec[:n].clone()  # [n], [n, J]
+            kept = torch.where(swap, spare.gather(1, column[:, None])[:, 0], held)
+            traded = (torch.arange(self.spec_width, device=shift.device) == column[:, None]) & swap[:, None]
+            spec[:n] = torch.where(traded, held[:, None], spare)
+            slots[:n] = kept
+
     def token_ids(self, bucket: int) -> torch.Tensor:
         """[bucket] the input-token row of the device buffers laid out for `bucket`."""
         return self._views(self.staged, bucket)[0][ID]
@@ -190,6 +223,17 @@ class ShortStepBuffers:
             spec_columns=self.max_drafts if spec else None,
             seq_layout=(tokens[SEQ], starts),
         )
+
+
+@dataclass
+class VerifyAhead:
+    """What only the device knows of a verify step planned before the host read the step before it
+    (engine.py's decode ahead while speculating): per sequence, how far it moved on (that step's
+    accepted drafts) and how many drafts that step verified; per token, its input."""
+
+    shift: torch.Tensor  # [n] int64
+    drafted: torch.Tensor  # [n] int64
+    ids: torch.Tensor  # [T] int64: each sequence's new token, then its drafts
 
 
 @dataclass
@@ -232,7 +276,8 @@ class PaddedShortStep:
         drafts_fit = all(not s.spec_slots or len(s.token_ids) - 1 <= self.max_drafts for s in seqs)
         return drafts_fit and fits_short_step(seqs, self.max_tokens)
 
-    def run(self, seqs: list[SequenceChunk]) -> ShortStepOutput:
+    def run(self, seqs: list[SequenceChunk], ahead: VerifyAhead | None = None) -> ShortStepOutput:
+        """`ahead`: a verify step planned before the step before it was read (`ShortStepBuffers.move_on`)."""
         T = sum(len(s.token_ids) for s in seqs)
         bucket = bucket_for(T, self.buckets)
         lora = any(s.lora_slot >= 0 for s in seqs)
@@ -242,6 +287,8 @@ class PaddedShortStep:
         if spec and not self.max_drafts:
             raise ValueError("a verify chunk in a short step built without drafts")
         self.buffers.fill(seqs, bucket)
+        if ahead is not None:
+            self.buffers.move_on(bucket, ahead.shift, ahead.ids, ahead.drafted)
         hidden, logits, finite = self._forward(bucket, lora, spec)
         return ShortStepOutput(hidden[:T], logits[:T], finite[:, :T])
 

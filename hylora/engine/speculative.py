@@ -16,7 +16,9 @@ A step with speculation, for a request that speculates:
 4. draft (`Drafter.propose`): the MTP layer runs over the positions this step computed (row t: the
    decoder's hidden state at t with the token at t+1), filling its own KV cache and giving the
    first draft; k-1 more single-row passes feed it its own output and the draft before, the
-   drafts staying on the device until one copy brings all of them to the host.
+   drafts staying on the device until one copy brings all of them to the host. A step of verify
+   chunks queues this behind its acceptance instead (`Drafter.launch`), before the host reads it,
+   and with decode ahead the next verify step is queued too (engine.py `_verify_ahead`).
 
 Structured outputs speculate: a grammar cuts the drafts it cannot take (`GrammarMatcher.draft_prefix`)
 and masks each verified row with its state after the drafts before it (`grammar_masks`).
@@ -50,6 +52,7 @@ from hylora.engine.sampler import (
     to_device,
 )
 from hylora.engine.scheduler import ScheduledChunk
+from hylora.engine.short_step import VerifyAhead
 from hylora.model.decoder import HybridDecoder
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk
 from hylora.structured.mask import allocate_bitmask, apply_bitmask
@@ -153,14 +156,19 @@ def launch_verify(
     requests: list[Request],
     drafts: list[list[int]],
     eos_ids: tuple[int, ...] = (),
+    device_drafts: torch.Tensor | None = None,
 ) -> PendingVerify:
-    """Accept each request's drafts against its logits (module docstring, step 2), on the device."""
+    """Accept each request's drafts against its logits (module docstring, step 2), on the device.
+    `device_drafts` [R]: the drafts on the device, laid out as the rows (-1 after each request's last;
+    a step planned ahead, whose `drafts` the host has not read: only their number counts)."""
     sizes = [len(d) + 1 for d in drafts]
     owner = [i for i, n in enumerate(sizes) for _ in range(n)]
     rows = torch.cat(logits)  # [R, V]
     R, vocab = rows.shape
     device = rows.device
-    draft = to_device([t for d in drafts for t in (*d, -1)], device, torch.long)  # -1: the row after the drafts
+    draft = device_drafts  # -1: the row after the drafts
+    if draft is None:
+        draft = to_device([t for d in drafts for t in (*d, -1)], device, torch.long)
     work = rows.clone()
     for r, i in enumerate(owner):  # logit_bias (speculating requests have no penalties or min_tokens)
         _edit_row(work[r], requests[i], eos_ids, vocab)
@@ -260,8 +268,10 @@ def _column(tokens: list[list[int]], finite: list[list[bool]], i: int, wanted: i
 class PendingDrafts:
     """Drafts queued behind a verify step (`Drafter.launch`); `collect` waits for them once."""
 
-    def __init__(self, drafter: Drafter, requests: list[Request], host: HostCopy) -> None:
-        self.drafter, self.requests, self._host = drafter, requests, host
+    def __init__(self, drafter: Drafter, requests: list[Request], tokens: torch.Tensor, finite: torch.Tensor) -> None:
+        self.drafter, self.requests = drafter, requests
+        self.tokens = tokens  # [k, len(requests)] on the device (a verify step planned ahead reads them there)
+        self._host = HostCopy(tokens, finite)
 
     def collect(self, num_drafts: Callable[[Request], int]) -> None:
         """Once the step's tokens are appended: each live request's drafts, as many as
@@ -343,6 +353,7 @@ class Drafter:
         self,
         ran: list[tuple[ScheduledChunk, torch.Tensor]],  # a step's verify chunks, with their hidden rows
         verify: PendingVerify,  # their acceptance, queued on the device
+        ahead: VerifyAhead | None = None,  # the verify step was planned ahead: its chunks' starts move on by this
     ) -> PendingDrafts | None:
         """Queue the next drafts behind a step of verify chunks, before the host reads the step: the
         MTP layer's first pass covers every position each chunk computed, its input tokens the
@@ -357,17 +368,20 @@ class Drafter:
         if self.padded is None or self.k < 1:
             return None
         jobs = []
+        most = 0 if ahead is None else self.k  # how far a chunk planned ahead may still move on
         for c, hidden in ran:
             req, n = c.request, 1 + len(c.drafts)
-            if c.start + n + self.k > self.max_model_len or not self.reserve(req, c.start + n + self.k - 1):
+            end = c.start + most + n + self.k - 1  # tokens up to the furthest draft's position
+            if end + 1 > self.max_model_len or not self.reserve(req, end):
                 return None
             first = self._chunk(req, [0] * n, c.start)  # its tokens: the candidates, on the device
             later = [self._chunk(req, [0], c.start + step) for step in range(1, self.k)]  # + accepted, on the device
             jobs.append(DraftJob(first, hidden[:n], later, self.k))
         if not self.padded.fits(jobs):
             return None
-        tokens, finite = self.padded.run(jobs, verify.candidates, verify.accepted)
-        return PendingDrafts(self, [c.request for c, _ in ran], HostCopy(tokens, finite))
+        shift = None if ahead is None else ahead.shift
+        tokens, finite = self.padded.run(jobs, verify.candidates, verify.accepted, shift)
+        return PendingDrafts(self, [c.request for c, _ in ran], tokens, finite)
 
     def _eager(self, jobs: list[DraftJob]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pass by pass: the MTP layer over every job's first chunk, then again on its own output and
