@@ -102,3 +102,20 @@ def test_drafts_queued_behind_a_step_planned_ahead_are_the_drafts_made_without_i
         run(spec, {0: [(f"r{i}", list(range(3 + i, 24 + 2 * i)), greedy(36), None) for i in range(3)]})
         assert (spec.steps_ahead > 5) == async_scheduling
     assert sorted(seen[True]) == sorted(seen[False]) and len(seen[True]) > 20
+
+
+def test_a_step_too_large_for_a_short_step_is_not_planned_ahead(mtp_ckpts, caplog):
+    """Six requests verifying one draft each fit a 16-token short step (12 tokens); the step after,
+    planned ahead, would verify k = 2 drafts each (18 tokens). The engine reads each step first
+    instead (nothing requeued, nothing recomputed), and the output is unchanged."""
+    requests = {0: [(f"r{i}", list(range(3 + i, 20 + i)), greedy(12), None) for i in range(6)]}
+    plain = make_engine(mtp_ckpts["arranged"], max_model_len=128)
+    spec = make_engine(
+        mtp_ckpts["arranged"], max_model_len=128, num_speculative_tokens=2, padded_decode=True, max_short_step_tokens=16
+    )
+    real_assign = spec.drafter.assign
+    spec.drafter.assign = lambda req, drafts: real_assign(req, drafts[:1])  # the host keeps one draft
+    assert_same(run(plain, requests), run(spec, requests))
+    stats = spec.stats()
+    assert stats.spec_drafts > 10 and stats.spec_draft_tokens == stats.spec_drafts  # one draft a step verified
+    assert spec.steps_ahead == 0 and "failed" not in caplog.text

@@ -488,6 +488,8 @@ class LLMEngine:
             return None
         if len(step.chunks) != len(self.scheduler.running):
             return None  # another running request needs the scheduler
+        if len(step.chunks) * (k + 1) > self.runner.short.max_tokens:
+            return None  # too many tokens for a padded short step
         chunks = []
         for c in step.chunks:
             req = c.request
