@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from hylora.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
@@ -17,13 +18,20 @@ def make_engine(ckpt: Path, adapter_root: Path | None = None, **config) -> LLMEn
     return LLMEngine(ckpt, EngineConfig(**config), lora_modules=lora, progress=False)
 
 
-def run(engine: LLMEngine, arrivals: dict[int, list[tuple]], max_steps: int = 100_000) -> dict[str, RequestOutput]:
-    """arrivals: step → [(request_id, prompt ids, SamplingParams, adapter[, media])]. Returns final outputs."""
+def run(
+    engine: LLMEngine,
+    arrivals: dict[int, list[tuple]],
+    max_steps: int = 100_000,
+    before_step: Callable[[int], None] = lambda step: None,
+) -> dict[str, RequestOutput]:
+    """arrivals: step → [(request_id, prompt ids, SamplingParams, adapter[, media])]. Returns final outputs.
+    `before_step(step)` runs before each engine step (e.g. to make a request fault there)."""
     done: dict[str, RequestOutput] = {}
     expected = sum(len(v) for v in arrivals.values())
     for step in range(max_steps):
         for rid, prompt, params, adapter, *media in arrivals.get(step, []):
             engine.add_request(rid, prompt, params, adapter, mm=media[0] if media else None)
+        before_step(step)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out

@@ -175,17 +175,7 @@ def test_a_faulted_speculating_request_fails_alone(mtp_ckpts, padded):
     plain, spec = engines(mtp_ckpts["arranged"], 2, padded=padded, enable_prefix_caching=False)
     requests = {0: [(f"r{i}", list(range(3 + i, 22 + i)), greedy(14), None) for i in range(3)]}
     expected = run(plain, requests)
-    for rid, prompt, params, adapter in requests[0]:
-        spec.add_request(rid, prompt, params, adapter)
-    done = {}
-    for step in range(200):
-        if step == 3:
-            spec.inject_fault("r1", "nan")
-        for out in spec.step():
-            if out.finished:
-                done[out.request_id] = out
-        if not spec.has_unfinished():
-            break
+    done = run(spec, requests, before_step=lambda step: step == 3 and spec.inject_fault("r1", "nan"))
     assert done["r1"].finish_reason == "error" and "numerical fault" in done["r1"].error
     assert_same({r: expected[r] for r in ("r0", "r2")}, {r: done[r] for r in ("r0", "r2")})
     assert free_pages(spec) == spec.kv.num_pages and spec.states.num_free == spec.states.num_slots
@@ -259,8 +249,9 @@ def test_greedy_verification_keeps_drafts_while_they_are_the_argmax():
 def test_the_accepted_count_per_request_stops_at_its_first_rejected_row():
     from hylora.engine.speculative import _leading_accepted
 
-    accept = torch.tensor([True, False, True, False, True, True, False, False, True])  # rows of 4 requests
-    assert _leading_accepted(accept, [3, 1, 3, 2]).tolist() == [1, 0, 2, 0]
+    accept = torch.tensor([True, False, True, False, True, True, False, False, True])  # rows of 4 requests: 3, 1, 3, 2
+    owner, firsts = torch.tensor([0, 0, 0, 1, 2, 2, 2, 3, 3]), torch.tensor([0, 3, 4, 7])
+    assert _leading_accepted(accept, owner, firsts).tolist() == [1, 0, 2, 0]
 
 
 def test_sampled_output_with_speculation_follows_the_same_distribution(mtp_ckpts):

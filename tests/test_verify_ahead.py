@@ -47,21 +47,17 @@ def test_a_request_faulting_in_a_step_planned_ahead_fails_alone(mtp_ckpts):
     spec = make_engine(
         mtp_ckpts["attending"], max_model_len=160, enable_prefix_caching=False, num_speculative_tokens=2, **AHEAD
     )
-    requests = [(f"r{i}", list(range(3 + i, 22 + i)), greedy(30), None) for i in range(3)]
-    expected = run(plain, {0: requests})
-    for rid, prompt, params, adapter in requests:
-        spec.add_request(rid, prompt, params, adapter)
-    done, faulted_ahead = {}, False
-    for step in range(300):
+    requests = {0: [(f"r{i}", list(range(3 + i, 22 + i)), greedy(30), None) for i in range(3)]}
+    expected = run(plain, requests)
+    faulted_ahead = []
+
+    def fault(step):
         if step == 6:
-            faulted_ahead = spec._inflight is not None  # the fault lands in a step queued ahead
+            faulted_ahead.append(spec._inflight is not None)  # the fault lands in a step queued ahead
             spec.inject_fault("r1", "nan")
-        for out in spec.step():
-            if out.finished:
-                done[out.request_id] = out
-        if not spec.has_unfinished():
-            break
-    assert faulted_ahead and spec.steps_ahead > 3
+
+    done = run(spec, requests, before_step=fault)
+    assert faulted_ahead == [True] and spec.steps_ahead > 3
     assert done["r1"].finish_reason == "error" and "numerical fault" in done["r1"].error
     assert_same({r: expected[r] for r in ("r0", "r2")}, {r: done[r] for r in ("r0", "r2")})
     assert free_pages(spec) == spec.kv.num_pages and spec.states.num_free == spec.states.num_slots

@@ -27,7 +27,7 @@ import torch
 
 from hylora.cache import PagedKVCache, StatePool
 from hylora.engine.decode_batch import bucket_for
-from hylora.engine.short_step import ShortStepBuffers, fits_short_step, short_buckets
+from hylora.engine.short_step import ShortStepBuffers, fits_short_step, kv_rows, short_buckets
 from hylora.model.decoder import HybridDecoder
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk
 
@@ -152,9 +152,8 @@ class PaddedDraft:
         live = fields[:, :, :n]  # [k-1, PASS_FIELDS, n]
         position = live[:, ATT_LEN] - 1 + moved  # [k-1, n] each pass's place in its sequence
         pages = self.first.block_table[last[:n]]  # [n, width] each request's block-table row
-        ps = self.kv.page_size
         live[:, POS : POS + 3] += moved
-        live[:, KV_ROW] = pages.gather(1, (position // ps).T).T * ps + position % ps
+        live[:, KV_ROW] = kv_rows(pages, position.T, self.kv.page_size).T
         live[:, ATT_LEN] = position + 1
 
     def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,6 @@ queued on the device before the one before it is read (decode ahead, `LLMEngine.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import threading
@@ -504,8 +503,7 @@ class LLMEngine:
                 return None
             chunks.append(ScheduledChunk(req, c.start + 1, 1, ahead=True, drafts=[0] * k))
         device = accepted.accepted.device
-        firsts = to_device([0, *itertools.accumulate(len(c.drafts) + 1 for c in step.chunks)][:-1], device, torch.long)
-        new_tokens = accepted.candidates[firsts + accepted.accepted]  # [n] the token after each one's accepted drafts
+        new_tokens = accepted.new_tokens()  # [n]
         by_request = drafts.tokens.T  # [n, k]
         ahead = VerifyAhead(
             shift=accepted.accepted,

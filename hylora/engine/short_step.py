@@ -56,6 +56,12 @@ def short_buckets(max_tokens: int) -> list[int]:
     return buckets + [max_tokens] if max_tokens else []
 
 
+def kv_rows(pages: torch.Tensor, position: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[n, m] the KV cache rows of positions [n, m] in the sequences whose block-table rows are
+    `pages` [n, W], on the device."""
+    return pages.gather(1, position // page_size) * page_size + position % page_size
+
+
 def fits_short_step(seqs: list[SequenceChunk], max_tokens: int) -> bool:
     """Whether a step of `seqs` can run as a padded short step of at most `max_tokens` tokens."""
     return (
@@ -182,8 +188,7 @@ class ShortStepBuffers:
         moved = shift[tokens[SEQ, :T]]  # [T] each token's sequence's shift
         position = tokens[ATT_LEN, :T] - 1 + moved  # [T] place in its sequence
         tokens[POS : POS + 3, :T] += moved
-        row = self.block_table[:T].gather(1, (position // self.page_size)[:, None])[:, 0]
-        tokens[KV_ROW, :T] = row * self.page_size + position % self.page_size
+        tokens[KV_ROW, :T] = kv_rows(self.block_table[:T], position[:, None], self.page_size)[:, 0]
         tokens[ATT_LEN, :T] = position + 1
         if ids is not None:
             tokens[ID, : ids.shape[0]].copy_(ids)

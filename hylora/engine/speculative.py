@@ -106,9 +106,16 @@ class PendingVerify:
         logprobs: tuple[list[int], list[int], tuple[torch.Tensor, ...]] | None,
     ) -> None:
         self.requests, self.sizes, self._logprobs = requests, sizes, logprobs
+        device = candidates.device
         self.candidates = candidates  # [R] on the device (drafting queued behind this step reads it)
-        self.accepted = _leading_accepted(accept, sizes)  # [len(requests)] on the device
+        owner = to_device([i for i, n in enumerate(sizes) for _ in range(n)], device, torch.long)  # [R]
+        self.firsts = to_device([0, *itertools.accumulate(sizes)][:-1], device, torch.long)  # each one's first row
+        self.accepted = _leading_accepted(accept, owner, self.firsts)  # [len(requests)] on the device
         self._host = HostCopy(torch.stack([candidates, accept.long(), code]), *(logprobs[2] if logprobs else ()))
+
+    def new_tokens(self) -> torch.Tensor:
+        """[len(requests)] on the device: each request's token after its accepted drafts."""
+        return self.candidates[self.firsts + self.accepted]
 
     def results(self) -> list[list[tuple[int, TokenLogprob | None]] | SamplingError]:
         """Per request: the tokens this step gives (accepted drafts, then one more), each with its
@@ -139,16 +146,13 @@ class PendingVerify:
         return out
 
 
-def _leading_accepted(accept: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """Per request (`sizes[i]` consecutive rows), how many of its rows from the first are accepted:
-    its accepted drafts (each request's last row is never accepted), on the device."""
-    device = accept.device
-    owner = to_device([i for i, n in enumerate(sizes) for _ in range(n)], device, torch.long)
-    firsts = to_device([0, *itertools.accumulate(sizes)][:-1], device, torch.long)
+def _leading_accepted(accept: torch.Tensor, owner: torch.Tensor, firsts: torch.Tensor) -> torch.Tensor:
+    """Per request (the rows `owner` [R] gives it, consecutive from `firsts` [n]), how many of its rows
+    from the first are accepted: its accepted drafts (each request's last row is never accepted)."""
     rejected = (~accept).long().cumsum(0)  # [R] rejections up to and including each row
     before = rejected[firsts] - (~accept[firsts]).long()  # rejections before each request's first row
     leading = rejected == before[owner]  # no rejection in the request up to this row
-    return torch.zeros(len(sizes), dtype=torch.long, device=device).index_add_(0, owner, leading.long())
+    return torch.zeros(firsts.shape, dtype=torch.long, device=accept.device).index_add_(0, owner, leading.long())
 
 
 def launch_verify(
