@@ -47,7 +47,16 @@ def mtp_ckpt(causal_ckpt, tmp_path_factory):
 
 @pytest.mark.parametrize(
     "max_tokens, expected",
-    [(0, []), (1, [1]), (16, [16]), (20, [16, 20]), (128, [16, 32, 64, 128]), (200, [16, 32, 64, 128, 200])],
+    [
+        (0, []),
+        (1, [1]),
+        (16, [16]),
+        (20, [16, 20]),
+        (24, [16, 24]),
+        (30, [16, 24, 30]),
+        (128, [16, 24, 32, 48, 64, 96, 128]),
+        (200, [16, 24, 32, 48, 64, 96, 128, 192, 200]),
+    ],
 )
 def test_short_buckets(max_tokens, expected):
     assert short_buckets(max_tokens) == expected
@@ -155,7 +164,7 @@ def test_padded_short_step_equals_eager_and_writes_nowhere_else(causal_ckpt, ada
     step = runner.short.step
     runner.short.step = lambda *key: calls.append(key) or step(*key)
     padded = runner.execute(chunks)
-    assert calls == [(bucket or 32, True, False)]  # 19 tokens: the 32 bucket unless forced
+    assert calls == [(bucket or 24, True, False)]  # 19 tokens: the 24 bucket unless forced
 
     tol = dict(rtol=2e-5, atol=2e-5) if fast else dict(rtol=1e-5, atol=1e-5)
     for c, a, b in zip(chunks, padded, eager, strict=True):

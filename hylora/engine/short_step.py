@@ -46,12 +46,14 @@ SLOT, START = 0, 1
 
 
 def short_buckets(max_tokens: int) -> list[int]:
-    """16, 32, 64, … (doubling) below `max_tokens`, then `max_tokens` itself; [] when it is 0."""
+    """16, 24, 32, 48, 64, 96, … (each power of two and 1.5 times it) below `max_tokens`, then
+    `max_tokens` itself; [] when it is 0. The 1.5 steps fit k = 2 verify steps of 8 and 32
+    sequences (24 and 96 tokens) without padding them to the next power of two."""
     if max_tokens < 0:
         raise ValueError("the short-step token limit must be >= 0")
     buckets, size = [], FIRST_BUCKET
     while size < max_tokens:
-        buckets.append(size)
+        buckets += [b for b in (size, size * 3 // 2) if b < max_tokens]
         size *= 2
     return buckets + [max_tokens] if max_tokens else []
 
