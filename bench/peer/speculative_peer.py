@@ -8,10 +8,12 @@
   config.json (`Qwen3_5ForConditionalGeneration`, `mtp_num_hidden_layers` 1).
 - Both engines: `{"method": "mtp", "num_speculative_tokens": K}` (default 2), max_num_seqs 32,
   max_num_batched_tokens 2048, max model length 1024, prefix caching off, no adapters, greedy.
-- Workload per batch b: b requests x 512 random prompt ids + 128 tokens (ignore_eos), all at once;
-  then the same prompts with max_tokens=1. Decode tok/s = b x 127 / (wall - prefill wall), measured
-  alike on both engines. hylora also runs the same batches without speculation (its drafter off on
-  the same engine); vLLM's plain decode would need a second engine, which does not fit one call.
+- Workload per batch b: b requests x 512 random prompt ids + 128 tokens (ignore_eos), all at once,
+  once untimed (vLLM's first run of a batch size compiles its shapes: 2.8 s for 127 tokens at batch
+  8 in run 23), then timed; then the same prompts with max_tokens=1. Decode tok/s = b x 127 /
+  (wall - prefill wall), measured alike on both engines. hylora also runs the same batches without
+  speculation (its drafter off on the same engine); vLLM's plain decode would need a second engine,
+  which does not fit one call.
 - Acceptance: drafted and accepted tokens from each engine's own counters (vLLM's `spec_decode`
   metrics from `LLM.get_metrics()`; hylora's engine stats).
 
@@ -156,6 +158,7 @@ def vllm_kwargs(ckpt: Path, k: int, attention_backend: str | None) -> dict[str, 
         gdn_prefill_backend="triton",
         compilation_config={"cudagraph_capture_sizes": CAPTURE_SIZES},
         speculative_config={"method": "mtp", "num_speculative_tokens": k},
+        disable_log_stats=False,  # else LLM.get_metrics() has no spec_decode counters
         seed=0,
     )
     if attention_backend:
@@ -210,6 +213,7 @@ def run_vllm(work: Path, kwargs: dict[str, Any], data: dict[str, Any]) -> None:
     llm.generate([TokensPrompt(prompt_token_ids=prompts(1)[0][:16])], full, use_tqdm=False)  # warm-up
     for b in BATCHES:
         inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts(b)]
+        llm.generate(inputs, full, use_tqdm=False)  # warm-up: a batch's first run compiles its shapes
         before = vllm_spec_counters(llm)
         t0 = time.perf_counter()
         outs = llm.generate(inputs, full, use_tqdm=False)
@@ -280,6 +284,7 @@ def phase_hylora(args: argparse.Namespace) -> None:
     for b in BATCHES:
         for mode in ("mtp", "plain"):
             engine.drafter = drafter if mode == "mtp" else None
+            hylora_generate(engine, b, NEW_TOKENS, device)  # warm-up, as vLLM's
             before = engine.stats()
             wall, firsts = hylora_generate(engine, b, NEW_TOKENS, device)
             after = engine.stats()
