@@ -16,7 +16,10 @@
 
 Figures per run: output tok/s (32 x 64 / wall), prefill (the same 32 prompts with max_tokens=1,
 wall) and decode step ((wall - prefill) / 63), measured alike on both engines; hylora's own
-per-step figures from `_run_workload` are kept in the JSON. The last of `--repeats` runs is reported.
+per-step figures from `_run_workload` are kept in the JSON. The table reports the median run by output
+tok/s of `--repeats` (default 5; the first is left out when there are three or more) and the lowest and
+highest: in run 23 vLLM's base run at 2048 tokens gave 2069 tok/s in one engine start and 2762 in the
+next, on the same warm machine, so one run is no comparison.
 
 Phases (each writes WORK/results/<engine>-<weights>-<mnbt>.json, rewritten after every run):
 
@@ -704,18 +707,32 @@ def shape_text(records: dict[tuple[str, str, int], dict[str, Any]]) -> str:
     return "; ".join(sorted(shapes) or ["shape unknown"]) + (f" ({', '.join(sizes.values())})" if sizes else "")
 
 
-def last_run(record: dict[str, Any] | None, label: str) -> dict[str, Any] | None:
+def timed_runs(record: dict[str, Any] | None, label: str) -> list[dict[str, Any]]:
+    """The runs a figure is taken from, slowest first: all but the first when there are three or more."""
     runs = (record or {}).get("runs", {}).get(label) or []
-    return runs[-1] if runs else None
+    return sorted(runs[1:] if len(runs) >= 3 else runs, key=lambda r: r["out_tok_s"])
+
+
+def median_run(record: dict[str, Any] | None, label: str) -> dict[str, Any] | None:
+    runs = timed_runs(record, label)
+    return runs[len(runs) // 2] if runs else None
 
 
 def cell(record: dict[str, Any] | None, label: str, key: str, fmt: str) -> str:
-    row = last_run(record, label)
+    row = median_run(record, label)
     return format(row[key], fmt) if row else "–"
 
 
+def tok_s_cell(record: dict[str, Any] | None, label: str) -> str:
+    """The median run's output tok/s, with the lowest and highest when there is more than one."""
+    runs = timed_runs(record, label)
+    if len(runs) < 2:
+        return cell(record, label, "out_tok_s", ".0f")
+    return f"{median_run(record, label)['out_tok_s']:.0f} ({runs[0]['out_tok_s']:.0f}–{runs[-1]['out_tok_s']:.0f})"
+
+
 def ratio(hy: dict[str, Any] | None, vl: dict[str, Any] | None, label: str) -> str:
-    a, b = last_run(hy, label), last_run(vl, label)
+    a, b = median_run(hy, label), median_run(vl, label)
     return f"{a['out_tok_s'] / b['out_tok_s']:.2f}" if a and b else "–"
 
 
@@ -731,8 +748,8 @@ def table_md(records: dict[tuple[str, str, int], dict[str, Any]]) -> str:
         f"Adapters: 8 random rank-{RANK} on every linear. Workload: {N_REQUESTS} requests x {PROMPT_LEN} random "
         "prompt ids + "
         f"{NEW_TOKENS} greedy tokens, all at once; max_num_seqs {MAX_NUM_SEQS}; prefix caching off; 8 mixed: "
-        "request i uses adapter i mod 8. Output tok/s (32 x 64 / wall), the last of each engine's runs; ratio = "
-        "hylora / vLLM. vLLM runs one engine with LoRA enabled for both columns.",
+        "request i uses adapter i mod 8. Output tok/s (32 x 64 / wall): the median run (lowest–highest); "
+        "ratio = hylora / vLLM of the medians. vLLM runs one engine with LoRA enabled for both columns.",
         "",
         "| weights | max_num_batched_tokens | vLLM base | hylora base | ratio "
         "| vLLM 8 mixed | hylora 8 mixed | ratio |",
@@ -742,15 +759,16 @@ def table_md(records: dict[tuple[str, str, int], dict[str, Any]]) -> str:
         for mnbt in mnbts:
             vl, hy = records.get(("vllm", weights, mnbt)), records.get(("hylora", weights, mnbt))
             cells = [
-                *(cell(r, "base", "out_tok_s", ".0f") for r in (vl, hy)),
+                *(tok_s_cell(r, "base") for r in (vl, hy)),
                 ratio(hy, vl, "base"),
-                *(cell(r, "mixed8", "out_tok_s", ".0f") for r in (vl, hy)),
+                *(tok_s_cell(r, "mixed8") for r in (vl, hy)),
                 ratio(hy, vl, "mixed8"),
             ]
             lines.append(f"| {weights} | {mnbt} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Prefill: the same 32 prompts with max_tokens=1 (s, wall); decode step: (wall - prefill) / 63 (ms).",
+        "Prefill: the same 32 prompts with max_tokens=1 (s, wall); decode step: (wall - prefill) / 63 (ms); "
+        "both from the median run.",
         "",
         "| weights | mnbt | vLLM base prefill / step | hylora base prefill / step "
         "| vLLM 8 mixed prefill / step | hylora 8 mixed prefill / step |",
@@ -896,7 +914,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/tput_out")))
     ap.add_argument("--weights", default="bf16", help="bf16, fp8 (ckpt: both may be given, comma-separated)")
     ap.add_argument("--mnbt", default="2048", help="max_num_batched_tokens (hylora: several, comma-separated)")
-    ap.add_argument("--repeats", type=int, default=2, help="runs of each workload; the last is reported")
+    ap.add_argument("--repeats", type=int, default=5, help="runs of each workload; the median is reported")
     add_shared_args(ap)
     args = ap.parse_args(argv)
     args.weights = [w for w in args.weights.split(",") if w]
