@@ -215,8 +215,8 @@ def random_adapters(work: Path, cfg: ModelConfig, n: int = 8, rank: int = 16) ->
 
 def write_checkpoint(model: HybridDecoder, shape: dict, demo: Path, path: Path, shard_bytes: int = 5 << 30) -> None:
     """The model as a Hugging Face VL-wrapper checkpoint: `model.language_model.` keys (`lm_head.` and
-    an MTP layer's `mtp.` at the top level) in ~5 GB safetensors shards with an index, one vision tensor
-    (to be skipped), the demo's tokenizer."""
+    an MTP layer's `mtp.` at the top level, a tower's `model.visual.`) in ~5 GB safetensors shards with an
+    index, the demo's tokenizer. A model without a tower gets one vision tensor (to be skipped)."""
     path.mkdir(parents=True, exist_ok=True)
     weight_map, shard, size, n = {}, {}, 0, 0
 
@@ -232,13 +232,15 @@ def write_checkpoint(model: HybridDecoder, shape: dict, demo: Path, path: Path, 
     params = dict(model.named_parameters())
     for name, (dest, start, rows) in layout.items():
         top_level = name == "lm_head.weight" or name.startswith("mtp.")  # as Qwen's releases store them
-        key = name if top_level else "model.language_model." + name
+        key = name if top_level else ("model." if name.startswith("visual.") else "model.language_model.") + name
         shard[key] = params[dest][start : start + rows].detach().cpu().contiguous()
         size += shard[key].numel() * shard[key].element_size()
         if size >= shard_bytes:
             flush()
-    shard["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 16, 16, dtype=torch.bfloat16)
-    flush()
+    if model.visual is None:
+        shard["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 16, 16, dtype=torch.bfloat16)
+    if shard:
+        flush()
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     text = {k: v for k, v in shape.items() if k != "model_type"} | {"model_type": "qwen3_5_text"}
     (path / "config.json").write_text(

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import shutil
 import sys
 import time
@@ -43,8 +41,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.peer import engine_phases as ep  # noqa: E402
 from bench.peer import throughput_peer as tp  # noqa: E402
-from bench.peer.child_env import child_env  # noqa: E402
 
 VERSION = "1"  # bump when the checkpoint changes: a reused work dir with another stamp is rewritten
 BATCHES = (1, 8, 32)
@@ -74,15 +72,11 @@ def stamp(tiny: bool) -> str:
     return f"{VERSION} {'tiny' if tiny else f'27b-{tp.N_LAYERS}'}"
 
 
-def result_path(work: Path, engine: str) -> Path:
-    return work / "results" / f"spec-{engine}.json"
+PREFIX = "spec"  # results: WORK/results/spec-<engine>.json
 
 
 def save(work: Path, data: dict[str, Any]) -> None:
-    path = result_path(work, data["engine"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data["updated"] = time.time()
-    path.write_text(json.dumps(data, indent=1, default=str))
+    ep.save(work, PREFIX, data)
 
 
 def new_result(engine: str, k: int, packages: tuple[str, ...]) -> dict[str, Any]:
@@ -134,16 +128,6 @@ def phase_ckpt(args: argparse.Namespace) -> None:
 # phase vllm
 
 
-class _Notes:
-    """What `throughput_peer.attention_fallback` records, kept in this phase's result."""
-
-    def __init__(self, data: dict[str, Any]) -> None:
-        self.data = data
-
-    def update(self, **fields: Any) -> None:
-        self.data.update(fields)
-
-
 def vllm_kwargs(ckpt: Path, k: int, attention_backend: str | None) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=str(ckpt),
@@ -183,7 +167,7 @@ def phase_vllm(args: argparse.Namespace) -> None:
         raise SystemExit("vLLM is not importable here (bench/peer/speculative_gpu.sh installs the carried one)")
     work = args.work
     data = new_result("vllm", args.k, ("vllm", "torch", "triton", "transformers"))
-    notes: Any = _Notes(data)  # takes the place of throughput_peer's Record
+    notes: Any = ep.Notes(data)  # takes the place of throughput_peer's Record
     backend = args.attention_backend or tp.attention_fallback(tp.Work(work), notes, write_stub=not args.dry_run)
     kwargs = vllm_kwargs(ckpt_dir(work), args.k, backend)
     data["settings"] = {k: v for k, v in kwargs.items() if k != "model"}
@@ -302,31 +286,8 @@ def phase_hylora(args: argparse.Namespace) -> None:
     save(work, data)
 
 
-def run_hylora_guarded(args: argparse.Namespace) -> None:
-    try:
-        phase_hylora(args)
-    except BaseException as e:
-        path = result_path(args.work, "hylora")
-        data = json.loads(path.read_text()) if path.is_file() else {"engine": "hylora", "rows": []}
-        data["error"] = f"{type(e).__name__}: {e}"[:2000]
-        save(args.work, data)
-        raise
-
-
 # --------------------------------------------------------------------------------------------
 # phase table
-
-
-def load(dirs: list[Path]) -> dict[str, dict[str, Any]]:
-    found: dict[str, dict[str, Any]] = {}
-    for d in dirs:
-        for path in sorted(d.rglob("spec-*.json")):
-            with contextlib.suppress(OSError, ValueError):
-                data = json.loads(path.read_text())
-                engine = data.get("engine")
-                if engine in ("vllm", "hylora") and data.get("updated", 0) >= found.get(engine, {}).get("updated", 0):
-                    found[engine] = data | {"source": str(path)}
-    return found
 
 
 def row_of(data: dict[str, Any] | None, batch: int, mode: str) -> dict[str, Any] | None:
@@ -370,70 +331,33 @@ def table_md(found: dict[str, dict[str, Any]]) -> str:
 
         lines.append(f"| {b} | {tok(v)} | {tok(h)} | {rat(h, v)} | {tok(p)} | {rat(h, p)} "
                      f"| {acceptance(v)} / {acceptance(h)} |")  # fmt: skip
-    lines += ["", "| engine | start-up | status |", "| --- | --- | --- |"]
-    for engine, d in sorted(found.items()):
-        start = f"{d['startup_s']:.0f} s" if "startup_s" in d else "–"
-        status = "complete" if d.get("complete") else (d.get("error") or "incomplete")[:160]
-        lines.append(f"| {engine} | {start} | {status} |")
+    lines += ["", *ep.status_rows(found, {})]
     return "\n".join(lines) + "\n"
 
 
 def phase_table(args: argparse.Namespace) -> None:
-    found = load([d for d in [args.work / "results", *args.results] if d.is_dir()])
-    text = table_md(found)
-    args.out.mkdir(parents=True, exist_ok=True)
-    for d in found.values():
-        dest = args.out / Path(d["source"]).name
-        if Path(d["source"]).resolve() != dest.resolve():
-            shutil.copy(d["source"], dest)
-    (args.out / "speculative_peer.md").write_text(text)
-    print(text, flush=True)
-
-
-# --------------------------------------------------------------------------------------------
-# phase run
+    ep.phase_table(args, PREFIX, table_md, "speculative_peer.md")
 
 
 def phase_run(args: argparse.Namespace) -> None:
-    deadline = time.monotonic() + args.budget - tp.TABLE_RESERVE_S
-    common = ["--work", str(args.work), "--device", args.device, "--k", str(args.k)]
-    common += ["--tiny"] * args.tiny + ["--reuse"] * args.reuse + ["--dry-run"] * args.dry_run
-    common += ["--attention-backend", args.attention_backend] if args.attention_backend else []
-    env = child_env()
-    for phase in args.steps:
-        if phase not in MIN_LEFT_S:
-            raise SystemExit(f"step {phase!r}: one of {sorted(MIN_LEFT_S)}")
-        left = deadline - time.monotonic()
-        if not args.tiny and left < MIN_LEFT_S[phase]:
-            log(f"=== {phase}: skipped, {left:.0f}s left (it needs {MIN_LEFT_S[phase]})")
-            continue
-        log(f"=== {phase} (deadline in {left:.0f}s)")
-        code, took = tp.run_child([sys.executable, str(Path(__file__).resolve()), phase, *common], left, env)
-        log(f"=== {phase}: exit {code} after {took:.0f}s")
-        if args.device.startswith("cuda"):
-            tp.wait_gpu_free()
+    ep.phase_run(args, Path(__file__).resolve(), MIN_LEFT_S, ["--k", str(args.k)])
     phase_table(args)
 
 
-PHASES = {"ckpt": phase_ckpt, "vllm": phase_vllm, "hylora": run_hylora_guarded, "table": phase_table, "run": phase_run}
+PHASES = {
+    "ckpt": phase_ckpt,
+    "vllm": phase_vllm,
+    "hylora": ep.guarded(phase_hylora, PREFIX, "rows"),
+    "table": phase_table,
+    "run": phase_run,
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("phase", choices=list(PHASES))
-    ap.add_argument("steps", nargs="*", help="run: ckpt vllm hylora (any of them, in order)")
-    ap.add_argument("--work", type=Path, default=None, help="checkpoint and results (default /dev/shm or /tmp)")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/specpeer_out")))
-    ap.add_argument("--k", type=int, default=2, help="num_speculative_tokens")
-    tp.add_shared_args(ap)
-    args = ap.parse_args(argv)
-    if args.phase == "run" and not args.steps:
-        ap.error("run: give steps, e.g. ckpt vllm hylora")
-    args.work = args.work or tp.pick_work()
-    args.work.mkdir(parents=True, exist_ok=True)
-    if args.phase != "table":
-        args.device = args.device or tp.default_device()
-    return args
+    def add(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--k", type=int, default=2, help="num_speculative_tokens")
+
+    return ep.parse_args(__doc__, list(PHASES), "/tmp/specpeer_out", add, argv)
 
 
 def main() -> None:

@@ -286,15 +286,19 @@ def write_bf16(work: Work, shape: dict[str, Any], device: str) -> None:
     log(f"bf16 checkpoint, {nbytes / 1e9:.1f} GB, written to {ckpt} in {time.perf_counter() - t0:.1f}s")
 
 
-def vllm_style_config(ckpt: Path) -> None:
-    """config.json as vLLM 0.20.2 wants it: `architectures` and a full Qwen3_5Config, with a small
-    vision_config (vLLM runs with language_model_only=True: the tower is never built; hylora is
-    given a decoder loaded without it)."""
+def vllm_style_config(
+    ckpt: Path, vision: dict[str, Any] | None = None, token_ids: dict[str, int] | None = None
+) -> None:
+    """config.json as vLLM 0.20.2 wants it: `architectures` and a full Qwen3_5Config. Without `vision`,
+    a small vision_config (vLLM runs with language_model_only=True: the tower is never built; hylora is
+    given a decoder loaded without it); with it, the tower's config and the tokenizer's vision token ids
+    (`image_token_id`, ...: Qwen3_5Config's defaults are the 248k vocabulary's)."""
     from transformers import Qwen3_5Config
 
     text = dict(json.loads((ckpt / "config.json").read_text())["text_config"])
+    vision = vision or dict(depth=2, out_hidden_size=text["hidden_size"])
     config = Qwen3_5Config(
-        text_config=text, vision_config=dict(depth=2, out_hidden_size=text["hidden_size"]), tie_word_embeddings=False
+        text_config=text, vision_config=vision, tie_word_embeddings=False, **(token_ids or {})
     ).to_dict()
     config["architectures"] = ["Qwen3_5ForConditionalGeneration"]
     config["dtype"] = config["text_config"]["dtype"] = "bfloat16"
