@@ -11,9 +11,8 @@
 - Workload per batch b: b requests x 512 random prompt ids + 128 tokens (ignore_eos), all at once,
   once untimed (vLLM's first run of batch 8 took 2.8 s in run 23, its second 0.66 s), then timed;
   then the same prompts with max_tokens=1. Decode tok/s = b x 127 / (wall - prefill wall), measured
-  alike on both engines. hylora also runs the same batches without
-  speculation (its drafter off on the same engine); vLLM's plain decode would need a second engine,
-  which does not fit one call.
+  alike on both engines. hylora also runs the same batches without speculation (its drafter off on
+  the same engine); vLLM's plain decode would need a second engine, which does not fit one call.
 - Acceptance: drafted and accepted tokens from each engine's own counters (vLLM's `spec_decode`
   metrics from `LLM.get_metrics()`; hylora's engine stats).
 

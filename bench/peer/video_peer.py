@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -165,13 +166,18 @@ def make_videos(tiny: bool, rate: float | None = None) -> Videos:
 def prompt_ids(ckpt: Path, video: int) -> list[int]:
     """The chat turn's ids with one video placeholder, from the checkpoint's tokenizer (both engines
     get these ids and expand the placeholder themselves)."""
-    from tokenizers import Tokenizer
-
     text = (
         "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>"
         f"{QUESTION} (clip {video})<|im_end|>\n<|im_start|>assistant\n"
     )
-    return Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    return _tokenizer(ckpt).encode(text, add_special_tokens=False).ids
+
+
+@functools.cache
+def _tokenizer(ckpt: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(ckpt / "tokenizer.json"))
 
 
 @dataclass
