@@ -59,6 +59,7 @@ VERSION = "1"  # bump when the checkpoint changes: a reused work dir with anothe
 ADAPTERS = ("relic", "tomb", "mural")
 RANK = 16
 MNBT = 8192
+MAX_NUM_SEQS = 24  # every request of a pattern (8 videos x 3 adapters) may run at once
 MAX_MODEL_LEN = 10240
 PATTERNS = ("all", "poisson")
 SEED = 0
@@ -363,7 +364,7 @@ def vllm_kwargs(ckpt: Path, attention_backend: str | None) -> dict[str, Any]:
         model=str(ckpt),
         dtype="bfloat16",
         max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=len(ADAPTERS) * 8,
+        max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=MNBT,
         enable_prefix_caching=False,
         gpu_memory_utilization=tp.GPU_MEMORY_UTILIZATION,
@@ -482,7 +483,7 @@ def phase_hylora(args: argparse.Namespace) -> None:
     save(work, data)
     videos = make_videos(args.tiny, args.rate)
     config = EngineConfig(
-        max_model_len=MAX_MODEL_LEN, max_num_seqs=len(ADAPTERS) * 8, max_num_batched_tokens=MNBT,
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MNBT,
         max_loras=len(ADAPTERS), max_lora_rank=RANK, enable_prefix_caching=False, device=device,
         dtype="bfloat16" if device.startswith("cuda") else "float32",
     )  # fmt: skip
