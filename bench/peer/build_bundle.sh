@@ -53,6 +53,8 @@ download .vllm \
   pybase64==1.5.1 pyzmq==27.2.0 sniffio==1.3.1 xgrammar==0.2.9 depyf==0.20.0 astor==0.8.1 dill==0.4.1 \
   watchfiles==1.3.0 model-hosting-container-standards==0.1.16 jmespath==1.1.0 \
   prometheus-fastapi-instrumentator==8.1.0
+# multimodal inputs (bench/peer/video_peer.py): vLLM hashes them with blake3 (VLLM_MM_HASHER_ALGORITHM's default)
+download .vllm blake3==1.0.11
 # FP8 checkpoints (bench/peer/throughput_peer.py): vLLM's quantization registry imports compressed_tensors
 # (pinned by vLLM 0.20.2) whichever method it looks up, and compressed_tensors imports loguru
 download .vllm compressed-tensors==0.15.0.1 loguru==0.7.3

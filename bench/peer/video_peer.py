@@ -212,12 +212,15 @@ def drive(side: Side, jobs: list[Job]) -> tuple[list[dict[str, Any]], float]:
     tokens = {j.request_id: 0 for j in jobs}
     prompt: dict[str, int] = {}
     errors: dict[str, str] = {}
+    adding: dict[str, float] = {}  # host seconds inside the engine's add (preprocessing included)
     i = 0
     t0 = time.monotonic()
     while i < len(jobs) or side.busy():
         now = time.monotonic() - t0
         while i < len(jobs) and jobs[i].arrival <= now:
+            t_add = time.monotonic()
             side.submit(jobs[i])
+            adding[jobs[i].request_id] = time.monotonic() - t_add
             i += 1
         if not side.busy():
             time.sleep(max(0.0, jobs[i].arrival - (time.monotonic() - t0)))
@@ -244,6 +247,7 @@ def drive(side: Side, jobs: list[Job]) -> tuple[list[dict[str, Any]], float]:
             "ttft_s": ttft, "e2e_s": e2e,
             "tpot_s": None if ttft is None or n < 2 else (e2e - ttft) / (n - 1),
             "prompt_tokens": prompt.get(j.request_id), "output_tokens": n, "error": errors.get(j.request_id),
+            "add_s": adding[j.request_id],
         })  # fmt: skip
     return records, max(end.values())
 
@@ -266,6 +270,7 @@ def summary(pattern: str, records: list[dict[str, Any]], wall: float, **extra: A
         "ttft_s": percentiles([r["ttft_s"] for r in ok]),
         "e2e_s": percentiles([r["e2e_s"] for r in ok]),
         "tpot_s": percentiles([r["tpot_s"] for r in ok]),
+        "add_s": sum(r["add_s"] for r in records),
         **extra,
         "per_request": records,
     }
@@ -547,31 +552,35 @@ def table_md(found: dict[str, dict[str, Any]]) -> str:
         f"Card: {', '.join(cards) or '–'}; measured {', '.join(sorted(d['date'][:10] for d in found.values()))}. "
         f"Model: {model}; adapters relic, tomb, mural (rank {RANK}). Each of 8 videos (20 frames of 1280x720 at "
         "2 fps; tiny: 4 frames of 128x96) analysed by each adapter, 128 greedy tokens; `all`: the 24 requests at "
-        "once; `poisson`: 0.5 requests/s. Times in seconds from each request's arrival (host clock). Ratios: "
-        "hylora / vLLM for throughput, vLLM / hylora for latency (> 1: hylora better).",
+        "once; `poisson`: 0.5 requests/s. Times in seconds from each request's arrival (host clock). Adding: "
+        "the host seconds the driver spent in the engine's add request (preprocessing and prompt expansion; "
+        "the engine steps meanwhile wait). Ratios: hylora / vLLM for throughput, vLLM / hylora for latency "
+        "(> 1: hylora better).",
         "",
         "| arrivals | engine | out tok/s | prompt tok/s | TTFT p50 / p99 | E2E p50 / p99 | TPOT p50 (ms) "
-        "| prompt tokens | failed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| adding (s) | prompt tokens | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in PATTERNS:
         for engine, d in (("vLLM", vl), ("hylora", hy)):
             r = run_of(d, p)
             if r is None:
-                lines.append(f"| {p} | {engine} | – | – | – | – | – | – | – |")
+                lines.append(f"| {p} | {engine} | – | – | – | – | – | – | – | – |")
                 continue
             t, e, tpot = r["ttft_s"], r["e2e_s"], r["tpot_s"]
+            adding = f"{r['add_s']:.2f}" if "add_s" in r else "–"
             lines.append(
                 f"| {p} | {engine} | {r['out_tok_s']:.0f} | {r['prompt_tok_s']:.0f} "
                 f"| {t.get('p50', 0):.2f} / {t.get('p99', 0):.2f} | {e.get('p50', 0):.2f} / {e.get('p99', 0):.2f} "
-                f"| {1e3 * tpot.get('p50', 0):.1f} | {'/'.join(map(str, r['prompt_tokens']))} | {r['failed']} |"
+                f"| {1e3 * tpot.get('p50', 0):.1f} | {adding} | {'/'.join(map(str, r['prompt_tokens']))} "
+                f"| {r['failed']} |"
             )
         v, h = run_of(vl, p), run_of(hy, p)
         if v and h:
             thr = h["out_tok_s"] / v["out_tok_s"]
             p99 = v["e2e_s"]["p99"] / h["e2e_s"]["p99"]
             ttft = v["ttft_s"]["p99"] / h["ttft_s"]["p99"]
-            lines.append(f"| {p} | ratio | {thr:.2f} | | p99 {ttft:.2f} | p99 {p99:.2f} | | | |")
+            lines.append(f"| {p} | ratio | {thr:.2f} | | p99 {ttft:.2f} | p99 {p99:.2f} | | | | |")
     warm_up = {"warm-up": lambda d: f"{d['warm_up_s']:.0f} s" if "warm_up_s" in d else "–"}
     lines += ["", *ep.status_rows(found, warm_up)]
     return "\n".join(lines) + "\n"

@@ -59,8 +59,8 @@ class MediaEncoder:
         both) and hand the rows to every user."""
         firsts = [uses[0] for _, uses in todo]
         try:
-            pieces = [req.mm.pixels(seg) for req, seg in firsts]  # type: ignore[union-attr]
-            pixels = torch.cat([p for p, _ in pieces]).to(self.model.device)
+            pieces = [req.mm.pixels(seg, self.model.device) for req, seg in firsts]  # type: ignore[union-attr]
+            pixels = torch.cat([p for p, _ in pieces])
             grids = torch.tensor([g for _, g in pieces])
             slots = [req.lora.tower_slot if req.lora is not None else -1 for req, _ in firsts]
             out = self.model.visual(pixels, grids, slots).split([seg.num_tokens for _, seg in firsts])  # type: ignore[misc]

@@ -54,12 +54,12 @@ class MultimodalPrompt:
         """Segments with at least one placeholder token in prompt tokens [start, end)."""
         return [s for s in self.segments if s.start < end and s.end > start]
 
-    def pixels(self, segment: Segment) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """The pixel rows and the (1, h, w) grid of one segment."""
+    def pixels(self, segment: Segment, device: torch.device | str = "cpu") -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """The tower's input rows of one segment, on `device`, and its (1, h, w) grid."""
         item = self.items[segment.item]
         _, h, w = item.grid_thw
         rows = h * w
-        return item.pixel_values[segment.t * rows : (segment.t + 1) * rows], (1, h, w)
+        return item.rows(segment.t * rows, (segment.t + 1) * rows, device), (1, h, w)
 
     def chunk_embeds(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(offsets from `start`, rows) of the visual tokens in [start, end), from `ready` — the form

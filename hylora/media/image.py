@@ -16,13 +16,16 @@ import math
 import warnings
 
 import numpy as np
+import torch
 from PIL import Image, ImageOps
 
+from hylora.media import pixels
 from hylora.media.budget import CancelFlag
 from hylora.media.config import ImageConfig, MediaLimits, VisionParams
 from hylora.media.errors import MediaError
 
 MAX_ASPECT_RATIO = 200
+CHANNELS = 3  # decoded images are RGB
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # Pillow's names; JPEG includes MPO, PNG APNG
 # Pillow warns between MAX_IMAGE_PIXELS and twice that; hylora refuses above it itself (decode_image)
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
@@ -111,25 +114,10 @@ def _channels(values: tuple[float, ...]) -> np.ndarray:
     return np.asarray(values, dtype=np.float32)[:, None, None]
 
 
-def patchify(frames: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int) -> np.ndarray:
-    """float32 [N, C, H, W] → rows [T·(H/p)·(W/p), C·tp·p·p].
-
-    N is padded to a multiple of `temporal_patch_size` by repeating the last frame (so an image is repeated
-    along T). Rows go in merge-block order (t, block_row, block_col, in_row, in_col); columns are (C, tp, ph, pw).
-    """
-    n, c, h, w = frames.shape
-    if pad := -n % temporal_patch_size:
-        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
-    gt, gh, gw = frames.shape[0] // temporal_patch_size, h // patch_size, w // patch_size
-    m, p = merge_size, patch_size
-    x = frames.reshape(gt, temporal_patch_size, c, gh // m, m, p, gw // m, m, p)
-    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return np.ascontiguousarray(x).reshape(gt * gh * gw, c * temporal_patch_size * p * p)
-
-
-def preprocess_image(image: Image.Image, cfg: ImageConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """An RGB image → (rows, grid_thw) with grid_thw = (1, H/patch, W/patch)."""
+def preprocess_image(image: Image.Image, cfg: ImageConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """An RGB image → (uint8 rows, grid_thw) with grid_thw = (1, H/patch, W/patch); `pixels.byte_table`
+    of `rescale_and_normalize` turns the rows into the tower's input."""
     height, width = smart_resize(image.height, image.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
-    pixels = rescale_and_normalize(resize(image, height, width, cfg.resample), cfg)
-    rows = patchify(pixels[None], cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
+    resized = resize(image, height, width, cfg.resample)
+    rows = pixels.patchify(resized[None], cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
     return rows, (1, height // cfg.patch_size, width // cfg.patch_size)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -11,10 +13,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from hylora.media import image, video
+from hylora.media import image, pixels, video
 from hylora.media.budget import CancelFlag
 from hylora.media.config import MediaConfig, MediaLimits, VisionParams, apply_overrides
 from hylora.media.errors import MediaError
+from hylora.media.pools import available_cpus
 
 Kind = Literal["image", "video"]
 KEY_VERSION = "hylora-media-1"  # bump when preprocessing changes what the same parameters produce
@@ -23,11 +26,24 @@ KEY_VERSION = "hylora-media-1"  # bump when preprocessing changes what the same 
 @dataclass(frozen=True, eq=False)
 class ProcessedMedia:
     kind: Kind
-    pixel_values: torch.Tensor  # float32 [t·h·w, C·temporal_patch·patch·patch], rows in merge-block order
+    # [t·h·w, C·temporal_patch·patch·patch], rows in merge-block order: float32 (the tower's input) or uint8
+    # (resized pixels, which `table` normalises; pixels.py)
+    pixels: torch.Tensor
     grid_thw: tuple[int, int, int]  # in patches
     merge_size: int
     key: str  # content hash for an encoder cache: the bytes and every parameter that changes the result
     timestamps: tuple[float, ...] = ()  # video: seconds of each temporal patch
+    table: torch.Tensor | None = None  # float32 [C, 256]: each byte's normalised value, for uint8 pixels
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        """The tower's input: float32 rows on the host."""
+        return self.rows(0, len(self.pixels))
+
+    def rows(self, start: int, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """float32 rows [start, end) on `device`; uint8 rows travel as bytes and are normalised there."""
+        part = self.pixels[start:end].to(device)
+        return part if self.table is None else pixels.normalise_rows(part, self.table)
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +68,8 @@ def process_image(
     _check_bytes("image", data, limits)
     params = apply_overrides(cfg.image, overrides, limits)
     rows, grid = image.preprocess_image(image.decode_image(data, limits, cancel), params)
-    return _finish("image", rows, grid, params, media_key("image", data, params), limits)
+    table = pixels.byte_table(functools.partial(image.rescale_and_normalize, cfg=params), image.CHANNELS)
+    return _finish("image", rows, grid, params, media_key("image", data, params), limits, table)
 
 
 def process_video(
@@ -85,23 +102,24 @@ def process_frames(
     if len(indices) < params.temporal_patch_size:
         raise MediaError(f"{len(indices)} frame(s) to sample; a video needs at least {params.temporal_patch_size}")
     height, width = video.smart_resize(len(indices), *frames.shape[1:3], params)
-    resized = np.stack(
-        [image.resize(Image.fromarray(frames[i]), height, width, params.resample) for i in indices.tolist()]
-    )
+    with ThreadPoolExecutor(min(len(indices), available_cpus(), 8)) as pool:  # PIL resizes without the GIL
+        resized = np.stack(
+            list(pool.map(lambda i: image.resize(Image.fromarray(frames[i]), height, width, params.resample), indices))
+        )
     sampled = video.SampledVideo(frames=resized, indices=indices, fps=fps, total_frames=len(frames))
-    return _video_rows(sampled, params, media_key("video", frames.tobytes(), params), limits)
+    return _video_rows(sampled, params, media_key("video", memoryview(np.ascontiguousarray(frames)), params), limits)
 
 
 def _video_rows(sampled: video.SampledVideo, params: VisionParams, key: str, limits: MediaLimits) -> ProcessedMedia:
-    pixels = video.rescale_and_normalize(sampled.frames, params)
-    rows = image.patchify(pixels, params.patch_size, params.merge_size, params.temporal_patch_size)
+    rows = pixels.patchify(sampled.frames, params.patch_size, params.merge_size, params.temporal_patch_size)
+    table = pixels.byte_table(functools.partial(video.rescale_and_normalize, cfg=params), sampled.frames.shape[-1])
     n, height, width = len(sampled.frames), *sampled.frames.shape[1:3]
     grid = (-(-n // params.temporal_patch_size), height // params.patch_size, width // params.patch_size)
     stamps = tuple(video.timestamps(sampled.indices, sampled.fps, params.temporal_patch_size))
-    return _finish("video", rows, grid, params, key, limits, stamps)
+    return _finish("video", rows, grid, params, key, limits, table, stamps)
 
 
-def media_key(kind: Kind, data: bytes, params: VisionParams) -> str:
+def media_key(kind: Kind, data: bytes | memoryview, params: VisionParams) -> str:
     """sha256 of the bytes and the effective parameters (checkpoint config with overrides applied)."""
     h = hashlib.sha256()
     h.update(f"{KEY_VERSION}\0{kind}\0{params!r}\0".encode())
@@ -128,13 +146,14 @@ def _check_bytes(kind: Kind, data: bytes, limits: MediaLimits) -> None:
 
 def _finish(
     kind: Kind,
-    rows: np.ndarray,
+    rows: torch.Tensor,
     grid: tuple[int, int, int],
     params: VisionParams,
     key: str,
     limits: MediaLimits,
+    table: torch.Tensor,
     stamps: tuple[float, ...] = (),
 ) -> ProcessedMedia:
-    item = ProcessedMedia(kind, torch.from_numpy(rows), grid, params.merge_size, key, stamps)
+    item = ProcessedMedia(kind, rows, grid, params.merge_size, key, stamps, table)
     check_visual_tokens([item], limits)
     return item
