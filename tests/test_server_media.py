@@ -1,7 +1,7 @@
 """Images and videos through the HTTP server: the same greedy tokens and prompt logprobs as the
 offline engine; mixed text / image / video / adapter requests in one batch each equal their run
-alone; the encoder cache serves a video sent to a second adapter; every bad media input is a 4xx
-with a message and the next request is unchanged."""
+alone; a video sent to a second adapter is decoded and encoded once (media and encoder caches);
+every bad media input is a 4xx with a message and the next request is unchanged."""
 
 from __future__ import annotations
 
@@ -120,17 +120,27 @@ def test_mixed_batch_of_text_image_video_and_adapters_each_equal_alone(server, o
     assert [results[i] for i in range(len(cases))] == expected
 
 
-def test_encoder_cache_serves_the_same_video_for_another_adapter(server, offline, media, demo_dir):
+def test_the_same_video_for_another_adapter_is_decoded_and_encoded_once(server, offline, media, demo_dir):
     video = data_url(video_bytes(12, 96, 64, fps=4), "video/mp4")
     msgs = messages(("video_url", video))
-    hits = metric(server, "hylora_encoder_cache_hits")
+
+    def counters() -> tuple[float, float, float]:
+        names = ("hylora_encoder_cache_hits", "hylora_media_cache_hits", "hylora_media_cache_misses")
+        return tuple(metric(server, name) for name in names)
+
+    before = counters()
     first = ask(server, "relic", msgs).json()["choices"][0]["message"]["content"]
-    after_first = metric(server, "hylora_encoder_cache_hits")
+    after_first = counters()
     second = ask(server, "tomb", msgs).json()["choices"][0]["message"]["content"]
-    assert after_first == hits  # a new video: encoded
-    assert metric(server, "hylora_encoder_cache_hits") - after_first == 3  # 6 frames = 3 temporal patches, all hits
+    after_second = counters()
+    assert [a - b for a, b in zip(after_first, before, strict=True)] == [0, 0, 1]  # a new video: decoded, encoded
+    # the second adapter's request: preprocessed rows from the media cache, 3 temporal patches from the encoder cache
+    assert [a - b for a, b in zip(after_second, after_first, strict=True)] == [3, 1, 0]
     assert first == offline_chat(offline, msgs, "relic", demo_dir).text
     assert second == offline_chat(offline, msgs, "tomb", demo_dir).text
+    r = ask(server, "mural", msgs, mm_processor_kwargs={"fps": 4})  # other preprocessing: decoded again
+    assert r.status_code == 200, r.text
+    assert counters()[2] - after_second[2] == 1
 
 
 def _png(width: int, height: int) -> bytes:

@@ -15,7 +15,7 @@ task adapters, both engines driven alike through their offline engine APIs.
   (its entries are per adapter: the workload has no hits), 3 adapters on the GPU. Each engine turns a
   request's frames into the tower's input itself, inside the clock: resize, normalise, patchify, once
   per video (vLLM's processor cache, keyed by `multi_modal_uuids`; hylora's driver keeps the processed
-  video, as its server's media cache would), so both pay the same preprocessing.
+  video, as its server's media cache does), so both pay the same preprocessing.
 - Prompts: the same token ids for both, `<|im_start|>user` + the video placeholder + a question; each
   engine expands the placeholder itself (hylora keeps the template's outer `<|vision_start|>` …
   `<|vision_end|>` as transformers does, vLLM drops it: 2 tokens; the table shows both lengths).

@@ -42,6 +42,7 @@ from hylora.media import (
     process_video,
     shared_pools,
 )
+from hylora.media.cache import DEFAULT_CAPACITY_GB, ProcessedCache
 from hylora.media.pools import RequestSlots
 from hylora.tokenizer import PromptTooLong, chat_prompt
 
@@ -60,6 +61,8 @@ class MediaSettings:
     limit_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 2})
     processor_kwargs: dict[str, Any] = field(default_factory=dict)  # server defaults (--mm-processor-kwargs)
     pools: MediaPools = field(default_factory=shared_pools)
+    # preprocessed media by content (--mm-processor-cache-gb); None: every request processes its own
+    cache: ProcessedCache | None = field(default_factory=lambda: ProcessedCache(int(DEFAULT_CAPACITY_GB * 2**30)))
 
     @classmethod
     def for_model(cls, model_dir: Path, vision: VisionConfig, tokenizer, **settings: Any) -> MediaSettings:
@@ -160,7 +163,9 @@ async def _load(
             data = await fetch_url(ref.url, settings.policy, settings.limits.max_bytes, client=client, pools=pools)
         process = process_image if ref.kind == "image" else process_video
         async with slots.decode:
-            return await pools.run(pools.decode, process, data, settings.config, settings.limits, kwargs, cancel)
+            return await pools.run(
+                pools.decode, process, data, settings.config, settings.limits, kwargs, cancel, settings.cache
+            )
     except BaseException:  # this item failed or the request is going away: every decode of it stops
         cancel.set()
         raise

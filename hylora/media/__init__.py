@@ -1,6 +1,7 @@
 """Image and video input: fetch the bytes, turn them into vision-tower rows, expand the prompt."""
 
 from hylora.media.budget import CancelFlag, Cancelled, DecodeBudget
+from hylora.media.cache import ProcessedCache
 from hylora.media.config import MediaConfig, MediaLimits
 from hylora.media.errors import MediaError
 from hylora.media.fetch import FetchPolicy, fetch_bytes, fetch_url, http_client
@@ -17,6 +18,7 @@ __all__ = [
     "MediaError",
     "MediaLimits",
     "MediaPools",
+    "ProcessedCache",
     "ProcessedMedia",
     "VisionTokens",
     "check_visual_tokens",

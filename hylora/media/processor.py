@@ -15,6 +15,7 @@ from PIL import Image
 
 from hylora.media import image, pixels, video
 from hylora.media.budget import CancelFlag
+from hylora.media.cache import ProcessedCache
 from hylora.media.config import MediaConfig, MediaLimits, VisionParams, apply_overrides
 from hylora.media.errors import MediaError
 from hylora.media.pools import available_cpus
@@ -63,13 +64,20 @@ def process_image(
     limits: MediaLimits,
     overrides: Mapping[str, Any] | None = None,
     cancel: CancelFlag | None = None,
+    cache: ProcessedCache | None = None,
 ) -> ProcessedMedia:
-    """One image's rows. `cancel` (set by the request's coroutine) stops the work before it decodes."""
+    """One image's rows (from `cache` when it holds them). `cancel` (set by the request's coroutine) stops
+    the work before it decodes."""
     _check_bytes("image", data, limits)
     params = apply_overrides(cfg.image, overrides, limits)
-    rows, grid = image.preprocess_image(image.decode_image(data, limits, cancel), params)
-    table = pixels.byte_table(functools.partial(image.rescale_and_normalize, cfg=params), image.CHANNELS)
-    return _finish("image", rows, grid, params, media_key("image", data, params), limits, table)
+    key = media_key("image", data, params)
+
+    def run() -> ProcessedMedia:
+        rows, grid = image.preprocess_image(image.decode_image(data, limits, cancel), params)
+        table = pixels.byte_table(functools.partial(image.rescale_and_normalize, cfg=params), image.CHANNELS)
+        return _finish("image", rows, grid, params, key, limits, table)
+
+    return run() if cache is None else cache.get_or_process(key, run, cancel)
 
 
 def process_video(
@@ -78,12 +86,18 @@ def process_video(
     limits: MediaLimits,
     overrides: Mapping[str, Any] | None = None,
     cancel: CancelFlag | None = None,
+    cache: ProcessedCache | None = None,
 ) -> ProcessedMedia:
-    """One video's (or animated image's) rows, within the decode budget; `cancel` stops it at the next frame."""
+    """One video's (or animated image's) rows (from `cache` when it holds them), within the decode budget;
+    `cancel` stops it at the next frame."""
     _check_bytes("video", data, limits)
     params = apply_overrides(cfg.video, overrides, limits)
-    sampled = video.read_video(data, params, limits, cancel)
-    return _video_rows(sampled, params, media_key("video", data, params), limits)
+    key = media_key("video", data, params)
+
+    def run() -> ProcessedMedia:
+        return _video_rows(video.read_video(data, params, limits, cancel), params, key, limits)
+
+    return run() if cache is None else cache.get_or_process(key, run, cancel)
 
 
 def process_frames(

@@ -149,7 +149,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         stats = await state.aengine.call(state.engine.stats)
         state.vllm_metrics.update(stats)
-        return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
+        media_cache = state.media.cache if state.media is not None else None
+        return Response(state.metrics.render(stats, media_cache), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from hylora.engine.stats import EngineStats
+from hylora.media.cache import ProcessedCache
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -64,6 +65,13 @@ class ServerMetrics:
             ),
         }
         self.gauges = {key: Gauge(name, doc, registry=r) for key, (name, doc) in g.items()}
+        media = {
+            "hits": "Images / videos served preprocessed: from the cache or another request's work (cumulative)",
+            "misses": "Images / videos decoded and preprocessed (cumulative)",
+            "bytes": "Bytes of pixel rows in the preprocessed-media cache",
+            "entries": "Images / videos in the preprocessed-media cache",
+        }
+        self.media_gauges = {key: Gauge(f"hylora_media_cache_{key}", doc, registry=r) for key, doc in media.items()}
         self.adapter_on_device = Gauge(
             "hylora_adapter_on_device", "1 if the adapter holds a device slot", ["adapter"], registry=r
         )
@@ -86,9 +94,12 @@ class ServerMetrics:
             registry=r,
         )
 
-    def render(self, stats: EngineStats) -> bytes:
+    def render(self, stats: EngineStats, media_cache: ProcessedCache | None = None) -> bytes:
         for key, gauge in self.gauges.items():
             gauge.set(getattr(stats, key))
+        if media_cache is not None:
+            for key, gauge in self.media_gauges.items():
+                gauge.set(len(media_cache) if key == "entries" else getattr(media_cache, key))
         for gauge, values in (
             (self.adapter_on_device, stats.on_device),
             (self.adapter_running, stats.running_by_adapter),

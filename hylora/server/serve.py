@@ -19,7 +19,8 @@ from hylora.engine.config import EngineConfig
 from hylora.engine.engine import LLMEngine
 from hylora.kernels import KernelsConfig
 from hylora.kernels.config import FAST_KERNEL_CHOICES, GDN_BACKENDS, parse_launch
-from hylora.media import FetchPolicy, MediaLimits, MediaPools
+from hylora.media import FetchPolicy, MediaLimits, MediaPools, ProcessedCache
+from hylora.media.cache import DEFAULT_CAPACITY_GB
 from hylora.model.layers import LORA_BACKENDS
 from hylora.server.app import ServerState, build_app
 from hylora.server.routing import TaskRouter
@@ -144,6 +145,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="threads decoding images and videos (default: one per core, 2 to 8; one request uses at most half)",
+    )
+    m.add_argument(
+        "--mm-processor-cache-gb",
+        type=float,
+        default=DEFAULT_CAPACITY_GB,
+        help="preprocessed images and videos kept by content, so one video sent to several adapters is decoded "
+        "once (GiB of pixel rows; 0: off)",
     )
     d = EngineConfig.__dataclass_fields__
     m.add_argument("--max-num-encoder-tokens", type=int, default=d["max_num_encoder_tokens"].default)
@@ -425,6 +433,7 @@ def media_settings(args: argparse.Namespace, engine: LLMEngine) -> MediaSettings
         limit_per_prompt=limit,
         processor_kwargs=kwargs,
         pools=MediaPools(decode_threads=args.media_decode_threads),
+        cache=ProcessedCache(int(args.mm_processor_cache_gb * 2**30)) if args.mm_processor_cache_gb > 0 else None,
     )
     log.info(
         "media: %s per prompt, preprocessing overrides %s, file:// under %s", limit, kwargs, policy.allowed_local_root
