@@ -32,7 +32,7 @@ class ProcessedCache:
         self._lock = threading.Lock()
         self.bytes = 0
         self.hits = 0  # served from the cache or from another request's work in progress
-        self.misses = 0  # processed
+        self.misses = 0  # processed here (or tried: a failure counts too)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -53,6 +53,7 @@ class ProcessedCache:
                 if running is None:
                     mine: Future[ProcessedMedia] = Future()
                     self._running[key] = mine
+                    self.misses += 1
             if running is None:
                 return self._process(key, process, mine)
             item = self._wait(running, cancel)
@@ -72,7 +73,6 @@ class ProcessedCache:
             raise
         with self._lock:
             del self._running[key]
-            self.misses += 1
             self._put(key, item)
         mine.set_result(item)
         return item

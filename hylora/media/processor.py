@@ -116,12 +116,14 @@ def process_frames(
     if len(indices) < params.temporal_patch_size:
         raise MediaError(f"{len(indices)} frame(s) to sample; a video needs at least {params.temporal_patch_size}")
     height, width = video.smart_resize(len(indices), *frames.shape[1:3], params)
-    with ThreadPoolExecutor(min(len(indices), available_cpus(), 8)) as pool:  # PIL resizes without the GIL
+    # PIL resizes and hashlib hashes without the GIL: the key is hashed beside the resizes
+    with ThreadPoolExecutor(min(len(indices), available_cpus(), 8) + 1) as pool:
+        key = pool.submit(media_key, "video", memoryview(np.ascontiguousarray(frames)), params)
         resized = np.stack(
             list(pool.map(lambda i: image.resize(Image.fromarray(frames[i]), height, width, params.resample), indices))
         )
     sampled = video.SampledVideo(frames=resized, indices=indices, fps=fps, total_frames=len(frames))
-    return _video_rows(sampled, params, media_key("video", memoryview(np.ascontiguousarray(frames)), params), limits)
+    return _video_rows(sampled, params, key.result(), limits)
 
 
 def _video_rows(sampled: video.SampledVideo, params: VisionParams, key: str, limits: MediaLimits) -> ProcessedMedia:

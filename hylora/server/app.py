@@ -148,8 +148,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         stats = await state.aengine.call(state.engine.stats)
-        state.vllm_metrics.update(stats)
         media_cache = state.media.cache if state.media is not None else None
+        state.vllm_metrics.update(stats, media_cache)
         return Response(state.metrics.render(stats, media_cache), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

@@ -67,7 +67,7 @@ class ServerMetrics:
         self.gauges = {key: Gauge(name, doc, registry=r) for key, (name, doc) in g.items()}
         media = {
             "hits": "Images / videos served preprocessed: from the cache or another request's work (cumulative)",
-            "misses": "Images / videos decoded and preprocessed (cumulative)",
+            "misses": "Images / videos decoded and preprocessed, or tried (cumulative)",
             "bytes": "Bytes of pixel rows in the preprocessed-media cache",
             "entries": "Images / videos in the preprocessed-media cache",
         }

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hylora.engine.outputs import RequestOutput
 from hylora.engine.stats import EngineStats
+from hylora.media.cache import ProcessedCache
 
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
@@ -73,6 +74,8 @@ class VLLMMetrics:
             "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
         self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.mm_queries = counter("mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items.")
+        self.mm_hits = counter("mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.")
         self.spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
@@ -115,8 +118,8 @@ class VLLMMetrics:
             "request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens
         )
 
-    def update(self, stats: EngineStats) -> None:
-        """Engine gauges, at scrape time."""
+    def update(self, stats: EngineStats, media_cache: ProcessedCache | None = None) -> None:
+        """Engine gauges, at scrape time (and the preprocessed-media cache's counters: vLLM's mm cache)."""
         name = self.model_name
         self.running.labels(name).set(stats.running)
         self.waiting.labels(name).set(stats.queue)
@@ -132,6 +135,9 @@ class VLLMMetrics:
             ("spec_accepted", self.spec_accepted, stats.spec_accepted_tokens),
         ):
             self._add(key, counter.labels(name), total)
+        if media_cache is not None:
+            self._add("mm_queries", self.mm_queries.labels(name), media_cache.hits + media_cache.misses)
+            self._add("mm_hits", self.mm_hits.labels(name), media_cache.hits)
         for pos, total in enumerate(stats.spec_accepted_per_position):
             self._add(f"spec_pos{pos}", self.spec_accepted_per_pos.labels(name, str(pos)), total)
         self.lora_info.clear()
