@@ -32,7 +32,7 @@ class ProcessedMedia:
     pixels: torch.Tensor
     grid_thw: tuple[int, int, int]  # in patches
     merge_size: int
-    key: str  # content hash for an encoder cache: the bytes and every parameter that changes the result
+    key: str  # content hash for the media and encoder caches: the bytes and every parameter that changes the result
     timestamps: tuple[float, ...] = ()  # video: seconds of each temporal patch
     table: torch.Tensor | None = None  # float32 [C, 256]: each byte's normalised value, for uint8 pixels
 
