@@ -41,7 +41,7 @@ from hylora.media import (
     process_image,
     process_video,
 )
-from hylora.media.config import ImageConfig, VideoConfig, apply_overrides
+from hylora.media.config import ImageConfig, VideoConfig, apply_overrides, layer_overrides, merge_overrides
 from hylora.media.video import sample_indices
 from tests.media_helpers import decode_all, garbage, image_bytes, install_torchvision_stand_in, video_bytes
 
@@ -448,6 +448,19 @@ def test_bad_videos(cfg, tmp_path, make, match):
 def test_video_limits_and_overrides(cfg, limits, overrides, match):
     with pytest.raises(MediaError, match=match):
         process_video(clip("h264-30f"), cfg, limits, overrides)
+
+
+def test_vllm_option_spellings_merge_like_vllm(cfg):
+    data = clip("h264-30f")
+    base = process_video(data, cfg, LIMITS)
+    assert process_video(data, cfg, LIMITS, {"use_fast": True}).key == base.key  # accepted, no effect
+    # media_io_kwargs' num_frames -1 (vLLM: the loader keeps every frame) is hylora's default
+    assert merge_overrides({"fps": 1}, {"video": {"num_frames": -1}, "image": {}}) == {"fps": 1}
+    assert merge_overrides(None, {"video": {"num_frames": 8}}) == {"num_frames": 8}
+    # a request's fps replaces the server's default num_frames, and the other way round
+    assert layer_overrides({"num_frames": 8, "max_frames": 20}, {"fps": 1}) == {"max_frames": 20, "fps": 1}
+    assert layer_overrides({"fps": 1}, {"num_frames": 4}) == {"num_frames": 4}
+    assert layer_overrides({"fps": 1}, None) == {"fps": 1}
 
 
 def test_frame_count_of_a_zero_frame_header_stops_at_the_cap(cfg):

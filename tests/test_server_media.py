@@ -40,6 +40,8 @@ def server(demo_cache_dir, demo_dir, tmp_path_factory):
     args = ["--demo", "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", "--device", "cpu"]
     args += ["--allowed-local-media-path", str(demo_dir / "media"), "--limit-mm-per-prompt", '{"image": 2, "video": 1}']
     args += ["--max-video-frames", "16"]
+    # common vLLM launch options that change nothing here: accepted (transformers' fast processor; every frame loaded)
+    args += ["--mm-processor-kwargs", '{"use_fast": true}', "--media-io-kwargs", '{"video": {"num_frames": -1}}']
     with running_server(args, demo_cache_dir, tmp_path_factory.mktemp("logs") / "server.log") as handle:
         yield handle.url
 

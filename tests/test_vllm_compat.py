@@ -311,6 +311,20 @@ def test_tensor_parallel_above_one_is_refused_with_a_pointer(demo_cache_dir, tmp
     assert out.returncode == 2 and "--replicas" in out.stderr
 
 
+def test_a_preprocessing_default_no_request_could_use_stops_the_start(demo_cache_dir):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "hylora", "serve", "--demo", "--device", "cpu", "--mm-processor-kwargs", '{"fps": 999}'],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"HYLORA_CACHE_DIR": str(demo_cache_dir), "PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode == 2 and "--mm-processor-kwargs / --media-io-kwargs: fps must be" in out.stderr
+
+
 # The Qwen3.5 / Qwen3.6 recipe's launch line, `vllm serve` replaced (issue 24)
 RECIPE = (
     "serve --model MODEL --served-model-name qwen3.6 qwen -tp 1 --reasoning-parser qwen3 --enable-auto-tool-choice "

@@ -43,6 +43,7 @@ from hylora.media import (
     shared_pools,
 )
 from hylora.media.cache import DEFAULT_CAPACITY_GB, ProcessedCache
+from hylora.media.config import layer_overrides
 from hylora.media.pools import RequestSlots
 from hylora.tokenizer import PromptTooLong, chat_prompt
 
@@ -129,7 +130,7 @@ async def multimodal_prompt(
             )
     if overrides is not None and not isinstance(overrides, Mapping):
         raise MediaError("mm_processor_kwargs must be a JSON object")
-    kwargs = settings.processor_kwargs | dict(overrides or {})
+    kwargs = layer_overrides(settings.processor_kwargs, overrides)
     pools, cancel = settings.pools, CancelFlag()
     try:
         async with _client_for(refs, pools) as client, asyncio.TaskGroup() as group:

@@ -126,6 +126,8 @@ class MediaLimits:
 
 IMAGE_OVERRIDES = frozenset({"min_pixels", "max_pixels", "size"})
 VIDEO_OVERRIDES = frozenset({"fps", "num_frames", "min_frames", "max_frames", "size"})
+# transformers' choice of processor class (fast / slow): hylora has one preprocessing; accepted, no effect
+IGNORED_OVERRIDES = frozenset({"use_fast"})
 C = TypeVar("C", ImageConfig, VideoConfig)
 
 
@@ -138,7 +140,7 @@ def apply_overrides(cfg: C, overrides: Mapping[str, Any] | None, limits: MediaLi
     """
     if overrides is not None and not isinstance(overrides, Mapping):
         raise MediaError("mm_processor_kwargs must be a JSON object")
-    overrides = dict(overrides or {})
+    overrides = {k: v for k, v in (overrides or {}).items() if k not in IGNORED_OVERRIDES}
     unknown = set(overrides) - IMAGE_OVERRIDES - VIDEO_OVERRIDES
     if unknown:
         accepted = ", ".join(sorted(IMAGE_OVERRIDES | VIDEO_OVERRIDES))
@@ -162,6 +164,28 @@ def apply_overrides(cfg: C, overrides: Mapping[str, Any] | None, limits: MediaLi
     if is_video:
         changes.update(_video_overrides(cfg, own, limits))
     return dataclasses.replace(cfg, **changes)
+
+
+def merge_overrides(processor_kwargs: Mapping[str, Any] | None, io_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """vLLM's two places for preprocessing options as one dict for `apply_overrides`: `mm_processor_kwargs`
+    and the per-kind `media_io_kwargs` ({"video": {"num_frames": 16}}). `num_frames: -1` there is vLLM's
+    "the loader keeps every frame", which hylora's loader always does before sampling: it is dropped."""
+    merged = dict(processor_kwargs or {})
+    for kind_kwargs in (io_kwargs or {}).values():
+        if isinstance(kind_kwargs, Mapping):
+            merged |= {k: v for k, v in kind_kwargs.items() if not (k == "num_frames" and v == -1)}
+    return merged
+
+
+def layer_overrides(defaults: Mapping[str, Any], request: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A request's options over the server's defaults. fps and num_frames exclude each other, so a
+    request's own fps replaces a default num_frames and the other way round (as vLLM merges them)."""
+    merged, request = dict(defaults), request or {}
+    if "num_frames" in request and "fps" not in request:
+        merged.pop("fps", None)
+    if "fps" in request and "num_frames" not in request:
+        merged.pop("num_frames", None)
+    return merged | dict(request)
 
 
 def _video_overrides(cfg: VideoConfig, own: dict[str, Any], limits: MediaLimits) -> dict[str, Any]:

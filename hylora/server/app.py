@@ -25,6 +25,7 @@ from hylora.engine.async_engine import AsyncEngine
 from hylora.engine.chat_input import MediaSettings, has_media, multimodal_prompt
 from hylora.engine.multimodal import MultimodalPrompt
 from hylora.media import MediaError
+from hylora.media.config import merge_overrides
 from hylora.server.chat_output import DEFAULT_TOOL_FORMAT, ChatOutputs
 from hylora.server.errors import APIError, BodyLimit, error_response, install_error_handlers
 from hylora.server.job import Job
@@ -321,9 +322,7 @@ async def _chat_prompt(
     if has_media(messages):
         if state.media is None:
             raise APIError(400, "this model has no vision tower: send text only")
-        overrides = dict(body.mm_processor_kwargs or {})
-        for kind_kwargs in (body.media_io_kwargs or {}).values():
-            overrides |= kind_kwargs if isinstance(kind_kwargs, dict) else {}
+        overrides = merge_overrides(body.mm_processor_kwargs, body.media_io_kwargs)
         try:
             return await multimodal_prompt(
                 state.media,

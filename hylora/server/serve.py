@@ -19,8 +19,9 @@ from hylora.engine.config import EngineConfig
 from hylora.engine.engine import LLMEngine
 from hylora.kernels import KernelsConfig
 from hylora.kernels.config import FAST_KERNEL_CHOICES, GDN_BACKENDS, parse_launch
-from hylora.media import FetchPolicy, MediaLimits, MediaPools, ProcessedCache
+from hylora.media import FetchPolicy, MediaError, MediaLimits, MediaPools, ProcessedCache
 from hylora.media.cache import DEFAULT_CAPACITY_GB
+from hylora.media.config import apply_overrides, merge_overrides
 from hylora.model.layers import LORA_BACKENDS
 from hylora.server.app import ServerState, build_app
 from hylora.server.routing import TaskRouter
@@ -412,9 +413,7 @@ def media_settings(args: argparse.Namespace, engine: LLMEngine) -> MediaSettings
         value = getattr(args, flag)
         if value is not None and not isinstance(value, dict):
             raise ValueError(f"--{flag.replace('_', '-')} expects a JSON object")
-    kwargs = dict(args.mm_processor_kwargs or {})
-    for kind_kwargs in (args.media_io_kwargs or {}).values():
-        kwargs |= kind_kwargs
+    kwargs = merge_overrides(args.mm_processor_kwargs, args.media_io_kwargs)
     limits = MediaLimits(
         max_bytes=args.max_media_bytes,
         max_frames=args.max_video_frames,
@@ -435,6 +434,11 @@ def media_settings(args: argparse.Namespace, engine: LLMEngine) -> MediaSettings
         pools=MediaPools(decode_threads=args.media_decode_threads),
         cache=ProcessedCache(int(args.mm_processor_cache_gb * 2**30)) if args.mm_processor_cache_gb > 0 else None,
     )
+    try:  # checked once here: a bad default would otherwise fail every media request
+        for kind in (settings.config.image, settings.config.video):
+            apply_overrides(kind, kwargs, limits)
+    except MediaError as e:
+        raise ValueError(f"--mm-processor-kwargs / --media-io-kwargs: {e}") from None
     log.info(
         "media: %s per prompt, preprocessing overrides %s, file:// under %s", limit, kwargs, policy.allowed_local_root
     )
