@@ -42,6 +42,8 @@ from hylora.media import (
     process_video,
 )
 from hylora.media.config import ImageConfig, VideoConfig, apply_overrides, layer_overrides, merge_overrides
+from hylora.media.fetch import is_frame_list, split_frame_list
+from hylora.media.processor import process_frame_list
 from hylora.media.video import sample_indices
 from tests.media_helpers import decode_all, garbage, image_bytes, install_torchvision_stand_in, video_bytes
 
@@ -448,6 +450,45 @@ def test_bad_videos(cfg, tmp_path, make, match):
 def test_video_limits_and_overrides(cfg, limits, overrides, match):
     with pytest.raises(MediaError, match=match):
         process_video(clip("h264-30f"), cfg, limits, overrides)
+
+
+@pytest.mark.parametrize(("n", "rate"), [(6, None), (7, 2.5)], ids=["even-default-fps", "odd-fps-2.5"])
+def test_frame_list_equals_transformers_without_sampling(cfg, hf, n, rate):
+    """vLLM's data:video/jpeg frames go to the processor with do_sample_frames=False and fps 1 unless given."""
+    from transformers.video_utils import VideoMetadata
+
+    frames = [image_bytes(96, 64, fmt="JPEG", seed=i) for i in range(n)]
+    overrides = {} if rate is None else {"fps": rate}
+    ours = process_frame_list(frames, cfg, LIMITS, overrides)
+    decoded = np.stack([np.asarray(Image.open(io.BytesIO(f)).convert("RGB")) for f in frames])
+    fps = rate or 1.0
+    out = hf["video"](
+        torch.from_numpy(decoded).permute(0, 3, 1, 2),
+        video_metadata=VideoMetadata(total_num_frames=n, fps=fps, frames_indices=list(range(n))),
+        do_sample_frames=False,
+        return_tensors="pt",
+        cap_pixels_per_frame=False,
+    )
+    assert ours.grid_thw == tuple(out["video_grid_thw"][0].tolist()) and ours.grid_thw[0] == -(-n // 2)
+    assert list(ours.timestamps) == _hf_timestamps(np.arange(n), fps, 2)
+    torch.testing.assert_close(ours.pixel_values, out["pixel_values_videos"], atol=1e-6, rtol=0)
+    assert process_frame_list(frames, cfg, LIMITS, {"fps": 4}).key != ours.key  # the rate is in the key
+
+
+def test_frame_list_urls_and_their_refusals(cfg):
+    frames = [image_bytes(64, 64, fmt="JPEG", seed=i) for i in range(3)]
+    parts = [base64.b64encode(f).decode() for f in frames]
+    url = "data:video/jpeg;base64," + ",".join(parts)
+    assert is_frame_list(url) and not is_frame_list("data:video/mp4;base64,AAAA")
+    assert split_frame_list(url, LIMITS.max_bytes, LIMITS.max_frames) == frames
+    with pytest.raises(MediaError, match="takes at most 2"):
+        split_frame_list(url, LIMITS.max_bytes, 2)
+    with pytest.raises(MediaError, match="frame 1 of the data:video/jpeg frame list is not valid base64"):
+        split_frame_list(f"data:video/jpeg;base64,{parts[0]},!!{parts[1]}", LIMITS.max_bytes, 8)
+    with pytest.raises(MediaError, match="frame 1 of the frame list is 32x64, frame 0 is 64x64"):
+        process_frame_list([frames[0], image_bytes(32, 64, fmt="JPEG")], cfg, LIMITS)
+    with pytest.raises(MediaError, match="frame 0 of the frame list: could not decode image"):
+        process_frame_list([garbage()], cfg, LIMITS)
 
 
 def test_vllm_option_spellings_merge_like_vllm(cfg):

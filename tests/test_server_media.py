@@ -13,10 +13,11 @@ import threading
 import httpx
 import numpy as np
 import pytest
+from PIL import Image
 
 from hylora.demo import DEMO_ADAPTERS
 from hylora.engine import LLM, SamplingParams
-from tests.media_helpers import garbage, video_bytes
+from tests.media_helpers import decode_all, garbage, video_bytes
 from tests.server_helpers import metric, running_server
 
 MAX_MODEL_LEN = 256
@@ -62,9 +63,9 @@ def ask(url: str, model: str | None, msgs: list[dict], **extra) -> httpx.Respons
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
 
 
-def offline_chat(offline, msgs, adapter, demo_dir, **params):
+def offline_chat(offline, msgs, adapter, demo_dir, mm_processor_kwargs=None, **params):
     params = dict(max_tokens=10, temperature=0) | params
-    return offline.chat(msgs, SamplingParams(**params), adapter, media_root=demo_dir / "media")
+    return offline.chat(msgs, SamplingParams(**params), adapter, demo_dir / "media", mm_processor_kwargs)
 
 
 def test_video_and_image_equal_offline_engine_with_prompt_logprobs(server, offline, media, demo_dir):
@@ -144,6 +145,28 @@ def test_the_same_video_for_another_adapter_is_decoded_and_encoded_once(server, 
     r = ask(server, "mural", msgs, mm_processor_kwargs={"fps": 4})  # other preprocessing: decoded again
     assert r.status_code == 200, r.text
     assert counters()[2] - after_second[2] == 1
+
+
+def test_a_video_sent_as_its_frames_equals_the_offline_engine(server, offline, demo_dir):
+    """vLLM's data:video/jpeg;base64,<frame>,<frame>,... (frames sampled by the client), fps from
+    media_io_kwargs as vLLM reads it."""
+    frames, _ = decode_all(video_bytes(6, 96, 64, fps=4))
+    jpegs = []
+    for frame in frames:
+        buf = io.BytesIO()
+        Image.fromarray(frame).save(buf, format="JPEG")
+        jpegs.append(base64.b64encode(buf.getvalue()).decode())
+    msgs = messages(("video_url", "data:video/jpeg;base64," + ",".join(jpegs)))
+    r = ask(server, "tomb", msgs, media_io_kwargs={"video": {"fps": 4}})
+    assert r.status_code == 200, r.text
+    expected = offline_chat(offline, msgs, "tomb", demo_dir, mm_processor_kwargs={"fps": 4})
+    assert r.json()["choices"][0]["message"]["content"] == expected.text
+    assert r.json()["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
+    two_sizes = messages(
+        ("video_url", "data:video/jpeg;base64," + jpegs[0] + "," + base64.b64encode(_png(32, 32)).decode())
+    )
+    bad = ask(server, "tomb", two_sizes)
+    assert bad.status_code == 400 and "send the frames of a video at one size" in bad.json()["error"]["message"]
 
 
 def _png(width: int, height: int) -> bytes:

@@ -44,7 +44,9 @@ from hylora.media import (
 )
 from hylora.media.cache import DEFAULT_CAPACITY_GB, ProcessedCache
 from hylora.media.config import layer_overrides
+from hylora.media.fetch import is_frame_list, split_frame_list
 from hylora.media.pools import RequestSlots
+from hylora.media.processor import process_frame_list
 from hylora.tokenizer import PromptTooLong, chat_prompt
 
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
@@ -158,15 +160,20 @@ async def _load(
     client,
     cancel: CancelFlag,
 ) -> ProcessedMedia:
-    pools = settings.pools
+    pools, limits = settings.pools, settings.limits
     try:
+        if ref.kind == "video" and is_frame_list(ref.url):  # the frames themselves, already sampled
+            async with slots.fetch:
+                frames = await pools.run(pools.fetch, split_frame_list, ref.url, limits.max_bytes, limits.max_frames)
+            async with slots.decode:
+                return await pools.run(
+                    pools.decode, process_frame_list, frames, settings.config, limits, kwargs, cancel, settings.cache
+                )
         async with slots.fetch:
-            data = await fetch_url(ref.url, settings.policy, settings.limits.max_bytes, client=client, pools=pools)
+            data = await fetch_url(ref.url, settings.policy, limits.max_bytes, client=client, pools=pools)
         process = process_image if ref.kind == "image" else process_video
         async with slots.decode:
-            return await pools.run(
-                pools.decode, process, data, settings.config, settings.limits, kwargs, cancel, settings.cache
-            )
+            return await pools.run(pools.decode, process, data, settings.config, limits, kwargs, cancel, settings.cache)
     except BaseException:  # this item failed or the request is going away: every decode of it stops
         cancel.set()
         raise

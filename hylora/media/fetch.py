@@ -38,6 +38,9 @@ REDIRECTS = (301, 302, 303, 307, 308)
 ACCEPT_ENCODING = "gzip, deflate"  # what encoding.py decodes
 
 
+FRAME_LIST = "data:video/jpeg;base64,"  # vLLM's spelling of a video sent as its (already sampled) frames
+
+
 @dataclass(frozen=True)
 class FetchPolicy:
     allowed_local_root: Path | None = None  # vLLM's --allowed-local-media-path
@@ -105,6 +108,31 @@ def _data_url(url: str, max_bytes: int) -> bytes:
     except (binascii.Error, ValueError) as e:
         raise MediaError(f"the data URL is not valid base64 ({e})") from e
     return _capped(data, max_bytes)
+
+
+def is_frame_list(url: str) -> bool:
+    """vLLM's video as its frames: `data:video/jpeg;base64,<frame>,<frame>,...`."""
+    return url[: len(FRAME_LIST)].lower() == FRAME_LIST
+
+
+def split_frame_list(url: str, max_bytes: int, max_frames: int) -> list[bytes]:
+    """The frames of a `data:video/jpeg;base64,...` URL, each base64 part decoded (on the fetch pool)."""
+    parts = url[len(FRAME_LIST) :].split(",")
+    if len(parts) > max_frames:
+        raise MediaError(
+            f"the video is a list of {len(parts)} frames; the server takes at most {max_frames} (--max-video-frames)"
+        )
+    if sum(len(p) for p in parts) // 4 * 3 > max_bytes + 2 * len(parts):
+        raise MediaError(f"the frame list holds more than {max_bytes} bytes, the most the server accepts")
+    frames = []
+    for i, part in enumerate(parts):
+        try:
+            frames.append(base64.b64decode("".join(part.split()), validate=True))
+        except (binascii.Error, ValueError) as e:
+            raise MediaError(f"frame {i} of the data:video/jpeg frame list is not valid base64 ({e})") from e
+        if not frames[-1]:
+            raise MediaError(f"frame {i} of the data:video/jpeg frame list is empty")
+    return frames
 
 
 def _local_file(url: str, policy: FetchPolicy, max_bytes: int) -> bytes:

@@ -14,13 +14,14 @@ import torch
 from PIL import Image
 
 from hylora.media import image, pixels, video
-from hylora.media.budget import CancelFlag
+from hylora.media.budget import CancelFlag, DecodeBudget
 from hylora.media.cache import ProcessedCache
 from hylora.media.config import MediaConfig, MediaLimits, VisionParams, apply_overrides
 from hylora.media.errors import MediaError
 from hylora.media.pools import available_cpus
 
 Kind = Literal["image", "video"]
+DEFAULT_FRAME_LIST_FPS = 1.0  # vLLM's frame rate of a data:video/jpeg frame list without an fps
 KEY_VERSION = "hylora-media-1"  # bump when preprocessing changes what the same parameters produce
 
 
@@ -124,6 +125,52 @@ def process_frames(
         )
     sampled = video.SampledVideo(frames=resized, indices=indices, fps=fps, total_frames=len(frames))
     return _video_rows(sampled, params, key.result(), limits)
+
+
+def process_frame_list(
+    frames: Sequence[bytes],
+    cfg: MediaConfig,
+    limits: MediaLimits,
+    overrides: Mapping[str, Any] | None = None,
+    cancel: CancelFlag | None = None,
+    cache: ProcessedCache | None = None,
+) -> ProcessedMedia:
+    """A video sent as its frames (`data:video/jpeg;base64,<frame>,...`, fetch.split_frame_list), as vLLM
+    takes it: every frame is used, none sampled (vLLM passes do_sample_frames=False), at `fps` frames a
+    second for the timestamps (the request's or the server's `fps`, else vLLM's default of 1); resized
+    under the video pixel budget and normalised like a decoded video's frames."""
+    params = apply_overrides(cfg.video, overrides, limits)
+    rate = float((overrides or {}).get("fps") or DEFAULT_FRAME_LIST_FPS)
+    if len(frames) > limits.max_frames:
+        raise MediaError(f"the video is a list of {len(frames)} frames; the server takes at most {limits.max_frames}")
+    if not frames:
+        raise MediaError("the frame list has no frames")
+    content = b"".join(len(f).to_bytes(8, "little") + f for f in frames)
+    key = media_key("video", f"frames {rate!r}\0".encode() + content, params)
+
+    def run() -> ProcessedMedia:
+        budget = DecodeBudget(limits.max_decode_pixels, cancel, "the frame list")
+        decoded = []
+        for i, data in enumerate(frames):
+            try:
+                frame = image.decode_image(data, limits, cancel)
+            except MediaError as e:
+                raise MediaError(f"frame {i} of the frame list: {e}") from None
+            budget.charge(frame.width, frame.height)
+            if decoded and frame.size != decoded[0].size:
+                raise MediaError(
+                    f"frame {i} of the frame list is {frame.width}x{frame.height}, frame 0 is "
+                    f"{decoded[0].width}x{decoded[0].height}: send the frames of a video at one size"
+                )
+            decoded.append(frame)
+        height, width = video.smart_resize(len(decoded), decoded[0].height, decoded[0].width, params)
+        with ThreadPoolExecutor(min(len(decoded), available_cpus(), 8)) as pool:
+            resized = np.stack(list(pool.map(lambda f: image.resize(f, height, width, params.resample), decoded)))
+        indices = np.arange(len(decoded))
+        sampled = video.SampledVideo(frames=resized, indices=indices, fps=rate, total_frames=len(decoded))
+        return _video_rows(sampled, params, key, limits)
+
+    return run() if cache is None else cache.get_or_process(key, run, cancel)
 
 
 def _video_rows(sampled: video.SampledVideo, params: VisionParams, key: str, limits: MediaLimits) -> ProcessedMedia:
