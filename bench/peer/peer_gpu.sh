@@ -1,12 +1,12 @@
 #!/bin/bash
-# The GPU entry of a one-result-per-engine peer bench (bench/peer/<BENCH>_peer.py: speculative, video),
+# The GPU entry of a one-result-per-engine peer bench (bench/peer/<BENCH>_peer.py: speculative, video, video_server),
 # from the repo root, with .vllm and .peerwhl carried (bench/peer/build_bundle.sh builds them):
 #   bash bench/peer/peer_gpu.sh BENCH
 # Installs the carried wheels into /tmp/site and unpacks the slim vLLM 0.20.2 there, then runs
 # bench/peer/BENCH_peer.py run $STEPS (default: ckpt vllm hylora) in what is left of $BUDGET seconds
 # (default 565, for a device call of 600), with $ARGS as more flags. Writes $OUT/BENCH.log, the table
 # $OUT/BENCH_peer.md and each engine's result JSON. speculative_gpu.sh and video_gpu.sh call it.
-BENCH=${1:?which bench: speculative or video}
+BENCH=${1:?which bench: speculative, video or video_server}
 OUT=${OUT:-/tmp/${BENCH}peer_out}
 mkdir -p "$OUT"
 set -o pipefail

@@ -270,7 +270,7 @@ def summary(pattern: str, records: list[dict[str, Any]], wall: float, **extra: A
         "ttft_s": percentiles([r["ttft_s"] for r in ok]),
         "e2e_s": percentiles([r["e2e_s"] for r in ok]),
         "tpot_s": percentiles([r["tpot_s"] for r in ok]),
-        "add_s": sum(r["add_s"] for r in records),
+        "add_s": None if any(r["add_s"] is None for r in records) else sum(r["add_s"] for r in records),
         **extra,
         "per_request": records,
     }
@@ -536,7 +536,9 @@ def run_of(data: dict[str, Any] | None, pattern: str) -> dict[str, Any] | None:
     return runs[-1] if runs else None
 
 
-def table_md(found: dict[str, dict[str, Any]]) -> str:
+def table_md(found: dict[str, dict[str, Any]], through: str | None = None) -> str:
+    """The table of both engines' runs; `through`: how the requests went in, when not through the
+    offline engines' add-request calls (video_server_peer.py)."""
     vl, hy = found.get("vllm"), found.get("hylora")
     cards = sorted({d["card"] for d in found.values() if d.get("card")})
     tiny = any(d.get("tiny") for d in found.values())
@@ -547,15 +549,19 @@ def table_md(found: dict[str, dict[str, Any]]) -> str:
         else (f"random bf16 weights of the Qwen3.6-27B text shape cut to {layers} layers, the real-size tower")
     )
     lines = [
-        "# vLLM 0.20.2 beside hylora: the video workload",
+        "# vLLM 0.20.2 beside hylora: the video workload" + (f", through {through}" if through else ""),
         "",
         f"Card: {', '.join(cards) or '–'}; measured {', '.join(sorted(d['date'][:10] for d in found.values()))}. "
         f"Model: {model}; adapters relic, tomb, mural (rank {RANK}). Each of 8 videos (20 frames of 1280x720 at "
         "2 fps; tiny: 4 frames of 128x96) analysed by each adapter, 128 greedy tokens; `all`: the 24 requests at "
-        "once; `poisson`: 0.5 requests/s. Times in seconds from each request's arrival (host clock). Adding: "
-        "the host seconds the driver spent in the engine's add request (preprocessing and prompt expansion; "
-        "the engine steps meanwhile wait). Ratios: hylora / vLLM for throughput, vLLM / hylora for latency "
-        "(> 1: hylora better).",
+        "once; `poisson`: 0.5 requests/s. Times in seconds from each request's arrival (host clock). "
+        + (
+            ""
+            if through
+            else "Adding: the host seconds the driver spent in the engine's add request "
+            "(preprocessing and prompt expansion; the engine steps meanwhile wait). "
+        )
+        + "Ratios: hylora / vLLM for throughput, vLLM / hylora for latency (> 1: hylora better).",
         "",
         "| arrivals | engine | out tok/s | prompt tok/s | TTFT p50 / p99 | E2E p50 / p99 | TPOT p50 (ms) "
         "| adding (s) | prompt tokens | failed |",
@@ -568,7 +574,7 @@ def table_md(found: dict[str, dict[str, Any]]) -> str:
                 lines.append(f"| {p} | {engine} | – | – | – | – | – | – | – | – |")
                 continue
             t, e, tpot = r["ttft_s"], r["e2e_s"], r["tpot_s"]
-            adding = f"{r['add_s']:.2f}" if "add_s" in r else "–"
+            adding = f"{r['add_s']:.2f}" if r.get("add_s") is not None else "–"
             lines.append(
                 f"| {p} | {engine} | {r['out_tok_s']:.0f} | {r['prompt_tok_s']:.0f} "
                 f"| {t.get('p50', 0):.2f} / {t.get('p99', 0):.2f} | {e.get('p50', 0):.2f} / {e.get('p99', 0):.2f} "
@@ -605,12 +611,14 @@ PHASES = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    def add(ap: argparse.ArgumentParser) -> None:
-        ap.add_argument("--rate", type=float, default=None, help="poisson arrivals, requests/s (default 0.5; tiny 4)")
-        ap.add_argument("--layers", type=int, default=tp.N_LAYERS, help="decoder layers of the 27B shape (ckpt)")
+def add_args(ap: argparse.ArgumentParser) -> None:
+    """This bench's own flags (video_server_peer.py takes them too)."""
+    ap.add_argument("--rate", type=float, default=None, help="poisson arrivals, requests/s (default 0.5; tiny 4)")
+    ap.add_argument("--layers", type=int, default=tp.N_LAYERS, help="decoder layers of the 27B shape (ckpt)")
 
-    return ep.parse_args(__doc__, list(PHASES), "/tmp/videopeer_out", add, argv)
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return ep.parse_args(__doc__, list(PHASES), "/tmp/videopeer_out", add_args, argv)
 
 
 def main() -> None:

@@ -1,0 +1,244 @@
+"""vLLM 0.20.2 beside hylora on the users' video workload through their OpenAI servers (issue 29): the
+checkpoint, adapters, videos and arrival patterns of `video_peer.py`, each video sent as a client sends
+it to `vllm serve` / `hylora serve`.
+
+- Requests: its 20 sampled frames as JPEGs in one `data:video/jpeg;base64,<frame>,...` URL (Qwen's
+  client-side sampling; neither server needs a video decoder), the question, the adapter as `model`;
+  streamed, greedy, 128 tokens with `ignore_eos`, usage in the last chunk. The JPEGs are encoded before
+  the clock (the client's work); one request per (video, adapter), sent at its arrival time.
+- Servers, one at a time on the GPU (started, warmed up, measured, stopped), each with its defaults
+  (vLLM: torch.compile, CUDA graphs, its processor cache; hylora: CUDA graphs, its media and encoder
+  caches) and the same settings: max_num_seqs 24, max_num_batched_tokens 8192, max model length
+  10240, prefix caching off, the three adapters, one video per prompt, `--media-io-kwargs
+  '{"video": {"fps": 2}}'` (the frames' rate, for their timestamps).
+- Times from each request's arrival on the client: TTFT (the first content delta), E2E (the last
+  chunk), TPOT; the servers' cache counters from /metrics.
+
+Phases: ckpt (video_peer's checkpoint, shared with it), vllm / hylora, table, run (as video_peer.py).
+
+    bash bench/peer/video_server_gpu.sh       # H200, .vllm and .peerwhl carried: run ckpt vllm hylora
+    python bench/peer/video_server_peer.py run ckpt hylora --tiny --device cpu --out /tmp/vsp   # CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.peer import doctor_peer as dp  # noqa: E402
+from bench.peer import engine_phases as ep  # noqa: E402
+from bench.peer import throughput_peer as tp  # noqa: E402
+from bench.peer import video_peer as vp  # noqa: E402
+from bench.peer.child_env import child_env  # noqa: E402
+
+PREFIX = "video_server"  # results: WORK/results/video_server-<engine>.json
+MIN_LEFT_S = {"ckpt": 60, "vllm": 330, "hylora": 200}
+READY_S = 480  # the most a server may take to start
+COUNTERS = ("mm_cache", "media_cache", "encoder_cache", "preemptions")  # /metrics samples kept per pattern
+
+
+def log(*parts: object) -> None:
+    tp.log(*parts)
+
+
+def frame_urls(videos: vp.Videos) -> dict[int, str]:
+    """Each video's frames as one data:video/jpeg;base64 URL."""
+    from PIL import Image
+
+    urls = {}
+    for v, frames in videos.frames.items():
+        parts = []
+        for frame in frames:
+            buf = io.BytesIO()
+            Image.fromarray(frame).save(buf, format="JPEG", quality=90)
+            parts.append(base64.b64encode(buf.getvalue()).decode())
+        urls[v] = "data:video/jpeg;base64," + ",".join(parts)
+    return urls
+
+
+def server_args(engine: str, args: argparse.Namespace, videos: vp.Videos) -> list[str]:
+    """The launch line both servers share (vLLM's flag names; hylora takes them), then each one's own."""
+    work, cpu = args.work, args.device == "cpu"
+    adapters = [f"{a}={vp.adapters_dir(work) / a}" for a in vp.ADAPTERS]
+    shared = [
+        str(vp.ckpt_dir(work)), "--served-model-name", "base", "--host", "127.0.0.1",
+        "--dtype", "float32" if cpu else "bfloat16", "--max-model-len", str(vp.MAX_MODEL_LEN),
+        "--max-num-seqs", str(vp.MAX_NUM_SEQS), "--max-num-batched-tokens", str(vp.MNBT), "--seed", "0",
+        "--no-enable-prefix-caching", "--max-loras", str(len(vp.ADAPTERS)), "--max-lora-rank", str(vp.RANK),
+        "--lora-modules", *adapters, "--limit-mm-per-prompt", json.dumps({"image": 0, "video": 1}),
+        "--media-io-kwargs", json.dumps({"video": {"fps": videos.fps}}), "--uvicorn-log-level", "warning",
+    ]  # fmt: skip
+    if engine == "vllm":
+        own = ["--enable-lora", "--gdn-prefill-backend", "triton"]
+        own += ["--gpu-memory-utilization", str(tp.GPU_MEMORY_UTILIZATION)]
+        own += ["--attention-backend", args.attention_backend] if args.attention_backend else []
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *shared, *own]
+    return [sys.executable, "-m", "hylora", "serve", *shared, "--device", args.device, "--disable-log-requests"]
+
+
+# --------------------------------------------------------------------------------------------
+# the client
+
+
+async def send(client: Any, url: str, job: vp.Job, video_url: str, max_tokens: int, t0: float) -> dict[str, Any]:
+    """One streamed request at its arrival time; its times from that arrival."""
+    import httpx
+
+    await asyncio.sleep(max(0.0, job.arrival - (time.monotonic() - t0)))
+    arrived = t0 + job.arrival
+    body = {
+        "model": job.adapter,
+        "messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": video_url}},
+            {"type": "text", "text": f"{vp.QUESTION} (clip {job.video})"},
+        ]}],
+        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    first = None
+    usage: dict[str, Any] = {}
+    error = None
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+            else:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        error = str(chunk["error"])[:300]
+                    if first is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                        first = time.monotonic()
+                    usage = chunk.get("usage") or usage
+    except httpx.HTTPError as e:
+        error = f"{type(e).__name__}: {e}"[:300]
+    end = time.monotonic()
+    n = int(usage.get("completion_tokens") or 0)
+    ttft = None if first is None else first - arrived
+    return {
+        "request": job.request_id, "video": job.video, "adapter": job.adapter, "arrival_s": job.arrival,
+        "ttft_s": ttft, "e2e_s": end - arrived,
+        "tpot_s": None if ttft is None or n < 2 else (end - first) / (n - 1),
+        "prompt_tokens": usage.get("prompt_tokens"), "output_tokens": n, "error": error, "add_s": None,
+    }  # fmt: skip
+
+
+async def drive(url: str, jobs: list[vp.Job], urls: dict[int, str], max_tokens: int) -> tuple[list[dict], float]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(jobs) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+        t0 = time.monotonic()
+        tokens = {j.request_id: 4 if j.request_id.startswith("warm") else max_tokens for j in jobs}
+        records = await asyncio.gather(*(send(client, url, j, urls[j.video], tokens[j.request_id], t0) for j in jobs))
+    return list(records), max(r["arrival_s"] + r["e2e_s"] for r in records)
+
+
+def counters(url: str) -> dict[str, float]:
+    """The servers' cache and preemption counters on /metrics, summed by name."""
+    import httpx
+
+    found: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("#") or "_created" in line or not any(c in line for c in COUNTERS):
+            continue
+        name, value = line.split("{")[0].split(" ")[0], line.rsplit(" ", 1)[-1]
+        found[name] = found.get(name, 0.0) + float(value)
+    return found
+
+
+# --------------------------------------------------------------------------------------------
+# phases vllm / hylora
+
+
+def phase_engine(engine: str, args: argparse.Namespace) -> None:
+    import importlib.util
+
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise SystemExit("vLLM is not importable here (bench/peer/video_server_gpu.sh installs the carried one)")
+    work = args.work
+    vp.require_ckpt(args)
+    packages = ("vllm", "torch", "transformers") if engine == "vllm" else ("torch", "triton", "transformers")
+    data = vp.new_result(engine, packages, args)
+    videos = vp.make_videos(args.tiny, args.rate)
+    urls = frame_urls(videos)
+    cmd = server_args(engine, args, videos)
+    port = dp.free_port()
+    server = dp.Server(engine, [*cmd, "--port", str(port)], port, work / "logs" / f"video-server-{engine}.log")
+    data["settings"] = {"command": " ".join(cmd[2:]).replace(str(work), "WORK")}
+    ep.save(work, PREFIX, data)
+    server.start(child_env())
+    try:
+        why = server.wait_ready(time.monotonic() + READY_S)
+        if why is not None:
+            raise RuntimeError(f"{engine} server {why}")
+        data.update(startup_s=server.ready_s, card=tp.card(args.device))
+        t0 = time.perf_counter()
+        asyncio.run(drive(server.url, videos.jobs["warm"], urls, videos.max_tokens))
+        data["warm_up_s"] = time.perf_counter() - t0
+        for pattern in vp.PATTERNS:
+            before = counters(server.url)
+            records, wall = asyncio.run(drive(server.url, videos.jobs[pattern], urls, videos.max_tokens))
+            after = counters(server.url)
+            row = vp.summary(pattern, records, wall, counters={k: v - before.get(k, 0.0) for k, v in after.items()})
+            data["runs"].append(row)
+            e2e = row["e2e_s"]
+            log(f"{engine} server {pattern}: {row['out_tok_s']:.0f} out tok/s, E2E p50 {e2e.get('p50', 0):.2f}s "
+                f"p99 {e2e.get('p99', 0):.2f}s, {row['failed']} failed {row['errors'][:2]}")  # fmt: skip
+            ep.save(work, PREFIX, data)
+        data["complete"] = True
+    except BaseException as e:
+        data["error"] = f"{type(e).__name__}: {e}"[:2000]
+        raise
+    finally:
+        ep.save(work, PREFIX, data)
+        server.stop()
+        args.out.mkdir(parents=True, exist_ok=True)
+        if server.log_path.is_file():
+            (args.out / server.log_path.name).write_bytes(server.log_path.read_bytes()[-200_000:])
+
+
+# --------------------------------------------------------------------------------------------
+# phases table / run
+
+
+def table_md(found: dict[str, dict[str, Any]]) -> str:
+    return vp.table_md(found, through="their OpenAI servers (frames as data:video/jpeg, streamed)")
+
+
+def phase_table(args: argparse.Namespace) -> None:
+    ep.phase_table(args, PREFIX, table_md, "video_server_peer.md")
+
+
+def phase_run(args: argparse.Namespace) -> None:
+    extra = ["--layers", str(args.layers)] + (["--rate", str(args.rate)] if args.rate else [])
+    ep.phase_run(args, Path(__file__).resolve(), MIN_LEFT_S, extra)
+    phase_table(args)
+
+
+PHASES = {
+    "ckpt": vp.phase_ckpt,
+    "vllm": lambda args: phase_engine("vllm", args),
+    "hylora": lambda args: phase_engine("hylora", args),
+    "table": phase_table,
+    "run": phase_run,
+}
+
+
+def main() -> None:
+    tp.run_phase(PHASES, ep.parse_args(__doc__, list(PHASES), "/tmp/videoserverpeer_out", vp.add_args, None))
+
+
+if __name__ == "__main__":
+    main()
