@@ -24,6 +24,7 @@ from hylora.tokenizer import PromptTooLong, chat_prompt
 
 Prompt = str | list[int]
 Conversation = list[dict[str, Any]]
+WAIT_S = 0.1  # how often an idle chat() looks whether its preparing thread is still alive
 
 
 class LLM:
@@ -78,9 +79,13 @@ class LLM:
             while any(r is None for r in results):
                 while waiting:  # add what is ready; wait for the next one when there is nothing to run
                     try:
-                        i, ids, mm = ready.get(block=not self.engine.has_unfinished())
+                        i, ids, mm = ready.get(block=not self.engine.has_unfinished(), timeout=WAIT_S)
                     except queue.Empty:
-                        break
+                        if not preparing.is_alive() and ready.empty():
+                            raise RuntimeError("preparing the conversations stopped before all were ready") from None
+                        if self.engine.has_unfinished():
+                            break
+                        continue
                     waiting -= 1
                     rid = f"offline-{next(self._ids)}"
                     try:
