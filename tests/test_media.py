@@ -489,6 +489,8 @@ def test_frame_list_urls_and_their_refusals(cfg):
         process_frame_list([frames[0], image_bytes(32, 64, fmt="JPEG")], cfg, LIMITS)
     with pytest.raises(MediaError, match="frame 0 of the frame list: could not decode image"):
         process_frame_list([garbage()], cfg, LIMITS)
+    with pytest.raises(MediaError, match="the frame list has 3 frames of 64x64"):  # planned before the 2nd decode
+        process_frame_list(frames, cfg, MediaLimits(max_decode_pixels=2 * 64 * 64))
 
 
 def test_vllm_option_spellings_merge_like_vllm(cfg):

@@ -148,26 +148,30 @@ def process_frame_list(
     content = b"".join(len(f).to_bytes(8, "little") + f for f in frames)
     key = media_key("video", f"frames {rate!r}\0".encode() + content, params)
 
+    def decode(i: int) -> Image.Image:
+        try:
+            return image.decode_image(frames[i], limits, cancel)
+        except MediaError as e:
+            raise MediaError(f"frame {i} of the frame list: {e}") from None
+
     def run() -> ProcessedMedia:
-        budget = DecodeBudget(limits.max_decode_pixels, cancel, "the frame list")
-        decoded = []
-        for i, data in enumerate(frames):
-            try:
-                frame = image.decode_image(data, limits, cancel)
-            except MediaError as e:
-                raise MediaError(f"frame {i} of the frame list: {e}") from None
-            budget.charge(frame.width, frame.height)
-            if decoded and frame.size != decoded[0].size:
+        first = decode(0)
+        width, height = first.size  # every frame must have it: the decode budget is planned from it
+        DecodeBudget(limits.max_decode_pixels, cancel, "the frame list").check_plan(len(frames), width, height)
+        target = video.smart_resize(len(frames), height, width, params)
+
+        def resized(i: int) -> np.ndarray:  # each frame decoded and resized at once: memory holds resized ones
+            frame = first if i == 0 else decode(i)
+            if frame.size != first.size:
                 raise MediaError(
-                    f"frame {i} of the frame list is {frame.width}x{frame.height}, frame 0 is "
-                    f"{decoded[0].width}x{decoded[0].height}: send the frames of a video at one size"
+                    f"frame {i} of the frame list is {frame.width}x{frame.height}, frame 0 is {width}x{height}: "
+                    "send the frames of a video at one size"
                 )
-            decoded.append(frame)
-        height, width = video.smart_resize(len(decoded), decoded[0].height, decoded[0].width, params)
-        with ThreadPoolExecutor(min(len(decoded), available_cpus(), 8)) as pool:
-            resized = np.stack(list(pool.map(lambda f: image.resize(f, height, width, params.resample), decoded)))
-        indices = np.arange(len(decoded))
-        sampled = video.SampledVideo(frames=resized, indices=indices, fps=rate, total_frames=len(decoded))
+            return image.resize(frame, *target, params.resample)
+
+        with ThreadPoolExecutor(min(len(frames), available_cpus(), 8)) as pool:
+            stacked = np.stack(list(pool.map(resized, range(len(frames)))))
+        sampled = video.SampledVideo(frames=stacked, indices=np.arange(len(frames)), fps=rate, total_frames=len(frames))
         return _video_rows(sampled, params, key, limits)
 
     return run() if cache is None else cache.get_or_process(key, run, cancel)
