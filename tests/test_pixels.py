@@ -59,3 +59,14 @@ def test_processed_media_rows_move_as_bytes_and_equal_pixel_values():
     assert torch.equal(item.rows(16, 32, "cpu"), whole[16:32])
     plain = ProcessedMedia("video", whole, (2, 4, 4), cfg.merge_size, "k")  # float rows pass through
     assert torch.equal(plain.rows(16, 32), whole[16:32])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device")
+def test_rows_normalised_on_the_gpu_equal_the_host_bits():
+    cfg = VideoConfig()
+    frames = _frames(6, 2 * cfg.factor, 5 * cfg.factor, seed=7)
+    rows = pixels.patchify(frames, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
+    table = pixels.byte_table(functools.partial(video.rescale_and_normalize, cfg=cfg), 3)
+    item = ProcessedMedia("video", rows, (3, 4, 10), cfg.merge_size, "k", (0.0, 1.0, 2.0), table)
+    on_gpu = item.rows(8, 32, "cuda")
+    assert on_gpu.device.type == "cuda" and torch.equal(on_gpu.cpu(), item.rows(8, 32))
