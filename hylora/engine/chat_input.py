@@ -42,7 +42,7 @@ from hylora.media import (
     process_video,
     shared_pools,
 )
-from hylora.media.cache import DEFAULT_CAPACITY_GB, ProcessedCache
+from hylora.media.cache import ProcessedCache
 from hylora.media.config import layer_overrides
 from hylora.media.fetch import is_frame_list, split_frame_list
 from hylora.media.pools import RequestSlots
@@ -65,7 +65,7 @@ class MediaSettings:
     processor_kwargs: dict[str, Any] = field(default_factory=dict)  # server defaults (--mm-processor-kwargs)
     pools: MediaPools = field(default_factory=shared_pools)
     # preprocessed media by content (--mm-processor-cache-gb); None: every request processes its own
-    cache: ProcessedCache | None = field(default_factory=lambda: ProcessedCache(int(DEFAULT_CAPACITY_GB * 2**30)))
+    cache: ProcessedCache | None = field(default_factory=ProcessedCache.from_gb)
 
     @classmethod
     def for_model(cls, model_dir: Path, vision: VisionConfig, tokenizer, **settings: Any) -> MediaSettings:

@@ -34,6 +34,11 @@ class ProcessedCache:
         self.hits = 0  # served from the cache or from another request's work in progress
         self.misses = 0  # processed here (or tried: a failure counts too)
 
+    @classmethod
+    def from_gb(cls, gb: float = DEFAULT_CAPACITY_GB) -> ProcessedCache | None:
+        """A cache of `gb` GiB of pixel rows; None (no cache) for 0."""
+        return cls(int(gb * 2**30)) if gb > 0 else None
+
     def __len__(self) -> int:
         return len(self._entries)
 

@@ -432,7 +432,7 @@ def media_settings(args: argparse.Namespace, engine: LLMEngine) -> MediaSettings
         limit_per_prompt=limit,
         processor_kwargs=kwargs,
         pools=MediaPools(decode_threads=args.media_decode_threads),
-        cache=ProcessedCache(int(args.mm_processor_cache_gb * 2**30)) if args.mm_processor_cache_gb > 0 else None,
+        cache=ProcessedCache.from_gb(args.mm_processor_cache_gb),
     )
     try:  # checked once here: a bad default would otherwise fail every media request
         for kind in (settings.config.image, settings.config.video):
