@@ -13,6 +13,7 @@ from hylora.kernels import select
 from hylora.ops.gdn_decode.reference import gdn_decode
 from hylora.ops.lora import reference as lora_reference
 from hylora.ops.paged_decode_attention.reference import paged_decode_attention
+from hylora.ops.rotary.reference import rotate_half
 
 GDN = (2, 4, 8, 8, 4, torch.float32, "cpu")  # hk, hv, dk, dv, conv kernel, dtype, device
 ATTN = (4, 2, 16, 4, torch.float32, "cpu")  # heads, kv heads, head_dim, page size
@@ -74,6 +75,7 @@ def test_attention_check():
 
 def test_lora_check():
     tokens = (1, 64, 65, 129)
+
     def reference_all(x, y, stack, batch):
         return lora_reference.lora_apply(x, y, stack.a, stack.b, stack.offsets, batch.token_slots)
 
@@ -92,6 +94,36 @@ def test_lora_check():
 
     assert check.lora_error(*LORA, tokens=tokens, kernel=touches_base_rows) == check.FAILED
     assert check.lora_error(*LORA, tokens=tokens, kernel=drops_slot_1) > 0.05
+
+
+def test_tower_rotary_check():
+    def error(kernel) -> float:
+        return check.tower_rotary_error(2, 12, torch.float32, "cpu", tokens=(1, 3, 20), kernel=kernel)
+
+    assert error(rotate_half) == 0.0
+
+    def leaves_an_element_unwritten(x, cos, sin, out=None):
+        rotate_half(x, cos, sin, out=out)
+        out[-1, -1, -1] = float("nan")
+        return out
+
+    def writes_the_v_heads(x, cos, sin, out=None):
+        rotate_half(x, cos, sin, out=out)
+        if out.data_ptr() == x.data_ptr():  # in place: the first v head follows q and k in the fused qkv
+            v_offset = out.storage_offset() + out.shape[1] * out.stride(1)
+            out.as_strided((out.shape[0], out.shape[2]), (out.stride(0), 1), v_offset).zero_()
+        return out
+
+    def rotates_the_wrong_way(x, cos, sin, out=None):
+        return rotate_half(x, cos, -sin, out=out)
+
+    def new_buffer(x, cos, sin, out=None):
+        return rotate_half(x, cos, sin)
+
+    assert error(leaves_an_element_unwritten) == check.FAILED
+    assert error(writes_the_v_heads) == check.FAILED
+    assert error(new_buffer) == check.FAILED
+    assert error(rotates_the_wrong_way) > 0.05
 
 
 def test_selection_without_cuda_keeps_the_references():

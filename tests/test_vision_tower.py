@@ -7,11 +7,12 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from hylora.config import ConfigError, ModelConfig
 from hylora.model.loader import CheckpointError, load_model
-from hylora.model.vision import VisionLinear, VisionTower
+from hylora.model.vision import VisionAttention, VisionLinear, VisionTower, _segment_runs
 from tests.vl_helpers import IMAGE, VIDEO, VISION_END, VISION_START, pixels
 
 ATOL = 1e-5
@@ -58,6 +59,43 @@ def test_items_in_one_call_equal_each_alone(towers):
     together = run(ours, grids, torch.cat(px))
     assert (together - alone).abs().max().item() <= 1e-6
     assert (together - run(ref, grids, torch.cat(px))).abs().max().item() <= ATOL
+
+
+def gathered_attention(grids):
+    """VisionAttention.forward as it was before runs: the segments grouped by length and gathered
+    by row index (whatever runs it is given)."""
+    starts, offset = {}, 0
+    for t, h, w in grids:
+        for _ in range(t):
+            starts.setdefault(h * w, []).append(offset)
+            offset += h * w
+    segments = [torch.tensor(s)[:, None] + torch.arange(length) for length, s in sorted(starts.items())]
+
+    def forward(self, x, cos, sin, runs, lora=None):
+        n = x.shape[0]
+        q, k, v = self.qkv(x, lora).reshape(n, 3, self.heads, self.head_dim).unbind(1)
+        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
+        out = torch.empty_like(q)
+        for rows in segments:
+            qs, ks, vs = (t[rows].transpose(1, 2) for t in (q, k, v))
+            out[rows] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
+        return self.proj(out.reshape(n, -1), lora)
+
+    return forward
+
+
+def test_runs_of_segments_equal_the_gathered_segments(towers, monkeypatch):
+    """Items of different sizes in one call: runs of equal-length segments break and rejoin; the
+    result equals each item alone and the old per-length gather."""
+    ours, _ = towers
+    grids = [(1, 4, 4), (2, 6, 8), (1, 4, 4), (1, 4, 4), (3, 4, 6), (1, 6, 4)]
+    assert _segment_runs(grids) == [(0, 1, 16), (16, 2, 48), (112, 2, 16), (144, 4, 24)]
+    px = [pixels([g], seed=20 + i) for i, g in enumerate(grids)]
+    together = run(ours, grids, torch.cat(px))
+    alone = torch.cat([run(ours, [g], x) for g, x in zip(grids, px, strict=True)])
+    assert (together - alone).abs().max().item() <= 1e-6
+    monkeypatch.setattr(VisionAttention, "forward", gathered_attention(grids))
+    assert (together - run(ours, grids, torch.cat(px))).abs().max().item() <= 1e-6
 
 
 def test_bf16_tower_follows_transformers_bf16(towers, vl_media_ckpt):

@@ -27,6 +27,7 @@ from hylora.ops.lora.reference import lora_apply_grouped
 from hylora.ops.paged_decode_attention.reference import paged_decode_attention as attention_reference
 from hylora.ops.rmsnorm.reference import gated_rms_norm as gated_reference
 from hylora.ops.rmsnorm.reference import rms_norm as norm_reference
+from hylora.ops.rotary.reference import rotate_half as rotary_reference
 from hylora.ops.silu_mul.reference import silu_mul as silu_mul_reference
 
 DECODE_BATCHES = (1, 2, 3, 31, 32, 33, 64)
@@ -348,6 +349,41 @@ def silu_mul_error(
     for T in tokens:
         gate_up = torch.randn(T, 2 * intermediate, generator=_generator(device, T), device=device).mul(3).to(dtype)
         worst = max(worst, _rel_error(kernel(gate_up), silu_mul_reference(gate_up)))
+    return worst
+
+
+@torch.inference_mode()
+def tower_rotary_error(
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tokens: Sequence[int] = NORM_TOKENS,
+    kernel: Callable[..., torch.Tensor] | None = None,
+) -> float:
+    """The vision tower's rotary on the q and k heads of its fused qkv [T, 3H, d] (a strided view):
+    into a NaN-filled output, and in place, where the v heads (NaN here) must stay as they were."""
+    if kernel is None:
+        from hylora.ops.rotary.triton import rotate_half as kernel
+    worst = 0.0
+    for T in tokens:
+        g = _generator(device, T)
+        qkv = torch.randn(T, 3 * heads, head_dim, generator=g, device=device).mul(3).to(dtype)
+        x = qkv[:, : 2 * heads]
+        half = head_dim // 2
+        inv_freq = 1.0 / 10000.0 ** (torch.arange(half, device=device, dtype=torch.float32) / half)
+        positions = torch.randint(0, 128, (T, half), generator=g, device=device)  # a patch row or column each
+        angles = torch.cat([positions * inv_freq] * 2, dim=-1)  # [T, head_dim] fp32
+        cos, sin = angles.cos(), angles.sin()
+        ref = rotary_reference(x, cos, sin)
+        out = torch.full_like(ref, float("nan"))
+        got = kernel(x, cos, sin, out=out)
+        worst = max(worst, _rel_error(got, ref) if got is out else FAILED)
+        qkv[:, 2 * heads :] = float("nan")
+        ref_qkv, got_qkv = qkv.clone(), qkv.clone()
+        rotary_reference(ref_qkv[:, : 2 * heads], cos, sin, out=ref_qkv[:, : 2 * heads])
+        kernel(got_qkv[:, : 2 * heads], cos, sin, out=got_qkv[:, : 2 * heads])
+        worst = max(worst, _rel_error(got_qkv, ref_qkv))
     return worst
 
 

@@ -1,11 +1,11 @@
 """Choose fast kernels only after they agree with the torch reference on this model's shapes.
 
 Run once at engine start: on CUDA each fast kernel (fla's gated delta rule, hylora's Triton decode,
-LoRA, norm, activation and conv kernels, torch's fused SDPA for prefill attention) runs beside its
-reference on random inputs of the model's sizes at boundary lengths (`checks.py`); a kernel serves
-only if it passed. The verdicts are records (`KernelVerdict`) the engine keeps; the model gets one
-`ModelKernels` naming what passed. fp32 models keep the exact GDN reference unless forced (fla's
-Triton dots run fp32 inputs in TF32, ~1e-3 relative).
+LoRA, norm, activation, conv and vision-tower rotary kernels, torch's fused SDPA for prefill
+attention) runs beside its reference on random inputs of the model's sizes at boundary lengths
+(`checks.py`); a kernel serves only if it passed. The verdicts are records (`KernelVerdict`) the
+engine keeps; the model gets one `ModelKernels` naming what passed. fp32 models keep the exact GDN
+reference unless forced (fla's Triton dots run fp32 inputs in TF32, ~1e-3 relative).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from hylora.ops.gated_delta_rule import fla
 log = logging.getLogger(__name__)
 FAST_KERNELS = (
     "gdn_decode", "paged_decode_attention", "lora", "rms_norm", "silu_mul", "prefill_attention", "causal_conv1d",
-    "gdn_recurrent", "save_conv_states",
+    "gdn_recurrent", "save_conv_states", "tower_rotary",
 )  # fmt: skip
 IMPLEMENTATION = {"prefill_attention": "flash"}  # what a passing kernel is, when not hylora's Triton
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
@@ -98,6 +98,10 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
         from hylora.ops.silu_mul.triton import silu_mul
 
         chosen["silu_mul"] = silu_mul
+    if "tower_rotary" in fast:
+        from hylora.ops.rotary.triton import rotate_half
+
+        chosen["tower_rotary"] = rotate_half
     if "fp8_linear" in fast:
         kernel = "cublas" if verdicts["fp8_linear"].implementation == "cublas+triton" else "triton"
         chosen["fp8_linear"] = importlib.import_module(f"hylora.ops.fp8_linear.{kernel}").fp8_linear
@@ -214,7 +218,12 @@ def select_fast_kernels(
             c.num_attention_heads, c.num_key_value_heads, c.head_dim, page_size, dtype, dev
         ),
     }  # fmt: skip
-    return {name: _verdict(name, run, TOLERANCE[dtype]) for name, run in errors.items()}
+    if model.visual is not None:
+        v = model.visual.config
+        errors["tower_rotary"] = lambda: checks.tower_rotary_error(v.num_heads, v.head_dim, model.visual.dtype, dev)
+    verdicts = {name: _verdict(name, run, TOLERANCE[dtype]) for name, run in errors.items()}
+    verdicts.setdefault("tower_rotary", reference("tower_rotary", "no vision tower"))
+    return verdicts
 
 
 def _verdict(name: str, run: Callable[[], float], tolerance: float) -> KernelVerdict:

@@ -17,6 +17,7 @@ from hylora import ops
 from hylora.ops.causal_conv1d.reference import save_conv_states
 from hylora.ops.fp8_linear.reference import fp8_linear
 from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
+from hylora.ops.rotary.reference import rotate_half
 from hylora.ops.silu_mul.reference import silu_mul
 
 if TYPE_CHECKING:
@@ -43,12 +44,13 @@ class ModelKernels:
     fp8_linear: Kernel = fp8_linear  # the GEMM of FP8 projections (Linear.set_fp8)
     lora_backend: str | None = None  # model.layers.LORA_BACKENDS; None: masked on CUDA, grouped on the CPU
     tower_lora_backend: str | None = None  # the vision tower's linears
+    tower_rotary: Kernel = rotate_half  # the vision tower's rotary on q and k, in place
 
 
 def install(model: HybridDecoder, kernels: ModelKernels) -> None:
     """Give each layer of `model` its kernels from `kernels`."""
     from hylora.model.layers import MLP, GatedRMSNorm, Linear, RMSNorm
-    from hylora.model.vision import VisionLinear
+    from hylora.model.vision import VisionAttention, VisionLinear
 
     mtp_layers = list(model.mtp.layers) if model.mtp is not None else []
     for layer in [*model.layers, *mtp_layers]:
@@ -73,3 +75,5 @@ def install(model: HybridDecoder, kernels: ModelKernels) -> None:
             module.lora_backend, module.fp8_kernel = kernels.lora_backend, kernels.fp8_linear
         elif isinstance(module, VisionLinear):
             module.lora_backend = kernels.tower_lora_backend
+        elif isinstance(module, VisionAttention):
+            module.rotary = kernels.tower_rotary

@@ -21,6 +21,7 @@ from torch import nn
 from hylora.config import VisionConfig
 from hylora.lora import LoRABatch, LoRAStack
 from hylora.model.layers import _param, add_lora
+from hylora.ops.rotary.reference import rotate_half
 
 
 class VisionLinear(nn.Module):
@@ -79,23 +80,29 @@ class VisionAttention(nn.Module):
         self.heads, self.head_dim = c.num_heads, c.head_dim
         self.qkv = VisionLinear(c.hidden_size, 3 * c.hidden_size)
         self.proj = VisionLinear(c.hidden_size, c.hidden_size)
+        self.rotary = rotate_half  # ops.rotary (set by the kernel floor): q and k rotated in place
 
     def forward(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        segments: list[torch.Tensor],
+        runs: list[tuple[int, int, int]],
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x, lora).reshape(n, 3, self.heads, self.head_dim).unbind(1)  # [n, H, d] each
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = torch.empty_like(q)
-        for rows in segments:  # [B, L]: B segments of one length, attended in one batched call
-            qs, ks, vs = (t[rows].transpose(1, 2) for t in (q, k, v))  # [B, H, L, d]
-            out[rows] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
-        return self.proj(out.reshape(n, -1), lora)
+        n, H, d = x.shape[0], self.heads, self.head_dim
+        qkv = self.qkv(x, lora).view(n, 3 * H, d)
+        self.rotary(qkv[:, : 2 * H], cos, sin, out=qkv[:, : 2 * H])
+        q, k, v = qkv.view(n, 3, H, d).unbind(1)  # [n, H, d] views each
+        if len(runs) == 1 and runs[0][1] * runs[0][2] == n:
+            _, B, L = runs[0]
+            o = F.scaled_dot_product_attention(*(_run_view(t, 0, B, L) for t in (q, k, v)))  # [B, H, L, d]
+            return self.proj(o.transpose(1, 2).reshape(n, H * d), lora)
+        out = torch.empty(n, H, d, dtype=qkv.dtype, device=qkv.device)
+        for start, B, L in runs:  # B consecutive segments of length L, attended in one batched call
+            o = F.scaled_dot_product_attention(*(_run_view(t, start, B, L) for t in (q, k, v)))
+            out[start : start + B * L].view(B, L, H, d).copy_(o.transpose(1, 2))
+        return self.proj(out.view(n, H * d), lora)
 
 
 class VisionMLP(nn.Module):
@@ -122,10 +129,10 @@ class VisionBlock(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        segments: list[torch.Tensor],
+        runs: list[tuple[int, int, int]],
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, segments, lora)
+        x = x + self.attn(self.norm1(x), cos, sin, runs, lora)
         return x + self.mlp(self.norm2(x), lora)
 
 
@@ -182,9 +189,9 @@ class VisionTower(nn.Module):
         freqs = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], dim=-1)
         emb = torch.cat([freqs, freqs], dim=-1)  # [N, head_dim] fp32: cos/sin laid out [h, w, h, w]
         cos, sin = emb.cos(), emb.sin()
-        segments = _segments(grids, device)
+        runs = _segment_runs(grids)
         for block in self.blocks:
-            x = block(x, cos, sin, segments, patch_lora)
+            x = block(x, cos, sin, runs, patch_lora)
         return self.merger(x, merged_lora)
 
     def _interpolated_positions(self, rows: torch.Tensor, cols: torch.Tensor, grids: list) -> torch.Tensor:
@@ -227,12 +234,9 @@ def _lora_batches(
     )
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """2D axial rotary over the whole head, in fp32. x [n, H, d], cos/sin [n, d]."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+def _run_view(t: torch.Tensor, start: int, B: int, L: int) -> torch.Tensor:
+    """Rows [start, start + B*L) of t [n, H, d] as B segments of L rows: a [B, H, L, d] view, no copy."""
+    return t[start : start + B * L].view(B, L, *t.shape[1:]).transpose(1, 2)
 
 
 def _bilinear_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,15 +261,20 @@ def _patch_coordinates(grids: list[tuple[int, int, int]], merge: int) -> tuple[t
     return torch.cat(rows), torch.cat(cols)
 
 
-def _segments(grids: list[tuple[int, int, int]], device: torch.device) -> list[torch.Tensor]:
-    """Attention segments (one per temporal patch) grouped by length: a [B, L] row-index tensor each."""
-    starts: dict[int, list[int]] = {}
+def _segment_runs(grids: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """The attention segments (one per temporal patch of every item) in row order, as maximal runs of
+    consecutive segments of one length: (start row, segments B, length L) each."""
+    runs: list[tuple[int, int, int]] = []
     offset = 0
     for t, h, w in grids:
         for _ in range(t):
-            starts.setdefault(h * w, []).append(offset)
+            if runs and runs[-1][2] == h * w:
+                start, count, length = runs[-1]
+                runs[-1] = (start, count + 1, length)
+            else:
+                runs.append((offset, 1, h * w))
             offset += h * w
-    return [(torch.tensor(s)[:, None] + torch.arange(length)).to(device) for length, s in sorted(starts.items())]
+    return runs
 
 
 def _check_grids(grids: list[tuple[int, int, int]], pixels: torch.Tensor, c: VisionConfig) -> None:

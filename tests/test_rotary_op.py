@@ -1,0 +1,129 @@
+"""ops.rotary: the vision tower's rotate-half rotary. The Triton kernel (run on the CPU by Triton's
+interpreter) equals the torch reference bit for bit, on the tower's strided q/k view of its fused
+qkv, in place and into a NaN-filled buffer; the reference equals transformers' Qwen3-VL formula."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (the CPU has no Triton backend)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
+
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+from hylora.ops.rotary import reference  # noqa: E402
+from hylora.ops.rotary import triton as kernel  # noqa: E402
+from tests.decode_helpers import same_bits  # noqa: E402
+
+NAN = float("nan")
+
+
+@pytest.fixture
+def rtne_bf16(monkeypatch):
+    """Triton's interpreter rounds fp32 → bf16 toward zero, the GPU (and torch) to nearest even:
+    make the interpreter round as the GPU does, so bf16 results can be compared bit for bit."""
+    cast = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_rtne(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
+            return interpreter.TensorHandle(bits.numpy().view(np.uint16), dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_rtne)
+
+
+def inputs(tokens: int, heads: int, head_dim: int, dtype: torch.dtype, seed: int):
+    """A fused qkv [T, 3H, d] and fp32 cos/sin [T, d] as the tower builds them (angles repeated over
+    the two halves)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(tokens, 3 * heads, head_dim, generator=g) * 3).to(dtype)
+    angles = torch.randint(0, 64, (tokens, head_dim // 2), generator=g) * torch.rand(head_dim // 2, generator=g)
+    angles = torch.cat([angles, angles], dim=-1)
+    return qkv, angles.cos(), angles.sin()
+
+
+def old_formula(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The tower's rotary before ops.rotary (transformers' `apply_rotary_pos_emb_vision` on one tensor)."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+@pytest.mark.parametrize("head_dim", [72, 64, 8, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernel_equals_reference_bit_for_bit(rtne_bf16, dtype, head_dim, heads):
+    """Token counts straddle a program's rows (with 2H heads a token); the q/k heads are the strided
+    [:, :2H] view of the fused qkv."""
+    per_program = kernel.block_rows_for(head_dim) // (2 * heads)
+    for tokens in sorted({1, per_program - 1, per_program, per_program + 1, 300} - {0}):
+        qkv, cos, sin = inputs(tokens, heads, head_dim, dtype, seed=tokens + head_dim)
+        x = qkv[:, : 2 * heads]
+        want = reference.rotate_half(x, cos, sin)
+
+        out = torch.full_like(want, NAN)
+        got = kernel.rotate_half(x, cos, sin, out=out)
+        assert got is out and same_bits(got, want), tokens
+        assert same_bits(kernel.rotate_half(x, cos, sin), want), tokens  # a buffer of its own
+
+        ref_qkv, got_qkv = qkv.clone(), qkv.clone()
+        reference.rotate_half(ref_qkv[:, : 2 * heads], cos, sin, out=ref_qkv[:, : 2 * heads])
+        kernel.rotate_half(got_qkv[:, : 2 * heads], cos, sin, out=got_qkv[:, : 2 * heads])
+        assert same_bits(got_qkv[:, : 2 * heads], want), tokens
+        assert same_bits(ref_qkv, got_qkv), tokens
+        assert same_bits(got_qkv[:, 2 * heads :], qkv[:, 2 * heads :]), tokens  # the v heads untouched
+
+
+def test_kernel_with_no_tokens():
+    qkv, cos, sin = inputs(0, 2, 72, torch.float32, seed=0)
+    assert kernel.rotate_half(qkv[:, :4], cos, sin).shape == (0, 4, 72)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reference_is_the_transformers_formula(dtype):
+    qkv, cos, sin = inputs(50, 4, 72, dtype, seed=1)
+    q, k = qkv[:, :4], qkv[:, 4:8]
+    want_q, want_k = old_formula(q, cos, sin), old_formula(k, cos, sin)
+    try:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision
+    except ImportError:
+        pass
+    else:
+        want_q, want_k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+        assert same_bits(want_q, old_formula(q, cos, sin)) and same_bits(want_k, old_formula(k, cos, sin))
+    assert same_bits(reference.rotate_half(q, cos, sin), want_q)
+    assert same_bits(reference.rotate_half(k, cos, sin), want_k)
+    out = torch.full_like(want_q, NAN)
+    assert reference.rotate_half(q, cos, sin, out=out) is out and same_bits(out, want_q)
+    in_place = qkv.clone()
+    reference.rotate_half(in_place[:, :4], cos, sin, out=in_place[:, :4])
+    assert same_bits(in_place[:, :4], want_q) and same_bits(in_place[:, 4:], qkv[:, 4:])
+
+
+def test_kernel_floor_gives_the_tower_the_kernel(vl_media_ckpt):
+    """A passing tower_rotary verdict installs the Triton kernel on every tower attention; the tower
+    output stays bit for bit (fp32); the default kernels put the reference back."""
+    from hylora.kernels import model_kernels
+    from hylora.kernels.select import fast_verdicts
+    from hylora.model.kernels import ModelKernels
+    from hylora.model.loader import load_model
+    from tests.vl_helpers import pixels
+
+    model = load_model(vl_media_ckpt[0], progress=False, vision=True)
+    grids = torch.tensor([(1, 4, 4), (2, 6, 8), (1, 4, 4)])
+    px = pixels(grids.tolist(), seed=3)
+    with torch.no_grad():
+        want = model.visual(px, grids)
+        model.use_kernels(model_kernels(fast_verdicts(["tower_rotary"])))
+        assert all(b.attn.rotary is kernel.rotate_half for b in model.visual.blocks)
+        assert same_bits(model.visual(px, grids), want)
+    model.use_kernels(ModelKernels())
+    assert all(b.attn.rotary is reference.rotate_half for b in model.visual.blocks)
