@@ -122,7 +122,7 @@ DEMO_ADAPTERS = {
     ),
 }
 SEED = 1234
-DEMO_VERSION = "5"  # bump when the demo changes: an older demo in the cache is rewritten
+DEMO_VERSION = "6"  # bump when the demo changes: an older demo in the cache is rewritten
 
 
 @dataclass(frozen=True)
@@ -321,6 +321,7 @@ def _text_config(s: DemoShape, vocab_size: int, eos: int) -> dict:
         "linear_key_head_dim": s.linear_key_head_dim,
         "linear_value_head_dim": s.linear_value_head_dim,
         "linear_conv_kernel_dim": 4,
+        "mamba_ssm_dtype": "float32",  # as Qwen's releases: the GDN state's dtype (hylora's is always fp32)
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 32768,
