@@ -331,8 +331,9 @@ RECIPE = (
     "--tool-call-parser qwen3_coder --enable-prefix-caching --speculative-config "
     '\'{"method": "mtp", "num_speculative_tokens": 2}\' --default-chat-template-kwargs \'{"enable_thinking": false}\' '
     "--disable-log-stats --enable-log-requests --max-logprobs 5 --block-size 32 --enable-chunked-prefill "
-    "--kv-cache-dtype auto --allowed-origins '[\"http://dash.example\"]' --dtype half --limit-mm-per-prompt "
-    "image=2,video=1 --max-model-len 512"
+    "--kv-cache-dtype auto --mamba-ssm-cache-dtype float32 --mamba-cache-mode align "
+    "--allowed-origins '[\"http://dash.example\"]' --dtype half --limit-mm-per-prompt image=2,video=1 "
+    "--max-model-len 512"
 )
 
 
@@ -344,6 +345,7 @@ def test_the_qwen_recipe_launch_line_runs_unchanged(demo_dir, demo_cache_dir, tm
     with running_server([*args, "--device", "cpu"], demo_cache_dir, tmp_path / "log") as s:
         log = s.log_path.read_text()
         assert "--disable-log-stats: accepted, no effect" in log  # accepted flags that change nothing say so
+        assert "--mamba-cache-mode / --mamba-block-size: accepted, no effect" in log
         cards = httpx.get(f"{s.url}/v1/models", timeout=30).json()["data"]
         assert [c["id"] for c in cards][:2] == ["qwen3.6", "qwen"]  # every served name, the first reported
         card = httpx.get(f"{s.url}/v1/models/qwen", timeout=30).json()
@@ -398,6 +400,8 @@ def test_launch_flag_spellings_and_refusals(demo_dir, tmp_path):
         normalised("--demo", "--default-chat-template-kwargs", '{"chat_template": "x"}')
     with pytest.raises(SystemExit):
         parser.parse_args(["--demo", "--kv-cache-dtype", "fp8"])  # only auto
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--demo", "--mamba-ssm-cache-dtype", "bfloat16"])  # the GDN state is float32
 
 
 def test_batched_and_echo_completions(client):

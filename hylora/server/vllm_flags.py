@@ -76,6 +76,25 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
         help="accepted; hylora always chunks long prompts (--max-num-batched-tokens per step)",
     )
     v.add_argument("--kv-cache-dtype", default="auto", choices=["auto"], help="auto only (the model's dtype)")
+    v.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        choices=["auto", "float32"],
+        help="the GDN recurrent state's dtype: always float32 in hylora (what Qwen's configs ask for)",
+    )
+    v.add_argument(
+        "--mamba-cache-dtype",
+        default="auto",
+        choices=["auto"],
+        help="auto only: the GDN conv state in the model's dtype, the recurrent state in float32",
+    )
+    v.add_argument(
+        "--mamba-cache-mode",
+        choices=["none", "all", "align"],
+        default=None,
+        help="accepted; hylora's prefix cache keeps GDN state snapshots its own way (--prefix-cache-states)",
+    )
+    v.add_argument("--mamba-block-size", type=int, default=None, help="accepted, no effect (see --mamba-cache-mode)")
     v.add_argument("--allowed-origins", type=json.loads, default=None, metavar="JSON", help='CORS, e.g. \'["*"]\'')
     v.add_argument("--allowed-methods", type=json.loads, default=None, metavar="JSON", help="CORS methods")
     v.add_argument("--allowed-headers", type=json.loads, default=None, metavar="JSON", help="CORS headers")
@@ -140,6 +159,11 @@ def inactive_flags(args: argparse.Namespace) -> list[str]:
         notes.append("--no-enable-chunked-prefill: accepted, but hylora always chunks long prompts")
     if args.disable_log_stats:
         notes.append("--disable-log-stats: accepted, no effect (hylora logs no periodic stats)")
+    if args.mamba_cache_mode is not None or args.mamba_block_size is not None:
+        notes.append(
+            "--mamba-cache-mode / --mamba-block-size: accepted, no effect (hylora's prefix cache snapshots GDN "
+            "states its own way: --prefix-cache-states)"
+        )
     return notes
 
 
