@@ -375,6 +375,7 @@ def checkpoint_summary(ckpt: Path) -> dict[str, Any]:
         "gdn_layers": kinds.count("linear_attention"),
         "attention_layers": kinds.count("full_attention"),
         "vocab_size": text["vocab_size"],
+        "mamba_ssm_dtype": text.get("mamba_ssm_dtype"),  # vLLM's GDN state dtype (None: the model's)
         "gb_on_disk": round(sum(f.stat().st_size for f in ckpt.glob("*.safetensors")) / 1e9, 2),
     }
 
@@ -486,7 +487,9 @@ def run_vllm(work: Work, kwargs: dict[str, Any], repeats: int, record: Record) -
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     record.update(startup_s=time.perf_counter() - t0, card=card("cuda"))
-    log(f"vLLM engine up in {record.data['startup_s']:.0f}s")
+    with contextlib.suppress(Exception):  # the GDN state dtype vLLM chose (Qwen's configs: float32)
+        record.update(gdn_state_dtype=str(llm.llm_engine.vllm_config.cache_config.mamba_ssm_cache_dtype))
+    log(f"vLLM engine up in {record.data['startup_s']:.0f}s, GDN state {record.data.get('gdn_state_dtype', '?')}")
     loras = {name: LoRARequest(name, i + 1, str(work.adapters / name)) for i, name in enumerate(adapter_names())}
     prompts = workload_prompts()
     vllm_warm_up(llm, prompts, list(loras.values()))
@@ -795,11 +798,14 @@ def table_md(records: dict[tuple[str, str, int], dict[str, Any]]) -> str:
 
 
 def engine_note(r: dict[str, Any]) -> str:
-    """hylora: what its weights were served as; vLLM: its attention backend, and whether FA3 loaded."""
+    """hylora: what its weights were served as (its GDN state is always fp32); vLLM: its attention
+    backend, whether FA3 loaded, and its GDN state dtype."""
     if r["engine"] == "hylora":
-        return f"served as {r.get('served_as', '?')}"
+        return f"served as {r.get('served_as', '?')}, GDN state float32"
     fa3 = {True: "loadable", False: "not loadable"}.get(r.get("fa3_available"), "?")
-    return f"attention {r.get('settings', {}).get('attention_backend', 'auto')}, FA3 {fa3}"
+    state = r.get("gdn_state_dtype") or (r.get("checkpoint") or {}).get("mamba_ssm_dtype")
+    state = state or "of the model's dtype (the config has no mamba_ssm_dtype)"
+    return f"attention {r.get('settings', {}).get('attention_backend', 'auto')}, FA3 {fa3}, GDN state {state}"
 
 
 def phase_table(args: argparse.Namespace) -> None:
