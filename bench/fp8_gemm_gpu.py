@@ -4,9 +4,10 @@ For each weight shape N x K and token count M, bf16 x: the max error of the Trit
 out) against the torch reference's fp32 result (max |y - ref| / max |ref|), the median GPU time of
 one call (20 calls captured in one CUDA graph, so the launch path is not timed and capture is
 exercised), bf16 F.linear at the same shape, their ratio, the weight stream in GB/s for M ≤ 32 (N·K
-fp8 bytes plus the fp32 scales, over the fp8 time), and torch._scaled_mm with 1x128 / 128x128 block
+fp8 bytes plus the fp32 scales, over the fp8 time), torch._scaled_mm with 1x128 / 128x128 block
 scales where this torch has them (timed with the Triton activation quantisation in front; "n/a"
-otherwise). Exits 1 when an error is NaN or above BOUND.
+otherwise), and the weight-only GEMM (`fp8_weight_only_linear`, x unquantised) with its error against
+its own reference. Exits 1 when an error is NaN or above BOUND.
 
     python bench/fp8_gemm_gpu.py [--quick] [--sweep]
 
@@ -89,7 +90,7 @@ def scaled_mm_fn(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, re
 
 def run_table(shapes: list[str], tokens: tuple[int, ...]) -> bool:
     print(f"{'shape':<12} {'N':>6} {'K':>6} {'M':>5} {'err':>9} {'fp8 us':>9} {'bf16 us':>9} {'bf16/fp8':>8} "
-          f"{'GB/s':>6} {'scaled_mm us':>12}")  # fmt: skip
+          f"{'GB/s':>6} {'scaled_mm us':>12} {'w-only us':>9} {'w-only err':>10}")  # fmt: skip
     ok = True
     for name in shapes:
         N, K = SHAPES[name]
@@ -107,11 +108,18 @@ def run_table(shapes: list[str], tokens: tuple[int, ...]) -> bool:
             t_bf16 = bench(lambda: F.linear(x, w_bf16), calls)  # noqa: B023
             smm = scaled_mm_fn(x, w_fp8, w_scale, ref)
             t_smm = f"{bench(smm, calls) * 1e3:12.1f}" if smm else f"{'n/a':>12}"
+            # weight-only: x unquantised, the weights converted in the GEMM (--fp8-activations none)
+            err_wo = max_error(
+                T.fp8_weight_only_linear(x, w_fp8, w_scale), R.fp8_weight_only_linear(x.float(), w_fp8, w_scale)
+            )
+            ok &= err_wo <= BOUND
+            t_wo = bench(lambda: T.fp8_weight_only_linear(x, w_fp8, w_scale, out=out), calls)  # noqa: B023
             weight_bytes = N * K + w_scale.numel() * 4
             gbs = f"{weight_bytes / (t_fp8 * 1e-3) / 1e9:6.0f}" if M <= 32 else f"{'':>6}"
-            flag = "" if err <= BOUND else "  <-- ERROR"
+            flag = "" if err <= BOUND and err_wo <= BOUND else "  <-- ERROR"
             print(f"{name:<12} {N:>6} {K:>6} {M:>5} {err:9.2e} {t_fp8 * 1e3:9.1f} {t_bf16 * 1e3:9.1f} "
-                  f"{t_bf16 / t_fp8:8.2f} {gbs} {t_smm}{flag}", flush=True)  # fmt: skip
+                  f"{t_bf16 / t_fp8:8.2f} {gbs} {t_smm} {t_wo * 1e3:9.1f} {err_wo:10.2e}{flag}",
+                  flush=True)  # fmt: skip
         torch.cuda.empty_cache()
     for key, note in SCALED_MM_NOTES.items():
         print(f"torch._scaled_mm {key}: {note}")

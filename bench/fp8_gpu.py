@@ -2,7 +2,8 @@
 
 `fidelity`: the demo checkpoint written as FP8 (`hylora quantize`) and served on CUDA in bf16 with
 FP8 GEMMs and each task adapter dynamically, against the fp32 reference of the dequantised base with
-the adapter merged (CPU, the exact path tests/test_fp8.py proves); beside it the bf16 dynamic path of
+the adapter merged (CPU, the exact path tests/test_fp8.py proves), with activations quantised (the
+checkpoint's scheme) and unquantised (`--fp8-activations none`); beside it the bf16 dynamic path of
 the unquantised model against its own fp32 merged reference (the precision yardstick), and the
 merged-then-requantised FP8 checkpoint (what `merge` into FP8 would give). Mean and max |Δ logprob|
 over the prompt, every adapter. Also a 32k-token prompt through the FP8 engine with an adapter (27B
@@ -17,6 +18,7 @@ quantised in memory exactly as an FP8 checkpoint loads), 8 random rank-16 adapte
     python bench/fp8_gpu.py fidelity --out fid.json
     python bench/fp8_gpu.py speed --weights bf16 --out bf16.json
     python bench/fp8_gpu.py speed --weights fp8 --out fp8.json
+    python bench/fp8_gpu.py speed --weights fp8 --fp8-activations none --out w8.json   # weight-only
     python bench/fp8_gpu.py compare bf16.json fp8.json
 """
 
@@ -40,7 +42,7 @@ from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import DEMO_ADAPTERS, write_demo, write_tokenizer  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from hylora.engine.decode_batch import DecodeRow  # noqa: E402
-from hylora.kernels import as_text  # noqa: E402
+from hylora.kernels import KernelsConfig, as_text  # noqa: E402
 from hylora.model.fp8 import quantize_checkpoint, quantize_linears  # noqa: E402
 
 FIDELITY_PROMPT = 1500
@@ -73,6 +75,8 @@ def fidelity(args) -> dict:
     ref_config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=1, max_model_len=FIDELITY_PROMPT + 8)
     gpu = dict(dtype="bfloat16", max_num_seqs=2, max_model_len=FIDELITY_PROMPT + 8, num_pages=256)
     served_fp8 = LLMEngine(fp8, EngineConfig(**gpu), lora_modules=lora, progress=False)
+    weight_only = KernelsConfig(fp8_activations="none")
+    served_w8 = LLMEngine(fp8, EngineConfig(**gpu, kernels=weight_only), lora_modules=lora, progress=False)
     served_bf16 = LLMEngine(demo, EngineConfig(**gpu), lora_modules=lora, progress=False)
     print(f"fp8 engine: {served_fp8.quantization}, kernels {as_text(served_fp8.kernels)}", flush=True)
     rows = []
@@ -88,6 +92,9 @@ def fidelity(args) -> dict:
         row = {
             "target": name or "base",
             "fp8 dynamic vs dequantised+merged fp32": gap(prompt_logprobs(served_fp8, ids, name), refs["fp8"]),
+            "fp8 weight-only dynamic vs dequantised+merged fp32": gap(
+                prompt_logprobs(served_w8, ids, name), refs["fp8"]
+            ),
             "bf16 dynamic vs merged fp32": gap(prompt_logprobs(served_bf16, ids, name), refs["bf16"]),
         }
         if name is not None:  # merged into the FP8 base and requantised: the delta rounded block by block
@@ -99,7 +106,7 @@ def fidelity(args) -> dict:
             del requant_engine
         rows.append(row)
         print(json.dumps(row), flush=True)
-    del served_fp8, served_bf16
+    del served_fp8, served_w8, served_bf16
     torch.cuda.empty_cache()
     return {"fidelity": rows, "long_prompt": long_prompt_finite(args.layers, work)}
 
@@ -188,8 +195,13 @@ def speed(args) -> dict:
     engine = LLMEngine(
         tok,
         EngineConfig(
-            max_model_len=9000, max_num_seqs=32, max_num_batched_tokens=8192, max_loras=8, max_lora_rank=16,
+            max_model_len=9000,
+            max_num_seqs=32,
+            max_num_batched_tokens=8192,
+            max_loras=8,
+            max_lora_rank=16,
             enable_prefix_caching=False,  # the workload runs the same prompts at each step size
+            kernels=KernelsConfig(fp8_activations=args.fp8_activations),
         ),  # fmt: skip
         adapters,
         progress=False,
@@ -198,6 +210,7 @@ def speed(args) -> dict:
     result = {
         "card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "layers": args.layers,
         "weights": args.weights, "served_as": engine.quantization or "bf16", "weight_gb": floor_bytes / 1e9,
+        "fp8_activations": args.fp8_activations,
         "engine_setup_s": time.perf_counter() - t0, "kernels": as_text(engine.kernels),
     }  # fmt: skip
     print(json.dumps({k: v for k, v in result.items() if k != "kernels"}), flush=True)
@@ -240,6 +253,7 @@ def main() -> None:
     ap.add_argument("files", nargs="*")
     ap.add_argument("--weights", choices=["bf16", "fp8"], default="fp8")
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--fp8-activations", choices=["dynamic", "none"], default="dynamic", help="speed: FP8 GEMM inputs")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.part == "compare":

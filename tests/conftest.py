@@ -148,3 +148,33 @@ def demo_cache_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_dir(demo_cache_dir):
     return demo_cache_dir / "demo"
+
+
+@pytest.fixture
+def gpu_bf16(monkeypatch):
+    """Triton's interpreter rounds fp32 → bf16 toward zero and multiplies bf16 tiles as raw
+    integers; the GPU rounds to nearest even and multiplies the values. Make the interpreter do
+    what the GPU does, so that the bf16 paths (casts, dots on 16-bit inputs) can be checked."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    cast, dot = builder.cast_impl, builder.create_dot
+
+    def values(h):
+        return (h.data.astype(np.uint32) << 16).view(np.float32) if h.dtype.scalar == tl.bfloat16 else h.data
+
+    def cast_rtne(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
+            return interpreter.TensorHandle(bits.numpy().view(np.uint16), dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    def dot_values(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
+            return interpreter.TensorHandle(np.matmul(values(a), values(b)) + d.data, d.dtype.scalar)
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(builder, "cast_impl", cast_rtne)
+    monkeypatch.setattr(builder, "create_dot", dot_values)

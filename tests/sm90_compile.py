@@ -21,7 +21,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime import jit
 
-TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32", torch.int64: "i64"}
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32", torch.int64: "i64",
+         torch.float8_e4m3fn: "fp8e4nv"}  # fmt: skip
 
 
 def capture_launches(calls) -> list[tuple[jit.JITFunction, tuple, dict]]:
@@ -81,11 +82,13 @@ def compile_sm90(fn: jit.JITFunction, args: tuple, kwargs: dict) -> dict:
 
 def launches_27b() -> None:
     from hylora.ops.causal_conv1d import triton as conv
+    from hylora.ops.fp8_linear import triton as fp8
     from hylora.ops.gated_delta_rule import triton as recurrent
     from hylora.ops.gdn_decode import triton as gdn
     from hylora.ops.lora import triton as lora
     from hylora.ops.paged_decode_attention import triton as attention
     from hylora.ops.rmsnorm import triton as rmsnorm
+    from hylora.ops.rotary import triton as rotary
 
     dt, N = torch.bfloat16, 4
 
@@ -114,6 +117,12 @@ def launches_27b() -> None:
     recurrent.recurrent_by_slot(e(N, hk, dk), e(N, hk, dk), e(N, hv, dv), ba[:, :hv], ba[:, hv:],
                                 e(hv, dtype=torch.float32), e(hv), e(S, hv, dk, dv, dtype=torch.float32), slots,
                                 [1] * N, dk**-0.5)  # fmt: skip
+    w8, w8_scale = e(5120, 17408, dtype=torch.float8_e4m3fn), e(40, 136, dtype=torch.float32)  # down_proj, FP8
+    for T in (1, 32, 2048):  # the decode, 32-token and prefill configurations
+        fp8.fp8_linear(e(T, 17408), w8, w8_scale)  # quantisation, GEMM (+ the split-K sum below 2048)
+        fp8.fp8_weight_only_linear(e(T, 17408), w8, w8_scale)  # GEMM (+ sum)
+    qkv = e(N, 48, 72)  # the tower's fused qkv: 16 heads of 72
+    rotary.rotate_half(qkv[:, :32], e(N, 72, dtype=torch.float32), e(N, 72, dtype=torch.float32), out=qkv[:, :32])
 
 
 if __name__ == "__main__":

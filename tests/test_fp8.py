@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from hylora.adapters.merge import merge_adapter
 from hylora.config import ConfigError, ModelConfig
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams
-from hylora.kernels import select_kernels
+from hylora.kernels import KernelsConfig, select_kernels
 from hylora.model.fp8 import quantize_checkpoint
 from hylora.model.layers import Linear
 from hylora.model.loader import CheckpointError, load_model
@@ -149,6 +149,30 @@ def test_dynamic_lora_on_fp8_matches_the_dequantised_merged_model(fp8_ckpts, fp8
     gap = sum(abs(a - b) for a, b in zip(served, merged, strict=True)) / len(merged)
     effect = sum(abs(a - b) for a, b in zip(base, merged, strict=True)) / len(merged)
     assert gap < effect / 3  # the adapter is served, not dropped: its effect dwarfs the FP8 error
+
+
+def test_weight_only_fp8_serves_the_dequantised_merged_model(fp8_ckpts, fp8_adapter, tmp_path):
+    """--fp8-activations none: FP8 weights in memory, activations unquantised. The base model gives the
+    dequantised model's logprobs and dynamic LoRA the dequantised merged model's, both to fp32
+    summation order (the dynamic path's FP8 error was activation rounding alone)."""
+    _, dst, _ = fp8_ckpts["unaligned"]
+    merged_dir = merge_adapter(dst, fp8_adapter, tmp_path / "merged", progress=False)
+    prompt = random_ids(70, 320, 5)
+    common = dict(device="cpu", dtype="float32", max_lora_rank=8, max_num_seqs=2)
+    merged = _prompt_logprobs(LLMEngine(merged_dir, EngineConfig(**common), progress=False), prompt, None)
+    plain = LLMEngine(dst, EngineConfig(quantization="dequantized", **common), progress=False)
+    dequantised = _prompt_logprobs(plain, prompt, None)
+    weight_only = LLMEngine(
+        dst,
+        EngineConfig(quantization="fp8", kernels=KernelsConfig(fp8_activations="none"), **common),
+        lora_modules={"all": fp8_adapter},
+        progress=False,
+    )
+    assert weight_only.quantization == "fp8"
+    assert any(isinstance(m, Linear) and m.is_fp8 for m in weight_only.model.modules())  # FP8 rows kept
+    assert max(abs(a - b) for a, b in zip(_prompt_logprobs(weight_only, prompt, None), dequantised, strict=True)) < 1e-4
+    served = _prompt_logprobs(weight_only, prompt, "all")
+    assert max(abs(a - b) for a, b in zip(served, merged, strict=True)) < 1e-4
 
 
 def test_fp8_checkpoint_without_fp8_hardware_is_dequantised(fp8_ckpts):

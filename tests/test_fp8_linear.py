@@ -269,6 +269,46 @@ def test_fp8_linear_bf16_inputs():
         assert (diff <= 2.0**-7 * ref.float().abs() + GEMM_RTOL * ref.float().abs().amax()).all()
 
 
+# --- weight-only: the activations as they are, the weights' exact values ------------------------------
+
+
+def test_weight_only_reference_is_the_dequantised_weights_and_differs_by_activation_rounding():
+    x, w_fp8, w_scale, block = gemm_inputs(17, 129, 384, 1, seed=11)
+    got = R.fp8_weight_only_linear(x, w_fp8, w_scale, block)
+    torch.testing.assert_close(got, x @ R.dequantize_weight(w_fp8, w_scale, block).T, rtol=1e-6, atol=1e-6)
+    quantised = R.fp8_linear(x, w_fp8, w_scale, block)  # the same weights on e4m3-rounded inputs
+    rel = ((quantised - got).abs().amax() / got.abs().amax()).item()
+    assert 1e-4 < rel < E4M3 * 4  # activation rounding shows, within e4m3's bound
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c != "fused-noswap"], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_weight_only_linear_equals_reference(case, config, monkeypatch):
+    """Every tile configuration, sizes straddling every tile, scale block and K group, split K: the
+    NaN-filled output fully written with x · dequantise(W)ᵀ."""
+    monkeypatch.setattr(T, "MIN_GROUPS_PER_SPLIT", 1)
+    M, N, K, bn = case
+    x, w_fp8, w_scale, block = gemm_inputs(M, N, K, bn, seed=M * N + K + 1)
+    out = torch.full((M, N), float("nan"), device=DEVICE)
+    cfg = CONFIGS[config]
+    got = T.fp8_weight_only_linear(x.to(DEVICE), w_fp8.to(DEVICE), w_scale.to(DEVICE), block, out=out, config=cfg)
+    assert got is out
+    assert_close_to_reference(got.cpu(), R.fp8_weight_only_linear(x, w_fp8, w_scale, block), GEMM_RTOL)
+
+
+def test_weight_only_ignores_fuse_quant_and_takes_bf16_and_strided_inputs(gpu_bf16):
+    x, w_fp8, w_scale, block = gemm_inputs(6, 129, 257, 128, seed=13, dtype=torch.bfloat16)
+    ref = R.fp8_weight_only_linear(x, w_fp8, w_scale, block)
+    wide = torch.zeros(6, 300, dtype=torch.bfloat16)
+    wide[:, :257] = x  # rows with a stride past K
+    w_fp8, w_scale = w_fp8.to(DEVICE), w_scale.to(DEVICE)
+    for config in (T.DECODE, T.MEDIUM, CONFIGS["fused-noswap"]):
+        got = T.fp8_weight_only_linear(wide[:, :257].to(DEVICE), w_fp8, w_scale, block, config=config).cpu()
+        assert got.dtype == torch.bfloat16
+        diff = (got.float() - ref.float()).abs()
+        assert (diff <= 2.0**-7 * ref.float().abs() + GEMM_RTOL * ref.float().abs().amax()).all()
+
+
 # --- CUDA only -----------------------------------------------------------------------------------------
 
 
@@ -302,6 +342,22 @@ def test_cuda_reference_equals_the_cpu_reference():
     w = torch.randn(384, 640, device="cuda") * 0.02
     for got, ref in zip(R.quantize_weight(w), R.quantize_weight(w.cpu()), strict=True):
         assert torch.equal(bits(got.cpu()), bits(ref))
+
+
+@cuda_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 32, 128, 512])
+def test_cuda_weight_only_bf16_27b_shapes(tokens):
+    """The weight-only GEMM in bf16 on the tensor cores: within half a bf16 ulp of the fp32 dequantised
+    product, plus fp32 summation order."""
+    torch.manual_seed(tokens)
+    N, K = 1152, 17408
+    w_fp8, w_scale = (t.cuda() for t in R.quantize_weight(torch.randn(N, K) * 0.02))
+    x = torch.randn(tokens, K, device="cuda").bfloat16()
+    got = T.fp8_weight_only_linear(x, w_fp8, w_scale)
+    ref = R.fp8_weight_only_linear(x.float(), w_fp8, w_scale)
+    diff = (got.float() - ref).abs()
+    assert (diff <= 2.0**-8 * ref.abs() + 1e-4 * ref.abs().amax()).all()
 
 
 @cuda_only

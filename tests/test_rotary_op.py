@@ -8,35 +8,17 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (the CPU has no Triton backend)
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
 
-import triton.language as tl  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
 
 from hylora.ops.rotary import reference  # noqa: E402
 from hylora.ops.rotary import triton as kernel  # noqa: E402
 from tests.decode_helpers import same_bits  # noqa: E402
 
 NAN = float("nan")
-
-
-@pytest.fixture
-def rtne_bf16(monkeypatch):
-    """Triton's interpreter rounds fp32 → bf16 toward zero, the GPU (and torch) to nearest even:
-    make the interpreter round as the GPU does, so bf16 results can be compared bit for bit."""
-    cast = interpreter.InterpreterBuilder.cast_impl
-
-    def cast_rtne(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
-            return interpreter.TensorHandle(bits.numpy().view(np.uint16), dst_type.scalar)
-        return cast(self, src, dst_type)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_rtne)
 
 
 def inputs(tokens: int, heads: int, head_dim: int, dtype: torch.dtype, seed: int):
@@ -60,7 +42,7 @@ def old_formula(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 @pytest.mark.parametrize("heads", [1, 3])
 @pytest.mark.parametrize("head_dim", [72, 64, 8, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_kernel_equals_reference_bit_for_bit(rtne_bf16, dtype, head_dim, heads):
+def test_kernel_equals_reference_bit_for_bit(gpu_bf16, dtype, head_dim, heads):
     """Token counts straddle a program's rows (with 2H heads a token); the q/k heads are the strided
     [:, :2H] view of the fused qkv."""
     per_program = kernel.block_rows_for(head_dim) // (2 * heads)

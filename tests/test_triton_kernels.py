@@ -13,14 +13,11 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (the CPU has no Triton backend)
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
 
-import triton.language as tl  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
 
 from hylora.cache import StatePool  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
@@ -466,32 +463,6 @@ def test_lora_shrink_inside_the_base_gemm_equals_grouped(T):
 
 
 # --- bf16 ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def gpu_bf16(monkeypatch):
-    """Triton's interpreter rounds fp32 → bf16 toward zero and multiplies bf16 tiles as raw
-    integers; the GPU rounds to nearest even and multiplies the values. Make the interpreter do
-    what the GPU does, so that the bf16 paths (casts, dots on 16-bit inputs) can be checked."""
-    builder = interpreter.InterpreterBuilder
-    cast, dot = builder.cast_impl, builder.create_dot
-
-    def values(h):
-        return (h.data.astype(np.uint32) << 16).view(np.float32) if h.dtype.scalar == tl.bfloat16 else h.data
-
-    def cast_rtne(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
-            return interpreter.TensorHandle(bits.numpy().view(np.uint16), dst_type.scalar)
-        return cast(self, src, dst_type)
-
-    def dot_values(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
-            return interpreter.TensorHandle(np.matmul(values(a), values(b)) + d.data, d.dtype.scalar)
-        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    monkeypatch.setattr(builder, "cast_impl", cast_rtne)
-    monkeypatch.setattr(builder, "create_dot", dot_values)
 
 
 def test_bf16_start_up_checks(gpu_bf16):

@@ -549,15 +549,19 @@ def fp8_linear_error(
     device: torch.device | str,
     tokens: Sequence[int] = FP8_TOKENS,
     kernel: Callable[..., torch.Tensor] | None = None,
+    weight_only: bool = False,
 ) -> float:
     """The FP8 GEMM vs the reference on one projection's shape: weights with block magnitudes
     spread over 2^-6..2^6 (a scale read from the wrong block shows), every token count of FP8_TOKENS,
-    outputs NaN-filled first."""
-    from hylora.ops.fp8_linear.reference import fp8_linear as fp8_reference
+    outputs NaN-filled first. weight_only: the GEMM on unquantised activations and its reference."""
+    from hylora.ops.fp8_linear import reference
     from hylora.ops.fp8_linear.reference import quantize_weight
 
+    fp8_reference = reference.fp8_weight_only_linear if weight_only else reference.fp8_linear
     if kernel is None:
-        from hylora.ops.fp8_linear.triton import fp8_linear as kernel
+        from hylora.ops.fp8_linear import triton as fp8_triton
+
+        kernel = fp8_triton.fp8_weight_only_linear if weight_only else fp8_triton.fp8_linear
     g = _generator(device, rows + in_features)
     w = torch.randn(rows, in_features, generator=g, device=device)
     magnitudes = torch.exp2(torch.randint(-6, 7, (-(-rows // 128), -(-in_features // 128)), generator=g, device=device))

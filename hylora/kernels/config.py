@@ -14,6 +14,7 @@ from hylora.model.layers import LORA_BACKENDS
 log = logging.getLogger(__name__)
 FAST_KERNEL_CHOICES = ("auto", "off")
 GDN_BACKENDS = ("auto", "reference", "fla")
+FP8_ACTIVATIONS = ("dynamic", "none")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,10 @@ class KernelsConfig:
     # hylora's GDN decode kernel's launch (block_v, num_warps, v_blocks); None: its defaults (tuned on
     # an H200). Another card: the pick of bench/kernel_sweep_gpu.py --gdn-best-out
     gdn_decode_launch: tuple[int, int, int] | None = None
+    # what FP8 projections do with their inputs. dynamic: quantise them per token and 128 inputs, as the
+    # checkpoints' activation_scheme says (FP8 tensor cores); none: keep them in the model's dtype and
+    # convert the FP8 weights in the GEMM (the dequantised model's arithmetic, FP8 weights in memory)
+    fp8_activations: str = "dynamic"
 
     def __post_init__(self) -> None:
         launch = self.gdn_decode_launch
@@ -39,6 +44,7 @@ class KernelsConfig:
             ("fast_kernels", FAST_KERNEL_CHOICES),
             ("gdn_backend", GDN_BACKENDS),
             ("lora_backend", ("auto", *LORA_BACKENDS)),
+            ("fp8_activations", FP8_ACTIVATIONS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")

@@ -49,7 +49,7 @@ def select_kernels(
     else:
         verdicts |= select_fast_kernels(model, page_size, config)
     if any(isinstance(m, Linear) and m.is_fp8 for m in model.modules()):
-        verdicts["fp8_linear"] = select_fp8_kernel(model, config.fast_kernels)
+        verdicts["fp8_linear"] = select_fp8_kernel(model, config.fast_kernels, config.fp8_activations)
     model.use_kernels(model_kernels(verdicts, config))
     return verdicts
 
@@ -102,7 +102,10 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
         from hylora.ops.rotary.triton import rotate_half
 
         chosen["tower_rotary"] = rotate_half
-    if "fp8_linear" in fast:
+    if config.fp8_activations == "none":  # weight-only: the Triton GEMM once it passed, else its reference
+        module = "triton" if "fp8_linear" in fast else "reference"
+        chosen["fp8_linear"] = importlib.import_module(f"hylora.ops.fp8_linear.{module}").fp8_weight_only_linear
+    elif "fp8_linear" in fast:
         kernel = "cublas" if verdicts["fp8_linear"].implementation == "cublas+triton" else "triton"
         chosen["fp8_linear"] = importlib.import_module(f"hylora.ops.fp8_linear.{kernel}").fp8_linear
     if config.lora_backend != "auto":  # forced, for the decoder and the tower alike
@@ -143,28 +146,33 @@ def select_gdn_kernel(model: HybridDecoder, backend: str = "auto") -> KernelVerd
     return passed(name, "fla", error, tolerance)
 
 
-def select_fp8_kernel(model: HybridDecoder, fast_kernels: str = "auto") -> KernelVerdict:
-    """The FP8 GEMM for the model's FP8 projections, checked against the reference (quantised
-    activations x dequantised weights) on the model's shapes: cuBLAS's block-scaled GEMM for steps of
-    many tokens with hylora's Triton kernel below ("cublas+triton"), else the Triton kernel alone. On
-    the CPU, or with fast kernels off, the reference (exact, slow: it dequantises per call); on CUDA
-    when no kernel passes, the weights are dequantised."""
+def select_fp8_kernel(model: HybridDecoder, fast_kernels: str = "auto", activations: str = "dynamic") -> KernelVerdict:
+    """The FP8 GEMM for the model's FP8 projections, checked against the reference on the model's
+    shapes. activations "dynamic" (quantised activations x dequantised weights): cuBLAS's block-scaled
+    GEMM for steps of many tokens with hylora's Triton kernel below ("cublas+triton"), else the Triton
+    kernel alone; "none" (weight-only: the activations as they are): the Triton kernel ("triton").
+    On the CPU, or with fast kernels off, the reference (exact, slow: it dequantises per call); on
+    CUDA when no kernel passes, the weights are dequantised."""
     name = "fp8_linear"
     if fast_kernels == "off":
         return reference(name, "fast kernels off")
     if not triton_usable(model.device) or model.device.type != "cuda":
         return reference(name, "no CUDA or no triton")
     dtype, dev, shapes = model.dtype, model.device, checks.fp8_shapes(model)
+    weight_only = activations == "none"
 
     def check(kernel_module: str):
         def run() -> float:
-            kernel = importlib.import_module(f"hylora.ops.fp8_linear.{kernel_module}").fp8_linear
-            return max(checks.fp8_linear_error(*s, dtype, dev, kernel=kernel) for s in shapes)
+            module = importlib.import_module(f"hylora.ops.fp8_linear.{kernel_module}")
+            kernel = module.fp8_weight_only_linear if weight_only else module.fp8_linear
+            return max(checks.fp8_linear_error(*s, dtype, dev, kernel=kernel, weight_only=weight_only) for s in shapes)
 
         return run
 
     verdict = _verdict(name, check("triton"), FP8_TOLERANCE)
     if not verdict.check_failed:
+        if weight_only:
+            return verdict
         with_cublas = _verdict(name, check("cublas"), FP8_TOLERANCE)
         return replace(with_cublas, implementation="cublas+triton") if not with_cublas.check_failed else verdict
     for m in model.modules():

@@ -18,7 +18,7 @@ from hylora.engine.chat_input import MediaSettings
 from hylora.engine.config import EngineConfig
 from hylora.engine.engine import LLMEngine
 from hylora.kernels import KernelsConfig
-from hylora.kernels.config import FAST_KERNEL_CHOICES, GDN_BACKENDS, parse_launch
+from hylora.kernels.config import FAST_KERNEL_CHOICES, FP8_ACTIVATIONS, GDN_BACKENDS, parse_launch
 from hylora.media import FetchPolicy, MediaError, MediaLimits, MediaPools, ProcessedCache
 from hylora.media.cache import DEFAULT_CAPACITY_GB
 from hylora.media.config import apply_overrides, merge_overrides
@@ -235,6 +235,13 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         metavar="BLOCK_V,WARPS[,V_BLOCKS]",
         help="the GDN decode kernel's launch, e.g. the pick of bench/kernel_sweep_gpu.py --gdn-best-out",
     )
+    k.add_argument(
+        "--fp8-activations",
+        default="dynamic",
+        choices=FP8_ACTIVATIONS,
+        help="FP8 weights: dynamic quantises each projection's input (FP8 tensor cores, as the checkpoint says); "
+        "none keeps it in the model's dtype (weight-only: the dequantised model's arithmetic)",
+    )
 
 
 def kernels_config(args: argparse.Namespace) -> KernelsConfig:
@@ -243,6 +250,7 @@ def kernels_config(args: argparse.Namespace) -> KernelsConfig:
         gdn_backend=args.gdn_backend,
         lora_backend=args.lora_backend,
         gdn_decode_launch=args.gdn_decode_launch,
+        fp8_activations=args.fp8_activations,
     )
 
 

@@ -5,7 +5,9 @@
 - `reference`: plain torch (fp32 arithmetic): quantise / dequantise weights and activations, and
   `fp8_linear`, the arithmetic the kernels reproduce.
 - `triton` (imported on demand: needs the triton package): `quantize_activation` (bit-equal to the
-  reference) and `fp8_linear`, a block-scaled FP8 GEMM with tile configurations by token count.
+  reference) and `fp8_linear`, a block-scaled FP8 GEMM with tile configurations by token count;
+  `fp8_weight_only_linear`, the same GEMM on unquantised activations (the weights converted in
+  registers).
 """
 
 from hylora.ops.fp8_linear.reference import (
@@ -13,8 +15,12 @@ from hylora.ops.fp8_linear.reference import (
     FP8_MAX,
     dequantize_weight,
     fp8_linear,
+    fp8_weight_only_linear,
     quantize_activation,
     quantize_weight,
 )
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "dequantize_weight", "fp8_linear", "quantize_activation", "quantize_weight"]
+__all__ = [
+    "FP8_DTYPE", "FP8_MAX", "dequantize_weight", "fp8_linear", "fp8_weight_only_linear", "quantize_activation",
+    "quantize_weight",
+]  # fmt: skip

@@ -1,4 +1,6 @@
-"""FP8 (e4m3) block-scaled linear in plain torch: the arithmetic the Triton kernels reproduce.
+"""FP8 (e4m3) block-scaled linear in plain torch: the arithmetic the Triton kernels reproduce
+(`fp8_linear`: activations quantised as the checkpoints' `activation_scheme: dynamic` says;
+`fp8_weight_only_linear`: activations kept, the weights' exact values).
 
 Weights (the Qwen / DeepSeek FP8 checkpoints): W [N, K] float8_e4m3fn with `scale_inv`
 [ceil(N / bn), ceil(K / bk)] fp32, W ≈ W_fp8 * scale_inv[n // bn, k // bk]; block (bn, bk) is (128, 128)
@@ -83,6 +85,24 @@ def fp8_linear(
     x_fp8, x_scale = quantize_activation(x.reshape(-1, K), block[1])
     a = dequantize_activation(x_fp8, x_scale, block[1])
     y = (a @ dequantize_weight(w_fp8, w_scale, block).T).to(x.dtype).reshape(*lead, N)
+    return y if out is None else out.copy_(y)
+
+
+def fp8_weight_only_linear(
+    x: torch.Tensor,  # [..., K] bf16 / fp16 / fp32
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)] fp32
+    block: tuple[int, int] = BLOCK,
+    out: torch.Tensor | None = None,  # [..., N] in x.dtype
+) -> torch.Tensor:
+    """y [..., N] in x.dtype = x · dequantize(W)ᵀ: the weights' exact values and x unquantised, one fp32
+    matmul, one rounding to x.dtype (FP8 weights in memory, the arithmetic of the dequantised model)."""
+    *lead, K = x.shape
+    N = w_fp8.shape[0]
+    if w_fp8.shape[1] != K:
+        raise ValueError(f"fp8_weight_only_linear: x has {K} features, the weight {w_fp8.shape[1]}")
+    w = dequantize_weight(w_fp8, w_scale, block)
+    y = (x.reshape(-1, K).float() @ w.T).to(x.dtype).reshape(*lead, N)
     return y if out is None else out.copy_(y)
 
 

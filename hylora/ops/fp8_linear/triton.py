@@ -15,6 +15,10 @@
   the tokens on its N side of 16 or 32), and K split over programs when the (M, N) tiles alone would
   leave SMs idle: fp32 partials [split, M, N] summed by a second launch (no atomics: deterministic).
   `GemmConfig.fuse_quant` quantises x inside the GEMM instead of in its own launch (slower, below).
+- `fp8_weight_only_linear` (`reference.fp8_weight_only_linear`): the same GEMM on unquantised x, the
+  weight tile converted to x's dtype in registers (e4m3 values are exact in bf16 and fp16) and the
+  dot in x's dtype, times the weight scale per group: x · Wᵀ to fp32 summation order, no activation
+  rounding. No quantisation launch; the tensor cores run at x's dtype's rate.
 
 No host sync and no data-dependent Python: the launches depend on the shapes alone (CUDA-graph safe).
 """
@@ -120,6 +124,31 @@ def fp8_linear(
 ) -> torch.Tensor:
     """y [..., N] = `reference.fp8_linear(x, w_fp8, w_scale, block)` up to fp32 summation order (and
     the fp8 MMA's own accumulation on a GPU), written into `out` when given."""
+    return _linear(x, w_fp8, w_scale, block, out, config, weight_only=False)
+
+
+def fp8_weight_only_linear(
+    x: torch.Tensor,  # [..., K] bf16 / fp16 / fp32 (fp32: exact fp32 dots, slow; a reference aid)
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)]
+    block: tuple[int, int] = BLOCK,
+    out: torch.Tensor | None = None,  # [..., N] in x.dtype
+    config: GemmConfig | None = None,  # None: choose_config(tokens, N); fuse_quant is ignored
+) -> torch.Tensor:
+    """y [..., N] = `reference.fp8_weight_only_linear(x, w_fp8, w_scale, block)` up to fp32 summation
+    order: x unquantised, the weights' exact values."""
+    return _linear(x, w_fp8, w_scale, block, out, config, weight_only=True)
+
+
+def _linear(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int],
+    out: torch.Tensor | None,
+    config: GemmConfig | None,
+    weight_only: bool,
+) -> torch.Tensor:
     *lead, K = x.shape
     N = w_fp8.shape[0]
     bn, bk = block
@@ -140,10 +169,11 @@ def fp8_linear(
     if K == 0:
         return out.zero_()
     cfg = config or choose_config(M, N)
+    fuse_quant = cfg.fuse_quant and not weight_only
     groups = triton.cdiv(K, bk)
     split = split_k(cfg, M, N, groups, _num_sms(x.device))
-    if cfg.fuse_quant:
-        a, a_scale = x2, x2  # the kernel reads x and quantises it; no scale tensor
+    if fuse_quant or weight_only:
+        a, a_scale = x2, x2  # the kernel reads x itself (and quantises it when fused); no scale tensor
     else:
         a, a_scale = quantize_activation(x2, bk)
     target = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
@@ -154,7 +184,8 @@ def fp8_linear(
         a.stride(0), a_scale.stride(0), w_fp8.stride(0), w_scale.stride(0), target.stride(-2),
         M * N if split > 1 else 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        SWAP_AB=cfg.swap_ab, FUSE_QUANT=cfg.fuse_quant, EVEN_K=K % bk == 0, ONE_B_SCALE=bn % cfg.block_n == 0,
+        SWAP_AB=cfg.swap_ab, FUSE_QUANT=fuse_quant, WEIGHT_ONLY=weight_only, EVEN_K=K % bk == 0,
+        ONE_B_SCALE=bn % cfg.block_n == 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1:
@@ -210,15 +241,16 @@ def _quantize_kernel(
 
 @triton.jit
 def _gemm_kernel(
-    a_ptr,  # [M, K] e4m3, or x itself when FUSE_QUANT
-    as_ptr,  # [M, K / BLOCK_K] fp32 (unused when FUSE_QUANT)
+    a_ptr,  # [M, K] e4m3, or x itself when FUSE_QUANT or WEIGHT_ONLY
+    as_ptr,  # [M, K / BLOCK_K] fp32 (unused when FUSE_QUANT or WEIGHT_ONLY)
     b_ptr,  # [N, K] e4m3
     bs_ptr,  # [N / bn, K / BLOCK_K]
     c_ptr,  # [M, N] out, or [split, M, N] fp32 partials
     M, N, K, bn, groups_per_split,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr, EVEN_K: tl.constexpr, ONE_B_SCALE: tl.constexpr,
+    SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr, WEIGHT_ONLY: tl.constexpr, EVEN_K: tl.constexpr,
+    ONE_B_SCALE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -254,14 +286,18 @@ def _gemm_kernel(
     for kb in range(kb0, tl.minimum(kb1, K // BLOCK_K)):
         a = tl.load(a_ptrs + kb * BLOCK_K)
         b = tl.load(b_ptrs + kb * BLOCK_K)
-        acc = _accumulate(acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, FUSE_QUANT, ONE_B_SCALE)
+        acc = _accumulate(
+            acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, FUSE_QUANT, WEIGHT_ONLY, ONE_B_SCALE, PRECISION
+        )
     if not EVEN_K:  # noqa: SIM102 (a constexpr test, then a runtime one)
         if kb1 * BLOCK_K > K:  # this split holds the partial group
             kb = kb1 - 1
             k_in = (rk < K - kb * BLOCK_K)[None, :]
             a = tl.load(a_ptrs + kb * BLOCK_K, mask=k_in, other=0.0)
             b = tl.load(b_ptrs + kb * BLOCK_K, mask=k_in, other=0.0)
-            acc = _accumulate(acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, FUSE_QUANT, ONE_B_SCALE)
+            acc = _accumulate(
+                acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, FUSE_QUANT, WEIGHT_ONLY, ONE_B_SCALE, PRECISION
+            )
 
     c_base = c_ptr + split.to(tl.int64) * stride_cs
     if SWAP_AB:
@@ -275,15 +311,28 @@ def _gemm_kernel(
 
 @triton.jit
 def _accumulate(
-    acc, a, b, as_ptrs, bs_ptrs, SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr, ONE_B_SCALE: tl.constexpr
-):
+    acc, a, b, as_ptrs, bs_ptrs, SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr, WEIGHT_ONLY: tl.constexpr,
+    ONE_B_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     """acc + dot over one group of BLOCK_K inputs, times its activation and weight scales (ONE_B_SCALE:
     bs_ptrs is one pointer, the tile's weight rows share a scale: one FMA per element)."""
+    b_scale = tl.load(bs_ptrs).to(tl.float32)
+    if WEIGHT_ONLY:
+        acc = _accumulate_unquantised(acc, a, b, b_scale, SWAP_AB, ONE_B_SCALE, PRECISION)
+    else:
+        acc = _accumulate_quantised(acc, a, b, as_ptrs, b_scale, SWAP_AB, FUSE_QUANT, ONE_B_SCALE)
+    return acc
+
+
+@triton.jit
+def _accumulate_quantised(
+    acc, a, b, as_ptrs, b_scale, SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr, ONE_B_SCALE: tl.constexpr
+):
+    """The group with x quantised: its e4m3 tile (quantised here when FUSE_QUANT) and scales."""
     if FUSE_QUANT:
         a, a_scale = _quantize_rows(a.to(tl.float32))
     else:
         a_scale = tl.load(as_ptrs)
-    b_scale = tl.load(bs_ptrs).to(tl.float32)
     if SWAP_AB:
         part = tl.dot(b, tl.trans(a))  # [BLOCK_N, BLOCK_M]
         if ONE_B_SCALE:
@@ -296,6 +345,28 @@ def _accumulate(
             acc += part * (a_scale * b_scale)[:, None]
         else:
             acc += part * a_scale[:, None] * b_scale[None, :]
+    return acc
+
+
+@triton.jit
+def _accumulate_unquantised(
+    acc, x, b, b_scale, SWAP_AB: tl.constexpr, ONE_B_SCALE: tl.constexpr, PRECISION: tl.constexpr
+):
+    """The weight-only group: x as it is, the e4m3 tile converted to x's dtype (exact), so only the
+    weight scale applies."""
+    w = b.to(x.dtype)
+    if SWAP_AB:
+        part = tl.dot(w, tl.trans(x), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+        if ONE_B_SCALE:
+            acc += part * b_scale
+        else:
+            acc += part * b_scale[:, None]
+    else:
+        part = tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+        if ONE_B_SCALE:
+            acc += part * b_scale
+        else:
+            acc += part * b_scale[None, :]
     return acc
 
 
