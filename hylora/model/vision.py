@@ -91,7 +91,7 @@ class VisionAttention(nn.Module):
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         n, H, d = x.shape[0], self.heads, self.head_dim
-        qkv = self.qkv(x, lora).view(n, 3 * H, d)
+        qkv = self.qkv(x, lora).reshape(n, 3 * H, d)  # [n, 3H, d]: q, k, v heads
         self.rotary(qkv[:, : 2 * H], cos, sin, out=qkv[:, : 2 * H])
         q, k, v = qkv.view(n, 3, H, d).unbind(1)  # [n, H, d] views each
         if len(runs) == 1 and runs[0][1] * runs[0][2] == n:
