@@ -175,10 +175,14 @@ def test_weight_only_fp8_serves_the_dequantised_merged_model(fp8_ckpts, fp8_adap
     assert max(abs(a - b) for a, b in zip(served, merged, strict=True)) < 1e-4
 
 
-def test_fp8_checkpoint_without_fp8_hardware_is_dequantised(fp8_ckpts):
+def test_fp8_checkpoint_without_fp8_hardware_is_dequantised(fp8_ckpts, caplog):
     _, dst, _ = fp8_ckpts["unaligned"]
     auto = LLMEngine(dst, EngineConfig(device="cpu", dtype="float32", max_num_seqs=1), progress=False)
     assert auto.quantization is None and not any(getattr(m, "is_fp8", False) for m in auto.model.modules())
+    config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=1, kernels=KernelsConfig(fp8_activations="none"))
+    with caplog.at_level("WARNING", logger="hylora.engine.engine"):
+        LLMEngine(dst, config, progress=False)
+    assert "fp8_activations 'none': no effect, no weights are served as FP8" in caplog.text
 
 
 def test_quantization_fp8_on_an_unquantised_checkpoint_quantises_it_as_the_checkpoint_writer(fp8_ckpts):

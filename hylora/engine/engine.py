@@ -112,6 +112,8 @@ class LLMEngine:
         self.kernels = select_kernels(self.model, config.page_size, config.kernels)
         # what the served weights are ("fp8": FP8 GEMMs; doctor's fp8 check reads it)
         self.quantization = "fp8" if any(getattr(m, "is_fp8", False) for m in self.model.modules()) else None
+        if config.kernels.fp8_activations != "dynamic" and self.quantization is None:
+            log.warning("fp8_activations %r: no effect, no weights are served as FP8", config.kernels.fp8_activations)
         log.info("kernels: %s", as_text(self.kernels))
         self.adapters = AdapterRegistry(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         for name, path in (lora_modules or {}).items():
