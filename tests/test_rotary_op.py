@@ -1,22 +1,32 @@
 """ops.rotary: the vision tower's rotate-half rotary. The Triton kernel (run on the CPU by Triton's
-interpreter) equals the torch reference bit for bit, on the tower's strided q/k view of its fused
-qkv, in place and into a NaN-filled buffer; the reference equals transformers' Qwen3-VL formula."""
+interpreter, compiled on a GPU) equals the torch reference bit for bit, on the tower's strided q/k
+view of its fused qkv, in place and into a NaN-filled buffer; the reference equals transformers'
+Qwen3-VL formula."""
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (the CPU has no Triton backend)
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+# only without CUDA: set unconditionally it would also turn every kernel imported later in a GPU
+# pytest session (fla's, under transformers' reference model) into the interpreter's
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the CPU has no Triton backend)
 
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
 
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from hylora.ops.rotary import reference  # noqa: E402
 from hylora.ops.rotary import triton as kernel  # noqa: E402
 from tests.decode_helpers import same_bits  # noqa: E402
+
+INTERPRETED = isinstance(kernel._rotate_half_kernel, InterpretedFunction)
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("the kernel was imported compiled (no TRITON_INTERPRET) with no CUDA", allow_module_level=True)
+DEVICE = "cpu" if INTERPRETED else "cuda"
 
 NAN = float("nan")
 
@@ -28,7 +38,7 @@ def inputs(tokens: int, heads: int, head_dim: int, dtype: torch.dtype, seed: int
     qkv = (torch.randn(tokens, 3 * heads, head_dim, generator=g) * 3).to(dtype)
     angles = torch.randint(0, 64, (tokens, head_dim // 2), generator=g) * torch.rand(head_dim // 2, generator=g)
     angles = torch.cat([angles, angles], dim=-1)
-    return qkv, angles.cos(), angles.sin()
+    return qkv.to(DEVICE), angles.cos().to(DEVICE), angles.sin().to(DEVICE)
 
 
 def old_formula(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -90,6 +100,7 @@ def test_reference_is_the_transformers_formula(dtype):
     assert same_bits(in_place[:, :4], want_q) and same_bits(in_place[:, 4:], qkv[:, 4:])
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="a CPU model: the kernel was imported compiled for CUDA")
 def test_kernel_floor_gives_the_tower_the_kernel(vl_media_ckpt):
     """A passing tower_rotary verdict installs the Triton kernel on every tower attention; the tower
     output stays bit for bit (fp32); the default kernels put the reference back."""
