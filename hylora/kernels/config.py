@@ -33,7 +33,8 @@ class KernelsConfig:
     gdn_decode_launch: tuple[int, int, int] | None = None
     # what FP8 projections do with their inputs. dynamic: quantise them per token and 128 inputs, as the
     # checkpoints' activation_scheme says (FP8 tensor cores); none: keep them in the model's dtype and
-    # convert the FP8 weights in the GEMM (the dequantised model's arithmetic, FP8 weights in memory)
+    # convert the FP8 weights in the GEMM (the dequantised model's arithmetic, FP8 weights in memory;
+    # 1.6-3x slower GEMMs than dynamic on an H200, docs/FP8.md)
     fp8_activations: str = "dynamic"
 
     def __post_init__(self) -> None:

@@ -18,7 +18,9 @@
 - `fp8_weight_only_linear` (`reference.fp8_weight_only_linear`): the same GEMM on unquantised x, the
   weight tile converted to x's dtype in registers (e4m3 values are exact in bf16 and fp16) and the
   dot in x's dtype, times the weight scale per group: x · Wᵀ to fp32 summation order, no activation
-  rounding. No quantisation launch; the tensor cores run at x's dtype's rate.
+  rounding. No quantisation launch; the tensor cores run at x's dtype's rate. On an H200 the in-register
+  conversion makes it 1.6-2.3x slower than the dynamic GEMM at decode sizes and ~3x at prefill sizes
+  (bench/fp8_gemm_gpu.py, docs/BASELINE.md run 26).
 
 No host sync and no data-dependent Python: the launches depend on the shapes alone (CUDA-graph safe).
 """
