@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if torch.cuda.is_available():  # the interpreter set here would take every kernel a GPU session imports later
+    pytest.skip("CPU tests through Triton's interpreter (a GPU runs the compiled ones)", allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the CPU has no Triton backend)
 
 from hylora.engine import EngineConfig  # noqa: E402
 from hylora.engine import short_step as ss  # noqa: E402
