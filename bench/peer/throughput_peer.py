@@ -38,6 +38,10 @@ Phases (each writes WORK/results/<engine>-<weights>-<mnbt>.json, rewritten after
     python bench/peer/throughput_peer.py run ckpt:bf16,fp8 hylora:bf16,fp8:8192,2048 \
         --tiny --device cpu --repeats 1 --out /tmp/tput          # CPU dry run (hylora only)
     python bench/peer/throughput_peer.py table --results DIR1 DIR2 ... --out DIR   # merge several calls' $OUT
+
+--profile-decode: after an engine's timed runs, one base workload with 20 decode steps under
+torch.profiler; a per-kernel table (µs and calls a step) into --out/profiles/ and the record
+(bench/peer/decode_profile.py).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from unittest import mock
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.peer import decode_profile  # noqa: E402
 from bench.peer.child_env import child_env  # noqa: E402
 
 VERSION = "1"  # bump when the checkpoint or adapters change: a reused work dir with another stamp is rewritten
@@ -401,12 +406,16 @@ def phase_vllm(args: argparse.Namespace) -> None:
     backend = args.attention_backend or attention_fallback(work, record, write_stub=not args.dry_run)
     kwargs = vllm_engine_kwargs(work.ckpt(weights), mnbt, backend)
     record.update(settings={k: v for k, v in kwargs.items() if k != "model"})
+    profile_dir = args.out / "profiles" / f"vllm-{weights}-{mnbt}" if args.profile_decode else None
+    if profile_dir is not None:
+        profile_dir.mkdir(parents=True, exist_ok=True)
+        kwargs["profiler_config"] = decode_profile.vllm_profiler_config(profile_dir)
     if args.dry_run:
         check_vllm_args(kwargs)
         record.path.unlink()
         return
     try:
-        run_vllm(work, kwargs, args.repeats, record)
+        run_vllm(work, kwargs, args.repeats, record, profile_dir)
         record.update(complete=True)
     except BaseException as e:
         record.update(error=f"{type(e).__name__}: {e}"[:2000])
@@ -479,7 +488,7 @@ def attention_fallback(work: Work, record: Record, write_stub: bool = True) -> s
     return "TRITON_ATTN"
 
 
-def run_vllm(work: Work, kwargs: dict[str, Any], repeats: int, record: Record) -> None:
+def run_vllm(work: Work, kwargs: dict[str, Any], repeats: int, record: Record, profile_dir: Path | None) -> None:
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
@@ -496,6 +505,9 @@ def run_vllm(work: Work, kwargs: dict[str, Any], repeats: int, record: Record) -
     for label, requests in (("base", None), ("mixed8", [loras[mixed_adapter(i)] for i in range(N_REQUESTS)])):
         for _ in range(repeats):
             record.add_run(label, vllm_workload(llm, prompts, requests))
+    if profile_dir is not None:
+        rows = decode_profile.vllm_decode_profile(llm, lambda: vllm_workload(llm, prompts, None), profile_dir)
+        save_decode_profile(record, rows, profile_dir.parent)
     with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()
 
@@ -557,6 +569,13 @@ def phase_hylora(args: argparse.Namespace) -> None:
             assert engine.scheduler.config is engine.config
             records[mnbt].update(**setup, built_with_mnbt=mnbts[0])
             run_hylora(engine, args.device, args.repeats, records[mnbt])
+            if args.profile_decode:
+                profiles = args.out / "profiles"
+                profiles.mkdir(parents=True, exist_ok=True)
+                trace = profiles / f"hylora-{weights}-{mnbt}.trace.json.gz"
+                prompts = workload_prompts()
+                rows = decode_profile.hylora_decode_profile(engine, prompts, lambda i: None, trace, str(mnbt))
+                save_decode_profile(records[mnbt], rows, profiles)
             records[mnbt].update(complete=True)
     except BaseException as e:
         for record in records.values():
@@ -619,6 +638,16 @@ def run_hylora(engine: Any, device: str, repeats: int, record: Record) -> None:
             prefill = hylora_prefill(engine, adapter_of, device)
             row = workload_row(own["wall_s"], N_REQUESTS * NEW_TOKENS, prefill)
             record.add_run(label, row | {f"hylora_{k}": v for k, v in own.items()})
+
+
+def save_decode_profile(record: Record, rows: list[dict[str, Any]], folder: Path) -> None:
+    """The decode step's kernel table: in the record and as `<engine>-<weights>-<mnbt>-decode.md`."""
+    d = record.data
+    name = f"{d['engine']}-{d['weights']}-{d['mnbt']}"
+    text = decode_profile.summary_md(f"{name}, base, batch {N_REQUESTS}", rows)
+    (folder / f"{name}-decode.md").write_text(text)
+    record.update(decode_profile=rows)
+    log(text)
 
 
 _PREFILL_RUNS = itertools.count()
@@ -890,9 +919,10 @@ def wait_gpu_free(limit_s: float = 30) -> None:
 def phase_run(args: argparse.Namespace) -> None:
     deadline = time.monotonic() + args.budget - TABLE_RESERVE_S
     commands = [c for step in args.steps for c in step_commands(step)]
-    common = ["--work", str(args.work), "--device", args.device, "--repeats", str(args.repeats)]
+    common = ["--work", str(args.work), "--out", str(args.out), "--device", args.device, "--repeats", str(args.repeats)]
     common += ["--tiny"] * args.tiny + ["--reuse"] * args.reuse + ["--dry-run"] * args.dry_run
     common += ["--attention-backend", args.attention_backend] if args.attention_backend else []
+    common += ["--profile-decode"] * args.profile_decode
     log(f"work {args.work}, out {args.out}, budget {args.budget:.0f}s, device {args.device}: "
         + "; ".join(f"{p} {' '.join(a)}" for p, a in commands))  # fmt: skip
     env = child_env()
@@ -932,6 +962,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--weights", default="bf16", help="bf16, fp8 (ckpt: both may be given, comma-separated)")
     ap.add_argument("--mnbt", default="2048", help="max_num_batched_tokens (hylora: several, comma-separated)")
     ap.add_argument("--repeats", type=int, default=5, help="runs of each workload; the median is reported")
+    ap.add_argument(
+        "--profile-decode",
+        action="store_true",
+        help="after the timed runs, one base workload with decode steps under torch.profiler: a per-kernel "
+        "table into --out/profiles (bench/peer/decode_profile.py)",
+    )
     add_shared_args(ap)
     args = ap.parse_args(argv)
     args.weights = [w for w in args.weights.split(",") if w]

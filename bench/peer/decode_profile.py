@@ -1,0 +1,122 @@
+"""The decode step of both engines under torch.profiler, as one per-kernel table each
+(`throughput_peer.py --profile-decode`): where hylora's bf16 decode step loses to vLLM's (run 26:
+5.96 against 5.51 ms a step at batch 32) is a question of which kernels, and this answers it.
+
+After an engine's timed runs, the base workload runs once more with the profiler on for
+PROFILE_STEPS decode steps, after the prefill and DELAY_STEPS more steps. vLLM profiles inside its
+engine core (its `profiler_config`: delay and max iterations, a Chrome trace into a folder); hylora
+under torch.profiler around its own `step()` calls. Both traces are summed the same way: GPU
+kernels by name (CPU ops on a CPU dry run), microseconds and calls per profiled step.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+DELAY_STEPS = 4  # engine steps skipped after the profile starts: the prefill (two 8192-token steps) and two more
+PROFILE_STEPS = 20  # decode steps profiled (the workload has 63)
+TOP = 30  # kernels kept in the record
+
+
+def vllm_profiler_config(trace_dir: Path) -> dict[str, Any]:
+    """vLLM's `profiler_config`: torch's profiler in the engine core from DELAY_STEPS steps after
+    `start_profile` for PROFILE_STEPS steps, no Python stacks, no front-end trace."""
+    return {
+        "profiler": "torch",
+        "torch_profiler_dir": str(trace_dir),
+        "torch_profiler_with_stack": False,
+        "ignore_frontend": True,
+        "delay_iterations": DELAY_STEPS,
+        "max_iterations": PROFILE_STEPS,
+    }
+
+
+def vllm_decode_profile(llm: Any, run_base_workload: Callable[[], Any], trace_dir: Path) -> list[dict[str, Any]]:
+    """One base workload with vLLM's profiler on; the kernels of the trace it wrote."""
+    before = set(trace_dir.glob("*.json*"))
+    llm.start_profile()
+    run_base_workload()
+    llm.stop_profile()
+    traces = sorted(set(trace_dir.glob("*.json*")) - before, key=lambda p: p.stat().st_mtime)
+    if not traces:
+        raise RuntimeError(f"vLLM wrote no trace into {trace_dir}")
+    return kernel_summary(traces[-1], PROFILE_STEPS)
+
+
+def hylora_decode_profile(
+    engine: Any, prompts: list[list[int]], adapter_of: Callable[[int], str | None], trace_path: Path, tag: str
+) -> list[dict[str, Any]]:
+    """The workload's requests; after the prefill and DELAY_STEPS more steps, PROFILE_STEPS steps under
+    torch.profiler (its Chrome trace to `trace_path`); then the rest. The kernels of that trace."""
+    import torch
+
+    from hylora.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"profile-{tag}-{i}", prompt, params, adapter_of(i))
+    started = 0
+    while engine.has_unfinished() and started < len(prompts):  # the prefill: until every request has a token
+        started = sum(1 for o in engine.step() if o.num_output_tokens)
+    for _ in range(DELAY_STEPS - 2):
+        engine.step()
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
+    steps = 0
+    with torch.profiler.profile(activities=activities) as prof:
+        while engine.has_unfinished() and steps < PROFILE_STEPS:
+            engine.step()
+            steps += 1
+        if cuda:
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace_path))
+    while engine.has_unfinished():
+        engine.step()
+    return kernel_summary(trace_path, max(steps, 1))
+
+
+def kernel_summary(trace: Path, steps: int) -> list[dict[str, Any]]:
+    """A Chrome trace's GPU kernels (CPU ops when it has none) by name: µs and calls per step, most
+    time first, the TOP first and one row for the rest."""
+    opener = gzip.open if trace.suffix == ".gz" else open
+    with opener(trace, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    if not kernels:
+        kernels = [e for e in events if e.get("cat") == "cpu_op" and "dur" in e]
+    time_us: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for e in kernels:
+        time_us[e["name"]] += float(e["dur"])
+        calls[e["name"]] += 1
+    rows = [
+        {"kernel": name, "us_per_step": t / steps, "calls_per_step": calls[name] / steps}
+        for name, t in sorted(time_us.items(), key=lambda kv: -kv[1])
+    ]
+    rest = rows[TOP:]
+    rows = rows[:TOP]
+    if rest:
+        rows.append({
+            "kernel": f"({len(rest)} others)",
+            "us_per_step": sum(r["us_per_step"] for r in rest),
+            "calls_per_step": sum(r["calls_per_step"] for r in rest),
+        })  # fmt: skip
+    return rows
+
+
+def summary_md(engine: str, rows: list[dict[str, Any]]) -> str:
+    """The kernel table as markdown, with the total per step."""
+    total = sum(r["us_per_step"] for r in rows)
+    lines = [
+        f"{engine}: {total:.0f} µs of kernels per decode step ({PROFILE_STEPS} steps profiled)",
+        "",
+        "| kernel | µs / step | calls / step |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| {r['kernel'][:90]} | {r['us_per_step']:.1f} | {r['calls_per_step']:.1f} |" for r in rows]
+    return "\n".join(lines) + "\n"
