@@ -439,6 +439,24 @@ def test_async_compile_and_timeout(tokenizer, eos_ids, monkeypatch):
         compiler.close()
 
 
+def test_a_cached_compile_older_than_the_timeout_is_served(tokenizer, eos_ids):
+    """A spec compiled more than timeout_s ago is a cache hit, for the server (async) and offline
+    callers alike, its error too: not a 'took longer than' timeout for every later request."""
+    compiler = GrammarCompiler(tokenizer, VOCAB, eos_ids, timeout_s=0.2)
+    try:
+        spec, bad = StructuredSpec("regex", "[0-9]+"), StructuredSpec.json_schema({"type": "nope"})
+        compiled = asyncio.run(compiler.compile(spec))
+        with pytest.raises(StructuredOutputError, match="JSON schema"):
+            asyncio.run(compiler.compile(bad))
+        time.sleep(0.3)  # both compiles started longer than timeout_s ago
+        assert asyncio.run(compiler.compile(spec)) is compiled
+        assert compiler.compile_blocking(spec) is compiled
+        with pytest.raises(StructuredOutputError, match="JSON schema"):
+            asyncio.run(compiler.compile(bad))
+    finally:
+        compiler.close()
+
+
 def test_tokenizer_larger_than_the_model_is_a_client_error(tokenizer, eos_ids):
     compiler = GrammarCompiler(tokenizer, 256, [0])
     try:

@@ -162,6 +162,9 @@ class GrammarCompiler:
         except StructuredOutputError as e:
             raise type(e)(str(e)) from None
         try:
+            if job.future.done():  # a cached compile: its result, however long ago it started (a wait
+                # of 0 s on the wrapped future would time out before the loop copies the result over)
+                return job.future.result()
             remaining = max(0.0, started + self.timeout_s - time.monotonic())
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)), remaining)
         except TimeoutError:
