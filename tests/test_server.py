@@ -345,6 +345,30 @@ def test_client_disconnect_aborts_and_frees(server):
     assert metric(server, "hylora_requests_total", 'adapter="relic",status="abort"') == before + 1
 
 
+def test_client_that_hangs_up_on_a_non_streaming_request_aborts_it(server):
+    """The server sees a non-streaming client's disconnect too (no middleware may hide it): its
+    request is aborted and its slot and pages freed, not run to max_tokens for nobody."""
+    body = {
+        "model": "tomb",
+        "messages": [{"role": "user", "content": "Describe."}],
+        "n": 16,  # ~30 s of work on the CPU
+        "max_tokens": 480,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    label = 'adapter="tomb",status="abort"'
+    seen = _has(server, f"hylora_requests_total{{{label}}}")
+    before = metric(server, "hylora_requests_total", label) if seen else 0.0
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 2 s and closes its connection
+        httpx.post(f"{server}/v1/chat/completions", json=body, timeout=2)
+    for _ in range(100):
+        if metric(server, "hylora_running_requests") == 0 and metric(server, "hylora_kv_pages_used") == 0:
+            break
+        time.sleep(0.1)
+    assert metric(server, "hylora_running_requests") == 0 and metric(server, "hylora_kv_pages_used") == 0
+    assert metric(server, "hylora_requests_total", label) == before + 16
+
+
 def test_numerical_fault_fails_one_request_and_the_next_is_unaffected(client, server, offline):
     expected = offline_chat(offline, PROMPTS[4], "mural", max_tokens=8, temperature=0)
     with pytest.raises(openai.InternalServerError, match="numerical fault.*'mural'"):

@@ -42,7 +42,7 @@ from hylora.server.protocol import (
     Unsupported,
 )
 from hylora.server.routing import ConflictError, RouteError, TaskRouter
-from hylora.server.security import Forbidden, adapter_dir_under, key_matches
+from hylora.server.security import Forbidden, RequireKey, adapter_dir_under
 from hylora.server.streaming import EventStream
 from hylora.server.vllm_metrics import VLLMMetrics
 from hylora.structured import (
@@ -119,21 +119,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     open_paths = {"/health"} | ({"/metrics"} if state.public_metrics else set())
 
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        if (
-            state.api_key
-            and request.url.path not in open_paths
-            and not key_matches(request.headers.get("authorization"), state.api_key)
-        ):
-            state.metrics.rejected.labels(code="401").inc()
-            return error_response(
-                401,
-                "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                "authentication_error",
-                "invalid_api_key",
-            )
-        return await call_next(request)
+    def refuse_key() -> Response:
+        state.metrics.rejected.labels(code="401").inc()
+        message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+        return error_response(401, message, "authentication_error", "invalid_api_key")
+
+    app.add_middleware(RequireKey, api_key=state.api_key, open_paths=open_paths, refuse=refuse_key)
 
     if state.cors is not None:  # outermost: a browser's preflight needs no API key
         app.add_middleware(CORSMiddleware, **state.cors)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 class Forbidden(PermissionError):
@@ -14,6 +16,24 @@ def key_matches(header: str | None, api_key: str) -> bool:
     if not header or not header.startswith("Bearer "):
         return False
     return hmac.compare_digest(header[len("Bearer ") :].strip().encode(), api_key.encode())
+
+
+class RequireKey:
+    """ASGI middleware: with an API key set, every path but `open_paths` needs `Authorization: Bearer
+    <key>`, else `refuse()` (a 401 response) answers. Plain ASGI, not Starlette's BaseHTTPMiddleware:
+    that one hands the app a `receive` which never reports `http.disconnect`, so a non-streaming
+    request whose client hung up would run to its end (Request.is_disconnected() stays False)."""
+
+    def __init__(self, app: Any, api_key: str | None, open_paths: set[str], refuse: Callable[[], Any]):
+        self.app, self.api_key, self.open_paths, self.refuse = app, api_key, open_paths, refuse
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and self.api_key and scope.get("path") not in self.open_paths:
+            headers = dict(scope.get("headers") or [])
+            header = headers.get(b"authorization", b"").decode("latin-1") or None
+            if not key_matches(header, self.api_key):
+                return await self.refuse()(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 def adapter_dir_under(root: Path | None, requested: str) -> Path:
