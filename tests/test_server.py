@@ -451,3 +451,33 @@ def test_readme_curl_example(cache_dir, tmp_path):
         )
         reply = json.loads(out.stdout)
         assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["content"]
+
+
+def test_a_many_sequence_request_does_not_starve_a_small_one(cache_dir, tmp_path):
+    """A completion of 4 prompts x n=8 (32 sequences) on a server of 2 running sequences: a small chat
+    request sent after it is answered long before it ends (the server groups a request's sequences
+    and the scheduler shares admission between groups), and both are complete."""
+    args = ["--demo", "--max-num-seqs", "2", "--max-model-len", "256", "--dtype", "float32", "--device", "cpu"]
+    with running_server(args, cache_dir, tmp_path / "log") as handle:
+        url = handle.url
+        big = {"model": "relic", "prompt": [f"Item {i}." for i in range(4)], "n": 8, "max_tokens": 32}
+        big |= {"temperature": 0, "ignore_eos": True}
+        small = {"model": "tomb", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+
+        async def main():
+            async with httpx.AsyncClient(timeout=300) as http:
+                t0 = time.monotonic()
+                big_task = asyncio.create_task(http.post(f"{url}/v1/completions", json=big))
+                while metric(url, "hylora_waiting_requests") < 20:
+                    await asyncio.sleep(0.05)  # most of the big one's sequences queued
+                reply = await http.post(f"{url}/v1/chat/completions", json=small)
+                small_at = time.monotonic() - t0
+                response = await big_task
+                return reply, response, small_at / (time.monotonic() - t0)
+
+        reply, response, share = asyncio.run(main())
+        assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length"
+        assert response.status_code == 200 and len(response.json()["choices"]) == 32
+        assert all(c["finish_reason"] == "length" for c in response.json()["choices"])
+        # it took the first place that freed (~1/16 of the way); FCFS would queue it behind 20 or more
+        assert share < 0.5, share

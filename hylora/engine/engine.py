@@ -168,19 +168,22 @@ class LLMEngine:
         mm: MultimodalPrompt | None = None,
         grammar: CompiledGrammar | None = None,
         grammar_after: Sequence[int] = (),
+        group: str | None = None,
     ) -> Request:
         """Queue a request. Bad input raises RequestError (UnknownAdapter / AdapterBroken for the
         adapter) and changes nothing. `prepared` is the adapter already read off this thread
         (AsyncEngine does that); without it the adapter is prepared here. `mm` holds the prompt's
         images and videos (its placeholder tokens already expanded in `prompt`); `grammar` constrains
         the output (structured outputs, compiled off this thread by `grammar_compiler()`), from the
-        token after `grammar_after` (a thinking model's `</think>`) when that is given."""
+        token after `grammar_after` (a thinking model's `</think>`) when that is given. `group` names
+        the client request this sequence belongs to (n > 1, a list of prompts): waiting sequences are
+        admitted fairly between groups (engine/scheduler.py)."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         ids, params = self.intake.admit(prompt, params or SamplingParams(), mm)
         if adapter is not None and (prepared is None or prepared.version.name != adapter):
             prepared = self.adapters.prepare(adapter)  # UnknownAdapter names what is loaded
-        req = Request(request_id=request_id, prompt_ids=ids, params=params, adapter=adapter, mm=mm)
+        req = Request(request_id=request_id, prompt_ids=ids, params=params, adapter=adapter, mm=mm, group=group)
         self.outputs.add(req)
         req.grammar = grammar.matcher(grammar_after) if grammar is not None else None
         req.prepared = prepared if adapter is not None else None

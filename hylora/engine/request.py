@@ -169,6 +169,10 @@ class Request:
     # set after a step whose forward raised with this request in it: it runs alone until it passes
     suspect_count: int = 0
     lora_wait_steps: int = 0  # steps spent at the head of the queue waiting for a LoRA slot
+    # the client request it belongs to (a chat with n > 1, a completion's prompt list: one Request per
+    # sequence); None: its own. The scheduler shares admission fairly between groups
+    group: str | None = None
+    queue_rank: int = 0  # where it waits: after every waiting request of a lower rank (scheduler.add)
     cache_points: list[int] = field(default_factory=list)  # prompt positions whose state the prefix cache keeps
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (its last admission)
     # speculative decoding: spare state slots for the states after each verified token, and the drafts

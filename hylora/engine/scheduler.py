@@ -1,10 +1,17 @@
 """Continuous batching: which requests run this step, and how many of their tokens.
 
-FCFS. Running requests go first (decode tokens, or the next chunk of a long prompt), then waiting
-ones while the per-step token budget, the running-sequence cap, GDN state slots, KV pages and LoRA
-slots allow. When a running request needs a page and none is free, the latest-arrived running
-request is preempted: its pages and slot are freed and it recomputes from the start later (its
-generated tokens are kept). Nothing crashes for lack of memory: requests queue.
+FCFS, shared fairly between client requests of many sequences (below). Running requests go first
+(decode tokens, or the next chunk of a long prompt), then waiting ones while the per-step token
+budget, the running-sequence cap, GDN state slots, KV pages and LoRA slots allow. When a running
+request needs a page and none is free, the latest-arrived running request is preempted: its pages
+and slot are freed and it recomputes from the start later (its generated tokens are kept). Nothing
+crashes for lack of memory: requests queue.
+
+One client request may stand for many sequences (n > 1, a completion's list of prompts: up to 1024
+Requests of one `group`). Waiting sequences are ordered by their rank in their group (how many of the
+group's sequences were waiting or running when it came) and then by arrival: a one-sequence request
+that arrives behind a 1024-sequence one waits for the next free place, not for the other's 1023, and
+two large requests take turns. Without groups (LLM.generate's prompts) this is plain FCFS.
 
 A request that was in a step whose forward raised is a suspect (`requeue_suspect`): it goes back to
 the head of the queue and its next step runs it alone, so a request that breaks the forward fails
@@ -104,6 +111,7 @@ class Scheduler:
         self.encoder_cache, self.media_key = encoder_cache, media_key
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._group_size: dict[str, int] = {}  # group → its sequences waiting or running
         # state slots each running request holds: its own, and one per draft it may verify
         self.slots_per_request = 1 + config.num_speculative_tokens
         self.num_preemptions = 0  # cumulative (metrics)
@@ -115,7 +123,14 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        """Queue `req` behind every waiting request of its rank or lower (see the module's docstring)."""
+        if req.group is not None:
+            req.queue_rank = self._group_size.get(req.group, 0)
+            self._group_size[req.group] = req.queue_rank + 1
+        behind = len(self.waiting)
+        while behind > 0 and self.waiting[behind - 1].queue_rank > req.queue_rank:
+            behind -= 1
+        self.waiting.insert(behind, req)
 
     def can_admit(self) -> bool:
         """A request waits and the next schedule may start it (a running place and a state slot are
@@ -293,6 +308,10 @@ class Scheduler:
         if req.lora is not None and self.adapters is not None:
             self.adapters.release(req.lora)
             req.lora = None
+        if req.group is not None and req.status is not Status.FINISHED:
+            left = self._group_size.pop(req.group, 1) - 1
+            if left > 0:
+                self._group_size[req.group] = left
         req.status = Status.FINISHED
 
     def ensure_pages(self, req: Request, num_tokens: int) -> bool:
@@ -314,6 +333,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = Status.WAITING
+        req.queue_rank = -1  # back at the head: no newcomer is queued in front of it
         self.waiting.appendleft(req)
 
     def _free_cache(self, req: Request, scrub: bool) -> None:

@@ -92,6 +92,7 @@ class Job:
                         mm,
                         self.grammar,
                         self.grammar_after,
+                        group=self.id,
                     )
                 )
         except BaseException as e:
