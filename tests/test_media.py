@@ -500,6 +500,10 @@ def test_vllm_option_spellings_merge_like_vllm(cfg):
     # media_io_kwargs' num_frames -1 (vLLM: the loader keeps every frame) is hylora's default
     assert merge_overrides({"fps": 1}, {"video": {"num_frames": -1}, "image": {}}) == {"fps": 1}
     assert merge_overrides(None, {"video": {"num_frames": 8}}) == {"num_frames": 8}
+    with pytest.raises(MediaError, match=r"media_io_kwargs\['image'\] \['x'\]"):  # the field it came in
+        merge_overrides(None, {"image": {"x": 1}})
+    with pytest.raises(MediaError, match="min_pixels=9000 is above max_pixels=5000"):
+        apply_overrides(cfg.image, {"min_pixels": 9000, "max_pixels": 5000}, LIMITS)
     # a request's fps replaces the server's default num_frames, and the other way round
     assert layer_overrides({"num_frames": 8, "max_frames": 20}, {"fps": 1}) == {"max_frames": 20, "fps": 1}
     assert layer_overrides({"fps": 1}, {"num_frames": 4}) == {"num_frames": 4}

@@ -481,3 +481,23 @@ def test_a_many_sequence_request_does_not_starve_a_small_one(cache_dir, tmp_path
         assert all(c["finish_reason"] == "length" for c in response.json()["choices"])
         # it took the first place that freed (~1/16 of the way); FCFS would queue it behind 20 or more
         assert share < 0.5, share
+
+
+def test_bad_bodies_get_a_message_that_says_what_to_fix(server):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"model": "relic", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]}
+    r = httpx.post(f"{server}/tokenize", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "/tokenize takes text content only, not image_url parts" in r.json()["error"]["message"]
+
+    chat = '{"model": "relic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": %s}'
+    for raw, why in (
+        (chat % ("9" * 5000), "integer with more than 4300 digits"),
+        (chat % ("[" * 20_000 + "]" * 20_000), "nests arrays or objects too deeply"),
+    ):
+        r = httpx.post(
+            f"{server}/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}, timeout=30
+        )
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text[:300]
+    probe = {"model": "relic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(f"{server}/v1/chat/completions", json=probe, timeout=60).status_code == 200

@@ -161,6 +161,8 @@ def apply_overrides(cfg: C, overrides: Mapping[str, Any] | None, limits: MediaLi
         changes[key] = _positive_int(key, value)
         if changes[key] > cfg.max_pixels:  # min_pixels grows small inputs, so it is capped too
             raise MediaError(f"{key}={changes[key]} is above this model's limit of {cfg.max_pixels} pixels")
+    if changes.get("min_pixels", 0) > changes.get("max_pixels", float("inf")):  # both sent, crossed
+        raise MediaError(f"min_pixels={changes['min_pixels']} is above max_pixels={changes['max_pixels']}")
     if is_video:
         changes.update(_video_overrides(cfg, own, limits))
     return dataclasses.replace(cfg, **changes)
@@ -171,8 +173,12 @@ def merge_overrides(processor_kwargs: Mapping[str, Any] | None, io_kwargs: Mappi
     and the per-kind `media_io_kwargs` ({"video": {"num_frames": 16}}). `num_frames: -1` there is vLLM's
     "the loader keeps every frame", which hylora's loader always does before sampling: it is dropped."""
     merged = dict(processor_kwargs or {})
-    for kind_kwargs in (io_kwargs or {}).values():
+    for kind, kind_kwargs in (io_kwargs or {}).items():
         if isinstance(kind_kwargs, Mapping):
+            unknown = set(kind_kwargs) - IMAGE_OVERRIDES - VIDEO_OVERRIDES - IGNORED_OVERRIDES
+            if unknown:  # named here: apply_overrides would blame mm_processor_kwargs
+                accepted = ", ".join(sorted(IMAGE_OVERRIDES | VIDEO_OVERRIDES))
+                raise MediaError(f"unsupported media_io_kwargs[{kind!r}] {sorted(unknown)}; accepted: {accepted}")
             merged |= {k: v for k, v in kind_kwargs.items() if not (k == "num_frames" and v == -1)}
     return merged
 

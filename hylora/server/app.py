@@ -245,10 +245,19 @@ def build_app(state: ServerState) -> FastAPI:
             add = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await state.run_text(_tokenize, state, body.prompt, add)
         else:
+            parts = [p for m in body.messages or [] for p in _parts(m)]
+            media = sorted({str(p.get("type")) for p in parts if p.get("type") != "text"})
+            if media:
+                raise APIError(
+                    400,
+                    f"/tokenize takes text content only, not {', '.join(media)} parts: send the text (a request's "
+                    "tokens with its images or videos are in /v1/chat/completions' usage.prompt_tokens)",
+                    param="messages",
+                )
             try:
                 messages = [{"role": m.role, "content": m.text()} for m in body.messages or []]
             except Unsupported as e:
-                raise APIError(400, str(e)) from None
+                raise APIError(400, str(e), param="messages") from None
             _check_chars(state, sum(len(m["content"]) for m in messages))
             ids = await state.run_text(_render_chat, state, messages, body.add_generation_prompt)
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
@@ -333,6 +342,12 @@ async def _chat_prompt(
         raise APIError(400, str(e), param=e.param or "messages") from None
     ids = await state.run_text(_render_chat, state, texts, body.add_generation_prompt, **template_kwargs)
     return ids, None
+
+
+def _parts(message: Any) -> list[dict[str, Any]]:
+    """A message's content parts (none for plain-text content)."""
+    content = message.content
+    return [p for p in content if isinstance(p, dict)] if isinstance(content, list) else []
 
 
 def _template_kwargs(state: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:

@@ -75,6 +75,8 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if e.status_code == 400 and e.detail == BODY_PARSE_ERROR and e.__cause__ is not None:
+            return error_response(400, _unparsable_body(e.__cause__))
         return error_response(e.status_code, str(e.detail))
 
     @app.exception_handler(Exception)
@@ -82,6 +84,18 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
         metrics.rejected.labels(code="500").inc()
         return error_response(500, f"internal server error: {e!r}", "server_error", "internal_error")
+
+
+BODY_PARSE_ERROR = "There was an error parsing the body"  # FastAPI's detail when json.loads raised
+
+
+def _unparsable_body(cause: BaseException) -> str:
+    """What to fix in a body Python's JSON parser refused for a reason other than its syntax."""
+    if isinstance(cause, RecursionError):
+        return "the request body nests arrays or objects too deeply to parse: flatten it"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return "the request body holds an integer with more than 4300 digits: send a smaller number"
+    return f"the request body could not be parsed as JSON: {cause}"
 
 
 class BodyLimit:
