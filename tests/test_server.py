@@ -501,3 +501,13 @@ def test_bad_bodies_get_a_message_that_says_what_to_fix(server):
         assert r.status_code == 400 and why in r.json()["error"]["message"], r.text[:300]
     probe = {"model": "relic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert httpx.post(f"{server}/v1/chat/completions", json=probe, timeout=60).status_code == 200
+
+
+def test_vllm_fields_that_would_change_the_output_are_refused_not_ignored(server):
+    chat = {"model": "relic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for field, value in (("allowed_token_ids", [5, 6]), ("bad_words", ["x"]), ("echo", True)):
+        r = httpx.post(f"{server}/v1/chat/completions", json=chat | {field: value}, timeout=30)
+        assert r.status_code == 400, (field, r.text)
+        assert r.json()["error"]["param"] == field and "not supported by hylora" in r.json()["error"]["message"]
+    for field, value in (("allowed_token_ids", []), ("bad_words", None), ("echo", False), ("priority", 3)):
+        assert httpx.post(f"{server}/v1/chat/completions", json=chat | {field: value}, timeout=60).status_code == 200

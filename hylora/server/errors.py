@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hylora.engine.request import FailureKind
 from hylora.server.metrics import ServerMetrics
+from hylora.server.protocol import Unsupported
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,11 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def api_error(request: Request, e: APIError) -> JSONResponse:
         metrics.rejected.labels(code=str(e.status)).inc()
         return error_response(e.status, e.message, e.kind, e.code, e.param)
+
+    @app.exception_handler(Unsupported)
+    async def unsupported(request: Request, e: Unsupported) -> JSONResponse:
+        metrics.rejected.labels(code="400").inc()
+        return error_response(400, str(e), param=e.param)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:

@@ -51,8 +51,26 @@ class _Body(BaseModel):
         return self
 
     def warn_unknown(self, route: str) -> None:
-        if self.model_extra:
-            log.warning("%s: ignoring unknown fields %s", route, sorted(self.model_extra)[:20])
+        """Refuse a vLLM field hylora does not implement that would change the output; log the rest."""
+        extra = self.model_extra or {}
+        for name, instead in UNIMPLEMENTED_FIELDS.items():
+            if name in extra and extra[name] not in (None, False, [], {}, 0):
+                raise Unsupported(f"{name} is not supported by hylora: {instead}", param=name)
+        if extra:
+            log.warning("%s: ignoring unknown fields %s", route, sorted(extra)[:20])
+
+
+# vLLM request fields that change what is generated and that hylora does not implement: sent with an
+# effect (a non-empty list, true), each is refused rather than ignored, so that nobody is served an
+# output other than the one they asked for. Unknown fields stay ignored with a warning, as vLLM does.
+UNIMPLEMENTED_FIELDS = {
+    "allowed_token_ids": "restrict the output with logit_bias or structured outputs (guided_choice, regex)",
+    "bad_words": "ban tokens with logit_bias (-100)",
+    "logits_processors": "hylora runs no custom logits processors",
+    "truncate_prompt_tokens": "shorten the prompt yourself",
+    "continue_final_message": "end the prompt with the assistant's text through /v1/completions",
+    "echo": "on chat, prepend the prompt yourself (/v1/completions takes echo)",
+}
 
 
 class SamplingRequest(_Body):
