@@ -505,9 +505,25 @@ def test_bad_bodies_get_a_message_that_says_what_to_fix(server):
 
 def test_vllm_fields_that_would_change_the_output_are_refused_not_ignored(server):
     chat = {"model": "relic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    for field, value in (("allowed_token_ids", [5, 6]), ("bad_words", ["x"]), ("echo", True)):
+    for field, value in (("bad_words", ["x"]), ("echo", True), ("truncate_prompt_tokens", 8)):
         r = httpx.post(f"{server}/v1/chat/completions", json=chat | {field: value}, timeout=30)
         assert r.status_code == 400, (field, r.text)
         assert r.json()["error"]["param"] == field and "not supported by hylora" in r.json()["error"]["message"]
     for field, value in (("allowed_token_ids", []), ("bad_words", None), ("echo", False), ("priority", 3)):
         assert httpx.post(f"{server}/v1/chat/completions", json=chat | {field: value}, timeout=60).status_code == 200
+
+
+def test_allowed_token_ids_restricts_the_output_as_offline(server, offline):
+    """vLLM's allowed_token_ids: every generated token is one of them, sampled or greedy, and the server
+    gives the offline engine's tokens; an id outside the vocabulary is a 400."""
+    allowed = [offline.tokenizer.encode(w, add_special_tokens=False)[0] for w in (" yes", " no", " maybe")]
+    for params in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
+        want = offline_chat(offline, PROMPTS[1], "tomb", max_tokens=6, allowed_token_ids=allowed, **params)
+        assert want.token_ids and set(want.token_ids) <= set(allowed)
+        body = {"model": "tomb", "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 6}
+        body |= {"allowed_token_ids": allowed, **params}
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want.text
+    body = {"model": "tomb", "messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": [10**9]}
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "allowed_token_ids must be in" in r.json()["error"]["message"]

@@ -35,6 +35,9 @@ class RequestIntake:
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             outside = sorted(t for t in params.logit_bias if not 0 <= t < vocab)[:5]
             raise RequestError(f"logit_bias token ids must be in [0, {vocab}); got {outside}")
+        if params.allowed_token_ids and any(not 0 <= t < vocab for t in params.allowed_token_ids):
+            outside = sorted({t for t in params.allowed_token_ids if not 0 <= t < vocab})[:5]
+            raise RequestError(f"allowed_token_ids must be in [0, {vocab}); got {outside}")
         limit = self.config.max_model_len
         if len(ids) + params.max_tokens > limit:
             raise RequestError(

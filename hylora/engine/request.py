@@ -38,6 +38,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     min_tokens: int = 0  # EOS and stop_token_ids are suppressed until this many tokens are generated
     logit_bias: dict[int, float] | None = None  # token id → added to its logit, clamped to [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be drawn (None or []: any)
 
     MAX_LOGPROBS = 20
     MAX_TEMPERATURE = 2.0
@@ -108,6 +109,9 @@ class SamplingParams:
             for k, v in bias.items()
         ):
             problems.append(f"logit_bias must map at most {self.MAX_LOGIT_BIAS} token ids to finite numbers")
+        allowed = self.allowed_token_ids
+        if allowed is not None and not (isinstance(allowed, list) and all(_is_int(t) for t in allowed)):
+            problems.append("allowed_token_ids must be a list of token ids")
         return problems
 
     @property

@@ -135,8 +135,13 @@ def launch_sample(logits: torch.Tensor, requests: list[Request], eos_ids: tuple[
 
 
 def _edit_row(row: torch.Tensor, req: Request, eos_ids: tuple[int, ...], vocab: int) -> None:
-    """min_tokens, logit_bias and penalties of one request, in place on its row."""
+    """allowed_token_ids, min_tokens, logit_bias and penalties of one request, in place on its row."""
     p = req.params
+    if p.allowed_token_ids:  # every other token to -inf (with a grammar too: the two masks intersect)
+        keep = to_device(p.allowed_token_ids, row.device, torch.long)
+        kept = row[keep]
+        row.fill_(float("-inf"))
+        row[keep] = kept
     if p.min_tokens and len(req.output_ids) < p.min_tokens and not (req.grammar and req.grammar.is_terminated()):
         banned = [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < vocab]
         row[to_device(banned, row.device, torch.long)] = float("-inf")

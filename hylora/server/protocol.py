@@ -64,7 +64,6 @@ class _Body(BaseModel):
 # effect (a non-empty list, true), each is refused rather than ignored, so that nobody is served an
 # output other than the one they asked for. Unknown fields stay ignored with a warning, as vLLM does.
 UNIMPLEMENTED_FIELDS = {
-    "allowed_token_ids": "restrict the output with logit_bias or structured outputs (guided_choice, regex)",
     "bad_words": "ban tokens with logit_bias (-100)",
     "logits_processors": "hylora runs no custom logits processors",
     "truncate_prompt_tokens": "shorten the prompt yourself",
@@ -92,6 +91,7 @@ class SamplingRequest(_Body):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM: only these tokens may be generated
     best_of: int | None = None
     prompt_logprobs: int | None = None  # vLLM: logprobs of every prompt token (+ top-k), non-streaming
     min_tokens: int = 0
@@ -157,6 +157,7 @@ class SamplingRequest(_Body):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=_token_bias(self.logit_bias),
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids else None,
         )
 
 
