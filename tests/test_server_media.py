@@ -169,6 +169,9 @@ def test_a_video_sent_as_its_frames_equals_the_offline_engine(server, offline, d
     assert bad.status_code == 400 and "send the frames of a video at one size" in bad.json()["error"]["message"]
 
 
+_CALL = {"id": "c0", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+
+
 def _png(width: int, height: int) -> bytes:
     from PIL import Image
 
@@ -183,6 +186,7 @@ def test_bad_media_get_4xx_and_the_next_request_is_unchanged(server, media, demo
     video = video_bytes(14, 64, 96, fps=4)
     outside = tmp_path / "outside.png"
     outside.write_bytes(_png(64, 64))
+    image_parts = [{"type": "image_url", "image_url": {"url": media["image"]}}]
     cases = [
         (messages(("video_url", data_url(video[: len(video) // 2], "video/mp4"))), "video"),  # truncated
         (messages(("video_url", data_url(garbage(), "video/mp4"))), "could not open video"),  # unknown container
@@ -197,6 +201,14 @@ def test_bad_media_get_4xx_and_the_next_request_is_unchanged(server, media, demo
         (messages(("video_url", media["video"]), ("video_url", media["video"])), "allows 1 per prompt"),
         ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "not supported"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "expected"),
+        (  # Qwen's template renders a tool result's content as text only
+            [
+                {"role": "user", "content": "Look."},
+                {"role": "assistant", "content": "", "tool_calls": [_CALL]},
+                {"role": "tool", "tool_call_id": "c0", "content": image_parts},
+            ],
+            "images and videos in tool messages: put them in a user message",
+        ),
     ]
     for msgs, needle in cases:
         r = ask(server, "relic", msgs)

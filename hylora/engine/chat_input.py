@@ -214,7 +214,14 @@ def _render(
     except PromptTooLong:
         raise
     except Exception as e:
-        raise MediaError(f"the chat template cannot render these messages: {e}") from None
+        roles = sorted({str(m.get("role")) for m in messages if m.get("role") != "user" and _has_media_part(m)})
+        hint = f" (images and videos in {', '.join(roles)} messages: put them in a user message)" if roles else ""
+        raise MediaError(f"the chat template cannot render these messages{hint}: {e}") from None
+
+
+def _has_media_part(message: Mapping[str, Any]) -> bool:
+    content = message.get("content")
+    return isinstance(content, list) and any(_part_type(p) not in (None, "text") for p in content)
 
 
 def _part_type(part: Any) -> str | None:
