@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +99,17 @@ def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
     `chars > max_model_len * max_token_chars` proves a text too long without tokenising it."""
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     return max((len(t) for t in tokens if t), default=1)
+
+
+def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, words: Sequence[str]) -> list[list[int]]:
+    """vLLM's `bad_words` as token sequences: each word as written (leading spaces stripped) and, where
+    the tokenizer gives it a different first token of the same length, with one leading space (the
+    word inside a sentence). The sampler bans a sequence's last token where the output ends with the rest."""
+    sequences: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences += [bare] if bare else []
+        if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return sequences

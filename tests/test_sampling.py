@@ -168,3 +168,37 @@ def test_a_nan_row_fails_alone_and_its_neighbours_sample():
     forbidden = torch.full((1, 10), float("-inf"))
     (only,) = sample(forbidden, [req(SamplingParams(temperature=0))])
     assert isinstance(only, SamplingError) and "every token is forbidden" in str(only)
+
+
+def test_allowed_token_ids_and_bad_words_mask_the_draw():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]])
+    greedy = SamplingParams(temperature=0.0)
+    assert sample(logits, [req(SamplingParams(temperature=0.0, allowed_token_ids=[3, 4]))])[0][0] == 3
+    assert sample(logits, [req(SamplingParams(temperature=0.0, bad_words_ids=[[0], [1]]))])[0][0] == 2
+    # a two-token word: its last token is banned only right after its first
+    word = SamplingParams(temperature=0.0, bad_words_ids=[[2, 0]])
+    assert sample(logits, [req(word, output=[2])])[0][0] == 1
+    assert sample(logits, [req(word, output=[3])])[0][0] == 0
+    assert sample(logits, [req(word, output=[])])[0][0] == 0
+    assert sample(logits, [req(greedy, output=[2])])[0][0] == 0
+    # sampled, not greedy: a banned token is never drawn
+    r = req(SamplingParams(temperature=1.0, seed=0, bad_words_ids=[[0]], allowed_token_ids=[0, 1, 2]))
+    assert {sample(logits, [r])[0][0] for _ in range(200)} == {1, 2}
+    # both masks leave nothing: that request fails alone, with the reason
+    (failed,) = sample(logits, [req(SamplingParams(temperature=0.0, allowed_token_ids=[0], bad_words_ids=[[0]]))])
+    assert isinstance(failed, SamplingError) and "every token is forbidden" in str(failed)
+
+
+def test_bad_words_token_ids_as_vllm_tokenises_them(tmp_path):
+    from hylora.demo import write_tokenizer
+    from hylora.tokenizer import bad_words_token_ids, load_tokenizer
+
+    write_tokenizer(tmp_path, 1024)
+    tok = load_tokenizer(tmp_path)
+    seqs = bad_words_token_ids(tok, ["relic", " tomb"])
+    assert tok.encode("relic", add_special_tokens=False) in seqs
+    assert tok.encode("tomb", add_special_tokens=False) in seqs  # leading spaces are stripped first
+    for word in ("relic", "tomb"):
+        spaced = tok.encode(" " + word, add_special_tokens=False)
+        bare = tok.encode(word, add_special_tokens=False)
+        assert (spaced in seqs) == (spaced[0] != bare[0] and len(spaced) == len(bare))

@@ -505,7 +505,7 @@ def test_bad_bodies_get_a_message_that_says_what_to_fix(server):
 
 def test_vllm_fields_that_would_change_the_output_are_refused_not_ignored(server):
     chat = {"model": "relic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    for field, value in (("bad_words", ["x"]), ("echo", True), ("truncate_prompt_tokens", 8)):
+    for field, value in (("logits_processors", ["x"]), ("echo", True), ("truncate_prompt_tokens", 8)):
         r = httpx.post(f"{server}/v1/chat/completions", json=chat | {field: value}, timeout=30)
         assert r.status_code == 400, (field, r.text)
         assert r.json()["error"]["param"] == field and "not supported by hylora" in r.json()["error"]["message"]
@@ -527,3 +527,19 @@ def test_allowed_token_ids_restricts_the_output_as_offline(server, offline):
     body = {"model": "tomb", "messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": [10**9]}
     r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and "allowed_token_ids must be in" in r.json()["error"]["message"]
+
+
+def test_bad_words_are_never_generated_and_the_rest_is_as_offline(server, offline):
+    """vLLM's bad_words: the greedy reply's first word, banned, no longer appears; the server's reply
+    equals the offline engine's with the same token sequences."""
+    from hylora.tokenizer import bad_words_token_ids
+
+    first = offline_chat(offline, PROMPTS[2], "mural", max_tokens=8, temperature=0)
+    word = offline.tokenizer.decode(first.token_ids[:1]).strip() or "x"
+    banned = bad_words_token_ids(offline.tokenizer, [word])
+    want = offline_chat(offline, PROMPTS[2], "mural", max_tokens=8, temperature=0, bad_words_ids=banned)
+    assert want.token_ids[:1] != first.token_ids[:1]
+    assert not any(seq == want.token_ids[i : i + len(seq)] for seq in banned for i in range(len(want.token_ids)))
+    body = {"model": "mural", "messages": [{"role": "user", "content": PROMPTS[2]}], "max_tokens": 8}
+    r = httpx.post(f"{server}/v1/chat/completions", json=body | {"temperature": 0, "bad_words": [word]}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want.text

@@ -35,6 +35,8 @@ class RequestIntake:
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             outside = sorted(t for t in params.logit_bias if not 0 <= t < vocab)[:5]
             raise RequestError(f"logit_bias token ids must be in [0, {vocab}); got {outside}")
+        if any(not 0 <= t < vocab for seq in params.bad_words_ids for t in seq):
+            raise RequestError(f"bad_words token ids must be in [0, {vocab})")
         if params.allowed_token_ids and any(not 0 <= t < vocab for t in params.allowed_token_ids):
             outside = sorted({t for t in params.allowed_token_ids if not 0 <= t < vocab})[:5]
             raise RequestError(f"allowed_token_ids must be in [0, {vocab}); got {outside}")

@@ -39,6 +39,9 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are suppressed until this many tokens are generated
     logit_bias: dict[int, float] | None = None  # token id → added to its logit, clamped to [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be drawn (None or []: any)
+    # vLLM's bad_words as token sequences (tokenizer.bad_words_token_ids): a sequence's last token is
+    # banned wherever the output so far ends with the rest of it (always, for one-token sequences)
+    bad_words_ids: list[list[int]] = field(default_factory=list)
 
     MAX_LOGPROBS = 20
     MAX_TEMPERATURE = 2.0
@@ -47,6 +50,7 @@ class SamplingParams:
     MAX_STOP_CHARS = 512
     MAX_STOP_TOKEN_IDS = 1024
     MAX_LOGIT_BIAS = 1024
+    MAX_BAD_WORDS_IDS = 256  # token sequences (bad words: up to two each)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -109,6 +113,11 @@ class SamplingParams:
             for k, v in bias.items()
         ):
             problems.append(f"logit_bias must map at most {self.MAX_LOGIT_BIAS} token ids to finite numbers")
+        bad = self.bad_words_ids
+        if len(bad) > self.MAX_BAD_WORDS_IDS or not all(
+            isinstance(seq, list) and seq and all(_is_int(t) for t in seq) for seq in bad
+        ):
+            problems.append(f"bad_words must give at most {self.MAX_BAD_WORDS_IDS} non-empty token sequences")
         allowed = self.allowed_token_ids
         if allowed is not None and not (isinstance(allowed, list) and all(_is_int(t) for t in allowed)):
             problems.append("allowed_token_ids must be a list of token ids")

@@ -81,7 +81,8 @@ def counts_tokens(req: Request) -> bool:
     not met yet. Such a request's next tokens cannot be drawn several at once (speculation)."""
     p = req.params
     return (
-        p.repetition_penalty != 1.0
+        any(len(seq) > 1 for seq in p.bad_words_ids)
+        or p.repetition_penalty != 1.0
         or bool(p.frequency_penalty)
         or bool(p.presence_penalty)
         or len(req.output_ids) < p.min_tokens
@@ -135,13 +136,19 @@ def launch_sample(logits: torch.Tensor, requests: list[Request], eos_ids: tuple[
 
 
 def _edit_row(row: torch.Tensor, req: Request, eos_ids: tuple[int, ...], vocab: int) -> None:
-    """allowed_token_ids, min_tokens, logit_bias and penalties of one request, in place on its row."""
+    """allowed_token_ids, bad_words, min_tokens, logit_bias and penalties of one request, in place on
+    its row."""
     p = req.params
     if p.allowed_token_ids:  # every other token to -inf (with a grammar too: the two masks intersect)
         keep = to_device(p.allowed_token_ids, row.device, torch.long)
         kept = row[keep]
         row.fill_(float("-inf"))
         row[keep] = kept
+    if p.bad_words_ids:
+        out = req.output_ids
+        banned = [s[-1] for s in p.bad_words_ids if len(s) == 1 or out[len(out) - len(s) + 1 :] == s[:-1]]
+        if banned:
+            row[to_device(banned, row.device, torch.long)] = float("-inf")
     if p.min_tokens and len(req.output_ids) < p.min_tokens and not (req.grammar and req.grammar.is_terminated()):
         banned = [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < vocab]
         row[to_device(banned, row.device, torch.long)] = float("-inf")

@@ -25,6 +25,7 @@ from hylora.server.chat_output import ChatOutputs
 from hylora.server.errors import APIError
 from hylora.server.protocol import CompletionRequest, SamplingRequest
 from hylora.structured import CompiledGrammar
+from hylora.tokenizer import bad_words_token_ids
 
 if TYPE_CHECKING:
     from hylora.server.app import ServerState
@@ -65,8 +66,9 @@ class Job:
         self.model = body.model or adapter or state.router.base_name
         try:
             defaults = state.sampling_defaults
+            bad = bad_words_token_ids(state.engine.tokenizer, body.bad_words) if body.bad_words else None
             self.params = [
-                body.sampling_params(max_tokens[p], logprobs, prompt_logprobs, i, defaults)
+                body.sampling_params(max_tokens[p], logprobs, prompt_logprobs, i, defaults, bad)
                 for p in range(len(prompts))
                 for i in range(body.n)
             ]

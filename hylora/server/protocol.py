@@ -64,7 +64,6 @@ class _Body(BaseModel):
 # effect (a non-empty list, true), each is refused rather than ignored, so that nobody is served an
 # output other than the one they asked for. Unknown fields stay ignored with a warning, as vLLM does.
 UNIMPLEMENTED_FIELDS = {
-    "bad_words": "ban tokens with logit_bias (-100)",
     "logits_processors": "hylora runs no custom logits processors",
     "truncate_prompt_tokens": "shorten the prompt yourself",
     "continue_final_message": "end the prompt with the assistant's text through /v1/completions",
@@ -92,6 +91,7 @@ class SamplingRequest(_Body):
     stream_options: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM: only these tokens may be generated
+    bad_words: list[str] | None = Field(default=None, max_length=128)  # vLLM: words never generated
     best_of: int | None = None
     prompt_logprobs: int | None = None  # vLLM: logprobs of every prompt token (+ top-k), non-streaming
     min_tokens: int = 0
@@ -128,9 +128,11 @@ class SamplingRequest(_Body):
         prompt_logprobs: int | None,
         seed_offset: int = 0,
         defaults: dict[str, Any] | None = None,
+        bad_words_ids: list[list[int]] | None = None,
     ) -> SamplingParams:
         """`defaults`: the sampling values that apply when the request sets none (the model's
-        generation_config.json, unless the server was started with --generation-config vllm)."""
+        generation_config.json, unless the server was started with --generation-config vllm);
+        `bad_words_ids`: `bad_words` tokenised (tokenizer.bad_words_token_ids)."""
         d = SAMPLING_DEFAULTS | (defaults or {})
 
         def pick(name: str) -> Any:
@@ -158,6 +160,7 @@ class SamplingRequest(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=_token_bias(self.logit_bias),
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids else None,
+            bad_words_ids=[list(s) for s in bad_words_ids or []],
         )
 
 
