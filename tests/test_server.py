@@ -543,3 +543,10 @@ def test_bad_words_are_never_generated_and_the_rest_is_as_offline(server, offlin
     body = {"model": "mural", "messages": [{"role": "user", "content": PROMPTS[2]}], "max_tokens": 8}
     r = httpx.post(f"{server}/v1/chat/completions", json=body | {"temperature": 0, "bad_words": [word]}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want.text
+
+
+def test_a_text_part_without_string_text_is_a_400(server):
+    for part in ({"type": "text"}, {"type": "text", "text": ["a", "b"]}, {"type": "text", "text": 5}):
+        body = {"model": "relic", "messages": [{"role": "user", "content": [part]}], "max_tokens": 2}
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400 and "needs a string 'text'" in r.json()["error"]["message"], (part, r.text)

@@ -201,6 +201,7 @@ def test_bad_media_get_4xx_and_the_next_request_is_unchanged(server, media, demo
         (messages(("video_url", media["video"]), ("video_url", media["video"])), "allows 1 per prompt"),
         ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "not supported"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "expected"),
+        ([{"role": "user", "content": [*image_parts, {"type": "text", "text": None}]}], "needs a string 'text'"),
         (  # Qwen's template renders a tool result's content as text only
             [
                 {"role": "user", "content": "Look."},

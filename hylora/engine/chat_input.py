@@ -97,7 +97,9 @@ def normalise(messages: list[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], 
         for j, part in enumerate(content):
             kind = _part_type(part)
             if kind == "text":
-                parts.append({"type": "text", "text": str(part.get("text", ""))})
+                if not isinstance(part.get("text"), str):
+                    raise MediaError(f"a text content part needs a string 'text', got {part.get('text')!r:.80}")
+                parts.append({"type": "text", "text": part["text"]})
             elif kind in MEDIA_PARTS:
                 refs.append(MediaRef(MEDIA_PARTS[kind], _url(part, kind, f"messages[{i}].content[{j}]")))
                 parts.append({"type": MEDIA_PARTS[kind]})

@@ -226,7 +226,10 @@ class ChatMessage(_Body):
             kind = part.get("type")
             if kind != "text":
                 raise Unsupported(f"message content of type {kind!r} is not supported (text, image_url, video_url)")
-            parts.append(str(part.get("text", "")))
+            if not isinstance(part.get("text"), str):
+                got = f"{part.get('text')!r:.80}"
+                raise Unsupported(f"a text content part needs a string 'text', got {got}", "messages")
+            parts.append(part["text"])
         return "".join(parts)
 
 
