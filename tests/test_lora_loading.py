@@ -164,6 +164,23 @@ REFUSALS = {
         "does not target: .*o_proj",
     ),
     "not_lora": (lambda c: c | {"peft_type": "IA3"}, None, "peft_type 'IA3'"),
+    # an update too small to change anything would serve the base model under the adapter's name
+    "alpha_zero": (lambda c: c | {"lora_alpha": 0}, None, "its update scale·B·A is at most 0 .*would change nothing"),
+    "alpha_pattern_zero": (
+        lambda c: c | {"alpha_pattern": {"in_proj_qkv": 0, "o_proj": 0}},
+        None,
+        "would change nothing and serve the base model",
+    ),
+    "tiny_b": (None, lambda t: {k: (v * 1e-30 if "lora_B" in k else v) for k, v in t.items()}, "would change nothing"),
+    # one that overflows (or swamps the base weights) would serve garbage or fail every request
+    "alpha_huge": (lambda c: c | {"lora_alpha": 1e308}, None, r"update scale·B·A can reach .*check lora_alpha"),
+    "b_huge": (
+        None,
+        lambda t: {k: (torch.full_like(v, 3e38) if "lora_B" in k else v) for k, v in t.items()},
+        r"update scale·B·A can reach [0-9.]+e\+38",
+    ),
+    "activated_lora": (lambda c: c | {"alora_invocation_tokens": [5, 6]}, None, "alora_invocation_tokens .*"),
+    "trainable_tokens": (lambda c: c | {"trainable_token_indices": [1]}, None, "trainable_token_indices"),
 }
 
 

@@ -146,6 +146,23 @@ def test_cpu_cache_eviction_rereads_the_same_file_or_refuses_a_changed_one(model
         runner.add("a")
 
 
+def test_an_edited_adapter_config_after_eviction_is_refused_not_served(model, adapter_dirs, tmp_path):
+    """Only adapter_config.json changes (lora_alpha): the version read again is not the one loaded,
+    so it is refused (409 through the server) instead of served with another scale."""
+    import json
+    import shutil
+
+    local = tmp_path / "a"
+    shutil.copytree(adapter_dirs["a"], local)
+    registry = AdapterRegistry(model, max_loras=1, max_lora_rank=8, max_cpu_loras=1)
+    registry.load("a", local)
+    registry.load("b", adapter_dirs["b"])  # evicts a from the CPU cache
+    config = json.loads((local / "adapter_config.json").read_text())
+    (local / "adapter_config.json").write_text(json.dumps(config | {"lora_alpha": 2 * config["lora_alpha"]}))
+    with pytest.raises(AdapterError, match="changed on disk since it was loaded"):
+        registry.prepare("a")
+
+
 def test_unknown_adapter_lists_what_is_loaded(model, adapter_dirs):
     registry = AdapterRegistry(model, max_loras=1, max_lora_rank=8)
     registry.load("a", adapter_dirs["a"])

@@ -550,3 +550,16 @@ def test_a_text_part_without_string_text_is_a_400(server):
         body = {"model": "relic", "messages": [{"role": "user", "content": [part]}], "max_tokens": 2}
         r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 400 and "needs a string 'text'" in r.json()["error"]["message"], (part, r.text)
+
+
+def test_an_adapter_may_not_take_a_name_the_base_model_is_served_under(cache_dir, adapter_root, tmp_path):
+    """A second --served-model-name routes to the base model: an adapter loaded under it would be
+    listed but never served (the base model would answer in its place)."""
+    args = ["--demo", "--served-model-name", "hylora-demo", "alias2", "--adapter-root", str(adapter_root)]
+    with running_server([*args, "--max-model-len", "256", "--device", "cpu"], cache_dir, tmp_path / "log") as handle:
+        for name in ("alias2", "hylora-demo"):
+            body = {"lora_name": name, "lora_path": "copy_of_relic"}
+            r = httpx.post(f"{handle.url}/v1/load_lora_adapter", json=body, timeout=60)
+            assert r.status_code == 400 and "is the base model's name" in r.json()["error"]["message"], r.text
+        names = [m["id"] for m in httpx.get(f"{handle.url}/v1/models", timeout=10).json()["data"]]
+        assert names.count("alias2") == 1

@@ -30,6 +30,17 @@ from hylora.model.vision import VisionLinear, VisionTower
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 MAX_CONFIG_BYTES = 1 << 20
+# |scale · B·A| bounds: below NEGLIGIBLE in every module an adapter changes nothing (it would serve the
+# base model under its name); above MAX in any module it overflows or swamps the base weights (~1e-2)
+NEGLIGIBLE_UPDATE = 1e-10
+MAX_UPDATE = 1e4
+# adapter_config.json keys of PEFT variants whose forward is not plain LoRA: served as plain LoRA
+# they would give another model's outputs, so an adapter that sets one is refused
+UNSERVED_CONFIG_KEYS = {
+    "alora_invocation_tokens": "activated LoRA applies only after its invocation tokens",
+    "trainable_token_indices": "trained embedding rows",
+    "use_qalora": "QALoRA's pooled inputs",
+}
 MAX_PATTERN_CHARS = 4096
 # Every user-supplied pattern (target_modules, exclude_modules, rank/alpha_pattern, layers_pattern)
 # is matched with the `regex` engine under this total time budget per adapter, so a pathological
@@ -56,6 +67,15 @@ class LoRAWeight:
     def delta(self, device: torch.device | str | None = None) -> torch.Tensor:
         """scale · B·A [out, in] in fp32: what merging the adapter adds to the base weight."""
         return self.scale * (self.b.to(device, torch.float32) @ self.a.to(device, torch.float32))
+
+    @property
+    def update_bound(self) -> float:
+        """An upper bound on every entry of |scale · B·A| (r · max|B| · max|A| · |scale|), in float64:
+        cheap where the product itself would be a full [out, in] matrix."""
+        if self.a.numel() == 0 or self.b.numel() == 0:
+            return 0.0
+        big = float(self.b.abs().max()) * float(self.a.abs().max())
+        return abs(self.scale) * self.a.shape[0] * big
 
 
 @dataclass
@@ -139,7 +159,7 @@ class AdapterFiles:
     path: Path
     config: AdapterConfig
     tensors: dict[str, torch.Tensor]
-    digest: str  # sha256 of the weights file
+    digest: str  # sha256 of adapter_config.json's bytes, then the weights file's
 
 
 def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None) -> LoRAAdapter:
@@ -152,7 +172,7 @@ def read_adapter_files(path: Path, max_weight_bytes: int | None = None) -> Adapt
     try:
         if not path.is_dir():
             raise AdapterError(f"{path}: not a directory (an adapter is a PEFT directory)")
-        cfg = _read_config(path)
+        cfg, cfg_bytes = _read_config(path)
         weights = path / WEIGHTS_FILE
         if not weights.is_file():
             pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
@@ -177,7 +197,8 @@ def read_adapter_files(path: Path, max_weight_bytes: int | None = None) -> Adapt
         tensors = load_safetensors(data)
     except Exception as e:  # corrupt header, truncated file
         raise AdapterError(f"{weights}: cannot read safetensors ({e})") from None
-    return AdapterFiles(path=path, config=cfg, tensors=tensors, digest=hashlib.sha256(data).hexdigest())
+    digest = hashlib.sha256(hashlib.sha256(cfg_bytes).digest() + data).hexdigest()  # a config edit counts too
+    return AdapterFiles(path=path, config=cfg, tensors=tensors, digest=digest)
 
 
 def parse_adapter(files: AdapterFiles, config: ModelConfig, name: str | None = None) -> LoRAAdapter:
@@ -248,10 +269,17 @@ def parse_adapter(files: AdapterFiles, config: ModelConfig, name: str | None = N
     in_file = set(pairs) | {TOWER_PREFIX + m for m in tower_pairs}
     _check_targets(name, cfg, in_file, config, prefix, patterns)
 
-    if all(not w.b.any() or not w.a.any() for w in [*weights.values(), *tower.values()]):
+    every = [*weights.values(), *tower.values()]
+    if all(not w.b.any() or not w.a.any() for w in every):
         raise AdapterError(
             f"adapter {name!r}: every lora_A or lora_B is all zeros, so it would change nothing "
             "(an untrained PEFT initialisation?)"
+        )
+    largest = max(w.update_bound for w in every)
+    if largest < NEGLIGIBLE_UPDATE:
+        raise AdapterError(
+            f"adapter {name!r}: its update scale·B·A is at most {largest:.2g} in every module, so it would change "
+            f"nothing and serve the base model under its name (lora_alpha {cfg.alpha}; tiny or zeroed weights?)"
         )
     return LoRAAdapter(name=name, path=path, weights=weights, tower=tower)
 
@@ -325,7 +353,14 @@ def _lora_weight(
     scale = alpha / math.sqrt(r) if cfg.use_rslora else alpha / r
     if not math.isfinite(scale):
         raise AdapterError(f"adapter {name!r}: {module_path} has a non-finite scale (lora_alpha {alpha})")
-    return LoRAWeight(a=a, b=b, scale=scale)
+    weight = LoRAWeight(a=a, b=b, scale=scale)
+    if not weight.update_bound <= MAX_UPDATE:  # NaN-safe: an overflowing bound fails too
+        raise AdapterError(
+            f"adapter {name!r}: {module_path}'s update scale·B·A can reach {weight.update_bound:.3g} (lora_alpha "
+            f"{alpha}, max |B| {float(b.abs().max()):.3g}); trained adapters stay far below 1, and this would "
+            f"overflow or swamp the model: check lora_alpha and the weights"
+        )
+    return weight
 
 
 def max_adapter_bytes(config: ModelConfig, max_rank: int) -> int:
@@ -343,14 +378,16 @@ def max_adapter_bytes(config: ModelConfig, max_rank: int) -> int:
     return per_rank * max_rank * 4 + (16 << 20)
 
 
-def _read_config(path: Path) -> AdapterConfig:
+def _read_config(path: Path) -> tuple[AdapterConfig, bytes]:
+    """The validated config and the bytes it was parsed from."""
     cfg_path = path / CONFIG_FILE
     if not cfg_path.is_file():
         raise AdapterError(f"{path}: no {CONFIG_FILE} (is this a PEFT LoRA adapter directory?)")
     if cfg_path.stat().st_size > MAX_CONFIG_BYTES:
         raise AdapterError(f"{cfg_path}: larger than {MAX_CONFIG_BYTES} bytes; not an adapter config")
+    data = cfg_path.read_bytes()
     try:
-        raw = json.loads(cfg_path.read_bytes().decode("utf-8"))
+        raw = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise AdapterError(f"{cfg_path}: not UTF-8 text ({e})") from None
     except (json.JSONDecodeError, RecursionError) as e:
@@ -377,11 +414,12 @@ def _read_config(path: Path) -> AdapterConfig:
         ),
         (bool(cfg.target_parameters), "target_parameters is not supported"),
         (bool(cfg.layer_replication), "layer_replication is not supported"),
+        *((bool(raw.get(key)), f"{key} ({why}) is not supported") for key, why in UNSERVED_CONFIG_KEYS.items()),
     ]
     for refused, why in refusals:
         if refused:
             raise AdapterError(f"{path}: {why}")
-    return cfg
+    return cfg, data
 
 
 @dataclass

@@ -159,7 +159,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/load_lora_adapter")
     async def load_lora(body: LoadLoRARequest) -> dict[str, Any]:
         body.warn_unknown("load_lora_adapter")
-        if body.lora_name == state.router.base_name:
+        if body.lora_name in (state.router.base_name, *state.router.aliases):  # it would route to the base model
             raise APIError(400, f"{body.lora_name!r} is the base model's name; give the adapter another name")
         try:  # file-system work (symlinks, slow mounts) off the event loop
             path = await asyncio.to_thread(adapter_dir_under, state.adapter_root, body.lora_path)
