@@ -5,21 +5,18 @@ adapters mixed in."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
-if torch.cuda.is_available():  # the interpreter set here would take every kernel a GPU session imports later
-    pytest.skip("CPU tests through Triton's interpreter (a GPU runs the compiled ones)", allow_module_level=True)
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the CPU has no Triton backend)
+from tests.triton_mode import interpreter_only
 
-from hylora.engine import SamplingParams
-from hylora.kernels import FAST_KERNELS, model_kernels
-from hylora.kernels.select import fast_verdicts
-from hylora.model.kernels import ModelKernels
-from tests.engine_helpers import make_engine, run
-from tests.helpers import random_ids
+interpreter_only()  # before triton is imported
+
+from hylora.engine import SamplingParams  # noqa: E402
+from hylora.kernels import FAST_KERNELS, model_kernels  # noqa: E402
+from hylora.kernels.select import fast_verdicts  # noqa: E402
+from hylora.model.kernels import ModelKernels  # noqa: E402
+from tests.engine_helpers import make_engine, run  # noqa: E402
+from tests.helpers import random_ids  # noqa: E402
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (the test extra installs it)")
 

@@ -9,25 +9,19 @@ comparisons run compiled, plus bf16 inputs and a CUDA-graph replay.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the CPU has no Triton backend)
+from tests.triton_mode import interpret_without_cuda, kernel_device
 
+interpret_without_cuda()  # before triton is imported
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
-
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from hylora.ops.fp8_linear import reference as R  # noqa: E402
 from hylora.ops.fp8_linear import triton as T  # noqa: E402
 
-INTERPRETED = isinstance(T._gemm_kernel, InterpretedFunction)
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("the kernels were imported compiled (no TRITON_INTERPRET) with no CUDA", allow_module_level=True)
-DEVICE = "cpu" if INTERPRETED else "cuda"
+DEVICE = kernel_device(T._gemm_kernel)
+INTERPRETED = DEVICE == "cpu"
 cuda_only = pytest.mark.skipif(
     INTERPRETED, reason="needs CUDA and compiled Triton (the interpreter was chosen at import)"
 )

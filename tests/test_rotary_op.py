@@ -5,28 +5,20 @@ Qwen3-VL formula."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-# only without CUDA: set unconditionally it would also turn every kernel imported later in a GPU
-# pytest session (fla's, under transformers' reference model) into the interpreter's
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the CPU has no Triton backend)
+from tests.triton_mode import interpret_without_cuda, kernel_device
 
+interpret_without_cuda()  # before triton is imported
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
-
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from hylora.ops.rotary import reference  # noqa: E402
 from hylora.ops.rotary import triton as kernel  # noqa: E402
 from tests.decode_helpers import same_bits  # noqa: E402
 
-INTERPRETED = isinstance(kernel._rotate_half_kernel, InterpretedFunction)
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("the kernel was imported compiled (no TRITON_INTERPRET) with no CUDA", allow_module_level=True)
-DEVICE = "cpu" if INTERPRETED else "cuda"
+DEVICE = kernel_device(kernel._rotate_half_kernel)
+INTERPRETED = DEVICE == "cpu"
 
 NAN = float("nan")
 

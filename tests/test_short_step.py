@@ -11,14 +11,13 @@ Capturing the graphs needs CUDA (tests/test_cuda_graphs.py).
 from __future__ import annotations
 
 import argparse
-import os
 
 import pytest
 import torch
 
-if torch.cuda.is_available():  # the interpreter set here would take every kernel a GPU session imports later
-    pytest.skip("CPU tests through Triton's interpreter (a GPU runs the compiled ones)", allow_module_level=True)
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the CPU has no Triton backend)
+from tests.triton_mode import interpreter_only
+
+interpreter_only()  # before triton is imported
 
 from hylora.engine import EngineConfig  # noqa: E402
 from hylora.engine import short_step as ss  # noqa: E402

@@ -6,14 +6,12 @@ the accepted prefix. The Triton kernel runs on the CPU under Triton's interprete
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if torch.cuda.is_available():  # the interpreter set here would take every kernel a GPU session imports later
-    pytest.skip("CPU tests through Triton's interpreter (a GPU runs the compiled ones)", allow_module_level=True)
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the CPU has no Triton backend)
+from tests.triton_mode import interpreter_only
+
+interpreter_only()  # before triton is imported
 
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
 

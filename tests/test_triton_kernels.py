@@ -9,14 +9,13 @@ unwritten shows; what a kernel must not write is compared bit for bit afterwards
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
 
-if torch.cuda.is_available():  # the interpreter set here would take every kernel a GPU session imports later
-    pytest.skip("CPU tests through Triton's interpreter (a GPU runs the compiled ones)", allow_module_level=True)
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the CPU has no Triton backend)
+from tests.triton_mode import interpreter_only
+
+interpreter_only()  # before triton is imported
 
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
 
