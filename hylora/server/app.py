@@ -158,7 +158,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora(body: LoadLoRARequest) -> dict[str, Any]:
-        body.warn_unknown("load_lora_adapter")
+        body.check_unknown_fields("load_lora_adapter")
         if body.lora_name in (state.router.base_name, *state.router.aliases):  # it would route to the base model
             raise APIError(400, f"{body.lora_name!r} is the base model's name; give the adapter another name")
         try:  # file-system work (symlinks, slow mounts) off the event loop
@@ -178,7 +178,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora(body: UnloadLoRARequest) -> dict[str, Any]:
-        body.warn_unknown("unload_lora_adapter")
+        body.check_unknown_fields("unload_lora_adapter")
         if state.adapter_root is None:
             raise APIError(
                 403, "runtime adapter changes are off; start the server with --adapter-root DIR", "permission_error"
@@ -191,7 +191,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        body.warn_unknown("chat/completions")
+        body.check_unknown_fields("chat/completions")
         adapter = _route(state, body, request)
         tools = _tool_request(state, body)
         template_kwargs = _template_kwargs(state, body)
@@ -213,7 +213,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        body.warn_unknown("completions")
+        body.check_unknown_fields("completions")
         adapter = _route(state, body, request)
         texts = body.prompt_list()
         _check_chars(state, sum(len(p) for p in texts if isinstance(p, str)))

@@ -50,7 +50,7 @@ class _Body(BaseModel):
                 stack += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
         return self
 
-    def warn_unknown(self, route: str) -> None:
+    def check_unknown_fields(self, route: str) -> None:
         """Refuse a vLLM field hylora does not implement that would change the output; log the rest."""
         extra = self.model_extra or {}
         for name, instead in UNIMPLEMENTED_FIELDS.items():
