@@ -113,6 +113,17 @@ def test_logit_bias_ids_outside_the_vocabulary_are_refused(server, watch):
     assert chat(server, "x", logit_bias={"5": 2}).status_code == 200
 
 
+def test_bad_words_are_tokenised_off_the_event_loop(server, watch):
+    """128 bad words of 60 000 characters (7.7 MB, under the body limit) take seconds to tokenise: on
+    the text pool, as prompts are, while /health and a fresh request keep being answered."""
+    words = [f"w{i}" + " inscription" * 5000 for i in range(128)]
+    with watch as w:
+        (r,) = w.attack(lambda: chat(server, "x", bad_words=words))
+        assert r.status_code == 200, r.text[:500]
+    slowest = max(w.health)  # however fast this machine tokenises, the loop never waited for it
+    assert slowest < r.elapsed.total_seconds() / 4, (slowest, r.elapsed)
+
+
 # --- media -----------------------------------------------------------------------------------------
 
 

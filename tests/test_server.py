@@ -255,11 +255,49 @@ def test_load_use_unload_reload_adapter_over_http(server, offline):
         ("escape", 403, "outside the adapter root"),
         ("pickled", 400, "only pickle weights"),
         ("nope", 404, "not a directory"),
+        ("", 400, "lora_path is empty"),
+        (".", 400, "'.' is not an adapter directory: it has no adapter_config.json"),
     ],
 )
 def test_adapter_loading_refusals(server, path, status, message):
     r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path}, timeout=30)
     assert r.status_code == status and message in r.json()["error"]["message"]
+
+
+def test_a_broken_adapter_stays_listed_as_broken_until_loaded_again(cache_dir, demo, tmp_path):
+    """An adapter whose files vanished after loading answers 409; /v1/models lists it with status
+    "broken" and the reason (not silently as servable, nor hidden so that it looks never loaded)."""
+    root = tmp_path / "root"
+    shutil.copytree(demo / "adapters" / "relic", root / "field")
+    args = ["--demo", "--max-loras", "1", "--max-cpu-loras", "1", "--adapter-root", str(root)]
+    with running_server([*args, "--max-model-len", "256", "--device", "cpu"], cache_dir, tmp_path / "log") as handle:
+        url = handle.url
+
+        def ask(model):
+            body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+
+        def cards():
+            return {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
+
+        load = {"lora_name": "field", "lora_path": "field"}
+        assert httpx.post(f"{url}/v1/load_lora_adapter", json=load, timeout=60).status_code == 200
+        for model in ("field", "tomb"):  # tomb takes the one device slot and the one CPU-cache entry
+            assert ask(model).status_code == 200
+        assert {m["status"] for m in cards().values()} == {"ready"}
+        weights = root / "field" / "adapter_model.safetensors"
+        saved = weights.read_bytes()
+        weights.unlink()
+        r = ask("field")
+        assert r.status_code == 409 and "cannot be served any more" in r.json()["error"]["message"], r.text
+        card = cards()["field"]
+        assert card["status"] == "broken" and "no adapter_model.safetensors" in card["status_message"], card
+        assert httpx.get(f"{url}/v1/models/field", timeout=10).json() == card
+        assert cards()["tomb"]["status"] == cards()["hylora-demo"]["status"] == "ready"
+        weights.write_bytes(saved)
+        assert httpx.post(f"{url}/v1/load_lora_adapter", json=load, timeout=60).status_code == 200
+        assert ask("field").status_code == 200
+        assert cards()["field"]["status"] == "ready" and "status_message" not in cards()["field"]
 
 
 # --- load, disconnects, faults ---------------------------------------------------------------
@@ -563,3 +601,42 @@ def test_an_adapter_may_not_take_a_name_the_base_model_is_served_under(cache_dir
             assert r.status_code == 400 and "is the base model's name" in r.json()["error"]["message"], r.text
         names = [m["id"] for m in httpx.get(f"{handle.url}/v1/models", timeout=10).json()["data"]]
         assert names.count("alias2") == 1
+
+
+def test_tokenize_and_detokenize_refuse_an_unknown_model_as_chat_does(server):
+    chat = {"model": "pottery", "messages": [{"role": "user", "content": "hi"}]}
+    unknown = httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=30)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+        r = httpx.post(f"{server}{path}", json=body | {"model": "pottery"}, timeout=30)
+        assert r.status_code == 404 and r.json() == unknown.json(), (path, r.text)
+        for model in ("relic", "hylora-demo"):
+            assert httpx.post(f"{server}{path}", json=body | {"model": model}, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -1),
+        ("top_p", 0),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("min_tokens", -1),
+        ("stop", [""]),
+        ("logit_bias", {"nine": 1}),
+        ("logit_bias", {"999999999": 1}),
+        ("stop_token_ids", [10**9]),
+        ("allowed_token_ids", [10**9]),
+        ("n", 0),
+        ("max_tokens", 0),
+        ("seed", 2**64),
+    ],
+)
+def test_out_of_range_sampling_values_name_their_param(server, field, value):
+    """As OpenAI's errors: `param` is the field at fault."""
+    body = {"model": "relic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | {field: value}
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

@@ -6,7 +6,12 @@ import torch
 
 
 class RequestError(ValueError):
-    """The request cannot be served as given; the message says what to change."""
+    """The request cannot be served as given; the message says what to change, `param` the field at
+    fault where there is one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class DeviceFault(RuntimeError):

@@ -31,15 +31,15 @@ class RequestIntake:
             self._check_media(ids, mm)
         vocab = self.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise RequestError(f"stop_token_ids must be in [0, {vocab})")
+            raise RequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             outside = sorted(t for t in params.logit_bias if not 0 <= t < vocab)[:5]
-            raise RequestError(f"logit_bias token ids must be in [0, {vocab}); got {outside}")
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab}); got {outside}", "logit_bias")
         if any(not 0 <= t < vocab for seq in params.bad_words_ids for t in seq):
-            raise RequestError(f"bad_words token ids must be in [0, {vocab})")
+            raise RequestError(f"bad_words token ids must be in [0, {vocab})", "bad_words")
         if params.allowed_token_ids and any(not 0 <= t < vocab for t in params.allowed_token_ids):
             outside = sorted({t for t in params.allowed_token_ids if not 0 <= t < vocab})[:5]
-            raise RequestError(f"allowed_token_ids must be in [0, {vocab}); got {outside}")
+            raise RequestError(f"allowed_token_ids must be in [0, {vocab}); got {outside}", "allowed_token_ids")
         limit = self.config.max_model_len
         if len(ids) + params.max_tokens > limit:
             raise RequestError(

@@ -64,68 +64,77 @@ class SamplingParams:
             }
         problems = self._problems()
         if problems:
-            raise ValueError("; ".join(problems))
+            raise InvalidSamplingParams("; ".join(problems.values()), next(iter(problems)))
         if 0 < self.temperature < GREEDY_BELOW:
             self.temperature = 0.0
         elif GREEDY_BELOW <= self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
 
-    def _problems(self) -> list[str]:
-        problems = []
+    def _problems(self) -> dict[str, str]:
+        """What is wrong, by field."""
+        problems: dict[str, str] = {}
 
         def number(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             ok = ok and (lo < value if lo_open else lo <= value) and value <= hi  # type: ignore[operator]
             if not ok:
-                problems.append(f"{name} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value!r}")
+                problems[name] = f"{name} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value!r}"
 
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            problems["max_tokens"] = f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
         number("temperature", self.temperature, 0.0, self.MAX_TEMPERATURE)
         if not _is_int(self.top_k) or self.top_k < -1:
-            problems.append(f"top_k must be -1, 0 (off) or positive, got {self.top_k!r}")
+            problems["top_k"] = f"top_k must be -1, 0 (off) or positive, got {self.top_k!r}"
         number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         number("min_p", self.min_p, 0.0, 1.0)
         number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         number("repetition_penalty", self.repetition_penalty, 0.0, 1e6, lo_open=True)
         if self.seed is not None and not (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX):
-            problems.append(f"seed must be an integer in [-2^63, 2^63 - 1], got {self.seed!r}")
+            problems["seed"] = f"seed must be an integer in [-2^63, 2^63 - 1], got {self.seed!r}"
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and 0 <= value <= self.MAX_LOGPROBS):
-                problems.append(f"{name} must be between 0 and {self.MAX_LOGPROBS}, got {value!r}")
+                problems[name] = f"{name} must be between 0 and {self.MAX_LOGPROBS}, got {value!r}"
         if not all(isinstance(s, str) for s in self.stop):
-            problems.append("stop must be a string or a list of strings")
+            problems["stop"] = "stop must be a string or a list of strings"
         elif any(not s for s in self.stop):
-            problems.append("stop strings must not be empty")
+            problems["stop"] = "stop strings must not be empty"
         elif len(self.stop) > self.MAX_STOP_STRINGS or any(len(s) > self.MAX_STOP_CHARS for s in self.stop):
-            problems.append(
+            problems["stop"] = (
                 f"at most {self.MAX_STOP_STRINGS} stop strings of at most {self.MAX_STOP_CHARS} characters each"
             )
         if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS or not all(_is_int(t) for t in self.stop_token_ids):
-            problems.append(f"stop_token_ids must be a list of at most {self.MAX_STOP_TOKEN_IDS} integers")
+            problems["stop_token_ids"] = f"stop_token_ids must be a list of at most {self.MAX_STOP_TOKEN_IDS} integers"
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= max(self.max_tokens, 0):
-            problems.append(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+            problems["min_tokens"] = f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}"
         bias = self.logit_bias or {}
         if len(bias) > self.MAX_LOGIT_BIAS or not all(
             _is_int(k) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
             for k, v in bias.items()
         ):
-            problems.append(f"logit_bias must map at most {self.MAX_LOGIT_BIAS} token ids to finite numbers")
+            problems["logit_bias"] = f"logit_bias must map at most {self.MAX_LOGIT_BIAS} token ids to finite numbers"
         bad = self.bad_words_ids
         if len(bad) > self.MAX_BAD_WORDS_IDS or not all(
             isinstance(seq, list) and seq and all(_is_int(t) for t in seq) for seq in bad
         ):
-            problems.append(f"bad_words must give at most {self.MAX_BAD_WORDS_IDS} non-empty token sequences")
+            problems["bad_words"] = f"bad_words must give at most {self.MAX_BAD_WORDS_IDS} non-empty token sequences"
         allowed = self.allowed_token_ids
         if allowed is not None and not (isinstance(allowed, list) and all(_is_int(t) for t in allowed)):
-            problems.append("allowed_token_ids must be a list of token ids")
+            problems["allowed_token_ids"] = "allowed_token_ids must be a list of token ids"
         return problems
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class InvalidSamplingParams(ValueError):
+    """SamplingParams out of range: the message gives every problem, `param` the first field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 def _is_int(value: object) -> bool:

@@ -52,7 +52,7 @@ from hylora.structured import (
     StructuredSpec,
     parse_structured_outputs,
 )
-from hylora.tokenizer import PromptTooLong, chat_prompt, check_template_kwargs, max_token_chars
+from hylora.tokenizer import PromptTooLong, bad_words_token_ids, chat_prompt, check_template_kwargs, max_token_chars
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -203,7 +203,7 @@ def build_app(state: ServerState) -> FastAPI:
         after = think_end_ids(state.engine.tokenizer) if grammar is not None and outputs_as.in_reasoning else ()
         job = Job(
             state, "chatcmpl", body, adapter, [prompt_ids], [max_tokens], logprobs, body.prompt_logprobs, mm, grammar,
-            chat_outputs=outputs_as, grammar_after=after,
+            chat_outputs=outputs_as, grammar_after=after, bad_words_ids=await _bad_words(state, body),
         )  # fmt: skip
         streams = await job.start()
         if body.stream:
@@ -227,7 +227,7 @@ def build_app(state: ServerState) -> FastAPI:
         grammar = await _grammar(state, body)
         job = Job(
             state, "cmpl", body, adapter, prompts, max_tokens, body.logprobs, prompt_logprobs, grammar=grammar,
-            score_only=score_only,
+            score_only=score_only, bad_words_ids=await _bad_words(state, body),
         )  # fmt: skip
         streams = await job.start()
         if body.stream:
@@ -237,6 +237,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        _resolve(state, body.model)
         tokenizer = state.engine.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either prompt or messages")
@@ -270,6 +271,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        _resolve(state, body.model)
         vocab = state.engine.model.config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})")
@@ -286,23 +288,27 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 def _model_cards(state: ServerState) -> list[dict[str, Any]]:
-    """/v1/models' entries: the base model under each served name, then every adapter."""
+    """/v1/models' entries: the base model under each served name, then every adapter. `status` is
+    "ready", or "broken" for an adapter whose files changed or vanished after loading (its requests
+    answer 409 until it is loaded again), with the reason in `status_message`."""
     registry, max_len = state.engine.adapters, state.engine.config.max_model_len
     common = {"object": "model", "created": state.created, "owned_by": "hylora", "max_model_len": max_len}
     cards = [
-        common | {"id": name, "root": str(state.engine.model_dir), "parent": None}
+        common | {"id": name, "root": str(state.engine.model_dir), "parent": None, "status": "ready"}
         for name in (state.router.base_name, *state.router.aliases)
     ]
     for name in registry.names():
-        cards.append(
-            common
-            | {
-                "id": name,
-                "root": str(registry.get(name).path),
-                "parent": state.router.base_name,
-                "tasks": sorted(t for t, a in state.router.tasks.items() if a == name),
-            }
-        )
+        version = registry.get(name)
+        card = common | {
+            "id": name,
+            "root": str(version.path),
+            "parent": state.router.base_name,
+            "tasks": sorted(t for t, a in state.router.tasks.items() if a == name),
+            "status": "ready",
+        }
+        if version.broken:
+            card |= {"status": "broken", "status_message": version.broken}
+        cards.append(card)
     return cards
 
 
@@ -402,6 +408,16 @@ def _tokenize(state: ServerState, text: str, add_special_tokens: bool = False) -
         raise APIError(400, f"cannot tokenise the prompt: {e}") from None
 
 
+async def _bad_words(state: ServerState, body: SamplingRequest) -> list[list[int]] | None:
+    """vLLM's `bad_words` as token sequences, tokenised on the text pool (None without any)."""
+    if not body.bad_words:
+        return None
+    try:
+        return await state.run_text(bad_words_token_ids, state.engine.tokenizer, body.bad_words)
+    except ValueError as e:
+        raise APIError(400, str(e), param="bad_words") from None
+
+
 def _tool_request(state: ServerState, body: ChatCompletionRequest) -> ToolRequest:
     """The request's tools and tool_choice, checked (400 naming the field)."""
     try:
@@ -461,9 +477,15 @@ async def _grammar(
 def _route(state: ServerState, body: SamplingRequest, request: Request) -> str | None:
     try:
         body.check_supported(state.max_logprobs)
-        return state.router.resolve(body.model, body.task or request.headers.get("x-task"))
     except Unsupported as e:
         raise APIError(400, str(e), param=e.param) from None
+    return _resolve(state, body.model, body.task or request.headers.get("x-task"))
+
+
+def _resolve(state: ServerState, model: str | None, task: str | None = None) -> str | None:
+    """The adapter that serves `model` / `task` (None: the base model); 404 for an unknown one."""
+    try:
+        return state.router.resolve(model, task)
     except RouteError as e:
         raise APIError(404, str(e), code="model_not_found") from None
     except ConflictError as e:

@@ -25,7 +25,6 @@ from hylora.server.chat_output import ChatOutputs
 from hylora.server.errors import APIError
 from hylora.server.protocol import CompletionRequest, SamplingRequest
 from hylora.structured import CompiledGrammar
-from hylora.tokenizer import bad_words_token_ids
 
 if TYPE_CHECKING:
     from hylora.server.app import ServerState
@@ -53,11 +52,13 @@ class Job:
         score_only: bool = False,
         chat_outputs: ChatOutputs | None = None,
         grammar_after: Sequence[int] = (),
+        bad_words_ids: list[list[int]] | None = None,
     ):
         """`max_tokens`: per prompt. `score_only`: the prompt's logprobs are the answer (completions with
         max_tokens 0): one token is drawn and dropped, the response has no generated text.
         `chat_outputs`: how chat choices are read (reasoning, tool calls); `grammar_after`: the grammar
-        applies after these tokens (a thinking model's `</think>`)."""
+        applies after these tokens (a thinking model's `</think>`); `bad_words_ids`: the request's
+        `bad_words` tokenised (tokenizer.bad_words_token_ids, off the event loop)."""
         self.state, self.body, self.adapter, self.prompts, self.mm = state, body, adapter, prompts, mm
         self.prompt_ids = prompts[0]
         self.grammar, self.score_only, self.grammar_after = grammar, score_only, tuple(grammar_after)
@@ -66,14 +67,13 @@ class Job:
         self.model = body.model or adapter or state.router.base_name
         try:
             defaults = state.sampling_defaults
-            bad = bad_words_token_ids(state.engine.tokenizer, body.bad_words) if body.bad_words else None
             self.params = [
-                body.sampling_params(max_tokens[p], logprobs, prompt_logprobs, i, defaults, bad)
+                body.sampling_params(max_tokens[p], logprobs, prompt_logprobs, i, defaults, bad_words_ids)
                 for p in range(len(prompts))
                 for i in range(body.n)
             ]
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        except ValueError as e:  # InvalidSamplingParams and Unsupported name their field
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
         self.arrival = time.monotonic()
         self._last_token_at: dict[int, float] = {}
         self._finished: set[int] = set()
@@ -416,7 +416,7 @@ def _submit_error(e: BaseException) -> BaseException:
     """The HTTP error for a request the engine refused to admit."""
     if isinstance(e, RequestError):
         code = "context_length_exceeded" if "context length" in str(e) else None
-        return APIError(400, str(e), code=code)
+        return APIError(400, str(e), code=code, param=e.param)
     if isinstance(e, UnknownAdapter):
         return APIError(404, str(e), code="model_not_found")
     if isinstance(e, AdapterError):  # broken after loading (files changed or removed)

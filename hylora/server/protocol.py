@@ -184,7 +184,7 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         try:
             out[int(key)] = value
         except ValueError:
-            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            raise Unsupported(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
     return out
 
 

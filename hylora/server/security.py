@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hylora.adapters.files import CONFIG_FILE
+
 
 class Forbidden(PermissionError):
     pass
@@ -38,9 +40,12 @@ class RequireKey:
 
 def adapter_dir_under(root: Path | None, requested: str) -> Path:
     """Resolve `requested` (relative to `root`, or absolute) and make sure it stays inside `root`
-    after following every symlink. Runtime loading is off without a root."""
+    after following every symlink and is an adapter directory (it holds adapter_config.json).
+    Runtime loading is off without a root."""
     if root is None:
         raise Forbidden("runtime adapter loading is off; start the server with --adapter-root DIR to allow it")
+    if not requested:
+        raise ValueError("lora_path is empty; give the adapter's directory under the adapter root")
     root = root.resolve()
     candidate = Path(requested)
     if not candidate.is_absolute():
@@ -50,7 +55,10 @@ def adapter_dir_under(root: Path | None, requested: str) -> Path:
         raise Forbidden(f"adapter path {requested!r} is outside the adapter root")
     if not resolved.is_dir():
         raise FileNotFoundError(f"adapter path {requested!r} is not a directory under the adapter root")
-    for f in resolved.iterdir():  # weights reached through a link must stay under the root too
+    files = list(resolved.iterdir())
+    if CONFIG_FILE not in {f.name for f in files}:
+        raise ValueError(f"{requested!r} is not an adapter directory: it has no {CONFIG_FILE}")
+    for f in files:  # weights reached through a link must stay under the root too
         if f.is_symlink() and not f.resolve().is_relative_to(root):
             raise Forbidden(f"adapter file {f.name!r} links outside the adapter root")
     return resolved
