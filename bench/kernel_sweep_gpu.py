@@ -15,7 +15,10 @@ candidate that is not exact to bf16 rounding is marked, never picked). The defau
 
 - The short steps' token-by-token GDN kernel (`--only recurrent`): 32 x 1, verify 1/8/32 x 3, 4 x 16.
 
-    python bench/kernel_sweep_gpu.py [--out sweep.json] [--only gdn,attention,lora,recurrent]
+- The logits scan (`--only logits`): batch 32 and 64 over the vocabulary, chunk x block, beside the
+  torch ops it replaced.
+
+    python bench/kernel_sweep_gpu.py [--out sweep.json] [--only gdn,attention,lora,recurrent,logits]
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ def show(rows: list[dict], key: str, group: str) -> None:
 
 
 @torch.inference_mode()
-def gdn_sweep(cfg: ModelConfig) -> list[dict]:
+def gdn_sweep(cfg: ModelConfig, configs: list[tuple[int, int, int]] | None = None) -> list[dict]:
     from hylora.ops.gdn_decode.reference import gdn_decode as reference
     from hylora.ops.gdn_decode.triton import gdn_decode
 
@@ -112,7 +115,7 @@ def gdn_sweep(cfg: ModelConfig) -> list[dict]:
         roofline = 1e3 * (2 * N * hv * dk * dv * 4 + 2 * N * C * 3 * 2) / BW
         print(f"gdn_decode, batch {N} (roofline {1e3 * roofline:.1f} us)", flush=True)
         batch_rows = []
-        for block_v, warps, v_blocks in GDN_CONFIGS:
+        for block_v, warps, v_blocks in configs or GDN_CONFIGS:
             knobs = dict(block_v=block_v, num_warps=warps, v_blocks=v_blocks)
             c1, r1 = c_ref0.clone(), r_ref0.clone()  # the state before any timing loop ran
             err = rel_error(gdn_decode(*args, c1, r1, slots, **knobs), o_ref)
@@ -182,6 +185,39 @@ def recurrent_sweep(cfg: ModelConfig) -> list[dict]:
 # (block_v, num_warps); the first is the default. Run 21 also timed programs that walk 2 or 4 dv tiles
 # with the next tile's load ahead (as the decode kernel does; commit b4fb629): slower in every shape
 RECURRENT_CONFIGS = [(32, 4), (16, 4), (64, 8), (16, 2), (8, 2)]
+
+
+@torch.inference_mode()
+def logits_sweep(cfg: ModelConfig) -> list[dict]:
+    """The logits scan (greedy token + NaN / inf flags) against the torch ops it replaced in the decode
+    step's guard and the sampler (isfinite.all; clone, isnan.any, isfinite.any, argmax)."""
+    from hylora.ops.logits_scan.reference import scan_logits as reference
+    from hylora.ops.logits_scan.triton import scan_logits
+
+    def torch_path(x: torch.Tensor) -> torch.Tensor:
+        finite = torch.isfinite(x).all(-1)
+        work = x.clone()
+        return torch.stack([work.argmax(-1), torch.isnan(work).any(-1) | ~torch.isfinite(work).any(-1) | finite])
+
+    rows = []
+    for N in (32, 64):
+        x = torch.randn(N, cfg.vocab_size, device=DEV)
+        x[1, 5] = float("nan")
+        ref = reference(x)
+        roofline = 1e3 * N * cfg.vocab_size * 4 / BW
+        before = bench(partial(torch_path, x))
+        batch_rows = [dict(kernel="logits_scan", batch=N, config="torch ops (before the scan)", ms=before,
+                           roofline_ms=roofline, err=0.0, ok=True)]  # fmt: skip
+        for chunk, block in ((2048, 512), (4096, 1024), (8192, 1024), (8192, 2048), (16384, 2048), (32768, 4096)):
+            got = scan_logits(x, chunk=chunk, block=block)
+            exact = torch.equal(got[1], ref[1]) and torch.equal(got[0][2:], ref[0][2:]) and bool(got[0][0] == ref[0][0])
+            batch_rows.append(dict(kernel="logits_scan", batch=N, config=f"scan chunk {chunk}, block {block}",
+                                   ms=bench(partial(scan_logits, x, chunk=chunk, block=block)), roofline_ms=roofline,
+                                   err=0.0 if exact else float("inf"), ok=exact))  # fmt: skip
+        show(batch_rows, "config", f"logits scan batch {N}")
+        rows += batch_rows
+    return rows
+
 
 # (block_v, num_warps, dv blocks a program) that sm_90 compiles without register spills at the 27B
 # shape (ptxas -v through tests/sm90_compile.py); the sweep times only these
@@ -321,13 +357,16 @@ def main() -> None:
     ap.add_argument("--only", default="gdn,attention,lora")
     ap.add_argument("--out")
     ap.add_argument("--gdn-best-out", help="write the GDN sweep's pick as --gdn-decode-launch's value")
+    ap.add_argument("--gdn-configs", help="GDN candidates as 'block_v,warps,v_blocks ...' (default: GDN_CONFIGS)")
     ap.add_argument("--lora-tokens", default="32,64,2048,8192", help="token counts of the LoRA sweep")
     args = ap.parse_args()
     cfg = ModelConfig.from_hf(QWEN36_27B)
     result = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
     tokens = tuple(int(t) for t in args.lora_tokens.split(","))
+    gdn_configs = [tuple(int(k) for k in c.split(",")) for c in args.gdn_configs.split()] if args.gdn_configs else None
     sweeps = {
-        "gdn": gdn_sweep,
+        "gdn": partial(gdn_sweep, configs=gdn_configs),
+        "logits": logits_sweep,
         "recurrent": recurrent_sweep,
         "attention": attention_sweep,
         "lora": partial(lora_sweep, token_counts=tokens),

@@ -377,7 +377,7 @@ class LLMEngine:
         pending = None
         if to_sample:
             reqs, logits = self._constrain([r for r, _ in to_sample], [lg for _, lg in to_sample], outputs)
-            pending = launch_sample(logits, reqs, self.eos_ids) if reqs else None
+            pending = launch_sample(logits, reqs, self.eos_ids, self.model.kernels.logits_scan) if reqs else None
         verify = [
             (c, res.verify_logits) for c, res in zip(chunks, results, strict=True) if res.verify_logits is not None
         ]

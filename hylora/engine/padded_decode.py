@@ -74,5 +74,5 @@ class PaddedDecode:
         batch = self.buffers.batch(bucket, lora, self.max_model_len)
         hidden = self.model(batch, self.kv, self.states)
         logits = self.model.logits(hidden)
-        finite = torch.stack([torch.isfinite(hidden).all(dim=-1), torch.isfinite(logits).all(dim=-1)])
+        finite = torch.stack([torch.isfinite(hidden).all(dim=-1), self.model.finite_logits(logits)])
         return logits, finite

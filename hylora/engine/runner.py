@@ -82,7 +82,7 @@ class ModelRunner:
             hidden = self.model(batch, self.kv, self.states)  # [T, hidden]
             finite_rows = torch.isfinite(hidden).all(dim=-1)
             logits = self.model.logits(hidden[index]) if rows else hidden.new_zeros(0, 0)
-            finite_logits = torch.isfinite(logits).all(dim=-1) if rows else finite_rows.new_ones(0)
+            finite_logits = self.model.finite_logits(logits) if rows else finite_rows.new_ones(0)
         # read when the host checks the step, so the sampler and the acceptance queue behind the forward
         flags = HostCopy(finite_rows, finite_logits)
 

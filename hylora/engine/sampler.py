@@ -8,32 +8,35 @@ distribution (log_softmax of the logits before penalties and temperature).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 
 from hylora.engine.host_copy import HostCopy
 from hylora.engine.request import Request, TokenLogprob
+from hylora.ops.logits_scan import HAS_FINITE, HAS_NAN, scan_logits
+
+Scan = Callable[[torch.Tensor], torch.Tensor]  # logits [N, V] fp32 → [2, N] int64 (greedy tokens, flags)
 
 
 class SamplingError(RuntimeError):
     """This request's row cannot be sampled; it fails alone."""
 
 
-# why a row cannot be sampled (computed on the device, one code per row)
-_OK, _NAN, _ALL_FORBIDDEN, _NO_MASS = 0, 1, 2, 3
-_MESSAGES = {
-    _NAN: "the logits became NaN after the repetition / frequency / presence penalties",
-    _ALL_FORBIDDEN: "every token is forbidden (grammar, min_tokens and logit_bias leave nothing to sample)",
-}
+# why a row cannot be sampled: the logits scan's flags (ops/logits_scan), and one bit of the sampler's
+_NO_MASS = 8
+_NAN_MESSAGE = "the logits became NaN after the repetition / frequency / presence penalties"
+_ALL_FORBIDDEN_MESSAGE = "every token is forbidden (grammar, min_tokens and logit_bias leave nothing to sample)"
 
 
 def sample(
-    logits: torch.Tensor, requests: list[Request], eos_ids: tuple[int, ...] = ()
+    logits: torch.Tensor, requests: list[Request], eos_ids: tuple[int, ...] = (), scan: Scan = scan_logits
 ) -> list[tuple[int, TokenLogprob | None] | SamplingError]:
     """logits [N, V] fp32 (finite, or -inf where a grammar forbids), one row per request → (token
     id, logprob info or None) per request, or the SamplingError that ends that request alone.
-    `eos_ids` are suppressed, with the request's stop_token_ids, until its min_tokens are out."""
-    return launch_sample(logits, requests, eos_ids).results()
+    `eos_ids` are suppressed, with the request's stop_token_ids, until its min_tokens are out.
+    `scan`: the logits scan kernel (the model's, `ModelKernels.logits_scan`)."""
+    return launch_sample(logits, requests, eos_ids, scan).results()
 
 
 class PendingSample:
@@ -43,25 +46,29 @@ class PendingSample:
     def __init__(
         self,
         requests: list[Request],
-        tokens: torch.Tensor,  # [N] int64, on the device
-        code: torch.Tensor,  # [N] why a row cannot be sampled (_OK: it can)
+        drawn: torch.Tensor,  # [2, N] int64 on the device: the tokens, each row's flags (why it cannot be sampled)
         failed: dict[int, SamplingError],
         logprobs: tuple[list[int], list[int], tuple[torch.Tensor, ...]] | None,  # rows, k, device tensors
     ) -> None:
-        self.requests, self.tokens, self._failed, self._logprobs = requests, tokens, failed, logprobs
-        self._host = HostCopy(torch.stack([tokens, code]), *(logprobs[2] if logprobs else ()))
+        self.requests, self.tokens, self._failed, self._logprobs = requests, drawn[0], failed, logprobs
+        self._host = HostCopy(drawn, *(logprobs[2] if logprobs else ()))
 
     def results(self) -> list[tuple[int, TokenLogprob | None] | SamplingError]:
-        (tokens_host, code_host), *lp_host = self._host.values()  # the one wait for the device
+        (tokens_host, flags_host), *lp_host = self._host.values()  # the one wait for the device
         infos = {}
         if self._logprobs is not None:
             wants, ks, _ = self._logprobs
             infos = dict(zip(wants, _logprobs_from_host(*lp_host, [tokens_host[i] for i in wants], ks), strict=True))
         out: list[tuple[int, TokenLogprob | None] | SamplingError] = []
         for i, req in enumerate(self.requests):
+            flags = flags_host[i]
             if i in self._failed:
                 out.append(self._failed[i])
-            elif code_host[i] == _NO_MASS:
+            elif flags & HAS_NAN:
+                out.append(SamplingError(_NAN_MESSAGE))
+            elif not flags & HAS_FINITE:
+                out.append(SamplingError(_ALL_FORBIDDEN_MESSAGE))
+            elif flags & _NO_MASS:
                 p = req.params
                 out.append(
                     SamplingError(
@@ -69,8 +76,6 @@ class PendingSample:
                         f"{p.temperature:g}, top_k / top_p / min_p; relax them"
                     )
                 )
-            elif code_host[i] != _OK:
-                out.append(SamplingError(_MESSAGES[code_host[i]]))
             else:
                 out.append((tokens_host[i], infos.get(i)))
         return out
@@ -96,22 +101,31 @@ def draws_without_host(req: Request) -> bool:
     return req.grammar is None and not counts_tokens(req)
 
 
-def launch_sample(logits: torch.Tensor, requests: list[Request], eos_ids: tuple[int, ...] = ()) -> PendingSample:
+def edits_logits(req: Request) -> bool:
+    """`_edit_row` changes this request's row (else its logits are sampled as the model gave them)."""
+    p = req.params
+    return bool(p.allowed_token_ids or p.bad_words_ids or p.logit_bias) or counts_tokens(req)
+
+
+def launch_sample(
+    logits: torch.Tensor, requests: list[Request], eos_ids: tuple[int, ...] = (), scan: Scan = scan_logits
+) -> PendingSample:
     """`sample`, queued: the whole batch is processed at once on the logits' device and nothing
-    here waits for it (a per-row loop would wait three times per request)."""
+    here waits for it (a per-row loop would wait three times per request). A batch of greedy rows
+    without edits or logprobs is one pass of `scan` over the logits."""
     n, vocab = logits.shape
     failed: dict[int, SamplingError] = {}
     wants = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     raw = torch.log_softmax(logits[wants], dim=-1) if wants else None  # the raw distribution's logprobs
-    work = logits.clone()
-    for i, req in enumerate(requests):  # per-row edits: rare, and none waits for the device
+    edited = [i for i, r in enumerate(requests) if edits_logits(r)]
+    work = logits.clone() if edited else logits
+    for i in edited:  # per-row edits: rare, and none waits for the device
         try:
-            _edit_row(work[i], req, eos_ids, vocab)
+            _edit_row(work[i], requests[i], eos_ids, vocab)
         except Exception as e:
             failed[i] = SamplingError(f"sampling failed: {e!r}")
-    code = torch.where(torch.isnan(work).any(-1), _NAN, _OK)
-    code = torch.where((code == _OK) & ~torch.isfinite(work).any(-1), _ALL_FORBIDDEN, code)
-    tokens = work.argmax(-1)  # greedy rows; sampled rows are replaced below
+    drawn = scan(work)  # [2, N]: the greedy rows' tokens (sampled rows are replaced below), the flags
+    tokens, flags = drawn[0], drawn[1]
     sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
     if sampled:
         p = [requests[i].params for i in sampled]
@@ -121,7 +135,7 @@ def launch_sample(logits: torch.Tensor, requests: list[Request], eos_ids: tuple[
             work[rows] / temperature[:, None], [x.top_k for x in p], [x.top_p for x in p], [x.min_p for x in p]
         )
         good = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
-        code[rows] = torch.where((code[rows] == _OK) & ~good, _NO_MASS, code[rows])
+        flags[rows] |= (~good).long() * _NO_MASS
         # exponential race: argmax(p / q), q ~ Exp(1), picks token i with probability p_i; each
         # request draws its q from its own generator, so a seed reproduces its tokens in any batch
         q = torch.empty_like(probs)
@@ -132,7 +146,7 @@ def launch_sample(logits: torch.Tensor, requests: list[Request], eos_ids: tuple[
     if wants:
         ks = [requests[i].params.logprobs or 0 for i in wants]
         logprobs = (wants, ks, _logprob_tensors(raw, tokens[to_device(wants, logits.device)], max(ks)))
-    return PendingSample(requests, tokens, code, failed, logprobs)
+    return PendingSample(requests, drawn, failed, logprobs)
 
 
 def _edit_row(row: torch.Tensor, req: Request, eos_ids: tuple[int, ...], vocab: int) -> None:

@@ -23,6 +23,8 @@ from hylora.ops.causal_conv1d.reference import save_conv_states as conv_save_ref
 from hylora.ops.gated_delta_rule.reference import recurrent_by_slot as recurrent_reference
 from hylora.ops.gated_delta_rule.reference import varlen_gated_delta_rule as delta_rule_reference
 from hylora.ops.gdn_decode.reference import gdn_decode as gdn_decode_reference
+from hylora.ops.logits_scan.reference import HAS_NAN
+from hylora.ops.logits_scan.reference import scan_logits as scan_reference
 from hylora.ops.lora.reference import lora_apply_grouped
 from hylora.ops.paged_decode_attention.reference import paged_decode_attention as attention_reference
 from hylora.ops.rmsnorm.reference import gated_rms_norm as gated_reference
@@ -35,6 +37,7 @@ LORA_TOKENS = (1, 64, 65, 127, 128, 129, 400, 474, 2048)
 LORA_RANKS = (8, 16, 32, 64)
 STACKED_TOKENS = (1, 64, 65, 127, 128, 129, 256)  # decode steps: eager below 128 tokens, graph buckets above
 NORM_TOKENS = (1, 3, 64, 129, 2048)
+SCAN_ROWS = (1, 3, 32, 33, 64)  # decode batches of the logits scan
 # sequence lengths of short prefill steps (the token-by-token GDN form): decode rows, a prompt's last
 # tokens, empty chunks, up to the 64-token limit
 RECURRENT_BATCHES = ((1,), (64,), (1, 1, 16, 1), (3, 0, 64, 1, 17, 2, 63))
@@ -350,6 +353,33 @@ def silu_mul_error(
         gate_up = torch.randn(T, 2 * intermediate, generator=_generator(device, T), device=device).mul(3).to(dtype)
         worst = max(worst, _rel_error(kernel(gate_up), silu_mul_reference(gate_up)))
     return worst
+
+
+@torch.inference_mode()
+def logits_scan_error(
+    vocab: int, device: torch.device | str, rows: Sequence[int] = SCAN_ROWS, kernel: Callable | None = None
+) -> float:
+    """0 when the scan gives the reference's greedy token and flags on every row, else inf. The rows
+    hold ties (the first wins), a NaN, an inf, -inf only (a grammar forbidding all) and a top value in
+    the vocabulary's last column."""
+    if kernel is None:
+        from hylora.ops.logits_scan.triton import scan_logits as kernel
+    for N in rows:
+        logits = torch.randn(N, vocab, generator=_generator(device, N), device=device)
+        logits[0, -1] = 1e4
+        specials = (("nan", 7), ("inf", vocab // 2), ("-inf", None), ("tie", None))
+        for row, (kind, col) in zip(range(1, N), specials, strict=False):
+            if kind == "-inf":
+                logits[row] = float("-inf")
+            elif kind == "tie":
+                logits[row] = logits[row].round()
+            else:
+                logits[row, col] = float(kind)
+        got, ref = kernel(logits), scan_reference(logits)
+        same_token = (got[0] == ref[0]) | (ref[1] & HAS_NAN).bool()  # a NaN row's token is not used
+        if not (torch.equal(got[1], ref[1]) and bool(same_token.all())):
+            return FAILED
+    return 0.0
 
 
 @torch.inference_mode()

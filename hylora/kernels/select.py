@@ -29,7 +29,7 @@ from hylora.ops.gated_delta_rule import fla
 log = logging.getLogger(__name__)
 FAST_KERNELS = (
     "gdn_decode", "paged_decode_attention", "lora", "rms_norm", "silu_mul", "prefill_attention", "causal_conv1d",
-    "gdn_recurrent", "save_conv_states", "tower_rotary",
+    "gdn_recurrent", "save_conv_states", "tower_rotary", "logits_scan",
 )  # fmt: skip
 IMPLEMENTATION = {"prefill_attention": "flash"}  # what a passing kernel is, when not hylora's Triton
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
@@ -98,6 +98,10 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
         from hylora.ops.silu_mul.triton import silu_mul
 
         chosen["silu_mul"] = silu_mul
+    if "logits_scan" in fast:
+        from hylora.ops.logits_scan.triton import scan_logits
+
+        chosen["logits_scan"] = scan_logits
     if "tower_rotary" in fast:
         from hylora.ops.rotary.triton import rotate_half
 
@@ -215,6 +219,7 @@ def select_fast_kernels(
             c.linear_value_head_dim, c.rms_norm_eps, dtype, dev, rotary_dim=c.rotary_dim,
         ),
         "silu_mul": lambda: checks.silu_mul_error(c.intermediate_size, dtype, dev),
+        "logits_scan": lambda: checks.logits_scan_error(c.vocab_size, dev),
         "causal_conv1d": lambda: checks.causal_conv1d_error(c.linear_conv_dim, c.linear_conv_kernel_dim, dtype, dev),
         "save_conv_states": lambda: checks.save_conv_states_error(
             c.linear_conv_dim, c.linear_conv_kernel_dim, dtype, dev

@@ -17,6 +17,7 @@ from hylora.model.layers import MLP, RMSNorm, _param
 from hylora.model.mtp import MTPHead
 from hylora.model.rotary import MRotaryEmbedding
 from hylora.model.vision import VisionTower
+from hylora.ops.logits_scan import ALL_FINITE
 
 
 class DecoderLayer(nn.Module):
@@ -139,3 +140,7 @@ class HybridDecoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head.weight).float()
+
+    def finite_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [N, V] fp32 → [N] bool: every logit of the row is finite (one pass of the logits scan)."""
+        return self.kernels.logits_scan(logits)[1] == ALL_FINITE

@@ -16,6 +16,7 @@ import torch
 from hylora import ops
 from hylora.ops.causal_conv1d.reference import save_conv_states
 from hylora.ops.fp8_linear.reference import fp8_linear
+from hylora.ops.logits_scan.reference import scan_logits
 from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
 from hylora.ops.rotary.reference import rotate_half
 from hylora.ops.silu_mul.reference import silu_mul
@@ -45,6 +46,8 @@ class ModelKernels:
     lora_backend: str | None = None  # model.layers.LORA_BACKENDS; None: masked on CUDA, grouped on the CPU
     tower_lora_backend: str | None = None  # the vision tower's linears
     tower_rotary: Kernel = rotate_half  # the vision tower's rotary on q and k, in place
+    # the logits: each row's greedy token and NaN / inf flags (the decode step's guard, the sampler)
+    logits_scan: Kernel = scan_logits
 
 
 def install(model: HybridDecoder, kernels: ModelKernels) -> None:
