@@ -85,6 +85,7 @@ def launches_27b() -> None:
     from hylora.ops.fp8_linear import triton as fp8
     from hylora.ops.gated_delta_rule import triton as recurrent
     from hylora.ops.gdn_decode import triton as gdn
+    from hylora.ops.logits_scan import triton as logits_scan
     from hylora.ops.lora import triton as lora
     from hylora.ops.paged_decode_attention import triton as attention
     from hylora.ops.rmsnorm import triton as rmsnorm
@@ -123,6 +124,7 @@ def launches_27b() -> None:
         fp8.fp8_weight_only_linear(e(T, 17408), w8, w8_scale)  # GEMM (+ sum)
     qkv = e(N, 48, 72)  # the tower's fused qkv: 16 heads of 72
     rotary.rotate_half(qkv[:, :32], e(N, 72, dtype=torch.float32), e(N, 72, dtype=torch.float32), out=qkv[:, :32])
+    logits_scan.scan_logits(e(N, 248320, dtype=torch.float32))  # chunk scan, merge
 
 
 if __name__ == "__main__":

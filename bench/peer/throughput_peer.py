@@ -39,8 +39,9 @@ Phases (each writes WORK/results/<engine>-<weights>-<mnbt>.json, rewritten after
         --tiny --device cpu --repeats 1 --out /tmp/tput          # CPU dry run (hylora only)
     python bench/peer/throughput_peer.py table --results DIR1 DIR2 ... --out DIR   # merge several calls' $OUT
 
---profile-decode: after an engine's timed runs, one base workload with 20 decode steps under
-torch.profiler; a per-kernel table (µs and calls a step) into --out/profiles/ and the record
+--profile-decode: after an engine's timed runs, the base and the 8-mixed workload once more each, with
+20 decode steps under torch.profiler; a per-kernel table (µs and calls a step) into --out/profiles/ and
+the record
 (bench/peer/decode_profile.py).
 """
 
@@ -506,8 +507,11 @@ def run_vllm(work: Work, kwargs: dict[str, Any], repeats: int, record: Record, p
         for _ in range(repeats):
             record.add_run(label, vllm_workload(llm, prompts, requests))
     if profile_dir is not None:
-        rows = decode_profile.vllm_decode_profile(llm, lambda: vllm_workload(llm, prompts, None), profile_dir)
-        save_decode_profile(record, rows, profile_dir.parent)
+        for label, requests in (("base", None), ("mixed8", [loras[mixed_adapter(i)] for i in range(N_REQUESTS)])):
+            rows = decode_profile.vllm_decode_profile(
+                llm, lambda requests=requests: vllm_workload(llm, prompts, requests), profile_dir
+            )
+            save_decode_profile(record, label, rows, profile_dir.parent)
     with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()
 
@@ -572,10 +576,12 @@ def phase_hylora(args: argparse.Namespace) -> None:
             if args.profile_decode:
                 profiles = args.out / "profiles"
                 profiles.mkdir(parents=True, exist_ok=True)
-                trace = profiles / f"hylora-{weights}-{mnbt}.trace.json.gz"
                 prompts = workload_prompts()
-                rows = decode_profile.hylora_decode_profile(engine, prompts, lambda i: None, trace, str(mnbt))
-                save_decode_profile(records[mnbt], rows, profiles)
+                for label, adapter_of in (("base", lambda i: None), ("mixed8", mixed_adapter)):
+                    trace = profiles / f"hylora-{weights}-{mnbt}-{label}.trace.json.gz"
+                    tag = f"{mnbt}-{label}"
+                    rows = decode_profile.hylora_decode_profile(engine, prompts, adapter_of, trace, tag)
+                    save_decode_profile(records[mnbt], label, rows, profiles)
             records[mnbt].update(complete=True)
     except BaseException as e:
         for record in records.values():
@@ -640,13 +646,14 @@ def run_hylora(engine: Any, device: str, repeats: int, record: Record) -> None:
             record.add_run(label, row | {f"hylora_{k}": v for k, v in own.items()})
 
 
-def save_decode_profile(record: Record, rows: list[dict[str, Any]], folder: Path) -> None:
-    """The decode step's kernel table: in the record and as `<engine>-<weights>-<mnbt>-decode.md`."""
+def save_decode_profile(record: Record, label: str, rows: list[dict[str, Any]], folder: Path) -> None:
+    """The decode step's kernel table of workload `label` (base, mixed8): in the record and as
+    `<engine>-<weights>-<mnbt>-<label>-decode.md`."""
     d = record.data
     name = f"{d['engine']}-{d['weights']}-{d['mnbt']}"
-    text = decode_profile.summary_md(f"{name}, base, batch {N_REQUESTS}", rows)
-    (folder / f"{name}-decode.md").write_text(text)
-    record.update(decode_profile=rows)
+    text = decode_profile.summary_md(f"{name}, {label}, batch {N_REQUESTS}", rows)
+    (folder / f"{name}-{label}-decode.md").write_text(text)
+    record.update(**{f"decode_profile_{label}": rows})
     log(text)
 
 
@@ -965,8 +972,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--profile-decode",
         action="store_true",
-        help="after the timed runs, one base workload with decode steps under torch.profiler: a per-kernel "
-        "table into --out/profiles (bench/peer/decode_profile.py)",
+        help="after the timed runs, the base and the 8-mixed workload with decode steps under torch.profiler: "
+        "a per-kernel table each into --out/profiles (bench/peer/decode_profile.py)",
     )
     add_shared_args(ap)
     args = ap.parse_args(argv)

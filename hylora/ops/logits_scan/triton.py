@@ -3,7 +3,7 @@
 1. `_scan_chunk_kernel`, grid (row, chunk of CHUNK columns): the chunk's first largest value, its
    index and its flags, into [N, chunks] partials. Splitting the row keeps every SM streaming at
    decode batch sizes (32 rows of a 248k vocabulary would be 32 programs).
-2. `_merge_kernel`, grid (row,): the first chunk holding the row's largest value wins (so ties go to
+2. `_merge_chunks_kernel`, grid (row,): the first chunk holding the row's largest value wins (so ties go to
    the lowest index, as torch.argmax), and the chunks' flags are OR-ed.
 
 A row of -inf only (every token forbidden) gives token 0, as torch.argmax does.
@@ -38,7 +38,7 @@ def scan_logits(logits: torch.Tensor, chunk: int = CHUNK, block: int = BLOCK) ->
         logits, values, index, flags, V, logits.stride(0), chunks,
         CHUNK=chunk, BLOCK=block, HAS_NAN=HAS_NAN, NOT_FINITE=NOT_FINITE, HAS_FINITE=HAS_FINITE,
     )  # fmt: skip
-    _merge_kernel[(N,)](values, index, flags, out, chunks, N, BLOCK=triton.next_power_of_2(chunks))
+    _merge_chunks_kernel[(N,)](values, index, flags, out, chunks, N, BLOCK=triton.next_power_of_2(chunks))
     return out
 
 
@@ -82,7 +82,7 @@ def _or_bits(a, b):
 
 
 @triton.jit
-def _merge_kernel(values_ptr, index_ptr, flags_ptr, out_ptr, chunks, N, BLOCK: tl.constexpr):
+def _merge_chunks_kernel(values_ptr, index_ptr, flags_ptr, out_ptr, chunks, N, BLOCK: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < chunks
