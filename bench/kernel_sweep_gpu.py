@@ -121,7 +121,8 @@ def gdn_sweep(cfg: ModelConfig, configs: list[tuple[int, int, int]] | None = Non
             err = rel_error(gdn_decode(*args, c1, r1, slots, **knobs), o_ref)
             err = max(err, rel_error(r1, r_ref))
             ms = bench(partial(gdn_decode, *args, conv, rec, slots, **knobs))
-            config = f"block_v {block_v}, {warps} warps, {v_blocks} blocks a program"
+            form = "split: conv, then the delta rule" if v_blocks == 0 else f"{v_blocks} blocks a program"
+            config = f"block_v {block_v}, {warps} warps, {form}"
             batch_rows.append(dict(kernel="gdn_decode", batch=N, config=config, knobs=(block_v, warps, v_blocks),
                                    ms=ms, roofline_ms=roofline, err=err, ok=err < 1e-4))  # fmt: skip
         show(batch_rows, "config", f"gdn_decode batch {N}")

@@ -60,9 +60,10 @@ GDN_SHAPES = {
 }
 
 
-@pytest.mark.parametrize("v_blocks", [1, 2], ids=lambda v: f"v_blocks{v}")
+@pytest.mark.parametrize("v_blocks", [1, 2, "split"], ids=lambda v: f"v_blocks{v}" if v != "split" else "split")
 @pytest.mark.parametrize("shape", GDN_SHAPES, ids=str)
 def test_gdn_decode_triton_equals_reference(shape, v_blocks):
+    """The fused kernel (one or two dv blocks a program) and the split form (conv, then the delta rule)."""
     hk, hv, dk, dv, block_v, block_c, N, padding = GDN_SHAPES[shape]
     args, conv, recurrent, slots = gdn_inputs(N, hk, hv, dk, dv, seed=N, padding=padding)
     conv0, rec0 = conv.clone(), recurrent.clone()
@@ -70,7 +71,8 @@ def test_gdn_decode_triton_equals_reference(shape, v_blocks):
     o_ref = gdn_reference.gdn_decode(**args, conv_state=conv_ref, recurrent_state=rec_ref, slots=slots)
     out = torch.full((N, hv, dv), NAN)
     states = dict(conv_state=conv, recurrent_state=recurrent, slots=slots, out=out)
-    o = gdn_triton.gdn_decode(**args, **states, block_v=block_v, block_c=block_c, v_blocks=v_blocks)
+    knobs = dict(v_blocks=0, num_warps=1) if v_blocks == "split" else dict(v_blocks=v_blocks)
+    o = gdn_triton.gdn_decode(**args, **states, block_v=block_v, block_c=block_c, **knobs)
     assert o is out
     torch.testing.assert_close(o, o_ref, atol=1e-6, rtol=1e-5)
     for i in padding:
@@ -82,12 +84,23 @@ def test_gdn_decode_triton_equals_reference(shape, v_blocks):
     assert same_bits(conv[~owned], conv0[~owned]) and same_bits(recurrent[~owned], rec0[~owned])
 
 
-def test_gdn_decode_triton_padding_only_writes_nothing():
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+def test_gdn_decode_triton_padding_only_writes_nothing(split):
     args, conv, recurrent, slots = gdn_inputs(2, 1, 2, 16, 16, seed=5, padding=(0, 1))
     conv0, rec0 = conv.clone(), recurrent.clone()
-    o = gdn_triton.gdn_decode(**args, conv_state=conv, recurrent_state=recurrent, slots=slots)
+    states = dict(conv_state=conv, recurrent_state=recurrent, slots=slots)
+    o = gdn_triton.gdn_decode(**args, **states, v_blocks=0 if split else None)
     assert torch.equal(o, torch.zeros_like(o))
     assert same_bits(conv, conv0) and same_bits(recurrent, rec0)
+
+
+def test_gdn_decode_refuses_a_strided_state():
+    """The kernels address a head's state tile with compile-time offsets: a view that is not contiguous
+    per head would be read wrongly, so it is refused."""
+    args, conv, recurrent, slots = gdn_inputs(2, 1, 2, 16, 16, seed=6)
+    wide = torch.zeros(*recurrent.shape[:-1], 32)[..., :16]
+    with pytest.raises(ValueError, match="contiguous"):
+        gdn_triton.gdn_decode(**args, conv_state=conv, recurrent_state=wide, slots=slots)
 
 
 def test_gdn_decode_start_up_check():
@@ -561,7 +574,7 @@ def test_causal_conv1d_by_slot_equals_reference(lens, kernel):
     assert torch.isnan(pool[unowned]).all()
 
 
-@pytest.mark.parametrize(("value", "config"), [("32,8", (32, 8, 1)), ("16,2,4", (16, 2, 4))])
+@pytest.mark.parametrize(("value", "config"), [("32,8", (32, 8, 1)), ("16,2,4", (16, 2, 4)), ("32,1,0", (32, 1, 0))])
 def test_gdn_decode_launch_flag(value, config):
     """--gdn-decode-launch (what bench/kernel_sweep_gpu.py --gdn-best-out writes) reaches every call."""
     from hylora.kernels import KernelsConfig, model_kernels
@@ -574,3 +587,5 @@ def test_gdn_decode_launch_flag(value, config):
     assert model_kernels(fast_verdicts(["gdn_decode"])).gdn_decode is gdn_triton.gdn_decode
     with pytest.raises(ValueError):
         parse_launch("32")
+    with pytest.raises(ValueError):
+        KernelsConfig(gdn_decode_launch=(32, 0, 1))

@@ -39,8 +39,10 @@ class KernelsConfig:
 
     def __post_init__(self) -> None:
         launch = self.gdn_decode_launch
-        if launch is not None and (len(launch) != 3 or any(not isinstance(v, int) or v < 1 for v in launch)):
-            raise ValueError(f"gdn_decode_launch must be three positive integers, got {launch!r}")
+        if launch is not None and (
+            len(launch) != 3 or any(not isinstance(v, int) or v < low for v, low in zip(launch, (1, 1, 0), strict=True))
+        ):
+            raise ValueError(f"gdn_decode_launch must be block_v, num_warps >= 1 and v_blocks >= 0, got {launch!r}")
         for name, allowed in (
             ("fast_kernels", FAST_KERNEL_CHOICES),
             ("gdn_backend", GDN_BACKENDS),
@@ -97,7 +99,7 @@ def serve_fp8(
 
 
 def parse_launch(text: str) -> tuple[int, int, int]:
-    """`block_v,num_warps[,v_blocks]` (v_blocks defaults to 1) as gdn_decode_launch."""
+    """`block_v,num_warps[,v_blocks]` (v_blocks defaults to 1; 0: the split form) as gdn_decode_launch."""
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:

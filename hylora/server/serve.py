@@ -233,7 +233,8 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         type=parse_launch,
         default=None,
         metavar="BLOCK_V,WARPS[,V_BLOCKS]",
-        help="the GDN decode kernel's launch, e.g. the pick of bench/kernel_sweep_gpu.py --gdn-best-out",
+        help="the GDN decode kernel's launch (V_BLOCKS 0: the split form, conv then delta rule), e.g. the pick "
+        "of bench/kernel_sweep_gpu.py --gdn-best-out",
     )
     k.add_argument(
         "--fp8-activations",

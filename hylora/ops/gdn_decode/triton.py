@@ -30,7 +30,7 @@ BLOCK_C = 256  # channels per program of the conv-state shift
 NUM_WARPS = 4
 V_BLOCKS = 4  # dv blocks one program walks, loading each next tile while it computes the current
 # (another card: `hylora serve --gdn-decode-launch block_v,num_warps[,v_blocks]` passes others to each
-# call; bench/kernel_sweep_gpu.py --gdn-best-out writes the sweep's pick in that form)
+# call, v_blocks 0 for the split form; bench/kernel_sweep_gpu.py --gdn-best-out writes the sweep's pick)
 
 
 def gdn_decode(
@@ -50,6 +50,9 @@ def gdn_decode(
     num_warps: int | None = None,
     v_blocks: int | None = None,
 ) -> torch.Tensor:
+    """`v_blocks` 0: the split form, the conv in a launch of its own (writing the conv outputs and
+    shifting the conv state), then the delta rule one [block_v, dk] tile a program reading q, k and v
+    from those outputs: fewer registers a program than the fused form, so more programs in flight."""
     N, hv = b.shape
     conv_dim, K = conv_weight.shape
     S, _, dk, dv = recurrent_state.shape
@@ -62,19 +65,28 @@ def gdn_decode(
         raise ValueError("gdn_decode: inconsistent shapes")
     if qkv.stride(1) != 1 or b.stride(1) != 1 or a.stride(1) != 1:
         raise ValueError("gdn_decode: qkv, b and a need unit stride along their last dimension")
+    if recurrent_state.stride(3) != 1 or recurrent_state.stride(2) != dv:
+        # the kernels address a state tile with compile-time offsets: vector loads, fewer registers
+        raise ValueError("gdn_decode: each head's [dk, dv] recurrent state must be contiguous")
     scale = dk**-0.5 if scale is None else scale
     if out is None:
         out = torch.empty(N, hv, dv, dtype=qkv.dtype, device=qkv.device)
     if N == 0:
         return out
     block_k = triton.next_power_of_2(dk)
+    if v_blocks == 0:
+        return _split_decode(
+            qkv, b, a, conv_weight, A_log, dt_bias, conv_state, recurrent_state, slots, scale, out, hk,
+            block_v or SPLIT_BLOCK_V, block_c, num_warps or SPLIT_NUM_WARPS,
+        )  # fmt: skip
     block_v = min(BLOCK_V if block_v is None else block_v, triton.next_power_of_2(dv))
     num_warps = NUM_WARPS if num_warps is None else num_warps
     v_blocks = min(V_BLOCKS if v_blocks is None else v_blocks, triton.cdiv(dv, block_v))
     _gdn_decode_kernel[(N, hv, triton.cdiv(dv, block_v * v_blocks))](
         qkv, b, a, conv_weight, A_log, dt_bias, conv_state, recurrent_state, slots, out,
         qkv.stride(0), b.stride(0), a.stride(0), conv_weight.stride(0), conv_weight.stride(1),
-        *conv_state.stride(), *recurrent_state.stride(), out.stride(0), out.stride(1), out.stride(2),
+        *conv_state.stride(), recurrent_state.stride(0), recurrent_state.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
         scale,
         HK=hk, HV=hv, DK=dk, DV=dv, K=K, BLOCK_K=block_k, BLOCK_V=block_v, V_BLOCKS=v_blocks,
         num_warps=num_warps,
@@ -84,6 +96,112 @@ def gdn_decode(
         K=K, BLOCK_C=block_c, num_warps=4,
     )  # fmt: skip
     return out
+
+
+SPLIT_BLOCK_V = 32  # the split form's dv rows a program: its [32, dk] tile at 1 warp, no spills on sm_90
+SPLIT_NUM_WARPS = 1
+
+
+def _split_decode(
+    qkv: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    conv_state: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    hk: int,
+    block_v: int,
+    block_c: int,
+    num_warps: int,
+) -> torch.Tensor:
+    N, hv = b.shape
+    conv_dim, K = conv_weight.shape
+    dk, dv = recurrent_state.shape[-2:]
+    mixed = torch.empty(N, conv_dim, dtype=qkv.dtype, device=qkv.device)  # silu(conv), [q | k | v]
+    _conv_step_kernel[(N, triton.cdiv(conv_dim, block_c))](
+        qkv, conv_weight, conv_state, slots, mixed, qkv.stride(0), conv_weight.stride(0), conv_weight.stride(1),
+        *conv_state.stride(), conv_dim, K=K, BLOCK_C=block_c, num_warps=4,
+    )  # fmt: skip
+    block_v = min(block_v, triton.next_power_of_2(dv))
+    _delta_rule_step_kernel[(N, hv, triton.cdiv(dv, block_v))](
+        mixed, b, a, A_log, dt_bias, recurrent_state, slots, out,
+        b.stride(0), a.stride(0), recurrent_state.stride(0), recurrent_state.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), scale,
+        HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _conv_step_kernel(
+    qkv_ptr, w_ptr, conv_ptr, slots_ptr, mixed_ptr, s_qkv, s_wc, s_wk, s_cs, s_cc, s_ck, C,
+    K: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """mixed[n] = silu(conv of [conv[slot] | qkv[n]]) rounded to qkv's dtype, and conv[slot] shifted by
+    qkv[n]: each channel read, then written, by one thread. A padding row writes zeros and no state."""
+    n = tl.program_id(0).to(tl.int64)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    live = slot >= 0
+    mask = (ch < C) & live
+    base = conv_ptr + tl.maximum(slot, 0) * s_cs + ch * s_cc
+    x = tl.load(qkv_ptr + n * s_qkv + ch, mask=mask, other=0.0).to(conv_ptr.dtype.element_ty)
+    y = x.to(tl.float32) * tl.load(w_ptr + ch * s_wc + (K - 1) * s_wk, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(K - 1):
+        tap = tl.load(base + j * s_ck, mask=mask, other=0.0)
+        y += tap.to(tl.float32) * tl.load(w_ptr + ch * s_wc + j * s_wk, mask=mask, other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(base + (j - 1) * s_ck, tap, mask=mask)
+    tl.store(base + (K - 2) * s_ck, x, mask=mask)
+    y = y * tl.sigmoid(y)
+    tl.store(mixed_ptr + n * C + ch, tl.where(live, y, 0.0).to(mixed_ptr.dtype.element_ty), mask=ch < C)
+
+
+@triton.jit
+def _delta_rule_step_kernel(
+    mixed_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, rec_ptr, slots_ptr, o_ptr,
+    s_b, s_a,
+    s_rs, s_rh,
+    s_on, s_oh, s_ov,
+    scale,
+    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """One token of the delta rule on a [BLOCK_V, dk] tile, the state's transpose (loads coalesced
+    along dv all the same): the sums over dk run along the tile's rows. A padding row writes zeros
+    and returns before touching any state (no per-element liveness mask: fewer registers)."""
+    n, h, kh, slot, live = program_slot(slots_ptr, HK, HV)
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_mask = vv < DV
+    o_row = o_ptr + n * s_on + h * s_oh + vv * s_ov
+    if not live:
+        tl.store(o_row, tl.zeros([BLOCK_V], tl.float32).to(o_ptr.dtype.element_ty), mask=v_mask)
+        return
+    kk = tl.arange(0, BLOCK_K)
+    k_mask = kk < DK
+    s_mask = v_mask[:, None] & k_mask[None, :]
+    # int64 for the slot's offset only; the tile's own offsets are 32-bit and known at compile time
+    s_ptr = (rec_ptr + slot * s_rs + h * s_rh) + (kk[None, :] * DV + vv[:, None])
+    state = tl.load(s_ptr, mask=s_mask, other=0.0)
+    row = mixed_ptr + n * (2 * HK * DK + HV * DV)
+    q = tl.load(row + kh * DK + kk, mask=k_mask, other=0.0).to(tl.float32)
+    k = tl.load(row + HK * DK + kh * DK + kk, mask=k_mask, other=0.0).to(tl.float32)
+    v = tl.load(row + 2 * HK * DK + h * DV + vv, mask=v_mask, other=0.0).to(tl.float32)
+    q = l2norm(q) * scale
+    k = l2norm(k)
+    b = tl.load(b_ptr + n * s_b + h).to(tl.float32)
+    x = tl.load(a_ptr + n * s_a + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+    beta, decay = gates(b, x, -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)), b_ptr)
+    state = state * decay
+    delta = (v - tl.sum(state * k[None, :], axis=1)) * beta
+    state += delta[:, None] * k[None, :]
+    tl.store(s_ptr, state, mask=s_mask)
+    tl.store(o_row, tl.sum(state * q[None, :], axis=1).to(o_ptr.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
@@ -140,7 +258,7 @@ def _gdn_decode_kernel(
     qkv_ptr, b_ptr, a_ptr, w_ptr, A_log_ptr, dt_bias_ptr, conv_ptr, rec_ptr, slots_ptr, o_ptr,
     s_qkv, s_b, s_a, s_wc, s_wk,
     s_cs, s_cc, s_ck,
-    s_rs, s_rh, s_rk, s_rv,
+    s_rs, s_rh,
     s_on, s_oh, s_ov,
     scale,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
@@ -153,10 +271,12 @@ def _gdn_decode_kernel(
     v0 = tl.program_id(2) * (BLOCK_V * V_BLOCKS)
     # The state tiles are this program's large reads: each is issued one tile ahead (the first
     # before the conv and gating) so that its latency overlaps the arithmetic before it.
-    h_ptr = rec_ptr + slot * s_rs + h * s_rh + kk[:, None].to(tl.int64) * s_rk
+    # the tile's offsets are 32-bit and known at compile time (each head's state contiguous): vector loads
+    # and few registers for addresses (runtime strides cost this kernel its spill-free configurations)
+    h_ptr = (rec_ptr + slot * s_rs + h * s_rh) + kk[:, None] * DV
     vv = v0 + tl.arange(0, BLOCK_V)
     s_mask = k_mask[:, None] & ((vv < DV) & live)[None, :]
-    state = tl.load(h_ptr + vv[None, :] * s_rv, mask=s_mask, other=0.0)
+    state = tl.load(h_ptr + vv[None, :], mask=s_mask, other=0.0)
     row = qkv_ptr + n * s_qkv
     q = _conv(row, conv_ptr, w_ptr, slot, kh * DK + kk, k_mask, s_cs, s_cc, s_ck, s_wc, s_wk, K)
     k = _conv(row, conv_ptr, w_ptr, slot, HK * DK + kh * DK + kk, k_mask, s_cs, s_cc, s_ck, s_wc, s_wk, K)
@@ -174,10 +294,10 @@ def _gdn_decode_kernel(
         if i + 1 < V_BLOCKS:
             next_vv = vv + BLOCK_V
             next_mask = k_mask[:, None] & ((next_vv < DV) & live)[None, :]
-            next_state = tl.load(h_ptr + next_vv[None, :] * s_rv, mask=next_mask, other=0.0)
+            next_state = tl.load(h_ptr + next_vv[None, :], mask=next_mask, other=0.0)
         v = _conv(row, conv_ptr, w_ptr, slot, 2 * HK * DK + h * DV + vv, v_mask, s_cs, s_cc, s_ck, s_wc, s_wk, K)
         state, o = delta_rule(state, q, k, v, decay, beta)
-        tl.store(h_ptr + vv[None, :] * s_rv, state, mask=s_mask)
+        tl.store(h_ptr + vv[None, :], state, mask=s_mask)
         o = tl.where(live, o, 0.0)
         tl.store(o_ptr + n * s_on + h * s_oh + vv * s_ov, o.to(o_ptr.dtype.element_ty), mask=vv < DV)
         if i + 1 < V_BLOCKS:
