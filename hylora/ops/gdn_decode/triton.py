@@ -1,17 +1,26 @@
 """One Gated DeltaNet decode step in Triton, in place in the state pool by slot index.
 
 Same signature and result as `reference.gdn_decode` (see there for the maths and the padding
-convention: a negative slot reads nothing, writes nothing and outputs zeros). Two launches:
+convention: a negative slot reads nothing, writes nothing and outputs zeros). Two forms, each two
+launches; all arithmetic in fp32.
 
+The split form (the default, `v_blocks` 0), as vLLM's packed decode kernel splits it:
+1. `_conv_step_kernel`, grid (sequence, channel block): silu(causal conv) of every channel into a
+   scratch [N, conv_dim], and the conv state shifted by the new input.
+2. `_delta_rule_step_kernel`, grid (sequence, value head, dv block): gating, q/k L2 norm and the delta
+   rule on one [BLOCK_V, dk] tile (the state's transpose: loads still coalesced along dv).
+
+The fused form (`v_blocks` >= 1):
 1. `_gdn_decode_kernel`, grid (sequence, value head, group of V_BLOCKS dv blocks): the causal conv
    of the q/k channels of its key head and of its own v channels (read-only on the conv state),
    gating, q/k L2 norm, and the delta rule on each [dk, BLOCK_V] tile of the fp32 recurrent state,
-   read and written in place at `slots[n]`. All arithmetic in fp32, offsets in int64.
-2. `_conv_state_kernel`, grid (sequence, channel block): shifts the conv state by the new input.
+   read and written in place at `slots[n]`.
+2. `_conv_state_kernel`, grid (sequence, channel block): shifts the conv state by the new input. The
+   conv state is written by a second launch because the q/k channels of one key head are read by every
+   (value head, dv block) program of that head: writing them in the same launch would race.
 
-The conv state is written by a second launch because the q/k channels of one key head are read
-by every (value head, dv block) program of that head: writing them in the same launch would race.
-"""
+Both address a head's state tile with compile-time offsets (its [dk, dv] state must be contiguous):
+runtime strides cost the fused kernel 246 registers and every 1- and 2-warp launch spilled."""
 
 from __future__ import annotations
 
@@ -21,16 +30,16 @@ import triton.language as tl
 
 from hylora.ops.gdn_decode.reference import num_key_heads
 
-# sm_90, 27B shape (ptxas): 246 registers, no spills. One program per (sequence, value head) walks
-# the four [dk, 32] tiles of its dv 128, loading the next while it computes the current: fastest of
-# 29 spill-free (BLOCK_V, warps, blocks a program) at batch 32 and 64 on an H200, 71.5 / 138.6 us
-# against 81.3 / 151.0 for one [dk, 64] tile a program (bench/kernel_sweep_gpu.py, BASELINE run 12).
-BLOCK_V = 32  # dv block: the [dk, 32] fp32 state tile is 16 KiB at dk 128
-BLOCK_C = 256  # channels per program of the conv-state shift
+# The default launch is the split form (V_BLOCKS 0: the conv in its own launch, then the delta rule one
+# [64, dk] tile a program, 4 warps, 120 registers): at the 27B shape on an H200 61.2 / 115.6 us at batch
+# 32 / 64, against 70.5 / 137.7 for the fused kernel's best launch (one program a value head walking four
+# [dk, 32] tiles, loading each next one ahead); bench/kernel_sweep_gpu.py, docs/BASELINE.md run 27.
+BLOCK_V = 64  # dv rows a program
+BLOCK_C = 256  # channels per program of the conv launches
 NUM_WARPS = 4
-V_BLOCKS = 4  # dv blocks one program walks, loading each next tile while it computes the current
+V_BLOCKS = 0  # 0: the split form; n >= 1: the fused kernel, each program walking n dv blocks
 # (another card: `hylora serve --gdn-decode-launch block_v,num_warps[,v_blocks]` passes others to each
-# call, v_blocks 0 for the split form; bench/kernel_sweep_gpu.py --gdn-best-out writes the sweep's pick)
+# call; bench/kernel_sweep_gpu.py --gdn-best-out writes the sweep's pick)
 
 
 def gdn_decode(
@@ -74,14 +83,15 @@ def gdn_decode(
     if N == 0:
         return out
     block_k = triton.next_power_of_2(dk)
+    block_v = min(BLOCK_V if block_v is None else block_v, triton.next_power_of_2(dv))
+    num_warps = NUM_WARPS if num_warps is None else num_warps
+    v_blocks = V_BLOCKS if v_blocks is None else v_blocks
     if v_blocks == 0:
         return _split_decode(
             qkv, b, a, conv_weight, A_log, dt_bias, conv_state, recurrent_state, slots, scale, out, hk,
-            block_v or SPLIT_BLOCK_V, block_c, num_warps or SPLIT_NUM_WARPS,
+            block_v, block_c, num_warps,
         )  # fmt: skip
-    block_v = min(BLOCK_V if block_v is None else block_v, triton.next_power_of_2(dv))
-    num_warps = NUM_WARPS if num_warps is None else num_warps
-    v_blocks = min(V_BLOCKS if v_blocks is None else v_blocks, triton.cdiv(dv, block_v))
+    v_blocks = min(v_blocks, triton.cdiv(dv, block_v))
     _gdn_decode_kernel[(N, hv, triton.cdiv(dv, block_v * v_blocks))](
         qkv, b, a, conv_weight, A_log, dt_bias, conv_state, recurrent_state, slots, out,
         qkv.stride(0), b.stride(0), a.stride(0), conv_weight.stride(0), conv_weight.stride(1),
@@ -96,10 +106,6 @@ def gdn_decode(
         K=K, BLOCK_C=block_c, num_warps=4,
     )  # fmt: skip
     return out
-
-
-SPLIT_BLOCK_V = 32  # the split form's dv rows a program: its [32, dk] tile at 1 warp, no spills on sm_90
-SPLIT_NUM_WARPS = 1
 
 
 def _split_decode(
@@ -127,7 +133,6 @@ def _split_decode(
         qkv, conv_weight, conv_state, slots, mixed, qkv.stride(0), conv_weight.stride(0), conv_weight.stride(1),
         *conv_state.stride(), conv_dim, K=K, BLOCK_C=block_c, num_warps=4,
     )  # fmt: skip
-    block_v = min(block_v, triton.next_power_of_2(dv))
     _delta_rule_step_kernel[(N, hv, triton.cdiv(dv, block_v))](
         mixed, b, a, A_log, dt_bias, recurrent_state, slots, out,
         b.stride(0), a.stride(0), recurrent_state.stride(0), recurrent_state.stride(1),
