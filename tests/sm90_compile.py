@@ -99,10 +99,10 @@ def launches_27b() -> None:
     hk, hv, dk, dv, S = 16, 48, 128, 128, 8
     C = 2 * hk * dk + hv * dv
     slots = torch.zeros(N, dtype=torch.long)
-    gdn.gdn_decode(e(N, C), e(N, hv), e(N, hv), e(C, 4), e(hv, dtype=torch.float32), e(hv, dtype=torch.float32),
-                   e(S, C, 3), e(S, hv, dk, dv, dtype=torch.float32), slots)  # fmt: skip
-    gdn.gdn_decode(e(N, C), e(N, hv), e(N, hv), e(C, 4), e(hv, dtype=torch.float32), e(hv, dtype=torch.float32),
-                   e(S, C, 3), e(S, hv, dk, dv, dtype=torch.float32), slots, v_blocks=0)  # the split form  # fmt: skip
+    gdn_args = (e(N, C), e(N, hv), e(N, hv), e(C, 4), e(hv, dtype=torch.float32), e(hv, dtype=torch.float32),
+                e(S, C, 3), e(S, hv, dk, dv, dtype=torch.float32), slots)  # fmt: skip
+    gdn.gdn_decode(*gdn_args, block_v=32, v_blocks=4)  # the fused form
+    gdn.gdn_decode(*gdn_args)  # the split form (the default)
     q, cache, lens = e(N, 24, 256), e(64 * 16, 4, 256), torch.ones(N, dtype=torch.int32)
     for pages in (64, 8):  # split-KV (8 partitions) and direct
         attention.paged_decode_attention(q, cache, cache, torch.zeros(N, pages, dtype=torch.int32), lens, 16, 0.0625)
