@@ -171,6 +171,15 @@ def test_gdn_recurrent_padding_row_writes_nothing():
     assert same_bits(pool[pool0.isnan().flatten(1).all(1)], pool0[pool0.isnan().flatten(1).all(1)])
 
 
+def test_gdn_recurrent_refuses_a_strided_state_pool():
+    """The kernel addresses a head's state tile with compile-time offsets: a pool that is not contiguous
+    per head would be read wrongly, so it is refused."""
+    args, pool, slots = recurrent_case([2, 3], 1, 2, 16, 16, seed=9)
+    wide = torch.zeros(*pool.shape[:-1], 32)[..., :16]
+    with pytest.raises(ValueError, match="contiguous"):
+        gdn_prefill_triton.recurrent_by_slot(**args, state_pool=wide, slots=slots, seq_lens=[2, 3], scale=0.25)
+
+
 def test_gdn_recurrent_start_up_check():
     batches = ((1,), (3, 0, 64, 1))
     assert check.gdn_recurrent_error(2, 4, 16, 16, torch.float32, "cpu", batches=batches, block_v=8) < 1e-5

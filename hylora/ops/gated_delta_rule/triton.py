@@ -60,6 +60,8 @@ def recurrent_by_slot(
         raise ValueError("recurrent_by_slot: the state pool, slots or lengths do not fit the tokens")
     if any(x.stride(-1) != 1 for x in (q, k, v, b, a)):
         raise ValueError("recurrent_by_slot: q, k, v, b and a need unit stride along their last dimension")
+    if state_pool.stride(3) != 1 or state_pool.stride(2) != dv:
+        raise ValueError("recurrent_by_slot: each head's [dk, dv] state must be contiguous")
     if spec_slots is not None and (
         spec_slots.dim() != 2
         or spec_slots.shape[0] != len(seq_lens)
@@ -83,7 +85,7 @@ def recurrent_by_slot(
     _recurrent_kernel[(N, hv, triton.cdiv(dv, block_v))](
         q, k, v, b, a, A_log, dt_bias, state_pool, slots, starts, out, spec,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), b.stride(0), a.stride(0),
-        *state_pool.stride(), out.stride(0), out.stride(1), *spec_strides, scale,
+        state_pool.stride(0), state_pool.stride(1), out.stride(0), out.stride(1), *spec_strides, scale,
         HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
         HAS_SPEC=spec_slots is not None, num_warps=num_warps,
     )  # fmt: skip
@@ -94,7 +96,7 @@ def recurrent_by_slot(
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, rec_ptr, slots_ptr, cu_ptr, o_ptr, spec_ptr,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_bt, s_at,
-    s_rs, s_rh, s_rk, s_rv,
+    s_rs, s_rh,
     s_ot, s_oh,
     s_pn, s_pj,
     scale,
@@ -110,7 +112,8 @@ def _recurrent_kernel(
     k_mask = kk < DK
     v_mask = vv < DV
     s_mask = (k_mask & live)[:, None] & v_mask[None, :]
-    s_ptr = rec_ptr + slot * s_rs + h * s_rh + kk[:, None].to(tl.int64) * s_rk + vv[None, :] * s_rv
+    # compile-time tile offsets (each head's [dk, dv] state contiguous, checked): fewer registers
+    s_ptr = (rec_ptr + slot * s_rs + h * s_rh) + (kk[:, None] * DV + vv[None, :])
     state = tl.load(s_ptr, mask=s_mask, other=0.0)
     neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
