@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_gpu import QWEN36_27B, _run_workload, fault_check, random_adapters, random_model  # noqa: E402
+from bench.shapes import BW  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import write_tokenizer  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -50,8 +51,6 @@ from hylora.model.layers import (
 )
 from hylora.ops.gdn_decode.reference import gdn_decode as gdn_reference  # noqa: E402
 from hylora.ops.paged_decode_attention.reference import paged_decode_attention as attention_reference  # noqa: E402
-
-BW = 4.3e12  # bytes/s, measured copy rate on this card (KINDS.md)
 
 
 def bench(fn, reps: int = 50) -> float:

@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.shapes import QWEN36_27B, SMALL  # noqa: E402, F401  (re-exported: the benches import them from here)
 from hylora.adapters.registry import AdapterRegistry  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import DEMO_ADAPTERS, write_demo  # noqa: E402
@@ -41,43 +42,6 @@ from hylora.kernels.select import select_gdn_kernel  # noqa: E402
 from hylora.model.decoder import HybridDecoder  # noqa: E402
 from hylora.model.loader import checkpoint_layout, load_model  # noqa: E402
 from hylora.model.packing import LORA_TARGETS, layer_sublayers, projection_shapes  # noqa: E402
-
-QWEN36_27B = dict(
-    model_type="qwen3_5_text",
-    vocab_size=248320,
-    hidden_size=5120,
-    intermediate_size=17408,
-    num_hidden_layers=64,
-    num_attention_heads=24,
-    num_key_value_heads=4,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=48,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    full_attention_interval=4,
-    mamba_ssm_dtype="float32",  # as Qwen3.6's config.json: vLLM keeps the GDN state in this dtype (bf16 without it)
-    rope_parameters={
-        "rope_type": "default",
-        "rope_theta": 1e7,
-        "partial_rotary_factor": 0.25,
-        "mrope_section": [11, 11, 10],
-        "mrope_interleaved": True,
-    },
-)
-SMALL = dict(
-    QWEN36_27B,
-    vocab_size=2048,
-    hidden_size=512,
-    intermediate_size=1024,
-    num_hidden_layers=8,
-    num_attention_heads=4,
-    head_dim=128,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    rope_parameters=dict(QWEN36_27B["rope_parameters"], mrope_section=[6, 5, 5]),
-)
 
 
 def logits_of(model: HybridDecoder, registry: AdapterRegistry, ids: list[int], adapter: str | None) -> torch.Tensor:

@@ -35,8 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode_gpu import BW  # noqa: E402
-from bench.engine_gpu import QWEN36_27B  # noqa: E402
+from bench.shapes import BW, QWEN36_27B  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.lora import LoRABatch, LoRAStack  # noqa: E402
 from hylora.model.layers import STACKED_LORA_BELOW  # noqa: E402

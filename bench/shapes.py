@@ -1,0 +1,45 @@
+"""What the GPU benchmarks measure against, importable without the engine's server dependencies (a
+kernel sweep needs no pydantic or llguidance): the Qwen3.6-27B text shape, a small twin of it, and
+the H200's copy rate that the rooflines divide by."""
+
+from __future__ import annotations
+
+BW = 4.3e12  # bytes/s, measured copy rate on an H200 (the device tool's KINDS.md)
+
+QWEN36_27B = dict(
+    model_type="qwen3_5_text",
+    vocab_size=248320,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=64,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=48,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=4,
+    mamba_ssm_dtype="float32",  # as Qwen3.6's config.json: vLLM keeps the GDN state in this dtype (bf16 without it)
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+)
+SMALL = dict(
+    QWEN36_27B,
+    vocab_size=2048,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    head_dim=128,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    rope_parameters=dict(QWEN36_27B["rope_parameters"], mrope_section=[6, 5, 5]),
+)
+
