@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -91,7 +91,11 @@ class SamplingRequest(_Body):
     stream_options: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM: only these tokens may be generated
-    bad_words: list[str] | None = Field(default=None, max_length=128)  # vLLM: words never generated
+    # vLLM: words never generated; each at most as long as a stop string (vLLM sets no bound: 128 words
+    # of 60 000 characters made 15M token ids that were checked and copied per choice)
+    bad_words: list[Annotated[str, Field(max_length=SamplingParams.MAX_STOP_CHARS)]] | None = Field(
+        default=None, max_length=128
+    )
     best_of: int | None = None
     prompt_logprobs: int | None = None  # vLLM: logprobs of every prompt token (+ top-k), non-streaming
     min_tokens: int = 0
