@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hylora.adapters.registry import AdapterLease, PreparedAdapter
+from hylora.engine.errors import RequestError
 from hylora.engine.multimodal import MultimodalPrompt
 from hylora.structured import GrammarMatcher
 
@@ -64,7 +65,7 @@ class SamplingParams:
             }
         problems = self._problems()
         if problems:
-            raise InvalidSamplingParams("; ".join(problems.values()), next(iter(problems)))
+            raise RequestError("; ".join(problems.values()), next(iter(problems)))  # param: the first at fault
         if 0 < self.temperature < GREEDY_BELOW:
             self.temperature = 0.0
         elif GREEDY_BELOW <= self.temperature < MIN_TEMPERATURE:
@@ -127,14 +128,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-class InvalidSamplingParams(ValueError):
-    """SamplingParams out of range: the message gives every problem, `param` the first field at fault."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 def _is_int(value: object) -> bool:

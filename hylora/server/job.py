@@ -72,7 +72,7 @@ class Job:
                 for p in range(len(prompts))
                 for i in range(body.n)
             ]
-        except ValueError as e:  # InvalidSamplingParams and Unsupported name their field
+        except ValueError as e:  # RequestError and Unsupported name their field
             raise APIError(400, str(e), param=getattr(e, "param", None)) from None
         self.arrival = time.monotonic()
         self._last_token_at: dict[int, float] = {}
