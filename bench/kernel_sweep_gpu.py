@@ -13,12 +13,15 @@ candidate that is not exact to bf16 rounding is marked, never picked). The defau
   down): decode (32, 64 tokens) and prefill (2048, 8192 tokens in 512-token sequences), each config
   of `hylora.ops.lora.triton.SWEEP_CONFIGS` beside the base GEMM of the same linear.
 
+- The decode steps' LoRA expand alone (`--only expand`): every LoRA linear of the 27B at batch 32
+  and 64, 'block_n,n_per_program,warps' candidates, each summed over a 16-layer decode step.
+
 - The short steps' token-by-token GDN kernel (`--only recurrent`): 32 x 1, verify 1/8/32 x 3, 4 x 16.
 
 - The logits scan (`--only logits`): batch 32 and 64 over the vocabulary, chunk x block, beside the
   torch ops it replaced.
 
-    python bench/kernel_sweep_gpu.py [--out sweep.json] [--only gdn,attention,lora,recurrent,logits]
+    python bench/kernel_sweep_gpu.py [--out sweep.json] [--only gdn,attention,lora,expand,recurrent,logits]
 """
 
 from __future__ import annotations
@@ -352,6 +355,87 @@ def lora_sweep(cfg: ModelConfig, L: int = 8, r: int = 16, token_counts=(32, 64, 
     return rows
 
 
+def decode_lora_linears(cfg: ModelConfig) -> dict[str, tuple[list[int], int]]:
+    """Every LoRA-capable linear of a decode step: name -> (its slices' widths, how many a 16-layer cut has)."""
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    heads, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    gdn_layers, attn_layers = 12, 4
+    return {
+        "gdn in_proj": ([2 * hk * dk + hv * dv, hv * dv, hv, hv], gdn_layers),
+        "gdn out_proj": ([h], gdn_layers),
+        "attn qkv": ([2 * heads * hd, kv * hd, kv * hd], attn_layers),
+        "attn o": ([h], attn_layers),
+        "mlp gate_up": ([inter, inter], gdn_layers + attn_layers),
+        "mlp down": ([h], gdn_layers + attn_layers),
+    }
+
+
+EXPAND_CONFIGS = (
+    "64,4,4 32,1,1 32,1,2 32,2,2 64,1,1 64,1,2 64,1,4 64,2,2 64,2,4 "
+    "128,1,2 128,1,4 128,1,8 128,2,4 128,2,8 256,1,4 256,1,8"
+)
+
+
+@torch.inference_mode()
+def expand_sweep(cfg: ModelConfig, configs: str = EXPAND_CONFIGS, L: int = 8, r: int = 16,
+                 token_counts=(32, 64)) -> list[dict]:  # fmt: skip
+    """The decode steps' expand alone (`lora_apply_stacked` after its GEMM: h in bf16, every slot's),
+    8 rank-16 adapters round robin, on every LoRA linear; then each candidate's total over a 16-layer
+    decode step (12 GDN + 4 attention layers), the number the step profile's `_expand_kernel` shows.
+    Candidates: 'block_n,n_per_program,num_warps'; "fp32-h" is the default launch on an fp32 h (the
+    tf32x3 dot the stacked path ran before)."""
+    from hylora.ops.lora import triton as lt
+
+    candidates = {"default": lt.DECODE_EXPAND}
+    for c in configs.split():
+        block_n, per, warps = (int(k) for k in c.split(","))
+        candidates[f"n{block_n}x{per} w{warps}"] = lt.KernelConfig(
+            block_m=16, block_n=block_n, block_k=0, split_k=1, n_per_program=per, num_warps=warps
+        )
+    rows = []
+    for tokens in token_counts:
+        totals: dict[str, float] = {}
+        slots = torch.tensor([i % L for i in range(tokens)], device=DEV)
+        meta = lt.LoRAKernelMeta.build(slots, L)
+        for name, (widths, count) in decode_lora_linears(cfg).items():
+            g = torch.Generator(DEV).manual_seed(tokens + len(widths))
+            offsets = [(sum(widths[:i]), n) for i, n in enumerate(widths)]
+            out = sum(widths)
+            b = [torch.randn(L, r, n, device=DEV, dtype=DT, generator=g) * 0.05 for n in widths]
+            h = torch.randn(1, tokens, len(widths), L, r, device=DEV, dtype=DT, generator=g)
+            y0 = torch.randn(tokens, out, device=DEV, dtype=DT, generator=g)
+            own = h[0, torch.arange(tokens, device=DEV), :, slots].float()  # [T, slices, r]
+            ref = torch.zeros(tokens, out, device=DEV)  # the delta on y = 0: rounded once, as lora_sweep
+            for i, (start, n) in enumerate(offsets):
+                ref[:, start : start + n] = torch.einsum("tr,trn->tn", own[:, i], b[i][slots].float())
+            roofline = 1e3 * (tokens * out * 2 * 2 + L * r * out * 2) / BW
+            batch_rows = []
+            for label, config in [*candidates.items(), ("fp32-h", lt.DECODE_EXPAND)]:
+                hh = h.float() if label == "fp32-h" else h
+                try:
+                    err = rel_error(lt.lora_expand(hh, b, offsets, torch.zeros_like(y0), meta, config), ref)
+                    y = y0.clone()
+                    ms = bench(partial(lt.lora_expand, hh, b, offsets, y, meta, config))
+                except Exception as e:
+                    print(f"  {label}: {type(e).__name__}: {e}"[:200])
+                    continue
+                totals[label] = totals.get(label, 0.0) + count * ms
+                batch_rows.append(dict(kernel="expand", linear=name, tokens=tokens, config=label, ms=ms,
+                                       roofline_ms=roofline, err=err, ok=err < 1e-2))  # fmt: skip
+            print(f"expand {name} ({widths}), {tokens} tokens: roofline {1e3 * roofline:.2f} us", flush=True)
+            show(batch_rows, "config", f"expand {name} {tokens} tokens")
+            rows += batch_rows
+        print(f"expand, one 16-layer decode step at batch {tokens} (sum over its 64 launches):")
+        for label, total in sorted(totals.items(), key=lambda kv: kv[1]):
+            print(f"  {label:<16} {1e3 * total:7.1f} us")
+        SUMMARY.append(f"expand step total, batch {tokens}: " + ", ".join(
+            f"{k} {1e3 * v:.0f} us" for k, v in sorted(totals.items(), key=lambda kv: kv[1])[:4]))  # fmt: skip
+        rows.append(dict(kernel="expand-step", tokens=tokens, totals_ms=totals))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="gdn,attention,lora")
@@ -359,6 +443,7 @@ def main() -> None:
     ap.add_argument("--gdn-best-out", help="write the GDN sweep's pick as --gdn-decode-launch's value")
     ap.add_argument("--gdn-configs", help="GDN candidates as 'block_v,warps,v_blocks ...' (default: GDN_CONFIGS)")
     ap.add_argument("--lora-tokens", default="32,64,2048,8192", help="token counts of the LoRA sweep")
+    ap.add_argument("--expand-configs", default=EXPAND_CONFIGS, help="'block_n,n_per_program,warps ...'")
     args = ap.parse_args()
     cfg = ModelConfig.from_hf(QWEN36_27B)
     result = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
@@ -370,6 +455,7 @@ def main() -> None:
         "recurrent": recurrent_sweep,
         "attention": attention_sweep,
         "lora": partial(lora_sweep, token_counts=tokens),
+        "expand": partial(expand_sweep, configs=args.expand_configs),
     }
     for name in args.only.split(","):
         t0 = time.perf_counter()

@@ -113,6 +113,7 @@ def launches_27b() -> None:
     for T in (32, 512):  # the small and the large configuration
         meta = lora.LoRAKernelMeta.build(torch.zeros(T, dtype=torch.long), 8)
         lora.lora_apply(e(T, 5120), e(T, sum(rows)), a, b, offsets, meta)
+    lora.lora_expand(e(1, 32, 3, 8, r), b, offsets, e(32, sum(rows)), meta)  # decode's stacked expand: bf16 h
     q = e(N, 24, 512)[..., :256]  # the query half of [query | gate] heads
     rmsnorm.rms_norm(q, e(256), 1e-6, rotary=(e(N, 64), e(N, 64)))  # q norm + rotary (partial: 64 of 256)
     conv.causal_conv1d_by_slot(e(N, C), e(C, 4), e(S, C, 3), slots, [1] * N, splits=(hk * dk, hk * dk, hv * dv))

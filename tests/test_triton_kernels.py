@@ -452,6 +452,22 @@ def test_lora_start_up_check():
     assert stacked < 1e-6
 
 
+def test_lora_expand_takes_a_16_bit_h_as_it_is():
+    """The stacked GEMM's h is already 16-bit: the expand's dot takes it and B unconverted (fp32 sums;
+    the interpreter runs that form for fp16 only). Unused NaN slots, base rows and column tails as above."""
+    half = check.lora_error(
+        64, [48, 16, 33], 16, torch.float16, "cpu", tokens=(1, 17, 65), kernel=check.stacked_lora_apply
+    )
+    assert half < 2e-3
+    x, y0, stack, batch = lora_case(17, seed=5)
+    L, R, _ = stack.a[0].shape
+    h = torch.zeros(2, 17, len(stack.a), L, R, dtype=torch.float16)
+    with pytest.raises(ValueError, match="split_k 1"):
+        lora_triton.lora_expand(
+            h, stack.b, stack.offsets, y0.half(), lora_triton.LoRAKernelMeta.build(batch.token_slots, L)
+        )
+
+
 def stacked_linear(T: int, seed: int) -> tuple[Linear, torch.Tensor, torch.Tensor, LoRABatch]:
     """A Linear whose LoRA A lives under its weight (Linear.stack_lora_a), loaded with lora_case's
     adapters (slot 2 NaN, unused). Returns it, x, the reference output and the batch."""

@@ -17,11 +17,13 @@ M tiles (up to BLOCK_M tokens of ONE slot) that hold tokens, in a tensor of a si
 
 - `lora_apply_stacked` (decode steps): no shrink launch; h of every slot comes from the base GEMM
   over [W; A] (`Linear.stack_lora_a`), in the model dtype, and the expand reads each token's own
-  slot's h through a slot stride.
+  slot's h through a slot stride. That h is already 16-bit, so the expand's dot takes it and B as
+  they are (products exact, fp32 sums) instead of tf32x3 on fp32 copies: the same sums, one MMA
+  instead of three and no conversions. Its launch is `DECODE_EXPAND` (choose_config(T < 128, 0)).
 
 Rules from the Hopper NaN reports on other engines' LoRA kernels: fp32 accumulation rounded once
-into y, h is fp32 in the expand dot (no cast down before a dot; tf32x3 ≈ fp32 on 16-bit models,
-ieee on fp32 models), int64 row offsets, every load masked with other=0, no split-K atomics.
+into y, fp32 h stays fp32 in the expand dot (no cast down before a dot; tf32x3 ≈ fp32 on 16-bit
+models, ieee on fp32 models), int64 row offsets, every load masked with other=0, no split-K atomics.
 Base tokens (slot -1) belong to no tile: their rows of y are untouched bit for bit. Programs of the
 tile list's unused tail exit at once.
 """
@@ -34,6 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+
+from hylora.env import triton_interpreter as interpreting
 
 MAX_SLICES = 4  # slices per launch (pointer arguments); a linear with more takes several launches
 
@@ -68,6 +72,9 @@ LARGE = KernelConfig(
     shrink_block_m=128, shrink_num_warps=8, shrink_num_stages=4,
 )  # fmt: skip
 LARGE_FROM = 128  # tokens
+# The expand alone at decode sizes (`lora_apply_stacked`: every program's chain of dependent loads,
+# tile row -> token order -> h, y, B, is most of a launch's few microseconds).
+DECODE_EXPAND = KernelConfig(block_m=16, block_n=64, block_k=0, split_k=1, n_per_program=4)
 
 
 def _large(**changes) -> KernelConfig:
@@ -107,6 +114,8 @@ def choose_config(num_tokens: int, in_features: int) -> KernelConfig:
     (in 5120) or K steps of 64 over 16 splits (in 17408) were the fastest candidates."""
     if num_tokens >= LARGE_FROM:
         return LARGE
+    if in_features == 0:
+        return DECODE_EXPAND
     if in_features >= LONG_K_FROM:
         return dataclasses.replace(SMALL, block_k=64, split_k=16)
     return dataclasses.replace(SMALL, split_k=max(1, min(SMALL.split_k, in_features // 640)))
@@ -256,6 +265,10 @@ def lora_expand(
         raise ValueError("lora_expand: y needs contiguous rows and B contiguous [L, r, rows] tensors")
     if any(bi.shape[2] != n for bi, (_, n) in zip(b, offsets, strict=True)):
         raise ValueError("lora_expand: B widths differ from the slice offsets")
+    # (Triton 3.7's CPU interpreter reads bf16 dot operands wrongly: there bf16 takes the fp32 dot.)
+    h_native = h.dtype == y.dtype and (h.dtype == torch.float16 or (h.dtype == torch.bfloat16 and not interpreting()))
+    if h_native and split_k != 1:
+        raise ValueError("lora_expand: a 16-bit h comes whole from one GEMM (split_k 1); partials are fp32")
     config = config or choose_config(T, 0)
     tiles = meta.tile_map(config.block_m)
     if tiles.shape[0] == 0:
@@ -280,6 +293,7 @@ def lora_expand(
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_R=_block_r(R),
             N_PER_PROGRAM=config.n_per_program,
             PRECISION="ieee" if y.dtype == torch.float32 else "tf32x3",  # ≈ fp32 on the tensor cores
+            H_NATIVE=h_native,
             **options,
         )  # fmt: skip
     return y
@@ -368,7 +382,7 @@ def _expand_kernel(
     h_ptr, b0, b1, b2, b3, y0, y1, y2, y3, order_ptr, tiles_ptr,
     n0, n1, n2, n3, g1, g2, g3, groups, R, split_k, s_hs, s_ht, s_hi, s_hl, s_yt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_PER_PROGRAM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, H_NATIVE: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0) // groups
     group = tl.program_id(0) % groups  # column groups of slice 0, then of slice 1 (from g1)...
@@ -386,22 +400,30 @@ def _expand_kernel(
     r_mask = rr < R
     h_mask = m_mask[:, None] & r_mask[None, :]
     h_ptrs = h_ptr + tokens[:, None] * s_ht + i * s_hi + slot.to(tl.int64) * s_hl + rr[None, :]
-    h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for split in range(split_k):  # the shrink's K partials, in a fixed order: deterministic
-        h += tl.load(h_ptrs + split * s_hs, mask=h_mask, other=0.0).to(tl.float32)
+    if H_NATIVE:  # one 16-bit h (the stacked GEMM's): exact products, fp32 sums in the dot
+        h = tl.load(h_ptrs, mask=h_mask, other=0.0)
+    else:
+        h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for split in range(split_k):  # the shrink's K partials, in a fixed order: deterministic
+            h += tl.load(h_ptrs + split * s_hs, mask=h_mask, other=0.0).to(tl.float32)
 
-    b_ptr = _pick(i, b0, b1, b2, b3) + slot.to(tl.int64) * R * rows
+    b_row = _pick(i, b0, b1, b2, b3) + slot.to(tl.int64) * R * rows + rr[:, None] * rows
     y_ptr = _pick(i, y0, y1, y2, y3)
     y_row = y_ptr + tokens[:, None] * s_yt
     nn = n_lo + tl.arange(0, BLOCK_N)
     y_next = tl.load(y_row + nn[None, :], mask=m_mask[:, None] & (nn < n_hi)[None, :], other=0.0)
+    b_next = tl.load(b_row + nn[None, :], mask=r_mask[:, None] & (nn < n_hi)[None, :], other=0.0)
     for n_start in range(n_lo, n_hi, BLOCK_N):  # h summed once, reused for every column tile
         nn = n_start + tl.arange(0, BLOCK_N)
         n_mask = nn < n_hi
         y = y_next
+        b = b_next
         nn_next = nn + BLOCK_N  # in flight while this tile is computed and stored
         y_next = tl.load(y_row + nn_next[None, :], mask=m_mask[:, None] & (nn_next < n_hi)[None, :], other=0.0)
-        b = tl.load(b_ptr + rr[:, None] * rows + nn[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        delta = tl.dot(h, b.to(tl.float32), input_precision=PRECISION)  # [M, R] x [R, N]
+        b_next = tl.load(b_row + nn_next[None, :], mask=r_mask[:, None] & (nn_next < n_hi)[None, :], other=0.0)
+        if H_NATIVE:
+            delta = tl.dot(h, b, out_dtype=tl.float32)  # [M, R] x [R, N]
+        else:
+            delta = tl.dot(h, b.to(tl.float32), input_precision=PRECISION)
         y_mask = m_mask[:, None] & n_mask[None, :]
         tl.store(y_row + nn[None, :], (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
