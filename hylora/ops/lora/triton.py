@@ -72,9 +72,11 @@ LARGE = KernelConfig(
     shrink_block_m=128, shrink_num_warps=8, shrink_num_stages=4,
 )  # fmt: skip
 LARGE_FROM = 128  # tokens
-# The expand alone at decode sizes (`lora_apply_stacked`: every program's chain of dependent loads,
-# tile row -> token order -> h, y, B, is most of a launch's few microseconds).
-DECODE_EXPAND = KernelConfig(block_m=16, block_n=64, block_k=0, split_k=1, n_per_program=4)
+# The expand alone at decode sizes (`lora_apply_stacked`). H200, 8 rank-16 slots, batch 32 / 64
+# (BASELINE run 28 a): its 64 launches in a 16-layer step take 265 / 277 us, 3.3-6.1 us each, the
+# 5120-wide ones ~7x their bytes: each program's chain of dependent loads (tile row -> token order
+# -> h, y, B) is most of a launch. The former launch (64 x 4) took 268 / 284 us; on fp32 h, 453 / 470.
+DECODE_EXPAND = KernelConfig(block_m=16, block_n=128, block_k=0, split_k=1, n_per_program=2)
 
 
 def _large(**changes) -> KernelConfig:
