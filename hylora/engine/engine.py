@@ -696,7 +696,9 @@ class LLMEngine:
     def _quarantine(self, chunks: list[ScheduledChunk], error: Exception) -> list[RequestOutput]:
         """The forward raised. A request that was alone fails with the error; a batch goes back to the
         queue and each of its requests recomputes alone, so the one that raises fails by itself."""
-        log.error("engine step %d failed with %d request(s) in it: %r", self.step_count, len(chunks), error)
+        log.error(
+            "engine step %d failed with %d request(s) in it: %r", self.step_count, len(chunks), error, exc_info=error
+        )
         outputs = []
         for c in reversed(chunks):  # requeued at the head, in their original order
             req = c.request
