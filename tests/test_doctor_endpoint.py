@@ -90,7 +90,7 @@ PASS, FAIL, SKIP = Status.PASS, Status.FAIL, Status.SKIP
 
 EXPECTED = {
     "kernels": SKIP, "adapter_effect": PASS, "fidelity": PASS, "mixed_batches": PASS, "pollution": PASS,
-    "prefix_cache": SKIP, "speculative": SKIP, "fp8": SKIP, "load": SKIP,
+    "decode": PASS, "prefix_cache": SKIP, "speculative": SKIP, "fp8": SKIP, "load": SKIP,
 }  # fmt: skip
 
 
@@ -217,7 +217,7 @@ def test_hylora_server_passes_through_the_cli(demo_cache_dir, tmp_path, monkeypa
     assert status.pop("prefix_cache") in ("pass", "skip")  # pass once the server reports cached tokens
     assert status == {
         "kernels": "skip", "adapter_effect": "pass", "fidelity": "pass", "mixed_batches": "pass",
-        "pollution": "pass", "speculative": "skip", "fp8": "skip", "load": "pass",
+        "pollution": "pass", "decode": "pass", "speculative": "skip", "fp8": "skip", "load": "pass",
     }  # fmt: skip
     assert "PASSED (exit 0)" in out
     (pollution,) = [c for c in data["checks"] if c["name"] == "pollution"]

@@ -43,7 +43,8 @@ def test_demo_passes_every_check_with_the_sweep_to_4096(doctor_run):
     prefix = "pass" if getattr(EngineConfig(), "enable_prefix_caching", False) else "skip"  # when the engine has it
     assert status == {
         "kernels": "skip", "adapter_effect": "pass", "fidelity": "pass", "mixed_batches": "pass",
-        "pollution": "pass", "prefix_cache": prefix, "speculative": "skip", "fp8": "skip", "load": "pass",
+        "pollution": "pass", "decode": "pass", "prefix_cache": prefix, "speculative": "skip", "fp8": "skip",
+        "load": "pass",
     }  # fmt: skip
     assert data["lengths"] == list(BOUNDARY_LENGTHS) and data["lengths"][-1] == 4096
     # the engine's own precision: the float32 preset, and the noise it measured (repeats bit-identical)
@@ -189,3 +190,31 @@ def test_the_speculative_check_fails_a_verifier_that_accepts_every_draft(demo_di
         Tolerance.for_dtypes("float32"),
     )
     assert spec.status.value == "fail"
+
+
+def test_the_decode_check_fails_an_engine_that_decodes_without_its_adapters(demo_dir, monkeypatch):
+    """Prompts prefilled with the adapters, decode steps (a token a sequence) run without them: the
+    sweep cannot see it; the decode check fails each adapter and passes the base model. Unpatched, the
+    four targets decoded in one batch agree with the prefill of the same tokens."""
+    from hylora.doctor import Tolerance
+    from hylora.doctor.decode import DECODE_TOKENS, judge_decode, run_decode
+    from hylora.doctor.deployment import EngineDeployment
+    from hylora.doctor.prompts import doctor_sequence
+    from hylora.doctor.scores import TokenTexts
+    from hylora.engine import LLMEngine
+    from hylora.model.layers import Linear
+
+    adapters = {name: demo_dir / "adapters" / name for name in TARGETS[1:]}
+    engine = LLMEngine(demo_dir, EngineConfig(max_model_len=800, device="cpu"), lora_modules=adapters, progress=False)
+    sequence = doctor_sequence(engine.tokenizer, 800)
+    deployment, targets = EngineDeployment(engine, sequence), [None, *TARGETS[1:]]
+    texts, tol = TokenTexts(engine.tokenizer), Tolerance.for_dtypes("float32")
+    healthy = judge_decode(run_decode(deployment, targets, sequence), texts, tol)
+    assert healthy.status.value == "pass", healthy.failures
+    assert healthy.compared == len(targets) * DECODE_TOKENS and "in one batch" in healthy.summary
+
+    forward = Linear.forward
+    monkeypatch.setattr(Linear, "forward", lambda self, x, lora=None: forward(self, x, None if len(x) <= 4 else lora))
+    broken = judge_decode(run_decode(deployment, targets, sequence), texts, tol)
+    assert broken.status.value == "fail"
+    assert {f.split(":")[0] for f in broken.failures} == set(TARGETS[1:])  # the base model decodes right

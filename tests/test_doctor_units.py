@@ -13,6 +13,7 @@ import pytest
 
 from hylora.doctor import CheckResult, DoctorOptions, Status, Tolerance, run_doctor
 from hylora.doctor.compare import EXACT, Diff, diff_reference, diff_served
+from hylora.doctor.decode import DECODE_TOKENS
 from hylora.doctor.deployment import Features, LoadStats
 from hylora.doctor.effect import check_adapter_effect
 from hylora.doctor.endpoint import ECHO, PROMPT_LOGPROBS, Budget, BudgetExhausted, Endpoint, draft_tokens
@@ -276,7 +277,7 @@ def test_a_perfect_server_passes_and_the_report_renders(tmp_path):
     status = {c.name: c.status for c in report.checks}
     assert status == {
         "kernels": Status.SKIP, "adapter_effect": Status.PASS, "fidelity": Status.PASS,
-        "mixed_batches": Status.PASS, "pollution": Status.PASS, "prefix_cache": Status.SKIP,
+        "mixed_batches": Status.PASS, "pollution": Status.PASS, "decode": Status.SKIP, "prefix_cache": Status.SKIP,
         "speculative": Status.SKIP, "fp8": Status.SKIP, "load": Status.PASS,
     }  # fmt: skip
     assert report.exit_code == 0 and "PASSED (exit 0)" in render_text(report)
@@ -429,9 +430,12 @@ class FastServer(PerfectServer):
     base's cached prefix), `bad_draft` (a draft token accepted at this step that the model would not
     choose)."""
 
-    def __init__(self, ref, features: Features, warm_shift=0.0, leak=False, bad_draft=None, drafts=True):
+    def __init__(
+        self, ref, features: Features, warm_shift=0.0, leak=False, bad_draft=None, drafts=True, base_decode=False
+    ):
         super().__init__(ref)
         self._features, self.warm_shift, self.leak, self.bad_draft = features, warm_shift, leak, bad_draft
+        self.base_decode = base_decode  # generation serves the base model whatever the target (scoring does not)
         self.cache: dict[tuple, str | None] = {}
         self.drafted = 0.0 if drafts else None
 
@@ -448,6 +452,7 @@ class FastServer(PerfectServer):
             key = ids if self.leak else (p.target, ids)
             hit = not prompt_logprobs and key in self.cache
             target = self.cache[key] if hit and self.leak else p.target  # a leak serves the cached target
+            target = None if self.base_decode else target
             self.cache.setdefault(key, p.target)
             tokens, logprobs, prefix = [], [], ids
             for j in range(max_tokens):
@@ -526,6 +531,48 @@ def test_a_wrongly_accepted_draft_token_fails_speculation():
     spec = checks["speculative"]
     assert spec.status is Status.FAIL and len(spec.failures) == 2  # base and relic
     assert "generated token 3" in spec.failures[0] and "accepted wrongly" in spec.failures[0]
+
+
+OFF = Features(prefix_caching=False, speculative=False)
+
+
+class TogetherServer(FastServer):
+    """FastServer that takes `together` (its requests in flight at once), and records each call's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.together_calls: list[bool] = []
+
+    def generate(self, probes, max_tokens, prompt_logprobs=False, together=False):
+        self.together_calls.append(together)
+        return super().generate(probes, max_tokens, prompt_logprobs)
+
+
+def test_decode_is_held_to_the_prefill_of_the_same_tokens():
+    ref = StubReference(800, ["relic"])
+    report, checks = fast_run(FastServer(ref, OFF))
+    decode = checks["decode"]
+    assert decode.status is Status.PASS and decode.compared == 2 * DECODE_TOKENS  # base and relic, every token
+    assert "decoded one at a time" in decode.summary and report.exit_code == 0
+    assert any("no decode step mixed the targets" in n for n in decode.notes)
+    server = TogetherServer(ref, OFF)
+    _, checks = fast_run(server)
+    assert checks["decode"].status is Status.PASS and "decoded in one batch" in checks["decode"].summary
+    assert not checks["decode"].notes and True in server.together_calls
+    # speculation on: the speculative check compares decode with prefill instead
+    _, checks = fast_run(FastServer(ref, ON))
+    assert checks["decode"].status is Status.SKIP and "speculative check" in checks["decode"].summary
+
+
+def test_a_decode_path_that_serves_the_base_model_fails():
+    """Prefill right (the sweep passes), decode without the adapter: the adapter's row fails, the base's not."""
+    ref = StubReference(800, ["relic"])
+    report, checks = fast_run(TogetherServer(ref, OFF, base_decode=True))
+    decode = checks["decode"]
+    assert decode.status is Status.FAIL and report.exit_code != 0
+    assert checks["fidelity"].status is Status.PASS
+    assert decode.failures and all(f.startswith("relic: ") for f in decode.failures)  # the base decodes right
+    assert "generated token 0" in decode.failures[0] and "the decode path computes another model" in decode.failures[0]
 
 
 def test_fp8_is_judged_against_the_dequantised_reference_only():

@@ -165,6 +165,48 @@ def test_completions_echo_logprobs_give_prompt_logprobs(client, offline):
     assert by_ids.choices[0].text == expected.text
 
 
+def test_logprobs_name_tokens_by_id_when_asked(client, offline):
+    """vLLM's return_tokens_as_token_ids: every token of logprobs as "token_id:N" (the ids generated)."""
+    prompt = "The mural on the east wall shows"
+    ids = offline.tokenizer.encode(prompt, add_special_tokens=False)
+    expected = offline.generate(ids, SamplingParams(max_tokens=4, temperature=0, logprobs=2), lora="mural")[0]
+    want = [f"token_id:{t}" for t in expected.token_ids]
+    extra = {"return_tokens_as_token_ids": True}
+    reply = client.completions.create(model="mural", prompt=prompt, max_tokens=4, temperature=0, logprobs=2,
+                                      extra_body=extra)  # fmt: skip
+    lp = reply.choices[0].logprobs
+    assert lp.tokens == want and reply.choices[0].text == expected.text
+    assert all(len(top) == 2 and all(k.startswith("token_id:") for k in top) for top in lp.top_logprobs)
+    assert [max(top, key=top.get) for top in lp.top_logprobs] == want  # greedy: the top-1 is the token
+    chat = client.chat.completions.create(
+        model="mural", messages=[{"role": "user", "content": prompt}], max_tokens=3, temperature=0, logprobs=True,
+        top_logprobs=1, extra_body=extra,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(t.token.startswith("token_id:") for t in content)
+    assert all(t.top_logprobs[0].token == t.token and t.bytes == list(t.token.encode()) for t in content)
+    plain = client.completions.create(model="mural", prompt=prompt, max_tokens=4, temperature=0, logprobs=1)
+    assert plain.choices[0].logprobs.tokens == [offline.tokenizer.decode([t]) for t in expected.token_ids]
+
+
+def test_streamed_completions_carry_logprobs(client):
+    """Each chunk carries its tokens' logprobs (OpenAI, vLLM); together they equal the whole reply's."""
+    args = dict(model="relic", prompt="The relic was found", max_tokens=6, temperature=0, logprobs=2)
+    whole = client.completions.create(**args).choices[0]
+    tokens, values, offsets, tops, text = [], [], [], [], ""
+    for chunk in client.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                values += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+                tops += c.logprobs.top_logprobs
+    assert text == whole.text and tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    assert values == pytest.approx(whole.logprobs.token_logprobs, abs=1e-5) and len(values) == 6
+    assert [set(t) for t in tops] == [set(t) for t in whole.logprobs.top_logprobs]
+
+
 def test_models_list(client):
     models = {m.id: m for m in client.models.list().data}
     assert set(models) >= {"hylora-demo", "relic", "tomb", "mural"}

@@ -64,8 +64,9 @@ class Deployment(Protocol):
 
     def load(self, streams: int, seconds: float, max_tokens: int) -> LoadStats: ...
 
-    # optional (fastpaths.py; a deployment without them has none of the fast paths checked):
-    # features() -> Features; generate(probes, max_tokens, prompt_logprobs=False) -> list[Generation];
+    # optional (decode.py, fastpaths.py; a deployment without them has neither decode nor the fast
+    # paths checked): features() -> Features; generate(probes, max_tokens, prompt_logprobs=False[,
+    # together=False]) -> list[Generation] (together: all requests in flight at once);
     # speculation_counter() -> float | None (draft tokens proposed so far)
 
 
@@ -131,12 +132,17 @@ class EngineDeployment:
         value = getattr(self.engine.stats(), "spec_draft_tokens", None)
         return None if value is None else float(value)
 
-    def generate(self, probes: list[Probe], max_tokens: int, prompt_logprobs: bool = False) -> list[Generation]:
-        """Greedy continuations of `max_tokens` tokens, one request at a time (top-1 logprobs)."""
+    def generate(
+        self, probes: list[Probe], max_tokens: int, prompt_logprobs: bool = False, together: bool = False
+    ) -> list[Generation]:
+        """Greedy continuations of `max_tokens` tokens (top-1 logprobs), one request at a time, or
+        with `together` all added before the engine steps (its decode steps then batch them)."""
         params = SamplingParams(
             max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=SERVED_TOP_K,
             prompt_logprobs=SERVED_TOP_K if prompt_logprobs else None,
         )  # fmt: skip
+        if together:
+            return self._generate_together(probes, params)
         out = []
         for probe in probes:
             rid = f"doctor-{next(self._ids)}"
@@ -151,6 +157,21 @@ class EngineDeployment:
                 gen.cached_tokens = self._prefix_hits() - hits  # type: ignore[operator]
             out.append(gen)
         return out
+
+    def _generate_together(self, probes: list[Probe], params: SamplingParams) -> list[Generation]:
+        results: list[Generation | None] = [None] * len(probes)
+        order: dict[str, int] = {}
+        for i, probe in enumerate(probes):
+            rid = f"doctor-{next(self._ids)}"
+            try:
+                self.engine.add_request(rid, probe.ids(self.sequence), params, probe.target)
+            except (RequestError, LookupError, ValueError) as e:
+                results[i] = Generation.failed(f"refused: {e}")
+                continue
+            order[rid] = i
+        for out in self._until_done(set(order)):
+            results[order[out.request_id]] = Generation.from_output(out)
+        return results  # type: ignore[return-value]
 
     def _prefix_hits(self) -> int | None:
         """Prompt tokens served from the prefix cache so far (`stats().prefix_cache_hits`), if counted."""

@@ -5,7 +5,8 @@
 2. mixed batches (short prompts, all targets: alone, alone again, all at once);
 3. pollution: probe, burst of long requests (+ a video, + an injected NaN in-process), probe;
 4. the sweep's long prompts;
-5. the fast paths: prefix caching, speculative decoding (fastpaths.py; skipped where off);
+5. decode against prefill (decode.py; skipped where speculation is on), then the fast paths: prefix
+   caching, speculative decoding (fastpaths.py; skipped where off);
 6. load, when asked for;
 then the deployment's noise is measured from what came back (noise.py), the tolerance chosen, and
 every check judged. Short prompts go before the long burst so that a server whose long requests
@@ -24,6 +25,7 @@ from typing import Any
 
 from hylora.doctor.batches import check_mixed, judge_pollution, run_mixed, run_pollution
 from hylora.doctor.compare import Tolerance, diff_reference
+from hylora.doctor.decode import judge_decode, run_decode
 from hylora.doctor.deployment import Deployment, Features
 from hylora.doctor.effect import check_adapter_effect
 from hylora.doctor.fastpaths import (
@@ -49,7 +51,7 @@ from hylora.doctor.sweep import SweepData, TargetSweep, check_fidelity, label
 from hylora.kernels import KernelVerdict
 
 log = logging.getLogger(__name__)
-PHASES = 7  # references, short sweep, mixed, pollution, long sweep, fast paths, load
+PHASES = 7  # references, short sweep, mixed, pollution, long sweep, decode + fast paths, load
 
 
 @dataclass
@@ -161,7 +163,11 @@ def run_doctor(
     paths = (("prefix cache", features.prefix_caching), ("speculative decoding", features.speculative))
     on = [name for name, f in paths if f is not False and options.fast_paths]
     total = (5 if "prefix cache" in on else 0) + (2 * len(targets) if "speculative decoding" in on else 0)
-    progress.phase(f"fast paths ({', '.join(on) or 'none on'})", total)
+    decoding = features.speculative is not True
+    total += 2 * len(targets) if decoding else 0
+    progress.phase(f"decode vs prefill{'' if decoding else ' (speculation on)'}, fast paths "
+                   f"({', '.join(on) or 'none on'})", total)  # fmt: skip
+    decode_run = run_decode(deployment, targets, reference.sequence, progress.tick)
     if options.fast_paths:
         prefix_run = run_prefix_cache(deployment, targets, len(reference.sequence), progress.tick)
         spec_run = run_speculation(deployment, targets, reference.sequence, progress.tick)
@@ -197,7 +203,7 @@ def run_doctor(
     fidelity.notes.append(f"tolerance: {choice.why}; measured noise: {noise.text()}")
     fidelity.data["tolerance"] = choice.as_dict()
     checks = [
-        check_kernels(kernels), effect, fidelity, mixed, pollution,
+        check_kernels(kernels), effect, fidelity, mixed, pollution, judge_decode(decode_run, texts, tol),
         judge_prefix_cache(prefix_run, texts, tol), judge_speculation(spec_run, texts, tol),
         check_fp8(features, reference, fp8_diffs), load,
     ]  # fmt: skip

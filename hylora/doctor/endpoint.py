@@ -259,17 +259,22 @@ class Endpoint:
             return None
         return draft_tokens(r.text) if r.status_code == 200 else None
 
-    def generate(self, probes: list[Probe], max_tokens: int, prompt_logprobs: bool = False) -> list[Generation]:
-        """Greedy continuations, one request after another; `prompt_logprobs` also asks for the
-        prompt's logprobs (servers then skip their prefix cache for the request, vLLM's rule)."""
-        return asyncio.run(self._generate(probes, max_tokens, prompt_logprobs))
+    def generate(
+        self, probes: list[Probe], max_tokens: int, prompt_logprobs: bool = False, together: bool = False
+    ) -> list[Generation]:
+        """Greedy continuations, one request after another, or with `together` all in flight at once;
+        `prompt_logprobs` also asks for the prompt's logprobs (servers then skip their prefix cache
+        for the request, vLLM's rule)."""
+        return asyncio.run(self._generate(probes, max_tokens, prompt_logprobs, together))
 
-    async def _generate(self, probes: list[Probe], max_tokens: int, prompt_logprobs: bool) -> list[Generation]:
-        out = []
+    async def _generate(
+        self, probes: list[Probe], max_tokens: int, prompt_logprobs: bool, together: bool
+    ) -> list[Generation]:
         async with httpx.AsyncClient(timeout=self.timeout, headers=self.headers) as client:
-            for probe in probes:
-                out.append(await self._generate_one(client, probe, max_tokens, prompt_logprobs))
-        return out
+            if together:
+                calls = (self._generate_one(client, p, max_tokens, prompt_logprobs) for p in probes)
+                return list(await asyncio.gather(*calls))
+            return [await self._generate_one(client, p, max_tokens, prompt_logprobs) for p in probes]
 
     async def _generate_one(
         self, client: httpx.AsyncClient, probe: Probe, max_tokens: int, prompt_logprobs: bool

@@ -8,7 +8,8 @@ What a deployment offers for them (all optional; `features_of` reads them, off w
   out from the answers) and quantization (e.g. "fp8");
 - `generate(probes, max_tokens, prompt_logprobs=False) -> list[Generation]`: greedy continuations
   with the top-1 logprob of each generated token and the prompt tokens served from the prefix cache
-  (`Generation.cached_tokens`; None: not reported);
+  (`Generation.cached_tokens`; None: not reported); decode.py's check uses it too (with `together`
+  where the deployment takes it);
 - `speculation_counter() -> float | None`: draft tokens proposed so far (None: not reported).
 
 **prefix_cache**: a prompt no other phase sends (a window at its own offset), for the base model and
@@ -236,8 +237,17 @@ def run_speculation(deployment: Deployment, targets: list[Target], sequence: lis
     if drafts == 0 or (f.speculative is None and drafts is None):
         why = "no draft tokens during the check" if drafts == 0 else "the deployment reports no draft tokens"
         return SpecRun(skip=f"speculative decoding did not run ({why})", features=f, drafts=drafts)
+    scored = score_continuations(deployment, [(t, gen) for t, gen, _ in rows], window, sequence, tick)
+    return SpecRun(None, f, drafts, scored, window.length)
+
+
+def score_continuations(
+    deployment: Deployment, rows: list[tuple[Target, Generation]], window: Window, sequence: list[int], tick=None
+) -> list[tuple[Target, Generation, Scores | None]]:
+    """Each target's prompt plus its generated tokens, scored by one plain prefill (None where the
+    generation failed or came back as text)."""
     scored = []
-    for t, gen, _ in rows:
+    for t, gen in rows:
         out = None
         if gen.error is None and gen.tokens and all(isinstance(x, int) for x in gen.tokens):
             prompt = tuple(window.ids(sequence)) + tuple(gen.tokens[:-1])  # type: ignore[arg-type]
@@ -245,61 +255,79 @@ def run_speculation(deployment: Deployment, targets: list[Target], sequence: lis
         if tick is not None:
             tick(1)
         scored.append((t, gen, out))
-    return SpecRun(None, f, drafts, scored, window.length)
+    return scored
 
 
-def judge_speculation(run: SpecRun, texts: TokenTexts, tol: Tolerance) -> CheckResult:
-    if run.skip:
-        return CheckResult("speculative", Status.SKIP, run.skip)
-    failures, notes, compared, every = [], [], 0, []
-    n = run.length
-    for t, gen, scored in run.rows:
+@dataclass
+class ContinuationDiff:
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    compared: int = 0
+    deltas: list[float] = field(default_factory=list)  # |Δ logprob| of every compared token
+
+
+def compare_continuations(
+    rows: list[tuple[Target, Generation, Scores | None]], length: int, texts: TokenTexts, tol: Tolerance, wrong: str
+) -> ContinuationDiff:
+    """Generated tokens against the plain prefill of prompt + those tokens (`length`: the prompt's):
+    each must be the prefill's greedy choice there (ties within the tolerance agree) with the same
+    logprob within the tolerance's max. `wrong` ends the message of a token ranked below the top-1."""
+    out = ContinuationDiff()
+    for t, gen, scored in rows:
         name, deltas = label(t), []
         if gen.error:
-            failures.append(f"{name}: the generation failed: {gen.error}")
+            out.failures.append(f"{name}: the generation failed: {gen.error}")
             continue
         if scored is None:
-            notes.append(f"{name}: the generated tokens came back as text: they cannot be scored by id")
+            out.notes.append(f"{name}: the generated tokens came back as text: they cannot be scored by id")
             continue
         if scored.error:
-            failures.append(f"{name}: scoring the continuation failed: {scored.error}")
+            out.failures.append(f"{name}: scoring the continuation failed: {scored.error}")
             continue
         for j, token in enumerate(gen.tokens):
-            p = n + j  # the position (1-based) predicting generated token j in the scoring request
+            p = length + j  # the position (1-based) predicting generated token j in the scoring request
             if p > len(scored.logprobs):
                 break
             lg, ls = gen.logprobs[j], scored.logprobs[p - 1]
             top, top_lp = scored.top1[p - 1], (scored.top1_logprobs or [math.nan] * p)[p - 1]
             if not math.isfinite(lg) or not math.isfinite(ls):
-                failures.append(f"{name}: non-finite logprob at generated token {j}")
+                out.failures.append(f"{name}: non-finite logprob at generated token {j}")
                 break
             if not texts.same(scored.tokens[p - 1], token):
                 if abs(lg - ls) > tol.tie:  # the scorer's own greedy pick (last position) is another token
-                    failures.append(f"{name}: generated token {j} is not the plain prefill's greedy choice there")
+                    out.failures.append(f"{name}: generated token {j} is not the plain prefill's greedy choice there")
                     break
                 continue
-            compared += 1
+            out.compared += 1
             deltas.append(abs(lg - ls))
             if top is not None and not texts.same(top, token):
                 gap = top_lp - ls if math.isfinite(top_lp) else math.inf
                 if gap > tol.tie:
-                    failures.append(
+                    out.failures.append(
                         f"{name}: generated token {j} ({texts.text(token) if isinstance(token, int) else token!r}) is "
-                        f"ranked {gap:.3g} below the plain prefill's top-1 there: a draft token was accepted wrongly"
+                        f"ranked {gap:.3g} below the plain prefill's top-1 there: {wrong}"
                     )
                     break
         if deltas and max(deltas) > tol.max:
-            failures.append(f"{name}: max |Δ logprob| {max(deltas):.3g} > {tol.max:g} between decode and prefill")
-        every += deltas
+            out.failures.append(f"{name}: max |Δ logprob| {max(deltas):.3g} > {tol.max:g} between decode and prefill")
+        out.deltas += deltas
+    return out
+
+
+def judge_speculation(run: SpecRun, texts: TokenTexts, tol: Tolerance) -> CheckResult:
+    if run.skip:
+        return CheckResult("speculative", Status.SKIP, run.skip)
+    diff = compare_continuations(run.rows, run.length, texts, tol, "a draft token was accepted wrongly")
     if run.drafts is None:
-        notes.append("the deployment does not count draft tokens: that speculation ran is not confirmed")
-    mx = max(every, default=0.0)
+        diff.notes.append("the deployment does not count draft tokens: that speculation ran is not confirmed")
+    mx = max(diff.deltas, default=0.0)
     summary = (
         f"{len(run.rows)} targets × {SPEC_TOKENS} tokens generated vs the same tokens scored by a plain prefill"
         f" ({'draft tokens: ' + format(run.drafts, 'g') if run.drafts is not None else 'drafts not reported'}): "
         f"max |Δ logprob| {mx:.2g}"
     )
-    return CheckResult.judged("speculative", summary, compared, failures, notes=notes, data={"max_abs": mx})
+    return CheckResult.judged("speculative", summary, diff.compared, diff.failures, notes=diff.notes,
+                              data={"max_abs": mx})  # fmt: skip
 
 
 # --- FP8 -------------------------------------------------------------------------------------------

@@ -253,14 +253,21 @@ class Job:
         async for event in self._events(streams, base, choice, opening=True):
             yield event
 
+    def _token(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or "token_id:N" (vLLM's return_tokens_as_token_ids:
+        tokens whose text is not a whole character, or that several ids share, stay distinct)."""
+        if self.body.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
     def _chat_logprob(self, lp: TokenLogprob) -> dict[str, Any]:
-        token = self.tokenizer.decode([lp.token_id])
+        token = self._token(lp.token_id)
         return {
             "token": token,
             "logprob": _finite(lp.logprob),
             "bytes": list(token.encode("utf-8")),
             "top_logprobs": [
-                {"token": (t := self.tokenizer.decode([tid])), "logprob": _finite(v), "bytes": list(t.encode("utf-8"))}
+                {"token": (t := self._token(tid)), "logprob": _finite(v), "bytes": list(t.encode("utf-8"))}
                 for tid, v in lp.top.items()
             ],
         }
@@ -294,14 +301,22 @@ class Job:
         body: CompletionRequest = self.body  # type: ignore[assignment]
         base = {"id": self.id, "object": "text_completion", "created": int(time.time()), "model": self.model}
 
+        offsets = [0] * len(streams)  # text_offset of each choice's next token
+
         def choice(i: int, out: RequestOutput | None, finish: str | None) -> dict[str, Any] | None:
+            logprobs = None
             if out is None:  # the opening chunk: the echoed prompt
                 text = self.tokenizer.decode(self.prompt_of(i))
+                offsets[i] = len(text)
             else:
                 text = "" if self.score_only else out.new_text
-            if not text and finish is None:
+                if body.logprobs is not None and out.new_logprobs and not self.score_only:
+                    entries = [(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs]
+                    logprobs = self._logprobs_block(entries, offsets[i])
+                    offsets[i] += sum(len(t) for t in logprobs["tokens"])
+            if not text and logprobs is None and finish is None:
                 return None
-            return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
         async for event in self._events(streams, base, choice, opening=body.echo):
             yield event
@@ -352,9 +367,16 @@ class Job:
                 entries.append((tid, None, None) if lp is None else (tid, lp.logprob, lp.top))
         for lp in [] if self.score_only else out.logprobs or []:
             entries.append((lp.token_id, lp.logprob, lp.top))
-        tokens, offsets, pos = [], [], 0
+        return self._logprobs_block(entries, 0)
+
+    def _logprobs_block(
+        self, entries: list[tuple[int, float | None, dict[int, float] | None]], start: int
+    ) -> dict[str, Any]:
+        """The completions API's logprobs of these (token id, logprob, top) entries, the first at
+        character `start` of the choice's text."""
+        tokens, offsets, pos = [], [], start
         for tid, _, _ in entries:
-            t = self.tokenizer.decode([tid])
+            t = self._token(tid)
             tokens.append(t)
             offsets.append(pos)
             pos += len(t)
@@ -362,8 +384,7 @@ class Job:
             "tokens": tokens,
             "token_logprobs": [None if lp is None else _finite(lp) for _, lp, _ in entries],
             "top_logprobs": [
-                None if top is None else {self.tokenizer.decode([k]): _finite(v) for k, v in top.items()}
-                for _, _, top in entries
+                None if top is None else {self._token(k): _finite(v) for k, v in top.items()} for _, _, top in entries
             ],
             "text_offset": offsets,
         }

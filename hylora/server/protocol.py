@@ -98,6 +98,7 @@ class SamplingRequest(_Body):
     )
     best_of: int | None = None
     prompt_logprobs: int | None = None  # vLLM: logprobs of every prompt token (+ top-k), non-streaming
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs name each token "token_id:N", not its text
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
