@@ -15,6 +15,7 @@ import pytest
 from hylora.demo import DEMO_ADAPTERS
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams
 from hylora.engine.chat_input import multimodal_prompt
+from hylora.engine.errors import RequestError
 from hylora.tokenizer import chat_prompt
 from tests.engine_helpers import run
 from tests.media_helpers import image_bytes
@@ -101,6 +102,34 @@ def test_no_hit_across_adapters_or_a_reloaded_adapter(demo_dir, tmp_path):
     same(out, serve_one(plain, "d", follow, "mural"))
 
 
+def test_cache_salt_shares_entries_only_within_one_salt(demo_dir):
+    """vLLM's cache_salt: a tenant's cached prefix serves only requests with the same salt (no hit,
+    hence no timing, for another salt or none); answers stay those of the uncached engine."""
+    engine, plain = make(demo_dir), make(demo_dir, False)
+    prompt = conversation(engine, "Describe the relic.")
+    follow = conversation(engine, "Describe the relic.", "And its age?")
+
+    def served(rid, tokens, salt):
+        engine.add_request(rid, tokens, PARAMS, "relic", cache_salt=salt)
+        while engine.has_unfinished():
+            finished = [o for o in engine.step() if o.finished and o.request_id == rid]
+            if finished:
+                return finished[0]
+        raise AssertionError(rid)
+
+    served("a", prompt, "tenant-a" * 6)
+    for rid, salt in (("other salt", "tenant-b" * 6), ("no salt", None)):
+        out = served(rid, follow, salt)
+        assert out.num_cached_tokens == 0, rid
+        same(out, serve_one(plain, rid, follow, "relic"))
+    out = served("same salt", follow, "tenant-a" * 6)
+    assert out.num_cached_tokens > len(SYSTEM) // 8
+    same(out, serve_one(plain, "same salt", follow, "relic"))
+    with pytest.raises(RequestError, match="cache_salt") as refused:
+        engine.add_request("empty", prompt, PARAMS, cache_salt="")
+    assert refused.value.param == "cache_salt" and "empty" not in engine.requests
+
+
 def media_prompt(engine, png: bytes, question: str):
     url = "data:image/png;base64," + base64.b64encode(png).decode()
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
@@ -183,5 +212,13 @@ def test_the_server_reports_cached_prompt_tokens_when_asked(demo_cache_dir, tmp_
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Describe the relic."}]
         body = {"model": "hylora-demo", "messages": messages, "max_tokens": 2, "temperature": 0}
         usages = [httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60).json()["usage"] for _ in "ab"]
+        salted = body | {"cache_salt": "b1Yv0Ym9Jq3nQ5l1kC1o4y0w8a6r2t9s7d3f5g1h0jA"}  # vLLM's per-tenant field
+        salted_usages = [
+            httpx.post(f"{s.url}/v1/chat/completions", json=salted, timeout=60).json()["usage"] for _ in "ab"
+        ]
+        empty = httpx.post(f"{s.url}/v1/chat/completions", json=body | {"cache_salt": ""}, timeout=60)
     assert usages[0]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert 0 < usages[1]["prompt_tokens_details"]["cached_tokens"] < usages[1]["prompt_tokens"]
+    assert salted_usages[0]["prompt_tokens_details"] == {"cached_tokens": 0}  # not the unsalted entries
+    assert salted_usages[1]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"

@@ -58,6 +58,7 @@ class AsyncEngine:
         grammar: CompiledGrammar | None = None,
         grammar_after: Sequence[int] = (),
         group: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Admit a request and return its output stream. Errors in the request (too long, unknown or
         broken adapter, bad ids) raise here, before any output; leaving the stream early aborts it."""
@@ -70,7 +71,9 @@ class AsyncEngine:
 
         def add() -> None:
             self._check_accepting()
-            self.engine.add_request(request_id, prompt, params, adapter, prepared, mm, grammar, grammar_after, group)
+            self.engine.add_request(
+                request_id, prompt, params, adapter, prepared, mm, grammar, grammar_after, group, cache_salt
+            )
             self._streams[request_id] = (loop, outputs)
             if inject_fault:  # testing aid (engine/faults.py)
                 self.engine.inject_fault(request_id, inject_fault)

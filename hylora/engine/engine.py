@@ -169,6 +169,7 @@ class LLMEngine:
         grammar: CompiledGrammar | None = None,
         grammar_after: Sequence[int] = (),
         group: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queue a request. Bad input raises RequestError (UnknownAdapter / AdapterBroken for the
         adapter) and changes nothing. `prepared` is the adapter already read off this thread
@@ -177,13 +178,19 @@ class LLMEngine:
         the output (structured outputs, compiled off this thread by `grammar_compiler()`), from the
         token after `grammar_after` (a thinking model's `</think>`) when that is given. `group` names
         the client request this sequence belongs to (n > 1, a list of prompts): waiting sequences are
-        admitted fairly between groups (engine/scheduler.py)."""
+        admitted fairly between groups (engine/scheduler.py). `cache_salt` (vLLM's): the request
+        shares prefix-cache entries only with requests of the same salt."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         ids, params = self.intake.admit(prompt, params or SamplingParams(), mm)
         if adapter is not None and (prepared is None or prepared.version.name != adapter):
             prepared = self.adapters.prepare(adapter)  # UnknownAdapter names what is loaded
-        req = Request(request_id=request_id, prompt_ids=ids, params=params, adapter=adapter, mm=mm, group=group)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise RequestError("cache_salt must be a non-empty string", "cache_salt")
+        req = Request(
+            request_id=request_id, prompt_ids=ids, params=params, adapter=adapter, mm=mm, group=group,
+            cache_salt=cache_salt,
+        )  # fmt: skip
         self.outputs.add(req)
         req.grammar = grammar.matcher(grammar_after) if grammar is not None else None
         req.prepared = prepared if adapter is not None else None

@@ -18,8 +18,9 @@ the snapshot is a device copy queued right behind that step's forward, and the e
 only once the step is known finite (a faulted request leaves no entry).
 
 Keys make wrong reuse impossible: an entry matches only the same tokens (compared, not only
-hashed), the same adapter version (a reloaded adapter is a new version), and the same media
-contents before L (`items[i].key`: content and preprocessing). Requests that ask for prompt
+hashed), the same adapter version (a reloaded adapter is a new version), the same media contents
+before L (`items[i].key`: content and preprocessing) and the same `cache_salt` (vLLM's request field:
+tenants with different salts never share an entry, so none can time another's prompts). Requests that ask for prompt
 logprobs do not look up (vLLM's rule: a cached prefix has no logits) but do fill the cache.
 
 Eviction is LRU, by entries: an entry evicted gives back its snapshot and its page references;
@@ -45,7 +46,7 @@ RAW_BOUNDARY = 64  # a prompt without turn or media tokens is cached at its last
 class CacheEntry:
     key: int
     tokens: tuple[int, ...]  # the prefix itself (hash collisions cannot cause reuse)
-    adapter: tuple[str, int] | None  # (name, version) of the adapter, None for the base model
+    scope: tuple  # (adapter (name, version) or None for the base model, cache_salt or None)
     media: tuple  # content keys of the media items that start before the end of the prefix
     pages: list[int]  # KV pages holding tokens [0, len(tokens)), referenced
     snapshot: int  # slot in the snapshot pool
@@ -132,15 +133,15 @@ class PrefixCache:
 
     def _longest_match(self, req: Request) -> CacheEntry | None:
         prompt = req.prompt_ids
-        adapter = _adapter_identity(req)
-        hashes = self._page_hashes(prompt, adapter)
+        scope = _scope(req)
+        hashes = self._page_hashes(prompt, scope)
         end = bisect.bisect_left(self._lengths, len(prompt))  # at least one token must be computed
         for length in sorted(set(self._lengths[:end]), reverse=True):
             media = _media_before(req, length)
             entry = self._entries.get(_key(hashes, prompt, length, self.page_size, media))
             if (
                 entry is not None
-                and entry.adapter == adapter
+                and entry.scope == scope
                 and entry.media == media
                 and entry.tokens == tuple(prompt[:length])
             ):
@@ -163,10 +164,10 @@ class PrefixCache:
     def snapshot(self, req: Request, length: int) -> PendingSnapshot | None:
         """Queue a copy of `req`'s state (which holds its first `length` tokens) and reference the
         pages of those tokens; None when it is cached already or no snapshot slot can be freed."""
-        adapter = _adapter_identity(req)
+        scope = _scope(req)
         media = _media_before(req, length)
         prompt = req.prompt_ids
-        key = _key(self._page_hashes(prompt, adapter), prompt, length, self.page_size, media)
+        key = _key(self._page_hashes(prompt, scope), prompt, length, self.page_size, media)
         if key in self._entries:
             self._entries.move_to_end(key)
             return None
@@ -177,7 +178,7 @@ class PrefixCache:
         pages = req.pages[: self.kv.pages_needed(length)]
         self.kv.retain(pages)
         self._page_refs.update(pages)
-        entry = CacheEntry(key, tuple(prompt[:length]), adapter, media, list(pages), slot)
+        entry = CacheEntry(key, tuple(prompt[:length]), scope, media, list(pages), slot)
         return PendingSnapshot(req, entry)
 
     def commit(self, pending: PendingSnapshot) -> None:
@@ -227,10 +228,10 @@ class PrefixCache:
         self._free_snapshots.append(entry.snapshot)
 
     # --- keys ------------------------------------------------------------------------------
-    def _page_hashes(self, tokens: Sequence[int], adapter: tuple[str, int] | None) -> list[int]:
+    def _page_hashes(self, tokens: Sequence[int], scope: tuple) -> list[int]:
         """Chained hashes of the full pages of `tokens` (hashes[k]: the first k pages), rooted in the
-        adapter identity."""
-        hashes = [hash(("hylora-prefix", adapter))]
+        request's scope (adapter identity and cache salt)."""
+        hashes = [hash(("hylora-prefix", scope))]
         size = self.page_size
         for start in range(0, len(tokens) - size + 1, size):
             hashes.append(hash((hashes[-1], tuple(tokens[start : start + size]))))
@@ -240,6 +241,12 @@ class PrefixCache:
 def _key(hashes: list[int], tokens: Sequence[int], length: int, page_size: int, media: tuple) -> int:
     full = length // page_size
     return hash((hashes[full], tuple(tokens[full * page_size : length]), length, media))
+
+
+def _scope(req: Request) -> tuple:
+    """What an entry must share with a request besides its tokens and media: the adapter version and
+    the cache salt."""
+    return (_adapter_identity(req), req.cache_salt)
 
 
 def _adapter_identity(req: Request) -> tuple[str, int] | None:

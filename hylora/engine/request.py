@@ -187,6 +187,7 @@ class Request:
     # the client request it belongs to (a chat with n > 1, a completion's prompt list: one Request per
     # sequence); None: its own. The scheduler shares admission fairly between groups
     group: str | None = None
+    cache_salt: str | None = None  # prefix-cache entries are shared only between requests of one salt
     queue_rank: int = 0  # where it waits: after every waiting request of a lower rank (scheduler.add)
     cache_points: list[int] = field(default_factory=list)  # prompt positions whose state the prefix cache keeps
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (its last admission)

@@ -95,6 +95,7 @@ class Job:
                         self.grammar,
                         self.grammar_after,
                         group=self.id,
+                        cache_salt=self.body.cache_salt,
                     )
                 )
         except BaseException as e:
