@@ -207,6 +207,39 @@ def test_streamed_completions_carry_logprobs(client):
     assert [set(t) for t in tops] == [set(t) for t in whole.logprobs.top_logprobs]
 
 
+def test_return_token_ids_gives_the_prompt_and_the_generated_ids(server, offline):
+    """vLLM's return_token_ids: prompt_token_ids (chat: top level; completions: per choice) and each
+    choice's token_ids; streamed, the prompt's ids once and each chunk's new ids."""
+    expected = offline_chat(offline, PROMPTS[0], "relic", max_tokens=7, temperature=0)
+    chat_ids = chat_prompt(offline.tokenizer, [{"role": "user", "content": PROMPTS[0]}])
+    chat = {"model": "relic", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 7,
+            "temperature": 0, "return_token_ids": True}  # fmt: skip
+    reply = httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=60).json()
+    assert reply["prompt_token_ids"] == chat_ids and reply["choices"][0]["token_ids"] == expected.token_ids
+    chunks = [json.loads(line[6:]) for line in _sse_lines(server, "chat/completions", chat)]
+    assert [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c] == [chat_ids]
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == expected.token_ids
+
+    ids = offline.tokenizer.encode("The relic was found", add_special_tokens=False)
+    want = offline.generate(ids, SamplingParams(max_tokens=5, temperature=0), lora="tomb")[0].token_ids
+    body = {"model": "tomb", "prompt": [ids, ids], "max_tokens": 5, "temperature": 0, "return_token_ids": True}
+    reply = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in reply["choices"]] == [(ids, want)] * 2
+    chunks = [json.loads(line[6:]) for line in _sse_lines(server, "completions", body)]
+    for index in (0, 1):
+        mine = [ch for c in chunks for ch in c["choices"] if ch["index"] == index]
+        assert [ch["prompt_token_ids"] for ch in mine if "prompt_token_ids" in ch] == [ids]
+        assert [t for ch in mine for t in ch["token_ids"]] == want
+    plain = httpx.post(f"{server}/v1/completions", json=body | {"return_token_ids": False}, timeout=60).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
+def _sse_lines(server: str, route: str, body: dict) -> list[str]:
+    with httpx.stream("POST", f"{server}/v1/{route}", json=body | {"stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        return [line for line in r.iter_lines() if line.startswith("data: {")]
+
+
 def test_models_list(client):
     models = {m.id: m for m in client.models.list().data}
     assert set(models) >= {"hylora-demo", "relic", "tomb", "mural"}

@@ -215,6 +215,8 @@ class Job:
             choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
             if out.logprobs is not None:
                 choice["logprobs"] = {"content": [self._chat_logprob(lp) for lp in out.logprobs]}
+            if self.body.return_token_ids:
+                choice["token_ids"] = list(out.token_ids)
             choices.append(choice)
         response = {
             "id": self.id,
@@ -226,6 +228,8 @@ class Job:
         }
         if outputs[0].prompt_logprobs is not None:  # vLLM's extension: top level for chat
             response["prompt_logprobs"] = self._vllm_prompt_logprobs(outputs[0], self.prompt_ids)
+            response["prompt_token_ids"] = self.prompt_ids
+        if self.body.return_token_ids:
             response["prompt_token_ids"] = self.prompt_ids
         return response
 
@@ -243,15 +247,19 @@ class Job:
                 tail, finish = readers[i].finish(finish)
                 deltas += tail
             items = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
-            if out.new_logprobs or (finish is not None and not items):
+            token_ids = self.body.return_token_ids and bool(out.new_token_ids)
+            if out.new_logprobs or token_ids or (finish is not None and not items):
                 items.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": None})
             if out.new_logprobs:
                 items[-1]["logprobs"] = {"content": [self._chat_logprob(lp) for lp in out.new_logprobs]}
+            if token_ids:  # vLLM: each chunk's tokens on its last item
+                items[-1]["token_ids"] = list(out.new_token_ids)
             if finish is not None:
                 items[-1]["finish_reason"] = finish
             return items
 
-        async for event in self._events(streams, base, choice, opening=True):
+        first = {"prompt_token_ids": self.prompt_ids} if self.body.return_token_ids else {}
+        async for event in self._events(streams, base, choice, opening=True, first=first):
             yield event
 
     def _token(self, token_id: int) -> str:
@@ -288,6 +296,9 @@ class Job:
             }
             if body.prompt_logprobs is not None:  # vLLM's extension: per choice for completions
                 choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out, prompt)
+            if body.return_token_ids:
+                choice["prompt_token_ids"] = prompt
+                choice["token_ids"] = [] if self.score_only else list(out.token_ids)
             choices.append(choice)
         return {
             "id": self.id,
@@ -303,6 +314,7 @@ class Job:
         base = {"id": self.id, "object": "text_completion", "created": int(time.time()), "model": self.model}
 
         offsets = [0] * len(streams)  # text_offset of each choice's next token
+        told_prompt = [False] * len(streams)  # return_token_ids: the prompt's ids go in a choice's first chunk
 
         def choice(i: int, out: RequestOutput | None, finish: str | None) -> dict[str, Any] | None:
             logprobs = None
@@ -315,9 +327,15 @@ class Job:
                     entries = [(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs]
                     logprobs = self._logprobs_block(entries, offsets[i])
                     offsets[i] += sum(len(t) for t in logprobs["tokens"])
-            if not text and logprobs is None and finish is None:
+            new_ids = [] if out is None or self.score_only else list(out.new_token_ids or [])
+            if not text and logprobs is None and not new_ids and finish is None:
                 return None
-            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            item = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            if body.return_token_ids:
+                item["token_ids"] = new_ids
+                if not told_prompt[i]:
+                    item["prompt_token_ids"], told_prompt[i] = self.prompt_of(i), True
+            return item
 
         async for event in self._events(streams, base, choice, opening=body.echo):
             yield event
@@ -328,10 +346,12 @@ class Job:
         base: dict[str, Any],
         choice: Any,
         opening: bool,
+        first: dict[str, Any] | None = None,
     ) -> AsyncIterator[str]:
         """Server-sent events for n streams. Every choice ends with a finish_reason; a choice that
         fails ends with finish_reason "error" (or "abort" at shutdown) and an error event, and
-        whatever goes wrong here still ends the stream that way — never with a bare [DONE]."""
+        whatever goes wrong here still ends the stream that way — never with a bare [DONE]. `first`:
+        fields of the opening chunk (vLLM's prompt_token_ids)."""
         finals: list[RequestOutput] = []
         ended: set[int] = set()
         try:
@@ -339,7 +359,8 @@ class Job:
                 for i in range(len(streams)):
                     items = choice(i, None, None)
                     for item in items if isinstance(items, list) else [items]:
-                        yield _sse(base | {"choices": [item]})
+                        yield _sse(base | (first or {}) | {"choices": [item]})
+                        first = None
             async for i, out in self._merged(streams):
                 items = choice(i, out, out.finish_reason if out.finished else None)
                 for item in items if isinstance(items, list) else [items] if items is not None else []:

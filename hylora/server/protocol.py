@@ -99,6 +99,7 @@ class SamplingRequest(_Body):
     best_of: int | None = None
     prompt_logprobs: int | None = None  # vLLM: logprobs of every prompt token (+ top-k), non-streaming
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs name each token "token_id:N", not its text
+    return_token_ids: bool = False  # vLLM: the prompt's and the generated tokens' ids beside the text
     # vLLM: prefix-cache entries are shared only between requests with the same salt (tenants who must not
     # learn from each other's cache hits); a long random string
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
