@@ -354,17 +354,28 @@ class Job:
         fields of the opening chunk (vLLM's prompt_token_ids)."""
         finals: list[RequestOutput] = []
         ended: set[int] = set()
+        generated = [0] * len(streams)  # tokens of each choice so far
+        continuous = bool((self.body.stream_options or {}).get("continuous_usage_stats"))
+
+        def chunk(item: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
+            body = base | (extra or {}) | {"choices": [item]}
+            if continuous:  # vLLM's stream_options.continuous_usage_stats: the choice's usage in every chunk
+                prompt, done = len(self.prompt_of(item["index"])), generated[item["index"]]
+                body["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+            return _sse(body)
+
         try:
             if opening:
                 for i in range(len(streams)):
                     items = choice(i, None, None)
                     for item in items if isinstance(items, list) else [items]:
-                        yield _sse(base | (first or {}) | {"choices": [item]})
+                        yield chunk(item, first)
                         first = None
             async for i, out in self._merged(streams):
+                generated[i] += len(out.new_token_ids or [])
                 items = choice(i, out, out.finish_reason if out.finished else None)
                 for item in items if isinstance(items, list) else [items] if items is not None else []:
-                    yield _sse(base | {"choices": [item]})
+                    yield chunk(item)
                 if out.finished:
                     ended.add(i)
                     finals.append(out)
@@ -376,7 +387,7 @@ class Job:
                 if i not in ended:
                     items = choice(i, _empty(), "error")
                     for item in items if isinstance(items, list) else [items]:
-                        yield _sse(base | {"choices": [item]})
+                        yield chunk(item)
             yield _sse(APIError(500, f"internal server error: {e!r}", "server_error", "internal_error").body())
         if (self.body.stream_options or {}).get("include_usage"):
             yield _sse(base | {"choices": [], "usage": self._usage(finals)})
