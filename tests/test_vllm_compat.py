@@ -368,6 +368,37 @@ def test_the_qwen_recipe_launch_line_runs_unchanged(demo_dir, demo_cache_dir, tm
         assert preflight.headers.get("access-control-allow-origin") == "http://dash.example"
 
 
+def test_language_model_only_serves_text_and_refuses_media(demo_dir, demo_cache_dir, tmp_path):
+    """vLLM's --language-model-only (text-only Qwen3.6 recipes): the tower is not loaded, text answers
+    are the full model's, an image is a 400 that names the flag."""
+    from hylora.engine import EngineConfig, LLMEngine, SamplingParams
+    from hylora.tokenizer import chat_prompt
+
+    config = dict(device="cpu", dtype="float32", max_model_len=256)
+    text_only = LLMEngine(demo_dir, EngineConfig(language_model_only=True, **config), progress=False)
+    full = LLMEngine(demo_dir, EngineConfig(**config), progress=False)
+    assert text_only.model.visual is None and full.model.visual is not None
+    ids = chat_prompt(full.tokenizer, PLAIN["messages"])
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=1)
+    served, expected = (_run_one(e, ids, params) for e in (text_only, full))
+    assert served.token_ids == expected.token_ids and served.logprobs == expected.logprobs
+    args = ["--demo", "--device", "cpu", "--max-model-len", "256", "--language-model-only"]
+    with running_server(args, demo_cache_dir, tmp_path / "log") as s:
+        assert httpx.post(f"{s.url}/v1/chat/completions", json=PLAIN, timeout=60).status_code == 200
+        image = {"type": "image_url", "image_url": {"url": "file:///nowhere.png"}}
+        body = PLAIN | {"messages": [{"role": "user", "content": [image, {"type": "text", "text": "What?"}]}]}
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "--language-model-only" in r.json()["error"]["message"]
+
+
+def _run_one(engine, ids, params):
+    engine.add_request("one", ids, params)
+    while True:
+        for out in engine.step():
+            if out.finished:
+                return out
+
+
 def test_launch_flag_spellings_and_refusals(demo_dir, tmp_path):
     import argparse
 

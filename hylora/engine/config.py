@@ -29,6 +29,9 @@ class EngineConfig:
     # loads an FP8 checkpoint's weights dequantised (doctor's reference)
     quantization: str | None = None
     device: str | None = None  # None: cuda if available else cpu
+    # text only (vLLM's --language-model-only): a VL checkpoint's vision tower is not loaded (~0.9 GB at the
+    # 27B shape) and requests with images or videos are refused
+    language_model_only: bool = False
     # vision: tower output tokens encoded per step (an image, or one temporal patch of a video, must fit)
     max_num_encoder_tokens: int = 16384
     encoder_cache_gb: float = 1.0  # tower outputs kept by media content (the same video for several adapters)

@@ -327,7 +327,9 @@ async def _chat_prompt(
         raise APIError(400, str(e), param=e.param or "messages") from None
     if has_media(messages):
         if state.media is None:
-            raise APIError(400, "this model has no vision tower: send text only")
+            text_only = state.engine.config.language_model_only
+            why = "the server runs with --language-model-only" if text_only else "this model has no vision tower"
+            raise APIError(400, f"{why}: send text only", param="messages")
         overrides = merge_overrides(body.mm_processor_kwargs, body.media_io_kwargs)
         try:
             return await multimodal_prompt(

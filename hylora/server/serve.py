@@ -369,6 +369,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         num_speculative_tokens=spec.get("num_speculative_tokens", 0),
         queue_drafts=args.queue_drafts,
         fault_injection=args.enable_fault_injection,
+        language_model_only=args.language_model_only,
     )
     defaults = generation_defaults(args.generation_config, model_dir, args.override_generation_config)
     engine = LLMEngine(model_dir, config, lora_modules=lora)

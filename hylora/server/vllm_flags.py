@@ -95,6 +95,10 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
         help="accepted; hylora's prefix cache keeps GDN state snapshots its own way (--prefix-cache-states)",
     )
     v.add_argument("--mamba-block-size", type=int, default=None, help="accepted, no effect (see --mamba-cache-mode)")
+    v.add_argument(
+        "--language-model-only", action="store_true",
+        help="text only: the vision tower is not loaded, images and videos are a 400",
+    )  # fmt: skip
     v.add_argument("--allowed-origins", type=json.loads, default=None, metavar="JSON", help='CORS, e.g. \'["*"]\'')
     v.add_argument("--allowed-methods", type=json.loads, default=None, metavar="JSON", help="CORS methods")
     v.add_argument("--allowed-headers", type=json.loads, default=None, metavar="JSON", help="CORS headers")
