@@ -68,8 +68,6 @@ UNIMPLEMENTED_FIELDS = {
     "truncate_prompt_tokens": "shorten the prompt yourself",
     "continue_final_message": "end the prompt with the assistant's text through /v1/completions",
     "echo": "on chat, prepend the prompt yourself (/v1/completions takes echo)",
-    "priority": "requests are scheduled first come, first served (vLLM also refuses it without "
-    "--scheduling-policy priority)",
 }
 
 

@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-
-from hylora.env import triton_interpreter as interpreting
+from triton.runtime.interpreter import InterpretedFunction
 
 MAX_SLICES = 4  # slices per launch (pointer arguments); a linear with more takes several launches
 
@@ -268,7 +267,8 @@ def lora_expand(
     if any(bi.shape[2] != n for bi, (_, n) in zip(b, offsets, strict=True)):
         raise ValueError("lora_expand: B widths differ from the slice offsets")
     # (Triton 3.7's CPU interpreter reads bf16 dot operands wrongly: there bf16 takes the fp32 dot.)
-    h_native = h.dtype == y.dtype and (h.dtype == torch.float16 or (h.dtype == torch.bfloat16 and not interpreting()))
+    interpreted = isinstance(_expand_kernel, InterpretedFunction)  # (TRITON_INTERPRET=1 when triton was imported)
+    h_native = h.dtype == y.dtype and (h.dtype == torch.float16 or (h.dtype == torch.bfloat16 and not interpreted))
     if h_native and split_k != 1:
         raise ValueError("lora_expand: a 16-bit h comes whole from one GEMM (split_k 1); partials are fp32")
     config = config or choose_config(T, 0)
