@@ -67,14 +67,20 @@ def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict],
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     **template_kwargs: Any,
 ) -> str:
-    """`messages` as text through the model's chat template (`template_kwargs` are template variables)."""
+    """`messages` as text through the model's chat template (`template_kwargs` are template variables).
+    `continue_final_message`: the last message is left open (no end-of-turn after it), so that the
+    reply continues it (vLLM's and transformers' name; an assistant "prefill")."""
     if not tokenizer.chat_template:
         raise ValueError("this model directory has no chat template; send a plain completion prompt instead")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message needs add_generation_prompt false")
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
-    )
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message, **template_kwargs,
+    )  # fmt: skip
 
 
 def chat_prompt(
@@ -82,13 +88,14 @@ def chat_prompt(
     messages: list[dict],
     add_generation_prompt: bool = True,
     *,
+    continue_final_message: bool = False,
     max_chars: int | None = None,
     **template_kwargs: Any,
 ) -> list[int]:
     """Token ids of `messages` rendered with the model's chat template, ready for the reply
     (`template_kwargs` reach the template, e.g. enable_thinking=False). With `max_chars`, a rendered
     text longer than that raises PromptTooLong before any tokenising."""
-    text = render_chat(tokenizer, messages, add_generation_prompt, **template_kwargs)
+    text = render_chat(tokenizer, messages, add_generation_prompt, continue_final_message, **template_kwargs)
     if max_chars is not None and len(text) > max_chars:
         raise PromptTooLong(len(text), max_chars)
     return tokenizer.encode(text, add_special_tokens=False)

@@ -251,6 +251,23 @@ def test_continuous_usage_stats(server, offline):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12  # include_usage: both
 
 
+def test_continue_final_message_continues_the_assistant_prefix(server, offline):
+    """vLLM's continue_final_message (with add_generation_prompt false): the prompt ends inside the
+    assistant's message, no end of turn after it, and the reply is the offline engine's continuation."""
+    msgs = [{"role": "user", "content": PROMPTS[2]}, {"role": "assistant", "content": "The mural shows"}]
+    ids = chat_prompt(offline.tokenizer, msgs, False, continue_final_message=True)
+    closed = chat_prompt(offline.tokenizer, msgs, False)
+    assert offline.tokenizer.decode(ids).endswith("The mural shows") and len(closed) > len(ids)
+    expected = offline.generate(ids, SamplingParams(max_tokens=6, temperature=0), lora="mural")[0]
+    body = {"model": "mural", "messages": msgs, "max_tokens": 6, "temperature": 0, "add_generation_prompt": False,
+            "continue_final_message": True}  # fmt: skip
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected.text
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    both = httpx.post(f"{server}/v1/chat/completions", json=body | {"add_generation_prompt": True}, timeout=60)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
 def _sse_lines(server: str, route: str, body: dict) -> list[str]:
     with httpx.stream("POST", f"{server}/v1/{route}", json=body | {"stream": True}, timeout=60) as r:
         assert r.status_code == 200

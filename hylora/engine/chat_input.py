@@ -120,6 +120,8 @@ async def multimodal_prompt(
     *,
     max_chars: int | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> tuple[list[int], MultimodalPrompt]:
     """Fetch and preprocess every image and video (concurrently, on the media pools), render the chat
     template and expand its placeholders. Raises MediaError for anything the client must fix, and
@@ -141,7 +143,16 @@ async def multimodal_prompt(
             slots = pools.request_slots()
             loads = [group.create_task(_load(settings, ref, kwargs, slots, client, cancel)) for ref in refs]
             render = group.create_task(
-                pools.run(pools.render, _render, tokenizer, normalised, max_chars, dict(template_kwargs or {}))
+                pools.run(
+                    pools.render,
+                    _render,
+                    tokenizer,
+                    normalised,
+                    max_chars,
+                    dict(template_kwargs or {}),
+                    add_generation_prompt,
+                    continue_final_message,
+                )
             )
     except BaseExceptionGroup as failed:
         cancel.set()
@@ -209,10 +220,18 @@ def _expand(settings: MediaSettings, tokenizer, ids: list[int], items: list[Proc
 
 
 def _render(
-    tokenizer, messages: list[dict[str, Any]], max_chars: int | None, template_kwargs: dict[str, Any]
+    tokenizer,
+    messages: list[dict[str, Any]],
+    max_chars: int | None,
+    template_kwargs: dict[str, Any],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[int]:
     try:
-        return chat_prompt(tokenizer, messages, max_chars=max_chars, **template_kwargs)
+        return chat_prompt(
+            tokenizer, messages, add_generation_prompt, continue_final_message=continue_final_message,
+            max_chars=max_chars, **template_kwargs,
+        )  # fmt: skip
     except PromptTooLong:
         raise
     except Exception as e:

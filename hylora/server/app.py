@@ -339,6 +339,8 @@ async def _chat_prompt(
                 overrides,
                 max_chars=state.max_prompt_chars,
                 template_kwargs=template_kwargs,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
             )
         except MediaError as e:
             raise APIError(400, str(e), code="invalid_media") from None
@@ -348,7 +350,10 @@ async def _chat_prompt(
         texts = [m.for_template(m.text()) for m in body.messages]
     except Unsupported as e:
         raise APIError(400, str(e), param=e.param or "messages") from None
-    ids = await state.run_text(_render_chat, state, texts, body.add_generation_prompt, **template_kwargs)
+    ids = await state.run_text(
+        _render_chat, state, texts, body.add_generation_prompt, continue_final_message=body.continue_final_message,
+        **template_kwargs,
+    )  # fmt: skip
     return ids, None
 
 
@@ -393,6 +398,7 @@ def _too_long(state: ServerState, chars: int) -> APIError:
 def _render_chat(
     state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
 ) -> list[int]:
+    """(`template_kwargs` may hold continue_final_message, which chat_prompt takes by name.)"""
     try:
         return chat_prompt(
             state.engine.tokenizer, messages, add_generation_prompt, max_chars=state.max_prompt_chars, **template_kwargs

@@ -66,7 +66,6 @@ class _Body(BaseModel):
 UNIMPLEMENTED_FIELDS = {
     "logits_processors": "hylora runs no custom logits processors",
     "truncate_prompt_tokens": "shorten the prompt yourself",
-    "continue_final_message": "end the prompt with the assistant's text through /v1/completions",
     "echo": "on chat, prepend the prompt yourself (/v1/completions takes echo)",
 }
 
@@ -254,11 +253,18 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM: the reply continues the last (assistant) message
 
     def check_supported(self, max_logprobs: int = 20) -> None:
         super().check_supported(max_logprobs)
         if self.top_logprobs is not None and not self.logprobs:
             raise Unsupported("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise Unsupported(
+                "continue_final_message needs add_generation_prompt: false (the reply continues the last message "
+                "instead of starting a new one)",
+                "continue_final_message",
+            )
         _check_count("top_logprobs", self.top_logprobs, max_logprobs)
 
     @property
