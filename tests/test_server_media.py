@@ -228,3 +228,17 @@ def test_bad_media_get_4xx_and_the_next_request_is_unchanged(server, media, demo
     assert ask(server, "relic", messages(("video_url", webm))).status_code == 200  # header says 0 frames: counted
     assert ask(server, "relic", probe).json()["choices"][0]["message"]["content"] == expected
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+
+def test_media_prompts_honour_add_generation_prompt_and_continue_final_message(server, media):
+    """The media render path takes the chat options the text path takes: without the generation
+    prompt the prompt is shorter; an assistant prefill continues (its text is the prompt's end)."""
+    probe = messages(("image_url", media["image"]))
+    usage = {flag: ask(server, "relic", probe, max_tokens=1, add_generation_prompt=flag).json()["usage"]
+             for flag in (True, False)}  # fmt: skip
+    assert usage[False]["prompt_tokens"] < usage[True]["prompt_tokens"]
+    prefill = [*probe, {"role": "assistant", "content": "It shows a"}]
+    r = ask(server, "relic", prefill, max_tokens=1, add_generation_prompt=False, continue_final_message=True)
+    assert r.status_code == 200, r.text
+    closed = ask(server, "relic", prefill, max_tokens=1, add_generation_prompt=False)
+    assert r.json()["usage"]["prompt_tokens"] < closed.json()["usage"]["prompt_tokens"]  # no end of turn after it
