@@ -55,7 +55,7 @@ def logits_of(model: HybridDecoder, registry: AdapterRegistry, ids: list[int], a
 
 def correctness(workdir: Path) -> list[dict]:
     """Logits of prompt + 16 generated tokens: CUDA fp32 / bf16 and transformers(+PEFT) bf16 vs CPU fp32."""
-    demo = write_demo(workdir / "demo")
+    demo = write_demo(workdir / "demo", media=False)  # text only (the device image has no PyAV)
     lora = {n: demo / "adapters" / n for n in DEMO_ADAPTERS}
     variants = {
         "cpu-fp32": ("cpu", torch.float32),
@@ -483,7 +483,7 @@ def main() -> None:
         names = sorted({k.rsplit(" ", 2)[0] for k in rows[0] if k.endswith("rel max")}) if rows else []
         print("tokens | adapter | " + " | ".join(f"{n}: rel max / rel mean / top-1 / finite" for n in names))
         if args.skip_correctness:
-            write_demo(work / "demo")
+            write_demo(work / "demo", media=False)
         for r in rows:
             cells = [
                 f"{r[n + ' rel max']:.1e} / {r[n + ' rel mean']:.1e} / {r[n + ' top1']:.3f} / {r[n + ' finite']}"

@@ -67,7 +67,7 @@ def gap(served: torch.Tensor, reference: torch.Tensor) -> dict:
 
 def fidelity(args) -> dict:
     work = Path(tempfile.mkdtemp())
-    demo = write_demo(work / "demo")
+    demo = write_demo(work / "demo", media=False)  # text only (the device image has no PyAV)
     fp8 = quantize_checkpoint(demo, work / "demo-fp8", progress=False)
     lora = {name: demo / "adapters" / name for name in DEMO_ADAPTERS}
     vocab = ModelConfig.from_dir(demo).vocab_size

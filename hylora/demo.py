@@ -159,7 +159,9 @@ def ensure_demo(path: Path | None = None) -> Path:
     return path
 
 
-def write_demo(path: str | Path, shape: DemoShape = DemoShape()) -> Path:
+def write_demo(path: str | Path, shape: DemoShape = DemoShape(), media: bool = True) -> Path:
+    """The demo model, its task adapters and (with `media`) its sample image and video: `media=False`
+    for benchmarks on machines without PyAV (the H200 image has none)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = write_tokenizer(path, shape.tokenizer_vocab)
@@ -180,7 +182,8 @@ def write_demo(path: str | Path, shape: DemoShape = DemoShape()) -> Path:
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     for i, (name, spec) in enumerate(DEMO_ADAPTERS.items()):
         _write_adapter(path / "adapters" / name, weights, *spec, generator=torch.Generator().manual_seed(SEED + i + 1))
-    write_demo_media(path / "media")
+    if media:
+        write_demo_media(path / "media")
     (path / "DEMO_COMPLETE").write_text(DEMO_VERSION + "\n")
     return path
 

@@ -30,6 +30,9 @@ def _digest(path):
 
 def test_demo_is_deterministic(demo_dir, tmp_path):
     assert _digest(write_demo(tmp_path)) == _digest(demo_dir)
+    # without its media (GPU benchmarks on an image without PyAV): the same model and adapters, no media
+    text_only = _digest(write_demo(tmp_path / "text", media=False))
+    assert text_only == {k: v for k, v in _digest(demo_dir).items() if not k.startswith("media/")}
 
 
 def test_tokenizer_has_qwen_special_tokens_and_chat_template(demo_dir):
