@@ -228,8 +228,7 @@ class Job:
         }
         if outputs[0].prompt_logprobs is not None:  # vLLM's extension: top level for chat
             response["prompt_logprobs"] = self._vllm_prompt_logprobs(outputs[0], self.prompt_ids)
-            response["prompt_token_ids"] = self.prompt_ids
-        if self.body.return_token_ids:
+        if outputs[0].prompt_logprobs is not None or self.body.return_token_ids:
             response["prompt_token_ids"] = self.prompt_ids
         return response
 
