@@ -343,6 +343,31 @@ def lora_sweep(cfg: ModelConfig, L: int = 8, r: int = 16, token_counts=(32, 64, 
                 dict(kernel="lora", linear=name, tokens=tokens, config="stacked: GEMM over [W; A] + expand, minus base",
                      ms=ms, roofline_ms=roofline, base_gemm_ms=base_ms, err=err, ok=err < 1e-2)
             )  # fmt: skip
+        else:  # prefill: what cuBLAS makes of the same read-modify-write (bf16 h of every slot, zero but its own)
+            h = lt.lora_shrink(x, stack.a, meta, lt.LARGE).sum(0).to(DT)  # [T, slices, r]
+            onehot = torch.nn.functional.one_hot(batch.token_slots.long(), L).to(DT)  # [T, L]
+            h_all = [(onehot[:, :, None] * h[:, i, None, :]).reshape(tokens, L * r) for i in range(len(slices))]
+            b_all = [bi.reshape(L * r, n) for bi, n in zip(stack.b, slices, strict=True)]
+
+            def cublas_expand(y, offsets=offsets, h_all=h_all, b_all=b_all):
+                for (start_col, n), hi, bi in zip(offsets, h_all, b_all, strict=True):
+                    y[:, start_col : start_col + n].addmm_(hi, bi)
+                return y
+
+            err = rel_error(cublas_expand(zeros.clone()), ref)
+            y = y0.clone()
+            batch_rows.append(
+                dict(kernel="lora", linear=name, tokens=tokens, config="cuBLAS addmm expand only (bf16 h, all slots)",
+                     ms=bench(partial(cublas_expand, y)), roofline_ms=roofline, base_gemm_ms=base_ms, err=err,
+                     ok=False)
+            )  # fmt: skip
+            y = y0.clone()
+            batch_rows.append(
+                dict(kernel="lora", linear=name, tokens=tokens, config="triton expand only (LARGE)",
+                     ms=bench(partial(lt.lora_expand, lt.lora_shrink(x, stack.a, meta, lt.LARGE), stack.b, offsets,
+                                      y, meta, lt.LARGE)),
+                     roofline_ms=roofline, base_gemm_ms=base_ms, err=0.0, ok=False)
+            )  # fmt: skip
         default = lt.choose_config(tokens, in_f)  # what the engine runs at this size
         y = y0.clone()
         batch_rows.append(

@@ -60,14 +60,16 @@ class KernelConfig:
 
 
 # Few tokens (decode, short prefill): small M tiles, split K so that a handful of adapters still
-# fill the GPU. Many tokens: the expand (a read-modify-write of y, bandwidth bound) takes thin M
-# tiles and 8 column tiles per program, the next one's y loads in flight while one is stored; the
+# fill the GPU. Many tokens: the expand (a read-modify-write of y, bandwidth bound) takes 32-token M
+# tiles and 8 column tiles of 64 per program, the next one's y loads in flight while one is stored; the
 # shrink (a stream over x) takes tall M tiles, split K and pipelined K steps. H200, rank 16, 8 slots,
-# T 2048: the expand ~2x its y-traffic floor, 3-5x faster than the 64x64 one-tile programs it replaces.
+# T 2048-8192 (docs/BASELINE.md run 29): shrink + expand 1.4-1.9x the bytes floor, 8-18 % faster than
+# with 16-token expand tiles, within 2 % of the best candidate on each linear and spill-free at rank
+# 64 (32 x 128 tiles spill there); cuBLAS's addmm on the same read-modify-write is no faster.
 SMALL = KernelConfig(block_m=16, block_n=64, block_k=128, split_k=8, n_per_program=4)
 LONG_K_FROM = 16384  # in_features from which a decode shrink takes K steps of 64 over 16 splits
 LARGE = KernelConfig(
-    block_m=16, block_n=128, block_k=64, split_k=4, num_warps=4, n_per_program=8,
+    block_m=32, block_n=64, block_k=64, split_k=4, num_warps=4, n_per_program=8,
     shrink_block_m=128, shrink_num_warps=8, shrink_num_stages=4,
 )  # fmt: skip
 LARGE_FROM = 128  # tokens
@@ -82,21 +84,19 @@ def _large(**changes) -> KernelConfig:
     return dataclasses.replace(LARGE, **changes)
 
 
-# Candidates for a GPU sweep; all compile for sm_90 without register spills (bf16, ranks 16 and 64,
-# checked with tests/sm90_compile.py's helpers). "large-*": prefill (T 2048-8192, in 5120, out up to
+# Candidates for a GPU sweep (the defaults among them compile for sm_90 without register spills at
+# ranks 16 and 64: tests/test_triton_sm90_compile.py). "large-*": prefill (T 2048-8192, in 5120, out up to
 # 34816, rank 16, 8 slots): expand variants with LARGE's shrink, then shrink variants with LARGE's
 # expand. "small-*": decode (T 1-64); choose_config caps their split_k at in_features // 640. The
-# name, not block_m, tells the two kinds apart (both use 16-token expand tiles).
+# name, not block_m, tells the two kinds apart.
 SWEEP_CONFIGS: dict[str, KernelConfig] = {
     "large-default": LARGE,
-    "large-old": KernelConfig(block_m=64, block_n=64, block_k=64, split_k=1, num_warps=8),  # the former LARGE
-    "large-m16n128x16": _large(n_per_program=16),
-    "large-m16n128x4": _large(n_per_program=4),
-    "large-m16n64x16": _large(block_n=64, n_per_program=16),
-    "large-m32n64x8": _large(block_m=32, block_n=64),
-    "large-m32n64x16": _large(block_m=32, block_n=64, n_per_program=16),
-    "large-m32n128x8-w8": _large(block_m=32, num_warps=8),
-    "large-m64n64x8": _large(block_m=64, block_n=64),
+    "large-old": KernelConfig(block_m=64, block_n=64, block_k=64, split_k=1, num_warps=8),  # the first LARGE
+    "large-m16n128x8": _large(block_m=16, block_n=128),  # the LARGE of runs 10-28
+    "large-m32n64x16": _large(n_per_program=16),
+    "large-m32n128x8-w8": _large(block_n=128, num_warps=8),
+    "large-m64n64x8": _large(block_m=64),
+    "large-m32n128x4-w8": _large(block_n=128, n_per_program=4, num_warps=8),
     "large-shrink128-nostages": _large(shrink_num_stages=None),
     "large-shrink64k128-split2": _large(shrink_block_m=64, block_k=128, split_k=2),
     "large-shrink32k128-split2-w4": _large(shrink_block_m=32, block_k=128, split_k=2, shrink_num_warps=4),
