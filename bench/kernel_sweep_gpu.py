@@ -21,7 +21,7 @@ candidate that is not exact to bf16 rounding is marked, never picked). The defau
 - The logits scan (`--only logits`): batch 32 and 64 over the vocabulary, chunk x block, beside the
   torch ops it replaced.
 
-    python bench/kernel_sweep_gpu.py [--out sweep.json] [--only gdn,attention,lora,expand,recurrent,logits]
+    python bench/kernel_sweep_gpu.py [--out sweep.json] [--only gdn,attention,lora,expand,recurrent,logits,epilogue]
 """
 
 from __future__ import annotations
@@ -285,6 +285,30 @@ def lora_linears(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
     }
 
 
+def lora_case(in_f: int, slices: list[int], tokens: int, L: int, r: int):
+    """x, y, W, an 8-slot LoRA stack and the batch of a sweep row: decode (≤ 64 tokens, one token a
+    sequence, adapters round robin) or prefill (512-token sequences, one adapter each)."""
+    g = torch.Generator(DEV).manual_seed(tokens)
+    offsets, start = [], 0
+    for n in slices:
+        offsets.append((start, n))
+        start += n
+    stack = LoRAStack(
+        a=[torch.randn(L, r, in_f, device=DEV, dtype=DT, generator=g) * in_f**-0.5 for _ in slices],
+        b=[torch.randn(L, r, n, device=DEV, dtype=DT, generator=g) * 0.01 for n in slices],
+        offsets=offsets,
+        present=[[True] * len(slices) for _ in range(L)],
+    )
+    if tokens <= 64:
+        batch = LoRABatch.build([i % L for i in range(tokens)], [1] * tokens, DEV)
+    else:
+        batch = LoRABatch.build([i % L for i in range(tokens // 512)], [512] * (tokens // 512), DEV)
+    x = torch.randn(tokens, in_f, device=DEV, dtype=DT, generator=g)
+    y0 = torch.randn(tokens, start, device=DEV, dtype=DT, generator=g)
+    w = torch.randn(start, in_f, device=DEV, dtype=DT, generator=g) * in_f**-0.5
+    return x, y0, w, stack, batch
+
+
 @torch.inference_mode()
 def lora_sweep(cfg: ModelConfig, L: int = 8, r: int = 16, token_counts=(32, 64, 2048, 8192)) -> list[dict]:
     from hylora.ops.lora import triton as lt
@@ -292,24 +316,8 @@ def lora_sweep(cfg: ModelConfig, L: int = 8, r: int = 16, token_counts=(32, 64, 
     configs = getattr(lt, "SWEEP_CONFIGS", {"small": lt.SMALL, "large": lt.LARGE})
     rows = []
     for (name, (in_f, slices)), tokens in itertools.product(lora_linears(cfg).items(), token_counts):
-        g = torch.Generator(DEV).manual_seed(tokens)
-        offsets, start = [], 0
-        for n in slices:
-            offsets.append((start, n))
-            start += n
-        stack = LoRAStack(
-            a=[torch.randn(L, r, in_f, device=DEV, dtype=DT, generator=g) * in_f**-0.5 for _ in slices],
-            b=[torch.randn(L, r, n, device=DEV, dtype=DT, generator=g) * 0.01 for n in slices],
-            offsets=offsets,
-            present=[[True] * len(slices) for _ in range(L)],
-        )
-        if tokens <= 64:  # decode: one token per sequence, adapters round robin
-            batch = LoRABatch.build([i % L for i in range(tokens)], [1] * tokens, DEV)
-        else:  # prefill: 512-token sequences, one adapter each
-            batch = LoRABatch.build([i % L for i in range(tokens // 512)], [512] * (tokens // 512), DEV)
-        x = torch.randn(tokens, in_f, device=DEV, dtype=DT, generator=g)
-        y0 = torch.randn(tokens, start, device=DEV, dtype=DT, generator=g)
-        w = torch.randn(start, in_f, device=DEV, dtype=DT, generator=g) * in_f**-0.5
+        x, y0, w, stack, batch = lora_case(in_f, slices, tokens, L, r)
+        offsets, start = stack.offsets, w.shape[0]
         zeros = torch.zeros_like(y0)  # the error on y = 0 + delta: the delta itself, rounded once
         ref = lora_apply_grouped(x, zeros.clone(), stack.a, stack.b, offsets, stack.present, batch.groups)
         base_ms = bench(partial(torch.nn.functional.linear, x, w))
@@ -377,6 +385,52 @@ def lora_sweep(cfg: ModelConfig, L: int = 8, r: int = 16, token_counts=(32, 64, 
         )  # fmt: skip
         show(batch_rows, "config", f"lora {name} {tokens} tokens")
         rows += batch_rows
+    return rows
+
+
+@torch.inference_mode()
+def epilogue_sweep(cfg: ModelConfig, L: int = 8, r: int = 16, token_counts=(2048, 8192)) -> list[dict]:
+    """A prefill LoRA without the expand's read-modify-write of y: the delta first (cuBLAS, each slice's
+    bf16 h of every slot, zero but the token's own, times its B of every slot), then the base GEMM
+    accumulating onto it (addmm, beta 1: C is read in the GEMM's epilogue, while a compute-bound GEMM
+    waits on its tensor cores). Timed beside the engine's path (base GEMM, then shrink + expand)."""
+    from hylora.ops.lora import triton as lt
+
+    rows = []
+    for (name, (in_f, slices)), tokens in itertools.product(lora_linears(cfg).items(), token_counts):
+        x, y0, w, stack, batch = lora_case(in_f, slices, tokens, L, r)
+        meta = lt.LoRAKernelMeta.build(batch.token_slots, L)
+        valid = (batch.token_slots >= 0)[:, None, None]
+        onehot = torch.nn.functional.one_hot(batch.token_slots.long().clamp(min=0), L).to(DT)  # [T, L]
+        b_all = [bi.reshape(L * r, n) for bi, n in zip(stack.b, slices, strict=True)]
+        out = torch.empty_like(y0)
+
+        def engine_path(out=out, x=x, w=w, stack=stack, meta=meta):
+            torch.nn.functional.linear(x, w, out=out)
+            return lt.lora_apply(x, out, stack.a, stack.b, stack.offsets, meta)
+
+        def epilogue_path(out=out, x=x, w=w, stack=stack, meta=meta, valid=valid, onehot=onehot, b_all=b_all):
+            h = torch.where(valid, lt.lora_shrink(x, stack.a, meta, lt.LARGE).sum(0), 0.0).to(DT)  # [T, S, r]
+            h_all = onehot[:, None, :, None] * h[:, :, None, :]  # [T, S, L, r]
+            for i, ((first, n), bi) in enumerate(zip(stack.offsets, b_all, strict=True)):
+                torch.mm(h_all[:, i].reshape(-1, L * r), bi, out=out[:, first : first + n])
+            return torch.addmm(out, x, w.t(), out=out)
+
+        ref = engine_path().double()
+        err = rel_error(epilogue_path(), ref)  # against the engine's own path
+        timings = {
+            "base GEMM": bench(partial(torch.nn.functional.linear, x, w, out=out)),
+            "base GEMM with beta 1 (addmm onto y)": bench(partial(torch.addmm, y0, x, w.t(), out=out)),
+            "engine: base + shrink + expand": bench(engine_path),
+            "epilogue: shrink + delta GEMMs + addmm": bench(epilogue_path),
+        }
+        base = timings["base GEMM"]
+        print(f"lora epilogue {name} ({in_f} -> {slices}), {tokens} tokens (epilogue vs engine rel. err {err:.1e}):")
+        for label, ms in timings.items():
+            print(f"  {label:<44} {1e3 * ms:8.1f} us   base + {1e3 * (ms - base):7.1f} us", flush=True)
+        extra = [f"{label} +{1e3 * (ms - base):.0f} us" for label, ms in list(timings.items())[1:]]
+        SUMMARY.append(f"epilogue {name} {tokens}: " + "; ".join(extra))
+        rows.append(dict(kernel="lora-epilogue", linear=name, tokens=tokens, err=err, timings_ms=timings))
     return rows
 
 
@@ -480,6 +534,7 @@ def main() -> None:
         "recurrent": recurrent_sweep,
         "attention": attention_sweep,
         "lora": partial(lora_sweep, token_counts=tokens),
+        "epilogue": epilogue_sweep,
         "expand": partial(expand_sweep, configs=args.expand_configs),
     }
     for name in args.only.split(","):

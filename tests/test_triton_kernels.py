@@ -450,6 +450,10 @@ def test_lora_start_up_check():
     assert check.lora_error(64, [48, 16], 64, torch.float32, "cpu", tokens=(1, 128)) < 1e-6
     stacked = check.lora_error(64, [48, 16], 64, torch.float32, "cpu", tokens=(1, 65), kernel=check.stacked_lora_apply)
     assert stacked < 1e-6
+    delta_first = check.lora_error(
+        64, [48, 16], 64, torch.float32, "cpu", tokens=(1, 129), kernel=check.delta_first_lora_apply
+    )
+    assert delta_first < 1e-6
 
 
 def test_lora_expand_takes_a_16_bit_h_as_it_is():
@@ -501,6 +505,47 @@ def test_lora_shrink_inside_the_base_gemm_equals_grouped(T):
         torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T", [1, 17, 127, 128, 129, 257], ids=lambda t: f"T{t}")
+def test_lora_delta_first_equals_grouped(T):
+    """Long prefill steps' LoRA: the delta written first (h of the step's slots, zero but each
+    token's own, times those slots' B), then the base GEMM accumulating onto it. The unused NaN slot
+    is never read, base rows are x Wᵀ, columns of a slice no adapter of the step targets get 0."""
+    x, _, stack, batch = lora_case(T, seed=T)
+    w = torch.randn(97, x.shape[1], generator=torch.Generator().manual_seed(T))
+    ref = grouped_reference(x, torch.nn.functional.linear(x, w), stack, batch)
+    meta = lora_triton.LoRAKernelMeta.build(batch.token_slots, 4)
+    cases = {"every slice": list(range(3)), "slice 1 left out": [0, 2]}  # (slice 1 is slot 1's alone)
+    for name, used in cases.items():
+        a, b, offsets = ([t[i] for i in used] for t in (stack.a, stack.b, stack.offsets))
+        want = ref.clone()
+        if used != list(range(3)):
+            want[:, 48:64] = torch.nn.functional.linear(x, w[48:64])  # the left-out slice: base only
+        got = lora_triton.lora_apply_delta_first(x, w, a, b, offsets, meta, batch.token_slots, batch.slots)
+        assert got.isfinite().all(), name
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5, msg=name)
+
+
+def test_linear_takes_the_delta_first_from_its_threshold(monkeypatch):
+    """Linear.forward: host batches of DELTA_FIRST_FROM tokens or more take the delta-first path
+    (while slots × rank fits DELTA_FIRST_MAX_K), shorter ones the shrink + expand; same result."""
+    import hylora.model.layers as layers
+
+    calls = []
+    delta_first = lora_triton.lora_apply_delta_first
+    monkeypatch.setattr(lora_triton, "lora_apply_delta_first", lambda *args: calls.append(1) or delta_first(*args))
+    monkeypatch.setattr(layers, "DELTA_FIRST_FROM", 129)
+    for T, taken in [(128, False), (129, True), (300, True)]:
+        linear, x, ref, batch = stacked_linear(T, seed=T)
+        calls.clear()
+        torch.testing.assert_close(linear(x, batch), ref, atol=1e-4, rtol=1e-5)
+        assert bool(calls) == taken, T
+    monkeypatch.setattr(layers, "DELTA_FIRST_MAX_K", 3 * 8 - 1)  # the batch's 3 slots at rank 8: one too many
+    linear, x, ref, batch = stacked_linear(300, seed=300)
+    calls.clear()
+    torch.testing.assert_close(linear(x, batch), ref, atol=1e-4, rtol=1e-5)
+    assert not calls
+
+
 # --- bf16 ----------------------------------------------------------------------------------------
 
 
@@ -514,6 +559,7 @@ def test_bf16_start_up_checks(gpu_bf16):
     assert attention < 1e-3
     assert check.lora_error(64, [48, 16], 16, bf16, "cpu", tokens=(1, 128)) < 1e-3
     assert check.lora_error(64, [48, 16], 16, bf16, "cpu", tokens=(1, 65), kernel=check.stacked_lora_apply) < 1e-2
+    assert check.lora_error(64, [48, 16], 16, bf16, "cpu", tokens=(1, 129), kernel=check.delta_first_lora_apply) < 1e-2
     assert check.rms_norm_error(48, 4, 2, 16, 6, 8, 1e-6, bf16, "cpu", tokens=(1, 5), rotary_dim=8) < 1e-2
     assert check.gdn_recurrent_error(2, 4, 16, 16, bf16, "cpu", batches=((3, 1, 17),), block_v=16) < 1e-3
 

@@ -36,6 +36,7 @@ DECODE_BATCHES = (1, 2, 3, 31, 32, 33, 64)
 LORA_TOKENS = (1, 64, 65, 127, 128, 129, 400, 474, 2048)
 LORA_RANKS = (8, 16, 32, 64)
 STACKED_TOKENS = (1, 64, 65, 127, 128, 129, 256)  # decode steps: eager below 128 tokens, graph buckets above
+DELTA_FIRST_TOKENS = (1, 129, 2048)  # long prefill steps (the layer takes it from 4096 tokens; any count works)
 NORM_TOKENS = (1, 3, 64, 129, 2048)
 SCAN_ROWS = (1, 3, 32, 33, 64)  # decode batches of the logits scan
 # sequence lengths of short prefill steps (the token-by-token GDN form): decode rows, a prompt's last
@@ -236,6 +237,21 @@ def stacked_lora_apply(x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch
     h = F.linear(x, torch.cat([a.reshape(L * R, -1) for a in stack.a]))  # [T, slices * L * r]
     h = h.view(1, x.shape[0], len(stack.a), L, R)
     return lora_expand(h, stack.b, stack.offsets, y, LoRAKernelMeta.build(batch.token_slots, L))
+
+
+def delta_first_lora_apply(x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
+    """The long prefill steps' LoRA (`lora_apply_delta_first`, delta first, then the base GEMM
+    accumulating) on a zero base weight: its output, the rounded delta, added to y's adapter rows."""
+    from hylora.ops.lora.triton import LoRAKernelMeta, lora_apply_delta_first
+
+    used = stack.slices_used_by(batch.slots)
+    meta = LoRAKernelMeta.build(batch.token_slots, stack.num_slots)
+    zero_weight = x.new_zeros(y.shape[1], x.shape[1])
+    a, b, offsets = ([t[i] for i in used] for t in (stack.a, stack.b, stack.offsets))
+    delta = lora_apply_delta_first(x, zero_weight, a, b, offsets, meta, batch.token_slots, batch.slots)
+    rows = batch.token_slots >= 0
+    y[rows] = (y[rows].float() + delta[rows].float()).to(y.dtype)
+    return y
 
 
 @torch.inference_mode()

@@ -212,6 +212,9 @@ def select_fast_kernels(
                 checks.lora_error(
                     in_f, rows, rank, dtype, dev, tokens=checks.STACKED_TOKENS, kernel=checks.stacked_lora_apply
                 ),
+                checks.lora_error(
+                    in_f, rows, rank, dtype, dev, tokens=checks.DELTA_FIRST_TOKENS, kernel=checks.delta_first_lora_apply
+                ),
             )
         ),
         "rms_norm": lambda: checks.rms_norm_error(
