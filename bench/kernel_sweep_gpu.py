@@ -417,15 +417,20 @@ def epilogue_sweep(cfg: ModelConfig, L: int = 8, r: int = 16, token_counts=(2048
             return torch.addmm(out, x, w.t(), out=out)
 
         ref = engine_path().double()
-        err = rel_error(epilogue_path(), ref)  # against the engine's own path
+        err = rel_error(epilogue_path(), ref)  # against the shrink + expand path
+        op_err = rel_error(lt.lora_apply_delta_first(x, w, stack.a, stack.b, stack.offsets, meta, batch.slots), ref)
         timings = {
             "base GEMM": bench(partial(torch.nn.functional.linear, x, w, out=out)),
             "base GEMM with beta 1 (addmm onto y)": bench(partial(torch.addmm, y0, x, w.t(), out=out)),
             "engine: base + shrink + expand": bench(engine_path),
             "epilogue: shrink + delta GEMMs + addmm": bench(epilogue_path),
+            "lora_apply_delta_first (the engine's op)": bench(
+                partial(lt.lora_apply_delta_first, x, w, stack.a, stack.b, stack.offsets, meta, batch.slots)
+            ),
         }
         base = timings["base GEMM"]
-        print(f"lora epilogue {name} ({in_f} -> {slices}), {tokens} tokens (epilogue vs engine rel. err {err:.1e}):")
+        print(f"lora epilogue {name} ({in_f} -> {slices}), {tokens} tokens (rel. err against shrink + expand: "
+              f"epilogue {err:.1e}, op {op_err:.1e}):")  # fmt: skip
         for label, ms in timings.items():
             print(f"  {label:<44} {1e3 * ms:8.1f} us   base + {1e3 * (ms - base):7.1f} us", flush=True)
         extra = [f"{label} +{1e3 * (ms - base):.0f} us" for label, ms in list(timings.items())[1:]]

@@ -248,7 +248,7 @@ def delta_first_lora_apply(x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, b
     meta = LoRAKernelMeta.build(batch.token_slots, stack.num_slots)
     zero_weight = x.new_zeros(y.shape[1], x.shape[1])
     a, b, offsets = ([t[i] for i in used] for t in (stack.a, stack.b, stack.offsets))
-    delta = lora_apply_delta_first(x, zero_weight, a, b, offsets, meta, batch.token_slots, batch.slots)
+    delta = lora_apply_delta_first(x, zero_weight, a, b, offsets, meta, batch.slots)
     rows = batch.token_slots >= 0
     y[rows] = (y[rows].float() + delta[rows].float()).to(y.dtype)
     return y

@@ -189,7 +189,7 @@ class Linear(nn.Module):
             used = self.lora.slices_used_by(lora.slots)
             a, b, offsets = ([t[i] for i in used] for t in (self.lora.a, self.lora.b, self.lora.offsets))
             meta = triton_meta(lora, self.lora.num_slots)
-            return lora_apply_delta_first(x, self.weight, a, b, offsets, meta, lora.token_slots, lora.slots)
+            return lora_apply_delta_first(x, self.weight, a, b, offsets, meta, lora.slots)
         return add_lora(x, self.base(x), self.lora, lora, self.lora_backend)
 
 

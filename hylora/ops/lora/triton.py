@@ -141,7 +141,9 @@ class LoRAKernelMeta:
     counts: torch.Tensor  # [L] int32 tokens of each slot
     starts: torch.Tensor  # [L] int32 where each slot's tokens begin in `order`
     num_slots: int
+    token_slots: torch.Tensor | None = None  # [T] int64 each token's slot, -1 = base
     tile_maps: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    columns: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, token_slots: torch.Tensor, num_slots: int) -> LoRAKernelMeta:
@@ -150,7 +152,23 @@ class LoRAKernelMeta:
         ones = torch.ones_like(slots, dtype=torch.int32)
         counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=slots.device).scatter_add_(0, slots + 1, ones)
         starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
-        return cls(order=order, counts=counts[1:].contiguous(), starts=starts[1:].contiguous(), num_slots=num_slots)
+        return cls(
+            order=order, counts=counts[1:].contiguous(), starts=starts[1:].contiguous(), num_slots=num_slots,
+            token_slots=slots,
+        )  # fmt: skip
+
+    def slot_columns(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a step whose tokens use `k` slots: those slots in ascending order [k], and a mask
+        [T, k] of each token's own one (all False for base tokens). On the device, no host sync
+        (a tensor made from a host list would wait for the stream); memoized per k."""
+        if k not in self.columns:
+            used = self.counts > 0
+            chosen = torch.sort(used.to(torch.int8), descending=True, stable=True).indices[:k]
+            column_of_slot = torch.cumsum(used, 0) - 1  # [L]: the column of each used slot
+            column = torch.where(self.token_slots >= 0, column_of_slot[self.token_slots.clamp(min=0)], -1)
+            mine = column[:, None] == torch.arange(k, device=column.device)[None, :]  # [T, k]
+            self.columns[k] = (chosen, mine)
+        return self.columns[k]
 
     def tile_map(self, block_m: int) -> torch.Tensor:
         """[max_tiles(T, L, block_m), 4] int32, one row per M tile: (slot, tile of the slot, lo, hi),
@@ -259,7 +277,6 @@ def lora_apply_delta_first(
     b: list[torch.Tensor],  # per slice [L, r, rows]
     offsets: list[tuple[int, int]],  # per slice (first column of y, rows)
     meta: LoRAKernelMeta,
-    token_slots: torch.Tensor,  # [T] each token's slot, -1 = base
     slots: list[int],  # the slots the step's tokens use (host)
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
@@ -282,16 +299,11 @@ def lora_apply_delta_first(
         covered = first + n
     y[:, covered:].zero_()
     if a:
-        chosen = torch.tensor(slots, dtype=torch.long, device=x.device)
-        column_of_slot = torch.full((L,), -1, dtype=torch.long, device=x.device)
-        column_of_slot[chosen] = torch.arange(k, device=x.device)
-        column = torch.where(token_slots >= 0, column_of_slot[token_slots.long().clamp(min=0)], -1)  # [T]
+        chosen, mine = meta.slot_columns(k)  # [k], [T, k]
         h = lora_shrink(x, a, meta, config).sum(0)  # [T, slices, r] fp32; base rows unwritten
-        h = torch.where((column >= 0)[:, None, None], h, 0.0).to(x.dtype)
-        h_all = torch.zeros(T, len(a), k, R, dtype=x.dtype, device=x.device)
-        h_all[torch.arange(T, device=x.device), :, column.clamp(min=0)] = h  # [T, slices, k, r]
+        h_all = torch.where(mine[:, None, :, None], h[:, :, None, :], 0.0).to(x.dtype)  # [T, slices, k, r]
         for i, ((first, n), bi) in enumerate(zip(offsets, b, strict=True)):
-            b_used = bi if slots == list(range(L)) else bi[chosen]  # [k, r, rows]
+            b_used = bi if k == L else bi[chosen]  # [k, r, rows]
             torch.mm(h_all[:, i].reshape(T, k * R), b_used.reshape(k * R, n), out=y[:, first : first + n])
     return y.addmm_(x, weight.t())
 
