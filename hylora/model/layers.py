@@ -19,9 +19,9 @@ from hylora.ops.silu_mul.reference import silu_mul
 STACKED_LORA_BELOW = 128
 # Steps of this many tokens write the LoRA delta first and let the base GEMM accumulate onto it
 # (`lora_apply_delta_first`), while the step's adapters need at most DELTA_FIRST_MAX_K extra GEMM
-# inputs (slots x rank): H200, 8 rank-16 slots, 27B linears (BASELINE run 29) 27-54 % less LoRA time
-# than shrink + expand at 8192 tokens, up to 26 % more at 2048 (gate_up).
-DELTA_FIRST_FROM = 4096
+# inputs (slots x rank). H200, 8 rank-16 slots, the 27B's linears (BASELINE run 29): 8-57 % less LoRA
+# time than shrink + expand at 2048 and 8192 tokens (fewer tokens: not measured).
+DELTA_FIRST_FROM = 2048
 DELTA_FIRST_MAX_K = 256
 LORA_BACKENDS = ("grouped", "masked", "triton")
 
