@@ -36,7 +36,7 @@ DECODE_BATCHES = (1, 2, 3, 31, 32, 33, 64)
 LORA_TOKENS = (1, 64, 65, 127, 128, 129, 400, 474, 2048)
 LORA_RANKS = (8, 16, 32, 64)
 STACKED_TOKENS = (1, 64, 65, 127, 128, 129, 256)  # decode steps: eager below 128 tokens, graph buckets above
-DELTA_FIRST_TOKENS = (1, 129, 2048)  # long prefill steps (the layer takes it from 2048 tokens; any count works)
+DELTA_FIRST_TOKENS = (1, 129, 2048)  # long prefill steps (the layer takes it from 4096 tokens; any count works)
 NORM_TOKENS = (1, 3, 64, 129, 2048)
 SCAN_ROWS = (1, 3, 32, 33, 64)  # decode batches of the logits scan
 # sequence lengths of short prefill steps (the token-by-token GDN form): decode rows, a prompt's last

@@ -15,13 +15,15 @@ from hylora.ops.silu_mul.reference import silu_mul
 
 # Steps of fewer tokens run the LoRA shrink inside the base GEMM when the triton backend is installed
 # (Linear.stack_lora_a): h is then rounded to the model dtype once. Longer steps (prefill) keep the
-# shrink kernel and its fp32 h, which the precision targets of docs/BASELINE.md were measured with.
+# shrink kernel and its fp32 h up to DELTA_FIRST_FROM tokens.
 STACKED_LORA_BELOW = 128
 # Steps of this many tokens write the LoRA delta first and let the base GEMM accumulate onto it
 # (`lora_apply_delta_first`), while the step's adapters need at most DELTA_FIRST_MAX_K extra GEMM
-# inputs (slots x rank). H200, 8 rank-16 slots, the 27B's linears (BASELINE run 29): 8-57 % less LoRA
-# time than shrink + expand at 2048 and 8192 tokens (fewer tokens: not measured).
-DELTA_FIRST_FROM = 2048
+# inputs (slots x rank). H200, 8 rank-16 slots, the 27B's linears (BASELINE run 29): 15-43 % less
+# LoRA time than shrink + expand at 8192 tokens; the 8192-token workload's mixed prefill 0.39-0.40 ->
+# 0.38 s (base 0.35). At 2048 the op alone also won (8-43 %), but the 2048-token workload's mixed
+# prefill ran erratic (0.42-0.54 s) with it and was not compared against the old path: not yet there.
+DELTA_FIRST_FROM = 4096
 DELTA_FIRST_MAX_K = 256
 LORA_BACKENDS = ("grouped", "masked", "triton")
 

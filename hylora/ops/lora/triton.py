@@ -22,7 +22,7 @@ M tiles (up to BLOCK_M tokens of ONE slot) that hold tokens, in a tensor of a si
   instead of three and no conversions. Its launch is `DECODE_EXPAND` (choose_config(T < 128, 0)).
 - `lora_apply_delta_first` (long prefill steps): the shrink, then cuBLAS writes the delta and the
   base GEMM accumulates onto it: y is read in a compute-bound GEMM's epilogue, not by the expand's
-  bandwidth-bound read-modify-write (H200, 8192 tokens, 8 slots: 27-54 % less LoRA time).
+  bandwidth-bound read-modify-write (H200, 8192 tokens, 8 slots: 15-43 % less LoRA time).
 
 Rules from the Hopper NaN reports on other engines' LoRA kernels: fp32 accumulation rounded once
 into y, fp32 h stays fp32 in the expand dot (no cast down before a dot; tf32x3 ≈ fp32 on 16-bit
