@@ -525,6 +525,30 @@ def test_lora_delta_first_equals_grouped(T):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5, msg=name)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
+def test_lora_delta_first_keeps_a_token_overflow_in_its_row():
+    """Every token reads the B of every slot its step uses (h 0 for the others): a token whose h
+    overflows must spoil its own row only, the other tokens of its adapter and of the others stay
+    finite and equal the reference."""
+    x, _, stack, batch = lora_case(129, seed=3)
+    bad = int((batch.token_slots >= 0).nonzero()[0])  # an adapter token
+    x[bad] = 3e38  # x · A overflows to inf in fp32
+    w = torch.randn(97, x.shape[1], generator=torch.Generator().manual_seed(3))
+    meta = lora_triton.LoRAKernelMeta.build(batch.token_slots, 4)
+    got = lora_triton.lora_apply_delta_first(x, w, stack.a, stack.b, stack.offsets, meta, batch.slots)
+    assert not got[bad].isfinite().all()
+    others = torch.arange(x.shape[0]) != bad
+    ref = grouped_reference(x[others], torch.nn.functional.linear(x[others], w), stack, lora_subset(batch, others))
+    assert got[others].isfinite().all()
+    torch.testing.assert_close(got[others], ref, atol=1e-4, rtol=1e-5)
+
+
+def lora_subset(batch: LoRABatch, rows: torch.Tensor) -> LoRABatch:
+    """The batch of `rows`' tokens (each a one-token sequence with its slot)."""
+    slots = batch.token_slots[rows].tolist()
+    return LoRABatch.build(slots, [1] * len(slots), "cpu")
+
+
 def test_linear_takes_the_delta_first_from_its_threshold(monkeypatch):
     """Linear.forward: host batches of DELTA_FIRST_FROM tokens or more take the delta-first path
     (while slots × rank fits DELTA_FIRST_MAX_K), shorter ones the shrink + expand; same result."""
