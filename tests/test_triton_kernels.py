@@ -525,7 +525,8 @@ def test_lora_delta_first_equals_grouped(T):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5, msg=name)
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_lora_delta_first_keeps_a_token_overflow_in_its_row():
     """Every token reads the B of every slot its step uses (h 0 for the others): a token whose h
     overflows must spoil its own row only, the other tokens of its adapter and of the others stay
