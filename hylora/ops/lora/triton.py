@@ -300,8 +300,8 @@ def lora_apply_delta_first(
     y[:, covered:].zero_()
     if a:
         chosen, mine = meta.slot_columns(k)  # [k], [T, k]
-        h = lora_shrink(x, a, meta, config).sum(0)  # [T, slices, r] fp32; base rows unwritten
-        h_all = torch.where(mine[:, None, :, None], h[:, :, None, :], 0.0).to(x.dtype)  # [T, slices, k, r]
+        h = lora_shrink(x, a, meta, config).sum(0).to(x.dtype)  # [T, slices, r]; base rows unwritten
+        h_all = torch.where(mine[:, None, :, None], h[:, :, None, :], 0.0)  # [T, slices, k, r]
         for i, ((first, n), bi) in enumerate(zip(offsets, b, strict=True)):
             b_used = bi if k == L else bi[chosen]  # [k, r, rows]
             torch.mm(h_all[:, i].reshape(T, k * R), b_used.reshape(k * R, n), out=y[:, first : first + n])
