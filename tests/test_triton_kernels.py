@@ -516,11 +516,11 @@ def test_lora_delta_first_equals_grouped(T):
     meta = lora_triton.LoRAKernelMeta.build(batch.token_slots, 4)
     cases = {"every slice": list(range(3)), "slice 1 left out": [0, 2]}  # (slice 1 is slot 1's alone)
     for name, used in cases.items():
-        a, b, offsets = ([t[i] for i in used] for t in (stack.a, stack.b, stack.offsets))
+        a, b, offsets = stack.pick(used)
         want = ref.clone()
         if used != list(range(3)):
             want[:, 48:64] = torch.nn.functional.linear(x, w[48:64])  # the left-out slice: base only
-        got = lora_triton.lora_apply_delta_first(x, w, a, b, offsets, meta, batch.slots)
+        got = lora_triton.lora_apply_delta_first(x, w, a, b, offsets, meta, len(batch.slots))
         assert got.isfinite().all(), name
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5, msg=name)
 
@@ -536,7 +536,7 @@ def test_lora_delta_first_keeps_a_token_overflow_in_its_row():
     x[bad] = 3e38  # x · A overflows to inf in fp32
     w = torch.randn(97, x.shape[1], generator=torch.Generator().manual_seed(3))
     meta = lora_triton.LoRAKernelMeta.build(batch.token_slots, 4)
-    got = lora_triton.lora_apply_delta_first(x, w, stack.a, stack.b, stack.offsets, meta, batch.slots)
+    got = lora_triton.lora_apply_delta_first(x, w, stack.a, stack.b, stack.offsets, meta, len(batch.slots))
     assert not got[bad].isfinite().all()
     others = torch.arange(x.shape[0]) != bad
     ref = grouped_reference(x[others], torch.nn.functional.linear(x[others], w), stack, lora_subset(batch, others))

@@ -225,7 +225,7 @@ def triton_lora_apply(
 
     used = stack.slices_used_by(batch.slots)
     meta = LoRAKernelMeta.build(batch.token_slots, stack.num_slots)
-    return lora_apply(x, y, *([t[i] for i in used] for t in (stack.a, stack.b, stack.offsets)), meta, config)
+    return lora_apply(x, y, *stack.pick(used), meta, config)
 
 
 def stacked_lora_apply(x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
@@ -244,11 +244,10 @@ def delta_first_lora_apply(x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, b
     accumulating) on a zero base weight: its output, the rounded delta, added to y's adapter rows."""
     from hylora.ops.lora.triton import LoRAKernelMeta, lora_apply_delta_first
 
-    used = stack.slices_used_by(batch.slots)
     meta = LoRAKernelMeta.build(batch.token_slots, stack.num_slots)
     zero_weight = x.new_zeros(y.shape[1], x.shape[1])
-    a, b, offsets = ([t[i] for i in used] for t in (stack.a, stack.b, stack.offsets))
-    delta = lora_apply_delta_first(x, zero_weight, a, b, offsets, meta, batch.slots)
+    a, b, offsets = stack.pick(stack.slices_used_by(batch.slots))
+    delta = lora_apply_delta_first(x, zero_weight, a, b, offsets, meta, len(batch.slots))
     rows = batch.token_slots >= 0
     y[rows] = (y[rows].float() + delta[rows].float()).to(y.dtype)
     return y

@@ -35,6 +35,10 @@ class LoRAStack:
             b[slot].zero_()
         self.present[slot] = [False] * len(self.a)
 
+    def pick(self, slices: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[int, int]]]:
+        """(A, B, offsets) of the given slices, as the LoRA ops take them."""
+        return [self.a[i] for i in slices], [self.b[i] for i in slices], [self.offsets[i] for i in slices]
+
     def slices_used_by(self, slots: Iterable[int]) -> list[int]:
         """The slices that at least one of `slots` targets (the others add exactly zero)."""
         slots = list(slots)

@@ -40,7 +40,7 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, lora: LoRABatch
     used = range(len(stack.a)) if on_device else stack.slices_used_by(lora.slots)
     if not used:
         return y  # no adapter of this batch targets this linear: exactly zero
-    a, b, offsets = [stack.a[i] for i in used], [stack.b[i] for i in used], [stack.offsets[i] for i in used]
+    a, b, offsets = stack.pick(used)
     if backend == "triton":
         from hylora.ops.lora.triton import lora_apply
 
@@ -188,10 +188,9 @@ class Linear(nn.Module):
         ):  # a long prefill step: the delta first, the base GEMM accumulating onto it
             from hylora.ops.lora.triton import lora_apply_delta_first
 
-            used = self.lora.slices_used_by(lora.slots)
-            a, b, offsets = ([t[i] for i in used] for t in (self.lora.a, self.lora.b, self.lora.offsets))
+            a, b, offsets = self.lora.pick(self.lora.slices_used_by(lora.slots))
             meta = triton_meta(lora, self.lora.num_slots)
-            return lora_apply_delta_first(x, self.weight, a, b, offsets, meta, lora.slots)
+            return lora_apply_delta_first(x, self.weight, a, b, offsets, meta, len(lora.slots))
         return add_lora(x, self.base(x), self.lora, lora, self.lora_backend)
 
 

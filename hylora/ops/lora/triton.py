@@ -277,21 +277,21 @@ def lora_apply_delta_first(
     b: list[torch.Tensor],  # per slice [L, r, rows]
     offsets: list[tuple[int, int]],  # per slice (first column of y, rows)
     meta: LoRAKernelMeta,
-    slots: list[int],  # the slots the step's tokens use (host)
+    num_used: int,  # how many slots the step's tokens use (known on the host)
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """y = x Wᵀ + each token's adapter delta for a step of many tokens, without the expand's
-    read-modify-write of y: the delta is written first, by cuBLAS (per slice, h of the step's k slots
+    read-modify-write of y: the delta is written first, by cuBLAS (per slice, h of the step's k used slots
     in x's dtype, zero but each token's own, times those slots' B: a GEMM with K = k·r), and the base
     GEMM then accumulates onto it (beta 1: y is read in the epilogue of a compute-bound GEMM).
 
     Arithmetic: y = round(x Wᵀ + round(h · B)), h rounded once to x's dtype (as in decode steps),
-    against the expand's round(round(x Wᵀ) + h · B) on fp32 h. Every token reads the B of every slot
-    in `slots` (with h 0 for the others): the registry keeps B finite (validated at load, free slots
+    against the expand's round(round(x Wᵀ) + h · B) on fp32 h. Every token reads the B of every used
+    slot (with h 0 for the others): the registry keeps B finite (validated at load, free slots
     zero), so a token's non-finite h reaches its own row only. Slices left out of `offsets` get 0."""
     T, N = x.shape[0], weight.shape[0]
     L, R, _ = a[0].shape
-    k = len(slots)
+    k = num_used
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     covered = 0
     for first, n in sorted(offsets):  # columns no given slice covers: zero before the accumulating GEMM
