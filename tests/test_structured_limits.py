@@ -280,7 +280,7 @@ def test_detection_and_bounds_are_linear():
     assert json_text_depth('"' + '\\"' * 100_000) == 0  # an unterminated string: no retry per quote
     check_grammar('start: "' + '\\"' * 100_000)
     assert regex_shape("(" * 100_000)[0] == 100_000
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 5.0  # quadratic: minutes
 
 
 # --- containment -----------------------------------------------------------------------------
@@ -310,7 +310,9 @@ def test_native_crash_is_absorbed_by_the_worker(tokenizer, eos_ids, caplog):
 
 
 def test_runaway_compile_is_killed_and_does_not_delay_others(tokenizer, eos_ids):
-    compiler = GrammarCompiler(tokenizer, VOCAB, eos_ids, max_workers=2, timeout_s=1.5)
+    # the probe gets half of the 6 s: long enough that a 2-core CI machine busy elsewhere never
+    # kills the victim's probe, short enough to see the hostile one killed
+    compiler = GrammarCompiler(tokenizer, VOCAB, eos_ids, max_workers=2, timeout_s=6.0)
     stopped: list[int] = []
     try:
         wait_for_workers(compiler, 2)
@@ -329,11 +331,10 @@ def test_runaway_compile_is_killed_and_does_not_delay_others(tokenizer, eos_ids)
         stuck_pid = stuck.pid
         os.kill(free.pid, signal.SIGCONT)
 
-        start = time.perf_counter()
         assert compiler.compile_blocking(StructuredSpec("regex", "[0-9]{1,4} victim"))
-        assert time.perf_counter() - start < 1.0
+        assert not hostile.done()  # the victim did not wait for the hostile compile to be killed
 
-        with pytest.raises(CompileTimeout, match="took longer than 0.75 s"):  # the probe gets half
+        with pytest.raises(CompileTimeout, match="took longer than 3 s"):  # the probe gets half
             hostile.result(timeout=10)
         assert compiler.submit(StructuredSpec("regex", "[a-z]+ hostile")) is hostile  # cached for a while
         with pytest.raises(ProcessLookupError):  # the stopped process was killed and reaped
@@ -360,7 +361,7 @@ def test_queue_wait_is_not_compile_time_and_overload_is_busy(tokenizer, eos_ids,
         start = time.perf_counter()
         with pytest.raises(CompilerBusy, match="within 0.3 s"):  # a 503: no thread took it in time
             compiler.compile_blocking(waiting)
-        assert time.perf_counter() - start < 0.8
+        assert not held.done()  # answered at its queue timeout, not when the thread came free
         compiler.queue_timeout_s = 10.0
         compiled = compiler.compile_blocking(waiting)  # queued ~1.3 s, longer than its 1 s compile timeout
         assert compiled.spec == waiting and time.perf_counter() - start > 1.0
