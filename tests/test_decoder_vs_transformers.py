@@ -93,3 +93,21 @@ def test_tied_embeddings_and_other_shapes(tmp_path):
     assert model.lm_head.weight is model.embed_tokens.weight
     ids = random_ids(200, model.config.vocab_size, seed=6)
     assert (hylora_logits(model, ids) - hf_logits(ref, ids)).abs().max().item() <= ATOL
+
+
+def test_a_model_without_attention_layers_serves(tmp_path):
+    """A checkpoint cut to its first GDN layers (no attention layer: an empty KV cache) serves through the
+    engine, prefix cache and chunked prefill included, and its greedy tokens are transformers' own."""
+    from tests.engine_helpers import greedy, make_engine, run_alone
+
+    ref = write_causal(tmp_path, seed=8, num_hidden_layers=2, layer_types=["linear_attention"] * 2)
+    ids = random_ids(70, ref.config.vocab_size, seed=8)
+    expected = []  # transformers' cache needs an attention layer: greedy by full forwards without it
+    with torch.no_grad():
+        for _ in range(6):
+            expected.append(int(ref(torch.tensor([ids + expected]), use_cache=False).logits[0, -1].argmax()))
+    engine = make_engine(tmp_path, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32)
+    assert engine.kv.k.shape[0] == 0
+    for rid in ("first", "again"):  # the second finds the first's prefix cached
+        out = run_alone(engine, rid, ids, greedy(6))
+        assert out.error is None and out.token_ids == expected, rid

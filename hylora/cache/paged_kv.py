@@ -100,7 +100,7 @@ class PagedKVCache:
 
     def scrub(self, pages: list[int]) -> None:
         """Zero the K/V rows of `pages` in every layer (one fill per tensor, not one per page)."""
-        if not pages:
+        if not pages or self.k.shape[0] == 0:  # no attention layer (a model cut to its first GDN layers)
             return
         index = torch.tensor(pages, dtype=torch.long).to(self.k.device, non_blocking=True)
         for cache in (self.k, self.v):

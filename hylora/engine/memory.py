@@ -66,7 +66,10 @@ def plan_caches(model: HybridDecoder, config: EngineConfig) -> CachePlan:
             "sequence; lower --max-num-seqs, --prefix-cache-states, --max-model-len or --max-num-batched-tokens, "
             "or raise --gpu-memory-utilization"
         )
-    num_pages = int((budget - (slots + snapshots) * state_bytes) // page_bytes)
+    if page_bytes == 0:  # no attention layer (a model cut to its first GDN layers): pages hold nothing
+        num_pages = config.max_num_seqs * per_seq_pages
+    else:
+        num_pages = int((budget - (slots + snapshots) * state_bytes) // page_bytes)
     log.info(
         "memory: %.1f GiB in use before caches, %.2f GiB activations, GDN state %d slots + %d prefix-cache "
         "snapshots x %.1f MiB = %.2f GiB, KV %d pages x %d tokens = %.2f GiB",
