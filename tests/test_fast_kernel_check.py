@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from hylora.kernels import checks as check
@@ -14,6 +15,7 @@ from hylora.ops.gdn_decode.reference import gdn_decode
 from hylora.ops.lora import reference as lora_reference
 from hylora.ops.paged_decode_attention.reference import paged_decode_attention
 from hylora.ops.rotary.reference import rotate_half
+from tests.conftest import text_config
 
 GDN = (2, 4, 8, 8, 4, torch.float32, "cpu")  # hk, hv, dk, dv, conv kernel, dtype, device
 ATTN = (4, 2, 16, 4, torch.float32, "cpu")  # heads, kv heads, head_dim, page size
@@ -154,3 +156,37 @@ def test_verdicts_choose_the_model_kernels():
     assert kernels.rms_norm is rms_norm and kernels.lora_backend is None  # failed: the reference serves
     forced = select.model_kernels({}, KernelsConfig(lora_backend="masked"))
     assert forced.lora_backend == forced.tower_lora_backend == "masked"
+    assert forced.lora_delta_first_from == 0  # the delta first is a path of the Triton LoRA only
+    lora = {"lora": select._verdict("lora", lambda: 0.0, 1e-4)}
+    assert select.model_kernels(lora).lora_delta_first_from == KernelsConfig().lora_delta_first_from
+    assert select.model_kernels(lora, KernelsConfig(lora_delta_first_from=2048)).lora_delta_first_from == 2048
+    with pytest.raises(ValueError, match="lora_delta_first_from must be >= 0"):
+        KernelsConfig(lora_delta_first_from=-1)
+
+
+def test_lora_delta_first_flag_reaches_the_kernel_config():
+    import argparse
+
+    from hylora.kernels import KernelsConfig
+    from hylora.server.serve import add_serve_args, kernels_config
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert kernels_config(p.parse_args(["m"])) == KernelsConfig()
+    assert kernels_config(p.parse_args(["m", "--lora-delta-first-from", "0"])).lora_delta_first_from == 0
+    assert kernels_config(p.parse_args(["m", "--lora-delta-first-from", "2048"])).lora_delta_first_from == 2048
+
+
+def test_installed_kernels_give_every_linear_its_lora_path():
+    from hylora.config import ModelConfig
+    from hylora.model.decoder import HybridDecoder
+    from hylora.model.kernels import ModelKernels, install
+    from hylora.model.layers import Linear
+
+    with torch.device("meta"):
+        model = HybridDecoder(ModelConfig.from_hf({"model_type": "qwen3_5_text", **text_config()}))
+    install(model, ModelKernels(lora_backend="triton", lora_delta_first_from=2048))
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.lora_backend == "triton" and m.delta_first_from == 2048 for m in linears)
+    install(model, ModelKernels())
+    assert all(m.lora_backend is None and m.delta_first_from == 0 for m in linears)

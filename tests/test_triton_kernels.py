@@ -551,21 +551,23 @@ def lora_subset(batch: LoRABatch, rows: torch.Tensor) -> LoRABatch:
 
 
 def test_linear_takes_the_delta_first_from_its_threshold(monkeypatch):
-    """Linear.forward: host batches of DELTA_FIRST_FROM tokens or more take the delta-first path
-    (while slots × rank fits DELTA_FIRST_MAX_K), shorter ones the shrink + expand; same result."""
+    """Linear.forward: host batches of `delta_first_from` tokens or more take the delta-first path
+    (while slots × rank fits DELTA_FIRST_MAX_K), shorter ones the shrink + expand; 0 never takes it;
+    same result either way."""
     import hylora.model.layers as layers
 
     calls = []
     delta_first = lora_triton.lora_apply_delta_first
     monkeypatch.setattr(lora_triton, "lora_apply_delta_first", lambda *args: calls.append(1) or delta_first(*args))
-    monkeypatch.setattr(layers, "DELTA_FIRST_FROM", 129)
-    for T, taken in [(128, False), (129, True), (300, True)]:
+    for T, threshold, taken in [(128, 129, False), (129, 129, True), (300, 129, True), (300, 0, False)]:
         linear, x, ref, batch = stacked_linear(T, seed=T)
+        linear.delta_first_from = threshold
         calls.clear()
         torch.testing.assert_close(linear(x, batch), ref, atol=1e-4, rtol=1e-5)
-        assert bool(calls) == taken, T
+        assert bool(calls) == taken, (T, threshold)
     monkeypatch.setattr(layers, "DELTA_FIRST_MAX_K", 3 * 8 - 1)  # the batch's 3 slots at rank 8: one too many
     linear, x, ref, batch = stacked_linear(300, seed=300)
+    linear.delta_first_from = 129
     calls.clear()
     torch.testing.assert_close(linear(x, batch), ref, atol=1e-4, rtol=1e-5)
     assert not calls

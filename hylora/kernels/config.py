@@ -36,6 +36,13 @@ class KernelsConfig:
     # convert the FP8 weights in the GEMM (the dequantised model's arithmetic, FP8 weights in memory;
     # 1.6-3x slower GEMMs than dynamic on an H200, docs/FP8.md)
     fp8_activations: str = "dynamic"
+    # hylora's Triton LoRA in host steps (prefill) of at least this many tokens: the delta written first
+    # by cuBLAS, the base GEMM accumulating onto it (docs/LORA.md); 0: never, shrink + expand always.
+    # H200, 8 rank-16 slots, the 27B's linears (BASELINE run 29): 15-43 % less LoRA time than shrink +
+    # expand at 8192 tokens and the 8192-token workload's mixed prefill 0.39-0.40 -> 0.38 s (base 0.35);
+    # at 2048 the op alone also won (8-43 %), but the 2048-token workload's mixed prefill ran erratic
+    # (0.42-0.54 s) with it, not compared against the path without it (bench/lora_prefill_gpu.py does)
+    lora_delta_first_from: int = 4096
 
     def __post_init__(self) -> None:
         launch = self.gdn_decode_launch
@@ -43,6 +50,10 @@ class KernelsConfig:
             len(launch) != 3 or any(not isinstance(v, int) or v < low for v, low in zip(launch, (1, 1, 0), strict=True))
         ):
             raise ValueError(f"gdn_decode_launch must be block_v, num_warps >= 1 and v_blocks >= 0, got {launch!r}")
+        if isinstance(self.lora_delta_first_from, bool) or not isinstance(self.lora_delta_first_from, int):
+            raise ValueError(f"lora_delta_first_from must be an integer, got {self.lora_delta_first_from!r}")
+        if self.lora_delta_first_from < 0:
+            raise ValueError(f"lora_delta_first_from must be >= 0 (0: never), got {self.lora_delta_first_from}")
         for name, allowed in (
             ("fast_kernels", FAST_KERNEL_CHOICES),
             ("gdn_backend", GDN_BACKENDS),

@@ -116,6 +116,8 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
         chosen["lora_backend"] = chosen["tower_lora_backend"] = config.lora_backend
     elif "lora" in fast:
         chosen["lora_backend"] = "triton"
+    if chosen.get("lora_backend") == "triton":  # the lora verdict checked the delta-first op too
+        chosen["lora_delta_first_from"] = config.lora_delta_first_from
     return ModelKernels(**chosen)
 
 

@@ -45,6 +45,7 @@ class ModelKernels:
     fp8_linear: Kernel = fp8_linear  # the GEMM of FP8 projections (Linear.set_fp8)
     lora_backend: str | None = None  # model.layers.LORA_BACKENDS; None: masked on CUDA, grouped on the CPU
     tower_lora_backend: str | None = None  # the vision tower's linears
+    lora_delta_first_from: int = 0  # triton LoRA: host steps of this many tokens write the delta first; 0: never
     tower_rotary: Kernel = rotate_half  # the vision tower's rotary on q and k, in place
     # the logits: each row's greedy token and NaN / inf flags (the decode step's guard, the sampler)
     logits_scan: Kernel = scan_logits
@@ -76,6 +77,7 @@ def install(model: HybridDecoder, kernels: ModelKernels) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.lora_backend, module.fp8_kernel = kernels.lora_backend, kernels.fp8_linear
+            module.delta_first_from = kernels.lora_delta_first_from
         elif isinstance(module, VisionLinear):
             module.lora_backend = kernels.tower_lora_backend
         elif isinstance(module, VisionAttention):

@@ -17,13 +17,9 @@ from hylora.ops.silu_mul.reference import silu_mul
 # (Linear.stack_lora_a): h is then rounded to the model dtype once. Longer steps (prefill) keep the
 # shrink kernel and its fp32 h up to DELTA_FIRST_FROM tokens.
 STACKED_LORA_BELOW = 128
-# Steps of this many tokens write the LoRA delta first and let the base GEMM accumulate onto it
-# (`lora_apply_delta_first`), while the step's adapters need at most DELTA_FIRST_MAX_K extra GEMM
-# inputs (slots x rank). H200, 8 rank-16 slots, the 27B's linears (BASELINE run 29): 15-43 % less
-# LoRA time than shrink + expand at 8192 tokens; the 8192-token workload's mixed prefill 0.39-0.40 ->
-# 0.38 s (base 0.35). At 2048 the op alone also won (8-43 %), but the 2048-token workload's mixed
-# prefill ran erratic (0.42-0.54 s) with it and was not compared against the old path: not yet there.
-DELTA_FIRST_FROM = 4096
+# Steps of at least `Linear.delta_first_from` tokens (the kernel floor's lora_delta_first_from) write
+# the LoRA delta first and let the base GEMM accumulate onto it (`lora_apply_delta_first`), while the
+# step's adapters need at most DELTA_FIRST_MAX_K extra GEMM inputs (slots x rank).
 DELTA_FIRST_MAX_K = 256
 LORA_BACKENDS = ("grouped", "masked", "triton")
 
@@ -77,6 +73,7 @@ class Linear(nn.Module):
         self.weight = _param(self.out_features, in_features)
         self.lora: LoRAStack | None = None  # set by the adapter registry
         self.lora_backend: str | None = None  # set by the kernel floor (one of LORA_BACKENDS); None: by device
+        self.delta_first_from = 0  # set by the kernel floor: steps of this many tokens take the delta first; 0: never
         # [W; every slice's A]: `weight` and the LoRA stack's A tensors are views of it (stack_lora_a)
         self.stacked_weight: torch.Tensor | None = None
         self.compute_dtype = torch.float32
@@ -183,7 +180,7 @@ class Linear(nn.Module):
             and not self.is_fp8
             and not isinstance(lora, DeviceLoRABatch)
             and x.ndim == 2
-            and x.shape[0] >= DELTA_FIRST_FROM
+            and 0 < self.delta_first_from <= x.shape[0]
             and len(lora.slots) * self.lora.a[0].shape[1] <= DELTA_FIRST_MAX_K
         ):  # a long prefill step: the delta first, the base GEMM accumulating onto it
             from hylora.ops.lora.triton import lora_apply_delta_first

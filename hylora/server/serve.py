@@ -244,6 +244,14 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         "none keeps it in the model's dtype (weight-only: the dequantised model's arithmetic; its GEMMs ran "
         "1.6-3x slower than dynamic on an H200)",
     )
+    k.add_argument(
+        "--lora-delta-first-from",
+        type=int,
+        default=KernelsConfig.lora_delta_first_from,
+        metavar="TOKENS",
+        help="hylora's Triton LoRA in prefill steps of at least TOKENS tokens: the adapter delta written first, "
+        "the base GEMM accumulating onto it (docs/LORA.md); 0: never",
+    )
 
 
 def kernels_config(args: argparse.Namespace) -> KernelsConfig:
@@ -253,6 +261,7 @@ def kernels_config(args: argparse.Namespace) -> KernelsConfig:
         lora_backend=args.lora_backend,
         gdn_decode_launch=args.gdn_decode_launch,
         fp8_activations=args.fp8_activations,
+        lora_delta_first_from=args.lora_delta_first_from,
     )
 
 
