@@ -241,3 +241,33 @@ def test_grammars_that_would_crash_or_freeze_the_compiler_fail_alone(server, wat
     # the server still compiles and serves grammars
     ok = chat(server, "x", guided_regex="(yes|no)", max_tokens=4)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+def test_malformed_parts_arguments_and_media_options_are_client_errors(server, watch, image_url):
+    """Found by fuzzing: each of these was a 500 (or, the last, killed the grammar worker)."""
+    image = {"type": "image_url", "image_url": {"url": image_url}}
+    deep = "[" * 5000 + "]" * 5000
+    history = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]  # fmt: skip
+    with watch as w:
+        results = w.attack(
+            lambda: chat(server, [{"type": ["image_url"], "image_url": {"url": image_url}}]),
+            lambda: chat(server, [{"type": {"t": 1}, "text": "x"}]),
+            lambda: httpx.post(f"{server}/v1/chat/completions", timeout=120, json={
+                "model": "relic", "messages": history, "max_tokens": 4}),
+            lambda: chat(server, [image, {"type": "text", "text": "x"}], media_io_kwargs={"video": {"bogus": 1}}),
+            lambda: chat(server, [image, {"type": "text", "text": "x"}], media_io_kwargs={"image": {"mode": "CMYK"}}),
+            lambda: chat(server, "x", guided_json='{"enum": ["\\ud800"]}'),
+        )  # fmt: skip
+    assert_error(results[0], 400, "not supported")
+    assert_error(results[1], 400, "not supported")
+    assert_error(results[2], 400, "nested too deeply")
+    assert_error(results[3], 400, "media_io_kwargs", "bogus")
+    assert_error(results[4], 400, "media_io_kwargs", "mode")
+    assert_error(results[5], 400, "invalid Unicode")
+    ok = chat(server, "x", guided_regex="(yes|no)", max_tokens=4)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] in ("yes", "no")

@@ -246,7 +246,10 @@ def _has_media_part(message: Mapping[str, Any]) -> bool:
 
 
 def _part_type(part: Any) -> str | None:
-    return part.get("type") if isinstance(part, Mapping) else None
+    """A part's `type`; a list or an object sent there becomes its repr (refused as an unknown type,
+    where hashing it would raise)."""
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    return kind if kind is None or isinstance(kind, str) else repr(kind)
 
 
 def _url(part: Mapping[str, Any], kind: str, where: str) -> str:

@@ -330,13 +330,12 @@ async def _chat_prompt(
             text_only = state.engine.config.language_model_only
             why = "the server runs with --language-model-only" if text_only else "this model has no vision tower"
             raise APIError(400, f"{why}: send text only", param="messages")
-        overrides = merge_overrides(body.mm_processor_kwargs, body.media_io_kwargs)
         try:
             return await multimodal_prompt(
                 state.media,
                 state.engine.tokenizer,
                 messages,
-                overrides,
+                merge_overrides(body.mm_processor_kwargs, body.media_io_kwargs),
                 max_chars=state.max_prompt_chars,
                 template_kwargs=template_kwargs,
                 add_generation_prompt=body.add_generation_prompt,

@@ -339,6 +339,8 @@ def _call_for_template(call: Any, index: int) -> dict[str, Any]:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except ValueError as e:
             raise Unsupported(f"{where}.function.arguments is not valid JSON: {e}", "messages") from None
+        except RecursionError:
+            raise Unsupported(f"{where}.function.arguments is nested too deeply", "messages") from None
     if not isinstance(arguments, dict):
         raise Unsupported(f"{where}.function.arguments must be a JSON object", "messages")
     return {**call, "function": {**function, "arguments": arguments}}

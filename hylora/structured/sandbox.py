@@ -166,7 +166,7 @@ class ProbeWorker:
         hold the compile thread)."""
         if proc.stdin is None or proc.stdin.closed:
             raise EOFError("the worker's input is closed")
-        data = json.dumps(message, ensure_ascii=False).encode()
+        data = json.dumps(message).encode()  # ASCII: no request text can fail to encode here
         frame = memoryview(struct.pack(">I", len(data)) + data)
         fd = proc.stdin.fileno()
         os.set_blocking(fd, False)

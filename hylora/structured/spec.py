@@ -206,9 +206,14 @@ def _schema_text(schema: Any, where: str) -> str:
     if object_depth(schema, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:  # before json.dumps, which recurses too
         raise _too_deep(where, f"more than {MAX_JSON_DEPTH}")
     try:
-        return json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:
         raise StructuredOutputError(f"{where} cannot be serialised as JSON: {e}") from None
+    try:  # a schema sent as a string may escape a lone surrogate ("\\ud800") that no UTF-8 text holds
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise StructuredOutputError(f"{where} contains invalid Unicode (a lone surrogate); send valid UTF-8") from None
+    return text
 
 
 def _too_deep(where: str, depth: str) -> StructuredOutputError:

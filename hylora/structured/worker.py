@@ -32,7 +32,7 @@ MAX_FRAME = 1 << 30
 
 
 def write_frame(out: BinaryIO, message: Any) -> None:
-    data = json.dumps(message, ensure_ascii=False).encode()
+    data = json.dumps(message).encode()  # ASCII: an echoed lone surrogate cannot fail here
     out.write(struct.pack(">I", len(data)) + data)
     out.flush()
 
