@@ -68,6 +68,14 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
         "(as hylora serve), so every check runs through them",
     )
     g.add_argument(
+        "--lora-delta-first-from",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="in-process: steps of this many tokens write the LoRA delta first, on the Triton LoRA path (as hylora "
+        "serve; default: serve's); 0: never",
+    )
+    g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -192,6 +200,7 @@ def _run(args: argparse.Namespace) -> int:
     from hylora.engine.config import EngineConfig
     from hylora.engine.engine import LLMEngine
     from hylora.engine.speculative import check_speculative_config
+    from hylora.kernels.config import KernelsConfig
     from hylora.tokenizer import load_tokenizer
 
     x = _inputs(args)
@@ -232,6 +241,9 @@ def _run(args: argparse.Namespace) -> int:
         num_speculative_tokens=0 if endpoint else speculative.get("num_speculative_tokens", 0),
         enable_prefix_caching=args.enable_prefix_caching and endpoint is None,
         max_short_step_tokens=0 if endpoint else args.max_short_step_tokens,
+        kernels=KernelsConfig()
+        if args.lora_delta_first_from is None
+        else KernelsConfig(lora_delta_first_from=args.lora_delta_first_from),
     )
     # the reference's engine: unquantised weights (an FP8 checkpoint's dequantised), which adapters merge
     # into; in-process it is also the deployment checked, unless that serves FP8 weights
