@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -181,6 +183,29 @@ class Watch:
         slowest = max(self.fresh)
         assert slowest <= self.quiet_s + FRESH_DELAY_LIMIT_S, f"a fresh text request took {slowest:.2f} s"
         assert httpx.get(f"{self.url}/health", timeout=5).status_code == 200
+
+
+def slowest_health_during(url: str, fn: Callable[[], Any]) -> tuple[Any, float]:
+    """fn()'s result and the slowest /health answer while it ran (polled every 50 ms)."""
+    times: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(timeout=120) as client:
+            while not stop.is_set():
+                start = time.monotonic()
+                client.get(f"{url}/health")
+                times.append(time.monotonic() - start)
+                stop.wait(0.05)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        result = fn()
+    finally:
+        stop.set()
+        poller.join()
+    return result, max(times)
 
 
 def assert_error(r: httpx.Response, status: int, *needles: str, within: float | None = None) -> dict:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import base64
 import shutil
+import time
 
 import httpx
 import pytest
 
-from tests.hostile_helpers import Watch, assert_error, neighbour_bodies, run_neighbours
+from tests.hostile_helpers import Watch, assert_error, neighbour_bodies, run_neighbours, slowest_health_during
 from tests.media_helpers import HostileServer, hostile_gif, ico_wrapping, png_header_bomb
-from tests.server_helpers import running_server
+from tests.server_helpers import metric, running_server
 
 MAX_MODEL_LEN = 512
 NEIGHBOUR_TOKENS = 96
@@ -271,3 +272,76 @@ def test_malformed_parts_arguments_and_media_options_are_client_errors(server, w
     assert_error(results[5], 400, "invalid Unicode")
     ok = chat(server, "x", guided_regex="(yes|no)", max_tokens=4)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+# --- large bodies, large responses, disconnects ------------------------------------------------------
+
+
+def post_raw(url: str, raw: str, path: str = "/v1/chat/completions") -> httpx.Response:
+    return httpx.post(f"{url}{path}", content=raw, headers={"content-type": "application/json"}, timeout=120)
+
+
+def test_huge_lists_are_refused_early_and_no_body_stalls_the_event_loop(server):
+    """Bodies under the 8 MB limit that hold 520 000 messages, or millions of token ids, content parts
+    or logit_bias entries, took seconds to validate on the event loop (/health waited 2-5 s). They are
+    refused at once, naming the limit; bodies within the limits are validated off the event loop."""
+
+    def body(fields: str) -> str:
+        return '{"model":"relic","max_tokens":4,' + fields + "}"
+
+    hi = '"messages":[{"role":"user","content":"hi"}]'
+    ids = ",".join(["0"] * 2_700_000)
+    offenders = {
+        "messages": body('"messages":[' + ",".join(['{"role":"user"}'] * 520_000) + "]"),
+        "stop_token_ids": body(hi + ',"stop_token_ids":[' + ids + "]"),
+        "allowed_token_ids": body(hi + ',"allowed_token_ids":[' + ids + "]"),
+        "logit_bias": body(hi + ',"logit_bias":{' + ",".join(f'"{i}":0' for i in range(700_000)) + "}"),
+        "messages.0.content": body('"messages":[{"role":"user","content":[' + ",".join(["{}"] * 2_700_000) + "]}]"),
+    }
+    for param, raw in offenders.items():
+        assert len(raw) < 8 << 20
+        r, slowest = slowest_health_during(server, lambda raw=raw: post_raw(server, raw))
+        assert assert_error(r, 400, "at most")["param"] == param
+        assert slowest < 1.0, f"/health took {slowest:.2f} s during the {param} body"
+    # within every bound, yet seconds to validate (2.5M tool calls): validated on a worker thread
+    calls = '{"role":"assistant","content":"x","tool_calls":[' + ",".join(["{}"] * 250) + "]}"
+    heavy = body('"messages":[' + ",".join([calls] * 10_000) + "]")
+    r, slowest = slowest_health_during(server, lambda: post_raw(server, heavy))
+    assert_error(r, 400, "characters, more than fit")
+    assert slowest < 1.0, f"/health took {slowest:.2f} s during the tool calls body"
+    many = [{"role": "user", "content": "x"}] * 20
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": many, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_a_huge_prompt_logprobs_response_is_built_off_the_event_loop(server):
+    """64 prompts of 500 tokens with prompt_logprobs 20: a 46 MB response whose building (a decode per
+    token shown) and serialising held the event loop for seconds."""
+    prompts = [[(7 * i + j) % 600 + 1 for j in range(500)] for i in range(64)]
+    body = {"model": "relic", "prompt": prompts, "max_tokens": 1, "prompt_logprobs": 20}
+    r, slowest = slowest_health_during(server, lambda: httpx.post(f"{server}/v1/completions", json=body, timeout=300))
+    assert r.status_code == 200, r.text[:500]
+    assert slowest < 1.0, f"/health took {slowest:.2f} s while the response was built"
+    choices = r.json()["choices"]
+    assert len(choices) == 64
+    for choice, prompt in zip(choices, prompts, strict=True):
+        logprobs = choice["prompt_logprobs"]
+        assert len(logprobs) == 500 and logprobs[0] is None
+        for token, entry in zip(prompt[1:], logprobs[1:], strict=True):
+            assert str(token) in entry and len(entry) >= 20
+            assert all(isinstance(v["decoded_token"], str) for v in entry.values())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_while_its_choices_are_submitted_stops_them(server, stream):
+    """64 prompts × n 16 are submitted one by one, each waiting for an engine step: a client that gave
+    up meanwhile had its remaining choices submitted and run anyway (30 s of work for nobody)."""
+    body = {"model": "tomb", "prompt": [[i + 1] for i in range(64)], "n": 16, "max_tokens": 400,
+            "ignore_eos": True, "stream": stream}  # fmt: skip
+    with pytest.raises(httpx.ReadTimeout), httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=2) as r:
+        r.read()
+    left = time.monotonic()
+    gauges = ("hylora_waiting_requests", "hylora_running_requests", "hylora_kv_pages_used")
+    while any(metric(server, g) for g in gauges) and time.monotonic() - left < 10:
+        time.sleep(0.2)
+    assert not any(metric(server, g) for g in gauges), {g: metric(server, g) for g in gauges}

@@ -582,6 +582,10 @@ def test_api_key_and_loading_off_without_root(cache_dir, tmp_path):
         for path in ("/metrics", "/docs", "/openapi.json"):
             assert httpx.get(f"{url}{path}", timeout=10).status_code == 401, path
             assert httpx.get(f"{url}{path}", headers={"Authorization": "Bearer sekret"}).status_code == 200, path
+        spec = httpx.get(f"{url}/openapi.json", headers={"Authorization": "Bearer sekret"}).json()
+        body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": "#/components/schemas/ChatCompletionRequest"}  # bodies are documented
+        assert "messages" in spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     args = ["--demo", "--api-key", "sekret", "--public-metrics", "--max-model-len", "256", "--device", "cpu"]
     with running_server(args, cache_dir, tmp_path / "log2") as handle:
         assert httpx.get(f"{handle.url}/metrics", timeout=10).status_code == 200

@@ -12,11 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 
 from hylora import __version__
 from hylora.adapters.files import AdapterError
@@ -28,7 +30,7 @@ from hylora.media import MediaError
 from hylora.media.config import merge_overrides
 from hylora.server.chat_output import DEFAULT_TOOL_FORMAT, ChatOutputs
 from hylora.server.errors import APIError, BodyLimit, error_response, install_error_handlers
-from hylora.server.job import Job
+from hylora.server.job import Job, json_response
 from hylora.server.metrics import ServerMetrics
 from hylora.server.parsers import ReasoningParser, ToolRequest, ToolRequestError, parse_tool_request, think_end_ids
 from hylora.server.protocol import (
@@ -56,6 +58,9 @@ from hylora.tokenizer import PromptTooLong, bad_words_token_ids, chat_prompt, ch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+# A request body, JSON-decoded by FastAPI and validated by `_parse` off the event loop.
+Payload = Annotated[Any, Body()]
 
 
 @dataclass
@@ -114,6 +119,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="hylora", lifespan=lifespan)
     app.state.hylora = state
+    _document_bodies(app, {
+        "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+        "/v1/load_lora_adapter": LoadLoRARequest, "/v1/unload_lora_adapter": UnloadLoRARequest,
+        "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+    })  # fmt: skip
     install_error_handlers(app, state.metrics)
     app.add_middleware(BodyLimit, limit=state.max_body_bytes, metrics=state.metrics)
 
@@ -157,7 +167,8 @@ def build_app(state: ServerState) -> FastAPI:
         return card
 
     @app.post("/v1/load_lora_adapter")
-    async def load_lora(body: LoadLoRARequest) -> dict[str, Any]:
+    async def load_lora(payload: Payload) -> dict[str, Any]:
+        body = await _parse(LoadLoRARequest, payload)
         body.check_unknown_fields("load_lora_adapter")
         if body.lora_name in (state.router.base_name, *state.router.aliases):  # it would route to the base model
             raise APIError(400, f"{body.lora_name!r} is the base model's name; give the adapter another name")
@@ -177,7 +188,8 @@ def build_app(state: ServerState) -> FastAPI:
         return {"status": "ok", "lora_name": body.lora_name}
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora(body: UnloadLoRARequest) -> dict[str, Any]:
+    async def unload_lora(payload: Payload) -> dict[str, Any]:
+        body = await _parse(UnloadLoRARequest, payload)
         body.check_unknown_fields("unload_lora_adapter")
         if state.adapter_root is None:
             raise APIError(
@@ -190,7 +202,8 @@ def build_app(state: ServerState) -> FastAPI:
         return {"status": "ok", "lora_name": body.lora_name}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(payload: Payload, request: Request) -> Response:
+        body = await _parse(ChatCompletionRequest, payload)
         body.check_unknown_fields("chat/completions")
         adapter = _route(state, body, request)
         tools = _tool_request(state, body)
@@ -205,14 +218,15 @@ def build_app(state: ServerState) -> FastAPI:
             state, "chatcmpl", body, adapter, [prompt_ids], [max_tokens], logprobs, body.prompt_logprobs, mm, grammar,
             chat_outputs=outputs_as, grammar_after=after, bad_words_ids=await _bad_words(state, body),
         )  # fmt: skip
-        streams = await job.start()
+        streams = await job.start(request)
         if body.stream:
             return EventStream(job.chat_events(streams), state.stream_stall_timeout_s, state.metrics)
         outputs = await job.collect(streams, request)
-        return JSONResponse(job.chat_response(outputs))
+        return await state.run_text(lambda: json_response(job.chat_response(outputs)))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(payload: Payload, request: Request) -> Response:
+        body = await _parse(CompletionRequest, payload)
         body.check_unknown_fields("completions")
         adapter = _route(state, body, request)
         texts = body.prompt_list()
@@ -229,14 +243,15 @@ def build_app(state: ServerState) -> FastAPI:
             state, "cmpl", body, adapter, prompts, max_tokens, body.logprobs, prompt_logprobs, grammar=grammar,
             score_only=score_only, bad_words_ids=await _bad_words(state, body),
         )  # fmt: skip
-        streams = await job.start()
+        streams = await job.start(request)
         if body.stream:
             return EventStream(job.completion_events(streams), state.stream_stall_timeout_s, state.metrics)
         outputs = await job.collect(streams, request)
-        return JSONResponse(job.completion_response(outputs))
+        return await state.run_text(lambda: json_response(job.completion_response(outputs)))
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(payload: Payload) -> dict[str, Any]:
+        body = await _parse(TokenizeRequest, payload)
         _resolve(state, body.model)
         tokenizer = state.engine.tokenizer
         if (body.prompt is None) == (body.messages is None):
@@ -270,7 +285,8 @@ def build_app(state: ServerState) -> FastAPI:
         }
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(payload: Payload) -> dict[str, Any]:
+        body = await _parse(DetokenizeRequest, payload)
         _resolve(state, body.model)
         vocab = state.engine.model.config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
@@ -285,6 +301,37 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 # --- request handling ------------------------------------------------------------------------
+
+
+async def _parse(model: type[M], payload: Any) -> M:
+    """The request body as `model`, validated on a worker thread: a body near the size limit can take
+    seconds to validate, and the event loop keeps serving everyone else meanwhile. Errors read as
+    FastAPI's own validation errors (from_attributes, as FastAPI validates)."""
+    try:
+        return await asyncio.to_thread(model.model_validate, payload, from_attributes=True)
+    except ValidationError as e:
+        raise RequestValidationError([err | {"loc": ("body", *err["loc"])} for err in e.errors()]) from None
+
+
+def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """The routes take their bodies as plain JSON (validated by `_parse`), so FastAPI does not see
+    their models: /openapi.json (and /docs) get them back here."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = generate()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in bodies.items():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            content = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+            content["schema"] = {"$ref": f"#/components/schemas/{model.__name__}"}
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _model_cards(state: ServerState) -> list[dict[str, Any]]:
@@ -428,8 +475,7 @@ async def _bad_words(state: ServerState, body: SamplingRequest) -> list[list[int
 def _tool_request(state: ServerState, body: ChatCompletionRequest) -> ToolRequest:
     """The request's tools and tool_choice, checked (400 naming the field)."""
     try:
-        return parse_tool_request(body.model_dump(include={"tools", "tool_choice", "parallel_tool_calls"}),
-                                  auto_tool_choice=state.auto_tool_choice)  # fmt: skip
+        return parse_tool_request(dict(body), auto_tool_choice=state.auto_tool_choice)
     except ToolRequestError as e:
         raise APIError(400, str(e), param=e.param) from None
 
@@ -439,7 +485,7 @@ def _tool_grammar(state: ServerState, body: ChatCompletionRequest, tools: ToolRe
     whose arguments fit the function's schema (in the model's own call format)."""
     if not tools.grammar_needed:
         return None
-    if parse_structured_outputs(body.model_dump()) is not None:
+    if parse_structured_outputs(dict(body)) is not None:
         raise APIError(400, "tool_choice forces tool calls: it cannot be combined with response_format or "
                        "another output constraint", param="tool_choice")  # fmt: skip
     added = state.engine.tokenizer.get_added_vocab()  # tags that are one token each are named as tokens
@@ -470,7 +516,7 @@ async def _grammar(
     """The request's output constraint (or `forced`, the tool-call grammar), compiled off the event
     loop (cached by spec), or None."""
     try:
-        spec = forced or parse_structured_outputs(body.model_dump())
+        spec = forced or parse_structured_outputs(dict(body))  # (not model_dump: it copies the whole body)
         if spec is None:
             return None
         compiler = await state.run_text(state.engine.grammar_compiler)

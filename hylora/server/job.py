@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
+from fastapi.responses import Response
 
 from hylora.adapters.files import AdapterError
 from hylora.adapters.registry import UnknownAdapter
@@ -78,11 +80,17 @@ class Job:
         self._last_token_at: dict[int, float] = {}
         self._finished: set[int] = set()
         self.tokenizer = state.engine.tokenizer
+        self._decoded: dict[int, str] = {}  # token id -> text, for logprobs (a token recurs thousands of times)
 
-    async def start(self) -> list[AsyncIterator[RequestOutput]]:
+    async def start(self, request: Request | None = None) -> list[AsyncIterator[RequestOutput]]:
+        """Submit every choice. While the engine is busy each submission waits for a step, so n × prompts
+        of them can take many seconds: a `request` whose client disconnects meanwhile is given up, and
+        whatever was submitted (or cancelled on its way) is aborted."""
         streams = []
         try:
             for i, params in enumerate(self.params):
+                if i and request is not None and await request.is_disconnected():
+                    raise APIError(499, "client disconnected")
                 mm = dataclasses.replace(self.mm, ready={}) if self.mm is not None else None  # one per choice
                 streams.append(
                     await self.state.aengine.submit(
@@ -99,7 +107,9 @@ class Job:
                     )
                 )
         except BaseException as e:
-            await _close_all(streams)
+            # Closing the streams would not do: a stream that was never read runs no cleanup.
+            for i in range(len(streams) + 1):  # (+1: the one in flight; an unknown id is ignored)
+                self.state.aengine.abort(f"{self.id}-{i}")
             raise _submit_error(e) from None
         prompt_tokens = sum(len(p) for p in self.prompts)
         self.state.metrics.prompt_tokens.labels(adapter=self.adapter or "").inc(prompt_tokens)
@@ -266,7 +276,13 @@ class Job:
         tokens whose text is not a whole character, or that several ids share, stay distinct)."""
         if self.body.return_tokens_as_token_ids:
             return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id])
+        return self._decode(token_id)
+
+    def _decode(self, token_id: int) -> str:
+        text = self._decoded.get(token_id)
+        if text is None:
+            text = self._decoded[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _chat_logprob(self, lp: TokenLogprob) -> dict[str, Any]:
         token = self._token(lp.token_id)
@@ -430,10 +446,10 @@ class Job:
                 entries.append(None)
                 continue
             top = {
-                str(t): {"logprob": v, "rank": r, "decoded_token": self.tokenizer.decode([t])}
+                str(t): {"logprob": v, "rank": r, "decoded_token": self._decode(t)}
                 for r, (t, v) in enumerate(lp.top.items(), start=1)
             }
-            top[str(tid)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.tokenizer.decode([tid])}
+            top[str(tid)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._decode(tid)}
             entries.append(top)
         return entries
 
@@ -460,9 +476,48 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _close_all(streams: list[AsyncIterator[RequestOutput]]) -> None:
-    for s in streams:
-        await s.aclose()  # type: ignore[attr-defined]
+def json_response(content: dict[str, Any]) -> Response:
+    """What JSONResponse(content) sends, serialised a piece at a time (run it off the event loop): one
+    json.dumps of a 100 MB response (prompt logprobs) holds the GIL, and so the event loop, for seconds."""
+    pieces: list[bytes] = []
+    _render(content, pieces)
+    return Response(b"".join(pieces), media_type="application/json")
+
+
+_dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+_PIECE = 20_000  # JSON values per json.dumps call: a few milliseconds
+
+
+def _render(value: Any, out: list[bytes]) -> None:
+    """`value` as JSON, appended to `out` in pieces of about _PIECE values."""
+    size = _size(value)
+    if size <= _PIECE:
+        out.append(_dumps(value).encode("utf-8"))
+    elif isinstance(value, dict):
+        for i, (k, v) in enumerate(value.items()):
+            key = k if isinstance(k, str) else _dumps(k)  # as json.dumps writes keys that are not strings
+            out.append(f"{',' if i else '{'}{_dumps(key)}:".encode())
+            _render(v, out)
+        out.append(b"}")
+    else:
+        step = len(value) * _PIECE // size  # elements per piece
+        for i in range(0, len(value), max(step, 1)):
+            out.append(b"," if i else b"[")
+            if step <= 1:
+                _render(value[i], out)
+            else:
+                out.append(_dumps(value[i : i + step])[1:-1].encode("utf-8"))
+        out.append(b"]")
+
+
+def _size(value: Any) -> int:
+    """About how many JSON values `value` holds; a list is judged by its first and last elements
+    (a response's lists are alike but for a leading None, e.g. the first prompt token's logprobs)."""
+    if isinstance(value, dict):
+        return 1 + sum(map(_size, value.values()))
+    if isinstance(value, (list, tuple)) and value:
+        return 1 + len(value) * max(_size(value[0]), _size(value[-1]))
+    return 1
 
 
 def _submit_error(e: BaseException) -> BaseException:

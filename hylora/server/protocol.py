@@ -7,7 +7,8 @@ import json
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from hylora.engine.request import INT64_MAX, INT64_MIN, SamplingParams
 
@@ -16,6 +17,11 @@ log = logging.getLogger(__name__)
 
 MAX_BATCHED_PROMPTS = 256  # prompts in one completions request
 MAX_CHOICES = 1024  # engine requests one HTTP request may start (prompts × n)
+# Lists no real client comes near, bounded before their items are validated: a body under the size
+# limit holds 500 000 messages or 2.7M token ids, seconds of validation on the server.
+MAX_MESSAGES = 10_000
+MAX_CONTENT_PARTS = 10_000  # per message
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # a large vocabulary's worth (Qwen's has 248k ids)
 
 
 class Unsupported(ValueError):
@@ -24,6 +30,17 @@ class Unsupported(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+def _at_most(most: int, what: str, fix: str) -> BeforeValidator:
+    """A bound on a list (or object) field's length, checked before its items are validated."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, (list, dict)) and len(value) > most:
+            raise PydanticCustomError("too_long", f"at most {most} {what}, got {len(value)}: {fix}")
+        return value
+
+    return BeforeValidator(check)
 
 
 class _Body(BaseModel):
@@ -35,7 +52,9 @@ class _Body(BaseModel):
         not discovered halfway through tokenising or answering."""
         stack: list[tuple[str, Any]] = [(name, value) for name, value in self.__dict__.items()]
         stack += list((self.model_extra or {}).items())
-        while stack:
+        if _utf8_clean(stack):
+            return self
+        while stack:  # find the offending field, to name it
             where, value = stack.pop()
             if isinstance(value, str):
                 try:
@@ -82,14 +101,22 @@ class SamplingRequest(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: Annotated[
+        str | list[str] | None, _at_most(SamplingParams.MAX_STOP_STRINGS, "stop strings", "send fewer stop strings")
+    ] = None
+    stop_token_ids: Annotated[
+        list[int] | None, _at_most(SamplingParams.MAX_STOP_TOKEN_IDS, "stop_token_ids", "send fewer stop tokens")
+    ] = None
     ignore_eos: bool = False
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None  # vLLM: only these tokens may be generated
+    logit_bias: Annotated[
+        dict[str, float] | None, _at_most(SamplingParams.MAX_LOGIT_BIAS, "logit_bias entries", "bias fewer tokens")
+    ] = None
+    allowed_token_ids: Annotated[  # vLLM: only these tokens may be generated
+        list[int] | None, _at_most(MAX_ALLOWED_TOKEN_IDS, "allowed_token_ids", "send each token id once")
+    ] = None
     # vLLM: words never generated; each at most as long as a stop string (vLLM sets no bound: 128 words
     # of 60 000 characters made 15M token ids that were checked and copied per choice)
     bad_words: list[Annotated[str, Field(max_length=SamplingParams.MAX_STOP_CHARS)]] | None = Field(
@@ -198,7 +225,9 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[
+        str | list[dict[str, Any]] | None, _at_most(MAX_CONTENT_PARTS, "content parts", "join the text parts")
+    ] = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result: the call it answers
     name: str | None = None
@@ -241,8 +270,11 @@ class ChatMessage(_Body):
         return "".join(parts)
 
 
+_MESSAGES_BOUND = _at_most(MAX_MESSAGES, "messages", "shorten the conversation")
+
+
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], Field(min_length=1), _MESSAGES_BOUND]
     mm_processor_kwargs: dict[str, Any] | None = None  # vLLM: per-request preprocessing (fps, num_frames, ...)
     media_io_kwargs: dict[str, dict[str, Any]] | None = None  # vLLM: {"video": {"num_frames": 16}}
     max_completion_tokens: int | None = None
@@ -303,7 +335,7 @@ class TokenizeRequest(_Body):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage] | None, _MESSAGES_BOUND] = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -321,6 +353,17 @@ class LoadLoRARequest(_Body):
 
 class UnloadLoRARequest(_Body):
     lora_name: str
+
+
+def _utf8_clean(value: Any) -> bool:
+    """Whether every string in `value` encodes as UTF-8 (False also when unsure). json.dumps walks
+    the structure in C, a hundred times faster than a walk in Python; nested request bodies (messages)
+    are skipped: they check themselves."""
+    try:
+        json.dumps(value, ensure_ascii=False, skipkeys=True, default=lambda _: None).encode("utf-8")
+    except (UnicodeEncodeError, ValueError, RecursionError):
+        return False
+    return True
 
 
 def _check_count(name: str, value: int | None, most: int) -> None:
