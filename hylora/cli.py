@@ -1,4 +1,4 @@
-"""`hylora` command line: serve, generate, doctor, merge, demo-model."""
+"""`hylora` command line: serve, generate, doctor, merge, quantize, demo-model."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.set_defaults(func=cmd_demo_model)
 
-    p = sub.add_parser("generate", help="greedy generation from one prompt")
+    p = sub.add_parser("generate", help="generate from one prompt (greedy unless --temperature)")
     _add_model_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=32)

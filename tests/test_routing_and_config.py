@@ -69,3 +69,17 @@ def test_serve_reports_a_task_for_a_missing_adapter_without_traceback(causal_ckp
     assert out.returncode == 2
     assert "task 'relic' maps to adapter 'relic', which is not loaded" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_repeated_list_flags_accumulate():
+    """`--task a=x --task b=y` routes both tasks (docs/DEPLOY.md writes it so); as one list too."""
+    import argparse
+
+    from hylora.server.serve import add_serve_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    args = p.parse_args(["m", "--task", "relic=relic", "--task", "tomb=tomb", "mural=mural"])
+    assert args.task == ["relic=relic", "tomb=tomb", "mural=mural"]
+    args = p.parse_args(["m", "--allowed-media-domains", "a.example", "--allowed-media-domains", "b.example"])
+    assert args.allowed_media_domains == ["a.example", "b.example"]

@@ -53,7 +53,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH|JSON",
         help='adapters to load at start: name=path, or vLLM\'s \'{"name": ..., "path": ..., "base_model_name": ...}\'',
     )
-    p.add_argument("--task", nargs="+", default=[], metavar="TASK=ADAPTER", help="route task TASK to ADAPTER")
+    p.add_argument(
+        "--task", nargs="+", action="extend", default=[], metavar="TASK=ADAPTER", help="route task TASK to ADAPTER"
+    )
     p.add_argument("--task-map", metavar="FILE", help="JSON file {task: adapter} (instead of or with --task)")
     p.add_argument(
         "--adapter-root", metavar="DIR", help="allow /v1/load_lora_adapter for directories under DIR (off without it)"
@@ -84,7 +86,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (default: %(default)s)")
     p.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -95,7 +97,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--stream-stall-timeout",
         type=float,
         default=60.0,
-        help="cut a streaming client that has read nothing for this many seconds",
+        help="cut a streaming client that has read nothing for this many seconds (default: %(default)s)",
     )
     p.add_argument("--timeout-keep-alive", type=float, default=5.0, help="close idle keep-alive connections after")
     r = p.add_argument_group("scale out on Ray Serve (pip install 'hylora[ray]'; docs/DEPLOY.md)")
@@ -124,7 +126,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     m.add_argument("--allowed-local-media-path", metavar="DIR", help="allow file:// media URLs under DIR")
     m.add_argument(
-        "--allowed-media-domains", nargs="+", default=[], metavar="HOST", help="allow http(s) media URLs from HOST"
+        "--allowed-media-domains",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="HOST",
+        help="allow http(s) media URLs from HOST",
     )
     m.add_argument(
         "--media-fetch-timeout",
@@ -152,11 +159,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_CAPACITY_GB,
         help="preprocessed images and videos kept by content, so one video sent to several adapters is decoded "
-        "once (GiB of pixel rows; 0: off)",
+        "once (GiB of pixel rows; 0: off; default: %(default)s)",
     )
     d = EngineConfig.__dataclass_fields__
     m.add_argument("--max-num-encoder-tokens", type=int, default=d["max_num_encoder_tokens"].default)
     m.add_argument("--encoder-cache-gb", type=float, default=d["encoder_cache_gb"].default)
+    unset = {  # what a default of None means
+        "max_num_batched_tokens": "8192 on CUDA, 2048 on CPU",
+        "max_cpu_loras": "2 x max_loras",
+        "num_pages": "from the memory budget on a GPU, max_num_seqs x max_model_len on CPU",
+    }
     for name in (
         "max_model_len",
         "max_num_seqs",
@@ -167,7 +179,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "num_pages",
         "page_size",
     ):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=d[name].default)
+        default = d[name].default
+        help_ = f"(default: {unset.get(name, default)})"
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=help_)
     p.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"].default)
     p.add_argument("--dtype", default="auto", choices=list(DTYPES))
     p.add_argument(
@@ -250,7 +264,7 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         default=KernelsConfig.lora_delta_first_from,
         metavar="TOKENS",
         help="hylora's Triton LoRA in prefill steps of at least TOKENS tokens: the adapter delta written first, "
-        "the base GEMM accumulating onto it (docs/LORA.md); 0: never",
+        "the base GEMM accumulating onto it (docs/LORA.md); 0: never (default: %(default)s)",
     )
 
 

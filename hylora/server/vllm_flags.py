@@ -38,7 +38,7 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
         type=json.loads,
         default=None,
         metavar="JSON",
-        help='template variables for every request, e.g. \'{"enable_thinking": false}\' (a request\'s own win)',
+        help="template variables for every request, e.g. '{\"enable_thinking\": false}' (a request's own win)",
     )
     v.add_argument(
         "--enable-prefix-caching",
@@ -50,7 +50,7 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
         "--prefix-cache-states",
         type=int,
         default=None,
-        help="GDN state snapshots the prefix cache keeps, each one sequence's state (default: max_num_seqs / 2)",
+        help="GDN state snapshots the prefix cache keeps (default: max(4, max_num_seqs // 2))",
     )
     v.add_argument(
         "--speculative-config",
@@ -99,7 +99,7 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
         "--language-model-only", action="store_true",
         help="text only: the vision tower is not loaded, images and videos are a 400",
     )  # fmt: skip
-    v.add_argument("--allowed-origins", type=json.loads, default=None, metavar="JSON", help='CORS, e.g. \'["*"]\'')
+    v.add_argument("--allowed-origins", type=json.loads, default=None, metavar="JSON", help="CORS, e.g. '[\"*\"]'")
     v.add_argument("--allowed-methods", type=json.loads, default=None, metavar="JSON", help="CORS methods")
     v.add_argument("--allowed-headers", type=json.loads, default=None, metavar="JSON", help="CORS headers")
     v.add_argument("--allow-credentials", action="store_true", help="CORS credentials")
