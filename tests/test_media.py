@@ -275,6 +275,25 @@ def test_webm_header_says_zero_frames_but_all_are_counted(cfg):
     assert ours.timestamps[-1] == pytest.approx((10 / 6 + 11 / 6) / 2)  # reached the last of the 12 frames
 
 
+def test_videos_decode_with_pyav_19_which_has_no_metadata_errors(cfg, monkeypatch):
+    """PyAV 19 (what pip installs on Python >= 3.12) dropped av.open's metadata_errors: every video
+    failed with a TypeError."""
+    import av
+
+    real_open = av.open
+
+    def open_without_metadata_errors(*args, **kwargs):
+        if "metadata_errors" in kwargs:
+            raise TypeError("open() got an unexpected keyword argument 'metadata_errors'")
+        return real_open(*args, **kwargs)
+
+    data = clip("vp8-webm-12f")
+    expected = process_video(data, cfg, LIMITS, {"num_frames": 12})
+    monkeypatch.setattr(av, "open", open_without_metadata_errors)
+    got = process_video(data, cfg, LIMITS, {"num_frames": 12})
+    assert torch.equal(got.pixel_values, expected.pixel_values) and got.timestamps == expected.timestamps
+
+
 # --- prompt expansion ---------------------------------------------------------------------------------------
 
 

@@ -143,7 +143,10 @@ def _open(data: bytes) -> av.container.InputContainer:
     import av  # only decoding needs PyAV
 
     try:
-        return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+        try:
+            return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+        except TypeError:  # PyAV 19 (Python >= 3.12) has no metadata_errors
+            return av.open(io.BytesIO(data), mode="r")
     except (av.FFmpegError, OSError, ValueError) as e:
         raise MediaError(f"could not open video: unknown container format or corrupt file ({e})") from e
 
