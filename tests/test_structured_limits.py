@@ -310,9 +310,10 @@ def test_native_crash_is_absorbed_by_the_worker(tokenizer, eos_ids, caplog):
 
 
 def test_runaway_compile_is_killed_and_does_not_delay_others(tokenizer, eos_ids):
-    # the probe gets half of the 6 s: long enough that a 2-core CI machine busy elsewhere never
-    # kills the victim's probe, short enough to see the hostile one killed
-    compiler = GrammarCompiler(tokenizer, VOCAB, eos_ids, max_workers=2, timeout_s=6.0)
+    # the probe gets half of the 16 s: a 2-core CI machine busy elsewhere starved the victim's probe
+    # past 0.75 s and, once, past 3 s; what is checked is only that the victim is answered before the
+    # hostile compile is killed, so the budget can be generous
+    compiler = GrammarCompiler(tokenizer, VOCAB, eos_ids, max_workers=2, timeout_s=16.0)
     stopped: list[int] = []
     try:
         wait_for_workers(compiler, 2)
@@ -334,8 +335,8 @@ def test_runaway_compile_is_killed_and_does_not_delay_others(tokenizer, eos_ids)
         assert compiler.compile_blocking(StructuredSpec("regex", "[0-9]{1,4} victim"))
         assert not hostile.done()  # the victim did not wait for the hostile compile to be killed
 
-        with pytest.raises(CompileTimeout, match="took longer than 3 s"):  # the probe gets half
-            hostile.result(timeout=10)
+        with pytest.raises(CompileTimeout, match="took longer than 8 s"):  # the probe gets half
+            hostile.result(timeout=20)
         assert compiler.submit(StructuredSpec("regex", "[a-z]+ hostile")) is hostile  # cached for a while
         with pytest.raises(ProcessLookupError):  # the stopped process was killed and reaped
             os.kill(stuck_pid, 0)
