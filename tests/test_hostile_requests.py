@@ -297,10 +297,13 @@ def test_huge_lists_are_refused_early_and_no_body_stalls_the_event_loop(server):
         "allowed_token_ids": body(hi + ',"allowed_token_ids":[' + ids + "]"),
         "logit_bias": body(hi + ',"logit_bias":{' + ",".join(f'"{i}":0' for i in range(700_000)) + "}"),
         "messages.0.content": body('"messages":[{"role":"user","content":[' + ",".join(["{}"] * 2_700_000) + "]}]"),
+        "tools": body(hi + ',"tools":[' + ",".join(["{}"] * 2_000_000) + "]"),
+        "tokens": '{"tokens":[' + ids + "]}",
     }
     for param, raw in offenders.items():
         assert len(raw) < 8 << 20
-        r, slowest = slowest_health_during(server, lambda raw=raw: post_raw(server, raw))
+        path = "/detokenize" if param == "tokens" else "/v1/chat/completions"
+        r, slowest = slowest_health_during(server, lambda raw=raw, path=path: post_raw(server, raw, path))
         assert assert_error(r, 400, "at most")["param"] == param
         assert slowest < 1.0, f"/health took {slowest:.2f} s during the {param} body"
     # within every bound, yet seconds to validate (2.5M tool calls): validated on a worker thread

@@ -22,6 +22,8 @@ MAX_CHOICES = 1024  # engine requests one HTTP request may start (prompts × n)
 MAX_MESSAGES = 10_000
 MAX_CONTENT_PARTS = 10_000  # per message
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # a large vocabulary's worth (Qwen's has 248k ids)
+MAX_TOOLS = 4096  # function definitions in one request
+MAX_DETOKENIZE_IDS = 1 << 20  # four times the longest context of a Qwen3.5 / 3.6 model
 
 
 class Unsupported(ValueError):
@@ -280,7 +282,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None  # checked by hylora.server.parsers.parse_tool_request
+    tools: Annotated[  # checked by hylora.server.parsers.parse_tool_request
+        list[Any] | None, _at_most(MAX_TOOLS, "tools", "send the tools this request may call")
+    ] = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
@@ -343,7 +347,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: Annotated[list[int], _at_most(MAX_DETOKENIZE_IDS, "tokens", "detokenize in parts")]
 
 
 class LoadLoRARequest(_Body):
