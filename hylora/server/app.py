@@ -30,7 +30,8 @@ from hylora.media import MediaError
 from hylora.media.config import merge_overrides
 from hylora.server.chat_output import DEFAULT_TOOL_FORMAT, ChatOutputs
 from hylora.server.errors import APIError, BodyLimit, error_response, install_error_handlers
-from hylora.server.job import Job, json_response
+from hylora.server.job import Job
+from hylora.server.json_body import json_response
 from hylora.server.metrics import ServerMetrics
 from hylora.server.parsers import ReasoningParser, ToolRequest, ToolRequestError, parse_tool_request, think_end_ids
 from hylora.server.protocol import (
@@ -415,8 +416,7 @@ def _template_kwargs(state: ServerState, body: ChatCompletionRequest) -> dict[st
     if (body.model_extra or {}).get("chat_template") is not None:
         raise APIError(
             400,
-            "chat_template: this server renders every request with its own chat template; a request "
-            "cannot replace it",
+            "chat_template: this server renders every request with its own chat template; a request cannot replace it",
             param="chat_template",
         )
     try:
