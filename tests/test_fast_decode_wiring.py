@@ -75,3 +75,35 @@ def test_the_default_kernels_are_the_references(causal_ckpt, engine_adapter_root
     assert attn.decode_attention is None and attn.prefill_attention is paged_attention
     assert model.norm.kernel is rms_norm and gdn.norm.kernel is gated_rms_norm
     assert all(getattr(m, "lora_backend", None) is None for m in model.modules())
+
+
+def test_engine_lora_delta_first_equals_reference(causal_ckpt, engine_adapter_root):
+    """The Triton LoRA with the delta first from 128 tokens (shorter steps shrink inside the base
+    GEMM): every prompt step here takes it. gdn_attn
+    targets the GDN and attention projections of layers 0, 2 and 3 only, so alone in a step it leaves
+    the MLPs and layer 1 with no slice to apply (on the H200 that failed every such step with an
+    IndexError, found by `hylora doctor --lora-delta-first-from 4096`); mixed with rs_mlp, each
+    linear applies the slices of one adapter. Tokens and logprobs equal the torch LoRA path."""
+    from hylora.kernels.config import KernelsConfig
+    from hylora.model.layers import STACKED_LORA_BELOW
+
+    requests = [
+        (f"r{i}", random_ids(n, 320, seed=70 + i), SamplingParams(max_tokens=3, temperature=0, logprobs=1), adapter)
+        for i, (n, adapter) in enumerate([(150, "gdn_attn"), (140, "rs_mlp"), (30, None)])
+    ]
+    outputs = []
+    for delta_first_from in (None, STACKED_LORA_BELOW):
+        engine = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=256, page_size=16)
+        if delta_first_from is not None:
+            config = KernelsConfig(lora_backend="triton", lora_delta_first_from=delta_first_from)
+            engine.model.use_kernels(model_kernels(fast_verdicts([]), config))
+            linears = [m for m in engine.model.modules() if getattr(m, "delta_first_from", 0) == delta_first_from]
+            assert linears and all(m.lora_backend == "triton" for m in linears)
+        alone = run(engine, {0: requests[:1]})  # gdn_attn alone in its step
+        together = run(engine, {0: requests})
+        outputs.append({**{f"{rid}-alone": out for rid, out in alone.items()}, **together})
+    reference, delta_first = outputs
+    for rid, out in reference.items():
+        assert delta_first[rid].token_ids == out.token_ids, rid
+        diff = max(abs(a.logprob - b.logprob) for a, b in zip(delta_first[rid].logprobs, out.logprobs, strict=True))
+        assert diff <= 1e-4, (rid, diff)

@@ -514,12 +514,14 @@ def test_lora_delta_first_equals_grouped(T):
     w = torch.randn(97, x.shape[1], generator=torch.Generator().manual_seed(T))
     ref = grouped_reference(x, torch.nn.functional.linear(x, w), stack, batch)
     meta = lora_triton.LoRAKernelMeta.build(batch.token_slots, 4)
-    cases = {"every slice": list(range(3)), "slice 1 left out": [0, 2]}  # (slice 1 is slot 1's alone)
+    # (slice 1 is slot 1's alone; "no slice": the step's adapters target none of this linear)
+    cases = {"every slice": list(range(3)), "slice 1 left out": [0, 2], "no slice": []}
     for name, used in cases.items():
         a, b, offsets = stack.pick(used)
         want = ref.clone()
-        if used != list(range(3)):
-            want[:, 48:64] = torch.nn.functional.linear(x, w[48:64])  # the left-out slice: base only
+        for first, n in [(0, 48), (48, 16), (64, 33)]:  # left-out slices: base only
+            if not any(o == (first, n) for o in offsets):
+                want[:, first : first + n] = torch.nn.functional.linear(x, w[first : first + n])
         got = lora_triton.lora_apply_delta_first(x, w, a, b, offsets, meta, len(batch.slots))
         assert got.isfinite().all(), name
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5, msg=name)

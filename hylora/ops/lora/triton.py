@@ -290,7 +290,6 @@ def lora_apply_delta_first(
     slot (with h 0 for the others): the registry keeps B finite (validated at load, free slots
     zero), so a token's non-finite h reaches its own row only. Slices left out of `offsets` get 0."""
     T, N = x.shape[0], weight.shape[0]
-    L, R, _ = a[0].shape
     k = num_used
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     covered = 0
@@ -298,7 +297,8 @@ def lora_apply_delta_first(
         y[:, covered:first].zero_()
         covered = first + n
     y[:, covered:].zero_()
-    if a:
+    if a:  # (a step's adapters may target none of this linear's slices)
+        L, R, _ = a[0].shape
         chosen, mine = meta.slot_columns(k)  # [k], [T, k]
         h = lora_shrink(x, a, meta, config).sum(0).to(x.dtype)  # [T, slices, r]; base rows unwritten
         h_all = torch.where(mine[:, None, :, None], h[:, :, None, :], 0.0)  # [T, slices, k, r]
