@@ -49,7 +49,13 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-model-len", type=int, default=4097, help="the sweep runs up to this minus one (the generated token)"
     )
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="in-process: tokens a step (default: serve's, 8192 on CUDA and 2048 on the CPU)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--max-lora-rank", type=int, default=64)
     g.add_argument(
@@ -63,9 +69,10 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-short-step-tokens",
         type=int,
-        default=0,
+        default=None,
+        metavar="TOKENS",
         help="in-process: serve short steps (decode rows with a few prompt tokens, verify steps) as CUDA graphs "
-        "(as hylora serve), so every check runs through them",
+        "(as hylora serve), so every check runs through them (default: serve's; 0: off)",
     )
     g.add_argument(
         "--lora-delta-first-from",
@@ -226,6 +233,9 @@ def _run(args: argparse.Namespace) -> int:
             print(f"hylora doctor: cannot use {args.endpoint}: {e}", file=sys.stderr)
             return 1
     speculative = check_speculative_config(args.speculative_config) or {}
+    short_steps = args.max_short_step_tokens
+    if short_steps is None:  # serve's default
+        short_steps = EngineConfig.max_short_step_tokens
     config = EngineConfig(
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -240,7 +250,7 @@ def _run(args: argparse.Namespace) -> int:
         # the fast paths of the deployment checked in-process (a server's are its own)
         num_speculative_tokens=0 if endpoint else speculative.get("num_speculative_tokens", 0),
         enable_prefix_caching=args.enable_prefix_caching and endpoint is None,
-        max_short_step_tokens=0 if endpoint else args.max_short_step_tokens,
+        max_short_step_tokens=0 if endpoint else short_steps,
         kernels=KernelsConfig()
         if args.lora_delta_first_from is None
         else KernelsConfig(lora_delta_first_from=args.lora_delta_first_from),
