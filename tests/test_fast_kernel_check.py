@@ -5,6 +5,7 @@ play the kernels, so this runs without Triton."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from unittest.mock import Mock
 
 import pytest
 import torch
@@ -132,6 +133,34 @@ def test_selection_without_cuda_keeps_the_references():
     choice = select.select_fast_kernels(SimpleNamespace(device=torch.device("cpu")), page_size=16)
     assert set(choice) == set(select.FAST_KERNELS)
     assert all(v.implementation == "reference" and not v.check_failed for v in choice.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flash_prefill_attention_is_not_a_failed_check_on_an_fp32_model(monkeypatch, dtype):
+    """FlashAttention takes fp16 and bf16 only: an fp32 model (the demo's default dtype) keeps the
+    reference prefill attention without a failed check (which failed `hylora doctor --demo` on every
+    GPU); on a bf16 model the same error is a failed check. Every other check is stubbed to pass."""
+    for name in dir(check):
+        if name.endswith("_error"):
+            monkeypatch.setattr(check, name, lambda *args, **kwargs: 0.0)
+
+    def flash_on_fp32(*args, **kwargs):
+        raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
+
+    monkeypatch.setattr(check, "prefill_attention_error", flash_on_fp32)
+    monkeypatch.setattr(check, "lora_shapes", lambda model: [(32, [24, 8])])
+    monkeypatch.setattr(select, "triton_usable", lambda device: True)
+    shapes = Mock()  # the stubs ignore the shapes
+    model = SimpleNamespace(device=torch.device("cuda"), config=shapes, dtype=dtype, visual=None)
+    verdicts = select.select_fast_kernels(model, page_size=16)
+    assert set(verdicts) == set(select.FAST_KERNELS)
+    attention = verdicts["prefill_attention"]
+    assert attention.implementation == "reference"
+    if dtype == torch.float32:
+        assert not attention.check_failed and "fp32" in attention.reason
+    else:
+        assert attention.check_failed and "only support fp16 and bf16" in attention.reason
+    assert not any(v.check_failed for name, v in verdicts.items() if name != "prefill_attention")
 
 
 def test_verdict():
