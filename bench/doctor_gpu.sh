@@ -1,13 +1,13 @@
 #!/bin/bash
 # `hylora doctor --demo` on a GPU in the deployments hylora serve runs, in one device call, from the
 # repo root with .gpuwhl carried (bench/build_gpuwhl.sh):
-#   DOCTOR_BUDGET=560 bash bench/doctor_gpu.sh [NAME ...]
+#   DOCTOR_BUDGET=560 DOCTOR_ARGS="--dtype bfloat16" bash bench/doctor_gpu.sh [NAME ...]
 # NAMEs (default: all, in this order): serve (serve's defaults: 8192-token steps, short-step graphs,
 # prefix caching, the delta-first LoRA from 4096 tokens in the pollution burst), delta-first (the
 # sweep's 4096-token prompts through the delta first: prefix caching off), shrink-expand (the same
 # with the delta first off), mtp (MTP speculative decoding, 2 tokens), fp8 (the demo's projections
 # quantised at load). Each under what is left of the budget; writes $OUT/doctor-NAME.{log,json}
-# and prints each run's check lines.
+# and prints each run's check lines. DOCTOR_ARGS go to every run (the demo's default dtype is fp32).
 OUT=${OUT:-/tmp/doctor_gpu_out}
 mkdir -p "$OUT"
 t0=$(date +%s)
@@ -33,10 +33,10 @@ for name in "${names[@]}"; do
     continue
   fi
   # shellcheck disable=SC2086  # the flags split into arguments on purpose
-  timeout "$left" python3 -m hylora doctor --demo ${flags[$name]} --json "$OUT/doctor-$name.json" \
+  timeout "$left" python3 -m hylora doctor --demo ${flags[$name]} ${DOCTOR_ARGS:-} --json "$OUT/doctor-$name.json" \
     > "$OUT/doctor-$name.log" 2>&1
   rc=$?
-  echo "== $name (${flags[$name]:-the defaults}): rc $rc at $(( $(date +%s) - t0 )) s"
+  echo "== $name (${flags[$name]:-the defaults} ${DOCTOR_ARGS:-}): rc $rc at $(( $(date +%s) - t0 )) s"
   grep -E "^(fidelity|mixed_batches|pollution|decode|prefix_cache|speculative|fp8|load) |^ +✗|^(PASSED|FAILED)" \
     "$OUT/doctor-$name.log" | cut -c1-240
   [ "$rc" -eq 124 ] && echo "   (cut at the budget)"

@@ -236,15 +236,19 @@ def _run(args: argparse.Namespace) -> int:
     short_steps = args.max_short_step_tokens
     if short_steps is None:  # serve's default
         short_steps = EngineConfig.max_short_step_tokens
+    max_num_seqs = 2 if endpoint else args.max_num_seqs  # the reference alone: one sequence at a time
+    pages_a_sequence = -(-args.max_model_len // EngineConfig.page_size)
     config = EngineConfig(
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        # KV for its sequences only, not the GPU's memory as serve sizes it: an FP8 deployment's
+        # dequantised reference is a second engine, which needs the rest
+        num_pages=max_num_seqs * pages_a_sequence,
         dtype=args.dtype,
         device=args.device,
         quantization=None if endpoint else args.quantization,
-        # the reference alone needs no LoRA slots and one sequence at a time
-        max_num_seqs=2 if endpoint else args.max_num_seqs,
-        max_loras=1 if endpoint else max(4, len(x.adapters)),
+        max_num_seqs=max_num_seqs,
+        max_loras=1 if endpoint else max(4, len(x.adapters)),  # (an endpoint's reference merges its adapters)
         max_lora_rank=1 if endpoint else args.max_lora_rank,
         fault_injection=endpoint is None,  # in-process, the pollution check faults one request on purpose
         # the fast paths of the deployment checked in-process (a server's are its own)
@@ -263,7 +267,10 @@ def _run(args: argparse.Namespace) -> int:
     else:
         engine = served = LLMEngine(x.model_dir, config, lora_modules=x.adapters)
         if served.quantization is not None:
-            engine = LLMEngine(x.model_dir, replace(dequantized, max_num_seqs=2, max_loras=1, fault_injection=False))
+            reference_config = replace(
+                dequantized, max_num_seqs=2, num_pages=2 * pages_a_sequence, max_loras=1, fault_injection=False
+            )
+            engine = LLMEngine(x.model_dir, reference_config)
     reference = Reference(engine, x.adapters, sequence, x.lengths[-1], args.restore)
     engine_dtype = str(engine.model.dtype).removeprefix("torch.")
     if endpoint is not None:
