@@ -218,3 +218,21 @@ def test_the_decode_check_fails_an_engine_that_decodes_without_its_adapters(demo
     broken = judge_decode(run_decode(deployment, targets, sequence), texts, tol)
     assert broken.status.value == "fail"
     assert {f.split(":")[0] for f in broken.failures} == set(TARGETS[1:])  # the base model decodes right
+
+
+def test_fp8_quantised_at_load_is_checked_against_its_own_values_dequantised(demo_cache_dir, tmp_path):
+    """`--quantization fp8` on the unquantised demo: the reference is the weights the deployment
+    quantised at load, dequantised (before: the unquantised weights, so the fp8 check was skipped
+    and the weights' FP8 error was charged to the adapters, failing relic on the H200)."""
+    argv = ["doctor", "--demo", "--device", "cpu", "--quantization", "fp8", "--lengths", "17,129"]
+    argv += ["--no-fast-paths", "--json", str(tmp_path / "doctor.json")]
+    text = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(text):
+        mp.setenv("HYLORA_CACHE_DIR", str(demo_cache_dir))
+        code = run_from_args(build_parser().parse_args(argv))
+    data = json.loads((tmp_path / "doctor.json").read_text())
+    assert code == 0, text.getvalue()
+    assert data["reference"].endswith("FP8 weights dequantised)")
+    checks = {c["name"]: c for c in data["checks"]}
+    assert checks["fp8"]["status"] == "pass", checks["fp8"]["summary"]
+    assert checks["fp8"]["summary"].startswith("fp8 vs the dequantised reference")

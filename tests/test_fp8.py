@@ -197,6 +197,24 @@ def test_quantization_fp8_on_an_unquantised_checkpoint_quantises_it_as_the_check
     assert _prompt_logprobs(online, prompt, None) == _prompt_logprobs(written, prompt, None)
 
 
+def test_fp8_dequantized_gives_the_values_quantisation_at_load_serves(fp8_ckpts):
+    """doctor's reference for `--quantization fp8` on an unquantised checkpoint: quantised at load as
+    the deployment is, then dequantised; equal to the written FP8 checkpoint loaded dequantised, and
+    not to the unquantised weights (whose difference is the weights' FP8 error, not the adapters')."""
+    src, dst, _ = fp8_ckpts["unaligned"]
+    prompt = random_ids(40, 320, 6)
+    common = dict(device="cpu", dtype="float32", max_num_seqs=1)
+    round_trip = LLMEngine(src, EngineConfig(quantization="fp8-dequantized", **common), progress=False)
+    assert round_trip.quantization is None and round_trip.dequantised_fp8
+    written = LLMEngine(dst, EngineConfig(quantization="dequantized", **common), progress=False)
+    assert written.dequantised_fp8
+    unquantised = LLMEngine(src, EngineConfig(**common), progress=False)
+    assert not unquantised.dequantised_fp8
+    got = _prompt_logprobs(round_trip, prompt, None)
+    assert got == _prompt_logprobs(written, prompt, None)
+    assert got != _prompt_logprobs(unquantised, prompt, None)
+
+
 def test_kernel_floor_reports_the_fp8_gemm(fp8_ckpts):
     _, dst, _ = fp8_ckpts["unaligned"]
     model = load_model(dst, dtype=torch.float32, progress=False, fp8=True)

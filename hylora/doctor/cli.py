@@ -267,8 +267,13 @@ def _run(args: argparse.Namespace) -> int:
     else:
         engine = served = LLMEngine(x.model_dir, config, lora_modules=x.adapters)
         if served.quantization is not None:
-            reference_config = replace(
-                dequantized, max_num_seqs=2, num_pages=2 * pages_a_sequence, max_loras=1, fault_injection=False
+            reference_config = replace(  # the FP8 values served, dequantised (also when quantised at load)
+                config,
+                quantization="fp8-dequantized",
+                max_num_seqs=2,
+                num_pages=2 * pages_a_sequence,
+                max_loras=1,
+                fault_injection=False,
             )
             engine = LLMEngine(x.model_dir, reference_config)
     reference = Reference(engine, x.adapters, sequence, x.lengths[-1], args.restore)

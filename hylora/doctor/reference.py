@@ -36,8 +36,8 @@ class Reference:
         self.sequence, self.prompt = sequence, sequence[:length]
         self.restore = restore
         self.notes: dict[str, str] = {}  # target label → how it was computed
-        # an FP8 checkpoint's weights dequantised (the fp8 check's reference)
-        self.dequantised = engine.model.config.quantization is not None and engine.quantization is None
+        # FP8 weights dequantised (the fp8 check's reference)
+        self.dequantised = engine.dequantised_fp8
         self._scores: dict[str | None, ReferenceScores] = {}
 
     @property

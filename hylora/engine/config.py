@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from hylora.kernels.config import KernelsConfig
 
-QUANTIZATIONS = (None, "fp8", "dequantized")
+QUANTIZATIONS = (None, "fp8", "dequantized", "fp8-dequantized")
 
 
 @dataclass
@@ -26,7 +26,8 @@ class EngineConfig:
     # weights: None serves an FP8 checkpoint with FP8 GEMMs where the device has them (dequantised
     # elsewhere); "fp8" serves FP8 weights everywhere (the CPU then runs the exact reference GEMM) and
     # quantises an unquantised checkpoint at load, as `hylora quantize` would write it; "dequantized"
-    # loads an FP8 checkpoint's weights dequantised (doctor's reference)
+    # loads an FP8 checkpoint's weights dequantised; "fp8-dequantized" the values "fp8" would serve,
+    # dequantised (an unquantised checkpoint quantised at load, then dequantised: doctor's reference)
     quantization: str | None = None
     device: str | None = None  # None: cuda if available else cpu
     # text only (vLLM's --language-model-only): a VL checkpoint's vision tower is not loaded (~0.9 GB at the
