@@ -9,7 +9,7 @@ import pytest
 
 from hylora.adapters.registry import UnknownAdapter
 from hylora.engine import RequestError, SamplingParams
-from hylora.engine.async_engine import AsyncEngine, EngineDead
+from hylora.engine.async_engine import AsyncEngine, EngineDead, Submission
 from hylora.engine.detokenizer import TextStream
 from hylora.engine.request import FailureKind
 from hylora.tokenizer import load_tokenizer
@@ -138,6 +138,60 @@ def test_async_streams_and_cancellation(causal_ckpt):
         with pytest.raises(RequestError, match="maximum context length"):
             async for _ in aengine.generate("too-long", random_ids(600, 320, seed=4), params):
                 pass
+        await aengine.shutdown(grace_seconds=1)
+
+    asyncio.run(main())
+
+
+def test_submit_many_admits_every_request_between_the_same_two_steps_or_none(causal_ckpt):
+    """The n × prompts choices of one HTTP request: admitted one by one, each waited for an engine step
+    of its own while the engine was busy. submit_many admits them all in one visit, and when one is
+    refused (too long) none of the others is left running."""
+    engine = make_engine(causal_ckpt[0], max_model_len=512, max_num_seqs=32)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    steps = 0
+    admitted_at: dict[str, int] = {}
+    real_step, real_add = engine.step, engine.add_request
+
+    def counted_step():
+        nonlocal steps
+        steps += 1
+        return real_step()
+
+    def recorded_add(request_id, *args, **kwargs):
+        admitted_at[request_id] = steps
+        return real_add(request_id, *args, **kwargs)
+
+    engine.step, engine.add_request = counted_step, recorded_add
+    expected = run_alone(engine, "ref", random_ids(30, 320, seed=5), params)
+    steps = 0
+
+    async def main():
+        aengine = AsyncEngine(engine).start()
+        busy = await aengine.submit(
+            "busy", random_ids(200, 320, seed=6), SamplingParams(max_tokens=200, ignore_eos=True)
+        )
+        while steps < 3:  # the engine is stepping
+            await asyncio.sleep(0.01)
+        choices = [Submission(f"c{i}", random_ids(30, 320, seed=5), params) for i in range(16)]
+        streams = await aengine.submit_many(choices)
+        assert len({admitted_at[c.request_id] for c in choices}) == 1  # between the same two steps
+        for stream in streams:
+            outs = [o async for o in stream]
+            assert outs[-1].token_ids == expected.token_ids
+        refused = [Submission(f"r{i}", random_ids(30, 320, seed=7), params) for i in range(3)]
+        refused.append(Submission("too-long", random_ids(600, 320, seed=8), params))
+        with pytest.raises(RequestError, match="maximum context length"):
+            await aengine.submit_many(refused)
+        assert await aengine.call(lambda: [r for r in engine.requests if r.startswith("r")]) == []
+        aengine.abort("busy")
+        async for _ in busy:
+            pass
+        for _ in range(500):
+            if await aengine.call(lambda: not engine.has_unfinished()):
+                break
+            await asyncio.sleep(0.01)
+        assert await aengine.call(lambda: free_pages(engine)) == engine.kv.num_pages
         await aengine.shutdown(grace_seconds=1)
 
     asyncio.run(main())

@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from hylora.engine.engine import DeviceFault, LLMEngine, RequestOutput
@@ -22,6 +23,22 @@ from hylora.structured import CompiledGrammar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass
+class Submission:
+    """One request as `AsyncEngine.submit_many` admits it (the arguments of `LLMEngine.add_request`)."""
+
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    adapter: str | None = None
+    inject_fault: str | None = None  # testing aid (engine/faults.py)
+    mm: MultimodalPrompt | None = None
+    grammar: CompiledGrammar | None = None
+    grammar_after: Sequence[int] = ()
+    group: str | None = None
+    cache_salt: str | None = None
 
 
 class EngineDead(RuntimeError):
@@ -62,24 +79,44 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Admit a request and return its output stream. Errors in the request (too long, unknown or
         broken adapter, bad ids) raise here, before any output; leaving the stream early aborts it."""
+        request = Submission(
+            request_id, prompt, params, adapter, inject_fault, mm, grammar, grammar_after, group, cache_salt
+        )
+        return (await self.submit_many([request]))[0]
+
+    async def submit_many(self, requests: Sequence[Submission]) -> list[AsyncIterator[RequestOutput]]:
+        """Admit several requests in one visit to the engine thread (between two steps), e.g. the n
+        choices of a request: each would otherwise wait for a step of its own. All or none: when one
+        is refused, the ones admitted before it are aborted and its error raises."""
         self._check_accepting()
-        prepared = None
-        if adapter is not None:  # may read the adapter from disk: on a worker thread
-            prepared = await asyncio.to_thread(self.engine.adapters.prepare, adapter)
+        prepared: dict[str, Any] = {}
+        for adapter in dict.fromkeys(r.adapter for r in requests if r.adapter is not None):
+            # may read the adapter from disk: on a worker thread
+            prepared[adapter] = await asyncio.to_thread(self.engine.adapters.prepare, adapter)
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
+        queues: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
 
-        def add() -> None:
+        def add_all() -> None:
             self._check_accepting()
-            self.engine.add_request(
-                request_id, prompt, params, adapter, prepared, mm, grammar, grammar_after, group, cache_salt
-            )
-            self._streams[request_id] = (loop, outputs)
-            if inject_fault:  # testing aid (engine/faults.py)
-                self.engine.inject_fault(request_id, inject_fault)
+            added: list[str] = []
+            try:
+                for r, outputs in zip(requests, queues, strict=True):
+                    self.engine.add_request(
+                        r.request_id, r.prompt, r.params, r.adapter, prepared.get(r.adapter or ""), r.mm,
+                        r.grammar, r.grammar_after, r.group, r.cache_salt,
+                    )  # fmt: skip
+                    added.append(r.request_id)
+                    self._streams[r.request_id] = (loop, outputs)
+                    if r.inject_fault:  # testing aid (engine/faults.py)
+                        self.engine.inject_fault(r.request_id, r.inject_fault)
+            except BaseException:
+                for request_id in added:
+                    self._streams.pop(request_id, None)
+                    self.engine.abort(request_id)
+                raise
 
-        await self.call(add)
-        return self._outputs(request_id, outputs)
+        await self.call(add_all)
+        return [self._outputs(r.request_id, q) for r, q in zip(requests, queues, strict=True)]
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None = None

@@ -17,7 +17,7 @@ from fastapi import Request
 
 from hylora.adapters.files import AdapterError
 from hylora.adapters.registry import UnknownAdapter
-from hylora.engine.async_engine import EngineDead
+from hylora.engine.async_engine import EngineDead, Submission
 from hylora.engine.engine import RequestError, RequestOutput
 from hylora.engine.multimodal import MultimodalPrompt
 from hylora.engine.request import TokenLogprob
@@ -81,33 +81,34 @@ class Job:
         self._decoded: dict[int, str] = {}  # token id -> text, for logprobs (a token recurs thousands of times)
 
     async def start(self, request: Request | None = None) -> list[AsyncIterator[RequestOutput]]:
-        """Submit every choice. While the engine is busy each submission waits for a step, so n × prompts
-        of them can take many seconds: a `request` whose client disconnects meanwhile is given up, and
-        whatever was submitted (or cancelled on its way) is aborted."""
-        streams = []
+        """Submit every choice (n × prompts) at once, between two engine steps: one by one, each waited
+        for a step of its own (1024 choices: ~1000 steps before the last one started). A `request`
+        whose client has disconnected is given up; whatever was submitted, or cancelled on its way, is
+        aborted."""
+        submissions = [
+            Submission(
+                f"{self.id}-{i}",
+                self.prompt_of(i),
+                params,
+                self.adapter,
+                self._fault_requested(),
+                dataclasses.replace(self.mm, ready={}) if self.mm is not None else None,  # one per choice
+                self.grammar,
+                self.grammar_after,
+                group=self.id,
+                cache_salt=self.body.cache_salt,
+            )
+            for i, params in enumerate(self.params)
+        ]
         try:
-            for i, params in enumerate(self.params):
-                if i and request is not None and await request.is_disconnected():
-                    raise APIError(499, "client disconnected")
-                mm = dataclasses.replace(self.mm, ready={}) if self.mm is not None else None  # one per choice
-                streams.append(
-                    await self.state.aengine.submit(
-                        f"{self.id}-{i}",
-                        self.prompt_of(i),
-                        params,
-                        self.adapter,
-                        self._fault_requested(),
-                        mm,
-                        self.grammar,
-                        self.grammar_after,
-                        group=self.id,
-                        cache_salt=self.body.cache_salt,
-                    )
-                )
+            if request is not None and await request.is_disconnected():
+                raise APIError(499, "client disconnected")
+            streams = await self.state.aengine.submit_many(submissions)
         except BaseException as e:
-            # Closing the streams would not do: a stream that was never read runs no cleanup.
-            for i in range(len(streams) + 1):  # (+1: the one in flight; an unknown id is ignored)
-                self.state.aengine.abort(f"{self.id}-{i}")
+            # Cancelled while the engine thread admits them (a client that left), they would run for
+            # nobody: abort each by id (queued after the admission; an unknown id is ignored).
+            for submission in submissions:
+                self.state.aengine.abort(submission.request_id)
             raise _submit_error(e) from None
         prompt_tokens = sum(len(p) for p in self.prompts)
         self.state.metrics.prompt_tokens.labels(adapter=self.adapter or "").inc(prompt_tokens)
