@@ -53,8 +53,7 @@ from hylora.engine.speculative import (
 from hylora.engine.stats import EngineStats
 from hylora.kernels import as_text, select_kernels, serve_fp8
 from hylora.model.decoder import HybridDecoder
-from hylora.model.fp8 import quantize_linears
-from hylora.model.layers import Linear
+from hylora.model.fp8 import dequantize_linears, quantize_linears
 from hylora.model.loader import load_model
 from hylora.structured import CompiledGrammar, GrammarCompiler, GrammarError, apply_token_masks
 from hylora.tokenizer import load_tokenizer
@@ -109,17 +108,14 @@ class LLMEngine:
         )
         # --quantization fp8 on an unquantised checkpoint (or its values, dequantised, for doctor's reference)
         round_trip = config.quantization == "fp8-dequantized"
-        if (fp8 or round_trip) and model_config is not None and model_config.quantization is None:
+        fp8_checkpoint = model_config is not None and model_config.quantization is not None
+        if (fp8 or round_trip) and model_config is not None and not fp8_checkpoint:
             count = quantize_linears(self.model)
             log.info("quantised %d projections to FP8 at load (e4m3, 128x128 block scales)", count)
             if round_trip:
-                for module in self.model.modules():
-                    if isinstance(module, Linear):
-                        module.dequantize()
+                dequantize_linears(self.model)
         # the served weights are FP8 values, dequantised (doctor's fp8 check compares against them)
-        self.dequantised_fp8 = not fp8 and (
-            round_trip or (model_config is not None and model_config.quantization is not None)
-        )
+        self.dequantised_fp8 = not fp8 and (round_trip or fp8_checkpoint)
         self.kernels = select_kernels(self.model, config.page_size, config.kernels)
         # what the served weights are ("fp8": FP8 GEMMs; doctor's fp8 check reads it)
         self.quantization = "fp8" if any(getattr(m, "is_fp8", False) for m in self.model.modules()) else None

@@ -97,7 +97,7 @@ def serve_fp8(
     model: ModelConfig, quantization: str | None, device: torch.device | str, dtype: torch.dtype | None
 ) -> bool:
     """Whether the engine serves FP8 weights. quantization "fp8": always (an unquantised checkpoint is
-    quantised at load, as vLLM's --quantization fp8 does); "dequantized": never; None: an FP8
+    quantised at load, as vLLM's --quantization fp8 does); "dequantized", "fp8-dequantized": never; None: an FP8
     checkpoint where the device runs FP8 GEMMs (fp8_unusable), else its weights are dequantised."""
     if quantization in ("fp8", "dequantized", "fp8-dequantized"):
         return quantization == "fp8"

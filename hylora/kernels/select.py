@@ -22,6 +22,7 @@ from hylora.kernels import checks
 from hylora.kernels.config import KernelsConfig, triton_usable
 from hylora.kernels.verdict import KernelVerdict, passed, reference
 from hylora.model.decoder import HybridDecoder
+from hylora.model.fp8 import dequantize_linears
 from hylora.model.kernels import ModelKernels
 from hylora.model.layers import Linear
 from hylora.ops.gated_delta_rule import fla
@@ -181,9 +182,7 @@ def select_fp8_kernel(model: HybridDecoder, fast_kernels: str = "auto", activati
             return verdict
         with_cublas = _verdict(name, check("cublas"), FP8_TOLERANCE)
         return replace(with_cublas, implementation="cublas+triton") if not with_cublas.check_failed else verdict
-    for m in model.modules():
-        if isinstance(m, Linear):
-            m.dequantize()
+    dequantize_linears(model)
     log.error("FP8 kernel failed its check: the FP8 weights are dequantised to %s", dtype)
     return replace(verdict, reason=verdict.reason + "; weights dequantised")
 

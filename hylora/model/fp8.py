@@ -91,6 +91,13 @@ def quantize_linears(model: torch.nn.Module, block: tuple[int, int] = (128, 128)
     return count
 
 
+def dequantize_linears(model: torch.nn.Module) -> None:
+    """Every FP8 projection back to one unquantised weight holding the values FP8 stood for."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.dequantize()
+
+
 def set_quantization(model_dir: Path, quant: QuantizationConfig | None) -> None:
     """Write (or with None remove) config.json's quantization_config, where transformers reads it."""
     path = model_dir / "config.json"
