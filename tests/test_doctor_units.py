@@ -117,6 +117,58 @@ def test_served_against_served_exactly():
     assert diff_served(Scores.failed("HTTP 500: boom"), b, TEXTS).problems(FP32) == ["HTTP 500: boom"]
 
 
+def two_served(n: int, flips: dict[int, float]) -> tuple[Scores, Scores]:
+    """A result (top-1 token 1, runner-up 2 at every position) and the same prompt served again with
+    the top-1 swapped at positions p in `flips`, where that second result ranks token 1 `flips[p]`
+    below its new top-1 token 2."""
+    tokens = [3] * n
+    alone = Scores(tokens, [-3.0] * n, [1] * n, top1_logprobs=[-1.0] * n, tops=[{1: -1.0, 2: -1.2}] * n)
+    again = Scores(tokens, [-3.0] * n, [1] * n, top1_logprobs=[-1.0] * n, tops=[{1: -1.0, 2: -1.2}] * n)
+    for p, gap in flips.items():
+        again.top1[p - 1], again.top1_logprobs[p - 1] = 2, -1.0
+        again.tops[p - 1] = {2: -1.0, 1: -1.0 - gap}
+    return alone, again
+
+
+def test_a_near_tie_flipped_between_two_served_results_agrees_within_the_tie_only():
+    bf16 = Tolerance.for_dtypes("bfloat16")  # tie 0.5
+    alone, again = two_served(100, {p: 0.01 for p in range(1, 21)})  # 20 % of the top-1s swapped, near-ties
+    d = diff_served(alone, again, TEXTS, bf16.tie)
+    assert d.top1_agree == 100 and d.ok(bf16)
+    strict = diff_served(alone, again, TEXTS)  # no tie given: the exact comparison of before
+    assert strict.top1_agree == 80 and "top-1 agreement 80.0% < 90%" in strict.problems(bf16)
+    alone, again = two_served(100, {p: 1.5 for p in range(1, 21)})  # the other result ranks it far below
+    d = diff_served(alone, again, TEXTS, bf16.tie)
+    assert d.top1_agree == 80 and not d.ok(bf16)
+    alone, again = two_served(100, {p: 0.01 for p in range(1, 21)})
+    for top in again.tops[:20]:
+        top.pop(1)  # the server did not say how it ranks served's top-1: no tie can be shown
+    assert diff_served(alone, again, TEXTS, bf16.tie).top1_agree == 80
+
+
+def test_servers_top_k_is_kept_per_position():
+    choice = json.loads(
+        '{"prompt_logprobs": [null, {"6": {"logprob": -1.5, "rank": 2}, "9": {"logprob": -0.5, "rank": 1}},'
+        ' {"7": {"logprob": -0.1, "rank": 1}, "2": {"logprob": -2.5, "rank": 2}},'
+        ' {"8": {"logprob": -3.0, "rank": 5}, "0": {"logprob": -0.2, "rank": 1}, "4": {"logprob": -1.9, "rank": 2}}],'
+        ' "logprobs": {"tokens": ["token_id:4"], "token_logprobs": [-0.7],'
+        ' "top_logprobs": [{"token_id:4": -0.7, "token_id:5": -0.9}]}}'
+    )
+    s = endpoint(PROMPT_LOGPROBS, token_ids=True)._parse([5, 6, 7, 8], choice)
+    assert s.tops == [{6: -1.5, 9: -0.5}, {7: -0.1, 2: -2.5}, {8: -3.0, 0: -0.2, 4: -1.9}, {4: -0.7, 5: -0.9}]
+    assert s.logprob_of(3, 4, TEXTS) == -1.9 and s.logprob_of(3, 8, TEXTS) == -3.0 and s.logprob_of(3, 9, TEXTS) is None
+    echo = {
+        "logprobs": {
+            "tokens": ["t5", "t6", "t7"],
+            "token_logprobs": [None, -1.0, -0.5],
+            "top_logprobs": [None, {"t9": -0.4, "t6": -1.0}, {"t7": -0.5, "t3": -0.6}],
+        }
+    }
+    s = endpoint(ECHO)._parse([5, 6], echo)
+    assert s.tops == [{"t9": -0.4, "t6": -1.0}, {"t7": -0.5, "t3": -0.6}]
+    assert s.logprob_of(2, 3, TEXTS) == -0.6  # an id found among text-keyed tokens
+
+
 def test_tolerance_is_the_loosest_of_the_precisions_involved():
     assert Tolerance.for_dtypes("float32", "bfloat16") == Tolerance.for_dtypes("bf16")
     assert Tolerance.for_dtypes("torch.float32") == FP32
@@ -293,6 +345,36 @@ def test_an_ignored_adapter_fails_and_shows_in_the_report():
     assert failed == {"adapter_effect", "fidelity"} and report.exit_code == 1
     html = render_html(report)
     assert "served the base model under the name &#x27;tomb&#x27;" in html and "FAILED" in html
+
+
+class NearTieServer(PerfectServer):
+    """A perfect stand-in whose mixed-batch prompts, sent together, swap the top-1 with the runner-up
+    at every 5th position, the two `gap` apart there (small: a kernel's rounding flipping a near-tie;
+    large: the batch changed the answer)."""
+
+    def __init__(self, ref: StubReference, gap: float):
+        super().__init__(ref)
+        self.gap = gap
+
+    def score(self, probes: list[Probe], concurrent: bool = False) -> list[Scores]:
+        out = super().score(probes, concurrent)
+        for p, s in zip(probes, out, strict=True):
+            if p.window.offset == 0:
+                continue
+            n = len(s.tokens)
+            s.top1_logprobs, s.tops = [-1.0] * n, [{1: -1.0, 2: -1.0 - self.gap} for _ in range(n)]
+            for i in range(0, n, 5) if concurrent else ():
+                s.top1[i], s.tops[i] = 2, {2: -1.0, 1: -1.0 - self.gap}
+        return out
+
+
+def test_mixed_batches_tell_a_flipped_near_tie_from_a_changed_answer():
+    ref = StubReference(600, ["relic"])
+    checks = {c.name: c for c in run(NearTieServer(ref, gap=0.001), ref, ["relic"]).checks}
+    assert checks["mixed_batches"].status is Status.PASS  # FP32's tie: 0.005
+    checks = {c.name: c for c in run(NearTieServer(ref, gap=0.5), ref, ["relic"]).checks}
+    assert checks["mixed_batches"].status is Status.FAIL
+    assert "differs from the same request alone: top-1 agreement 79.4% < 99%" in checks["mixed_batches"].failures[0]
 
 
 def test_a_server_that_returns_nothing_comparable_passes_nothing():

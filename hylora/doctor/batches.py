@@ -33,11 +33,11 @@ class MixedRun:
     again: list[Scores]
     together: list[Scores]
 
-    def repeats(self, texts: TokenTexts) -> list[Diff]:
-        return [diff_served(b, a, texts) for a, b in zip(self.alone, self.again, strict=True)]
+    def repeats(self, texts: TokenTexts, tie: float = 0.0) -> list[Diff]:
+        return [diff_served(b, a, texts, tie) for a, b in zip(self.alone, self.again, strict=True)]
 
-    def batched(self, texts: TokenTexts) -> list[Diff]:
-        return [diff_served(b, a, texts) for a, b in zip(self.alone, self.together, strict=True)]
+    def batched(self, texts: TokenTexts, tie: float = 0.0) -> list[Diff]:
+        return [diff_served(b, a, texts, tie) for a, b in zip(self.alone, self.together, strict=True)]
 
 
 def run_mixed(deployment: Deployment, targets: list[Target], windows: list[Window], tick=None) -> MixedRun:
@@ -58,7 +58,7 @@ def _tick(tick, n: int) -> None:
 
 def check_mixed(run: MixedRun, texts: TokenTexts, tol: Tolerance) -> CheckResult:
     probes, alone = run.probes, run.alone
-    failures, diffs = [], run.batched(texts)
+    failures, diffs = [], run.batched(texts, tol.tie)
     for i, (probe, b, d) in enumerate(zip(probes, run.together, diffs, strict=True)):
         problems = d.problems(tol)
         if not problems:
@@ -66,14 +66,14 @@ def check_mixed(run: MixedRun, texts: TokenTexts, tol: Tolerance) -> CheckResult
         looks_like = [
             label(other.target)
             for j, other in enumerate(probes)
-            if j != i and other.window == probe.window and diff_served(b, alone[j], texts).ok(tol)
+            if j != i and other.window == probe.window and diff_served(b, alone[j], texts, tol.tie).ok(tol)
         ]
         hint = f"; it matches {' / '.join(looks_like)} sent alone" if looks_like else ""
         failures.append(
             f"{label(probe.target)}, {probe.window.length}-token prompt, sent with {len(probes) - 1} others "
             f"(adapters and base) differs from the same request alone: {'; '.join(problems)}{hint}"
         )
-    repeats = run.repeats(texts)
+    repeats = run.repeats(texts, tol.tie)
     for probe, d in zip(probes, repeats, strict=True):
         if d.error is None and d.problems(tol):
             failures.append(
@@ -164,13 +164,13 @@ def judge_pollution(run: PollutionRun, sweep: SweepData, texts: TokenTexts, tol:
         name = f"probe {label(probe.target)} ({probe.window.length} tokens)"
         earlier = sweep.results.get((probe.target, probe.window.length))
         if earlier is not None:
-            diffs.append(d := diff_served(before, earlier, texts))
+            diffs.append(d := diff_served(before, earlier, texts, same.tie))
             if d.problems(same):
                 failures.append(
                     f"{name} already differed before the burst from the same request earlier in this run "
                     f"(requests sent in between poisoned it): {'; '.join(d.problems(same))}"
                 )
-        diffs.append(d := diff_served(after, before, texts))
+        diffs.append(d := diff_served(after, before, texts, same.tie))
         if d.problems(same):
             problems = "; ".join(d.problems(same))
             failures.append(f"{name} changed after {run.what}: {problems} (earlier requests poison later ones)")
@@ -186,7 +186,7 @@ def judge_pollution(run: PollutionRun, sweep: SweepData, texts: TokenTexts, tol:
             alone = sweep.results.get((probe.target, probe.window.length))
             if alone is None:
                 continue
-            neighbours.append(d := diff_served(out, alone, texts))
+            neighbours.append(d := diff_served(out, alone, texts, tol.tie))
             if d.problems(tol):
                 failures.append(
                     f"{label(probe.target)} ({probe.window.length} tokens) next to the request with the injected "

@@ -196,8 +196,11 @@ def diff_reference(served: Scores, ref: ReferenceScores, length: int, texts: Tok
     return acc.result()
 
 
-def diff_served(served: Scores, other: Scores, texts: TokenTexts) -> Diff:
-    """Two served results of the same prompt (e.g. in a mixed batch and alone): `served` is judged."""
+def diff_served(served: Scores, other: Scores, texts: TokenTexts, tie: float = 0.0) -> Diff:
+    """Two served results of the same prompt (e.g. in a mixed batch and alone): `served` is judged.
+    Their top-1 tokens agree when equal or, given a `tie` (`Tolerance.tie`), when `other` ranks
+    served's top-1 within `tie` of its own, as diff_reference judges a top-1 against the reference:
+    a near-tie that a kernel's rounding flips is not a leak between requests."""
     length = len(other.tokens)
     if served.error or other.error:
         return Diff(length, error=served.error or f"the result it is compared with failed: {other.error}")
@@ -208,9 +211,18 @@ def diff_served(served: Scores, other: Scores, texts: TokenTexts) -> Diff:
         if texts.same(served.tokens[p - 1], other.tokens[p - 1]):  # (generated tokens may differ: top-1 shows it)
             acc.logprob(p, served.logprobs[p - 1], other.logprobs[p - 1])
         if served.top1[p - 1] is not None and other.top1[p - 1] is not None:
-            acc.top1(p, texts.same(served.top1[p - 1], other.top1[p - 1]))
+            acc.top1(p, texts.same(served.top1[p - 1], other.top1[p - 1]) or _near_tie(served, other, p, texts, tie))
             acc.token0(p, texts.is_token0(served.top1[p - 1]) and not texts.is_token0(other.top1[p - 1]))
     return acc.result()
+
+
+def _near_tie(served: Scores, other: Scores, p: int, texts: TokenTexts, tie: float) -> bool:
+    """`other` ranks served's top-1 at p within `tie` of its own top-1 (unknown: no)."""
+    if tie <= 0.0 or p > len(other.top1_logprobs):
+        return False
+    lp = other.logprob_of(p, served.top1[p - 1], texts)
+    best = other.top1_logprobs[p - 1]
+    return lp is not None and math.isfinite(lp) and math.isfinite(best) and best - lp <= tie
 
 
 def pooled(diffs: list[Diff]) -> Diff:

@@ -17,7 +17,9 @@ from hylora.engine.engine import LLMEngine, RequestError, RequestOutput
 from hylora.engine.multimodal import MultimodalPrompt
 from hylora.engine.request import SamplingParams
 
-SERVED_TOP_K = 1  # top-1 is all doctor needs from a server
+# the top-1 and the runner-up: two served results whose top-1s differ are a near-tie when each ranks
+# the other's top-1 close to its own (compare.diff_served)
+SERVED_TOP_K = 2
 _MISSING = object()
 
 

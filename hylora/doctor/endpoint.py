@@ -183,9 +183,10 @@ class Endpoint:
             entries = choice[PROMPT_LOGPROBS]
             if len(entries) != n:
                 raise ValueError(f"{len(entries)} prompt_logprobs entries for a {n}-token prompt")
-            logprobs, top1, top1_logprobs = [], [], []
+            logprobs, top1, top1_logprobs, tops = [], [], [], []
             for p in range(1, n):
                 entry = entries[p] or {}
+                tops.append(_ranked_logprobs(entry))
                 actual = entry.get(str(prompt[p])) or {}
                 logprobs.append(finite_or_nan(actual.get("logprob")))
                 best = _best_ranked(entry)
@@ -200,7 +201,8 @@ class Endpoint:
             last_top = (generated.get("top_logprobs") or [None])[-1]
             top1.append(_best_keyed(last_top))
             top1_logprobs.append(_best_keyed_value(last_top))
-            return Scores(tokens, logprobs, top1, top1_logprobs=top1_logprobs)
+            tops.append(_keyed_logprobs(last_top))
+            return Scores(tokens, logprobs, top1, top1_logprobs=top1_logprobs, tops=tops)
         token_logprobs, top_logprobs = generated["token_logprobs"], generated.get("top_logprobs") or []
         if len(token_logprobs) != n + 1:
             raise ValueError(f"{len(token_logprobs)} echoed logprobs for a {n}-token prompt and 1 generated token")
@@ -210,6 +212,7 @@ class Endpoint:
             logprobs=[finite_or_nan(x) for x in token_logprobs[1:]],
             top1=[_best_keyed(t) for t in tops[1:]],
             top1_logprobs=[_best_keyed_value(t) for t in tops[1:]],
+            tops=[_keyed_logprobs(t) for t in tops[1:]],
         )
 
     def _body(self, model: str | None, prompt: list[int]) -> dict[str, Any]:
@@ -432,6 +435,16 @@ def _best_keyed_value(top: Any) -> float:
         return math.nan
     best = max(_sortable(v) for v in top.values())
     return best if math.isfinite(best) else math.nan
+
+
+def _keyed_logprobs(top: Any) -> dict[Token, float]:
+    """{token: logprob} from an OpenAI legacy top_logprobs dict (empty when there is none)."""
+    return {_token(k): finite_or_nan(v) for k, v in top.items()} if isinstance(top, dict) else {}
+
+
+def _ranked_logprobs(entry: dict[str, Any]) -> dict[Token, float]:
+    """{token id: logprob} from a vLLM prompt_logprobs entry (its top-k and the prompt's token)."""
+    return {int(k): finite_or_nan(v.get("logprob")) for k, v in entry.items() if isinstance(v, dict)}
 
 
 def _best_ranked(entry: dict[str, Any]) -> Token | None:

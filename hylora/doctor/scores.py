@@ -28,6 +28,9 @@ class Scores:
     top1: list[Token | None] = field(default_factory=list)
     error: str | None = None  # the request failed: HTTP status / engine error
     top1_logprobs: list[float] = field(default_factory=list)  # the top-1's logprob, when the server said
+    # per position, the server's top-k {token: logprob} (k = SERVED_TOP_K; empty when it said none): a
+    # top-1 that differs between two served results may be a near-tie (compare.diff_served)
+    tops: list[dict[Token, float]] = field(default_factory=list)
 
     @classmethod
     def failed(cls, error: str) -> Scores:
@@ -46,7 +49,19 @@ class Scores:
             logprobs=[finite_or_nan(lp.logprob) for lp in entries],
             top1=[max(lp.top, key=lp.top.__getitem__) if lp.top else None for lp in entries],
             top1_logprobs=[finite_or_nan(max(lp.top.values())) if lp.top else math.nan for lp in entries],
+            tops=[{t: finite_or_nan(v) for t, v in (lp.top or {}).items()} for lp in entries],
         )
+
+    def logprob_of(self, p: int, token: Token, texts: TokenTexts) -> float | None:
+        """This result's logprob of `token` at position p (1-based), when the server said it: among
+        its top-k there, or as the token scored there."""
+        top = self.tops[p - 1] if p <= len(self.tops) else {}
+        for t, lp in top.items():
+            if texts.same(t, token):
+                return lp
+        if texts.same(self.tokens[p - 1], token):
+            return self.logprobs[p - 1]
+        return None
 
 
 @dataclass
