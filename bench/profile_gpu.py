@@ -8,7 +8,13 @@ For DESIGN.md's workload (32 x 512-token prompts + 64 greedy tokens) on the 27B 
 3. decode steps under cProfile: the host functions that take the time (cumulative);
 4. one decode step under torch.profiler: GPU busy time vs wall.
 
-    python bench/profile_gpu.py [--layers 16] [--max-num-batched-tokens 2048] [--out profile.json]
+5. with --decode-kernels, the workload once more with 20 decode steps under torch.profiler: a per-kernel
+   table (µs and calls a step), as bench/peer/throughput_peer.py --profile-decode prints for both engines.
+
+    python bench/profile_gpu.py [--layers 16] [--max-num-batched-tokens 2048] [--fp8] [--decode-kernels]
+        [--out profile.json]
+
+--fp8 quantises the random model's projections at load (128 x 128 blocks, as `--quantization fp8`).
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_gpu import QWEN36_27B, random_adapters, random_model  # noqa: E402
+from bench.peer import decode_profile  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import write_tokenizer  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from hylora.kernels import as_text  # noqa: E402
+from hylora.model.fp8 import quantize_linears  # noqa: E402
 
 
 def gpu_busy_ms(prof) -> float:
@@ -173,6 +181,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--fp8", action="store_true", help="quantise the projections to FP8 at load")
+    ap.add_argument("--decode-kernels", action="store_true", help="also a per-kernel table of 20 decode steps")
     ap.add_argument("--out")
     ap.add_argument("--watchdog", type=float, default=0, help="print every thread's stack and exit after this many s")
     args = ap.parse_args()
@@ -184,6 +194,8 @@ def main() -> None:
     demo.mkdir()
     write_tokenizer(demo, 1024)
     model = random_model(cfg, "cuda", torch.bfloat16)
+    if args.fp8:
+        print(f"fp8: {quantize_linears(model)} projections quantised", flush=True)
     adapters = random_adapters(work, cfg)
     t0 = time.perf_counter()
     config = EngineConfig(
@@ -202,6 +214,14 @@ def main() -> None:
         profile_workload(engine, "base", lambda i: None),
         profile_workload(engine, "8 adapters mixed", lambda i: f"a{i % 8}"),
     ]
+    if args.decode_kernels:
+        g = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(0, 1000, (512,), generator=g).tolist() for _ in range(32)]
+        runs = (("base", "base", lambda i: None), ("8 adapters mixed", "mixed", lambda i: f"a{i % 8}"))
+        for label, tag, adapter_of in runs:
+            rows = decode_profile.hylora_decode_profile(engine, prompts, adapter_of, work / f"{tag}.trace.json.gz", tag)
+            print("\n" + decode_profile.summary_md(f"hylora{' fp8' * args.fp8}, {label}, batch 32", rows), flush=True)
+            results.append({"run": f"decode kernels, {label}", "kernels": rows})
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 
