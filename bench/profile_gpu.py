@@ -41,7 +41,7 @@ from bench.peer import decode_profile  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import write_tokenizer  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from hylora.kernels import as_text  # noqa: E402
+from hylora.kernels import KernelsConfig, as_text  # noqa: E402
 from hylora.model.fp8 import quantize_linears  # noqa: E402
 
 
@@ -182,6 +182,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--fp8", action="store_true", help="quantise the projections to FP8 at load")
+    ap.add_argument("--fp8-unfused", action="store_true", help="FP8: the down projection quantises its own input")
     ap.add_argument("--decode-kernels", action="store_true", help="also a per-kernel table of 20 decode steps")
     ap.add_argument("--out")
     ap.add_argument("--watchdog", type=float, default=0, help="print every thread's stack and exit after this many s")
@@ -200,7 +201,7 @@ def main() -> None:
     t0 = time.perf_counter()
     config = EngineConfig(
         max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens, max_loras=8,
-        max_lora_rank=16,
+        max_lora_rank=16, kernels=KernelsConfig(fp8_fused_quant=not args.fp8_unfused),
     )  # fmt: skip
     engine = LLMEngine(demo, config, adapters, progress=False, model=model)
     print(f"kernels: {as_text(engine.kernels)}; engine set-up {time.perf_counter() - t0:.1f} s", flush=True)

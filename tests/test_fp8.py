@@ -16,7 +16,7 @@ from hylora.config import ConfigError, ModelConfig
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams
 from hylora.kernels import KernelsConfig, select_kernels
 from hylora.model.fp8 import quantize_checkpoint
-from hylora.model.layers import Linear
+from hylora.model.layers import MLP, Linear
 from hylora.model.loader import CheckpointError, load_model
 from hylora.ops.fp8_linear.reference import dequantize_activation, quantize_activation
 from tests.conftest import write_causal
@@ -221,6 +221,36 @@ def test_kernel_floor_reports_the_fp8_gemm(fp8_ckpts):
     verdicts = select_kernels(model, page_size=16)
     assert verdicts["fp8_linear"].implementation == "reference"
     assert "fp8_linear" not in select_kernels(load_model(dst, dtype=torch.float32, progress=False), page_size=16)
+
+
+def test_the_mlp_activation_quantises_the_fp8_down_projections_input_and_changes_nothing(fp8_ckpts, fp8_adapter):
+    """The kernel floor gives FP8 MLPs the activation that quantises the down projection's input
+    (silu_mul_quantized: no quantisation launch in the GEMM). Base and adapter requests in one batch
+    (the adapter's LoRA reads the kept unquantised values): the same logprobs, bit for bit, as the
+    down projection quantising its own input; not with weight-only FP8 (nothing to quantise)."""
+    _, dst, _ = fp8_ckpts["unaligned"]
+    common = dict(device="cpu", dtype="float32", max_lora_rank=8, max_num_seqs=4, quantization="fp8")
+    lora = {"all": fp8_adapter}
+    fused = LLMEngine(dst, EngineConfig(**common), lora_modules=lora, progress=False)
+    unfused_config = EngineConfig(**common, kernels=KernelsConfig(fp8_fused_quant=False))
+    unfused = LLMEngine(dst, unfused_config, lora_modules=lora, progress=False)
+    assert fused.kernels["silu_mul_quantized"].implementation == "reference"
+    assert "silu_mul_quantized" not in unfused.kernels
+    calls = []
+    for mlp in (m for m in fused.model.modules() if isinstance(m, MLP)):
+        act = mlp.act_quantized
+        mlp.act_quantized = lambda h, group, keep, act=act: calls.append(keep) or act(h, group, keep)
+    assert all(m.act_quantized is None for m in unfused.model.modules() if isinstance(m, MLP))
+    params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=0, logprobs=0)
+    prompts = {"base": (random_ids(70, 320, 4), None), "lora": (random_ids(70, 320, 5), "all")}
+    results = []
+    for engine in (fused, unfused):
+        out = run(engine, {0: [(name, ids, params, adapter) for name, (ids, adapter) in prompts.items()]})
+        results.append({k: ([p.logprob for p in o.prompt_logprobs if p], o.token_ids) for k, o in out.items()})
+    assert results[0] == results[1]
+    assert True in calls and False not in calls  # one mixed batch: LoRA kept the values at every step
+    weight_only = EngineConfig(**common, kernels=KernelsConfig(fp8_activations="none"))
+    assert "silu_mul_quantized" not in LLMEngine(dst, weight_only, progress=False).kernels
 
 
 def _copy_with(src: Path, dst: Path, edit) -> Path:

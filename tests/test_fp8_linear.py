@@ -9,6 +9,8 @@ comparisons run compiled, plus bf16 inputs and a CUDA-graph replay.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -167,6 +169,42 @@ def test_quantize_activation_equals_reference(shape, dtype):
         q, s = T.quantize_activation(inp.to(DEVICE))
         q_ref, s_ref = R.quantize_activation(inp)
         assert torch.equal(bits(q.cpu()), bits(q_ref)) and torch.equal(bits(s.cpu()), bits(s_ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 128), (16, 300), (17, 256), (33, 64)], ids=str)
+def test_silu_mul_quantized_is_the_unfused_ops_bit_for_bit(shape, dtype):
+    """The activation and the FP8 quantisation of the down projection's input in one launch: the
+    same bits as silu_mul then quantize_activation (tokens straddling the 16-row programs, inputs
+    straddling the 128-input groups), and the kept values those of silu_mul."""
+    from hylora.ops.silu_mul import reference as silu_reference
+    from hylora.ops.silu_mul import triton as silu_triton
+
+    T_, inner = shape
+    g = torch.Generator().manual_seed(T_ * inner)
+    gate_up = (torch.randn(T_, 2 * inner, generator=g) * 4).to(dtype).to(DEVICE)
+    gate_up[0, :inner] = 0  # a row whose groups are all zero: scale AMAX_FLOOR / 448, values 0
+    h = silu_triton.silu_mul(gate_up)
+    q, scale = T.quantize_activation(h)
+    for keep in (False, True):
+        got = silu_triton.silu_mul_quantized(gate_up, keep=keep)
+        assert torch.equal(bits(got.q.cpu()), bits(q.cpu())) and torch.equal(bits(got.scale.cpu()), bits(scale.cpu()))
+        assert got.dtype == dtype and (torch.equal(got.x, h) if keep else got.x is None)
+    ref = silu_reference.silu_mul_quantized(gate_up.cpu(), keep=True)
+    q_ref, s_ref = R.quantize_activation(silu_reference.silu_mul(gate_up.cpu()))
+    assert torch.equal(bits(ref.q), bits(q_ref)) and torch.equal(bits(ref.scale), bits(s_ref))
+
+
+@pytest.mark.parametrize("config", ["decode", "medium"])
+def test_fp8_linear_takes_an_input_quantised_by_its_producer(config):
+    """A QuantizedActivation skips the GEMM's own quantisation and gives the same output."""
+    x, w_fp8, w_scale, block = gemm_inputs(17, 129, 384, 128, seed=11)
+    quantized = R.QuantizedActivation(*R.quantize_activation(x), x.dtype)
+    ref = R.fp8_linear(x, w_fp8, w_scale, block)
+    assert torch.equal(R.fp8_linear(quantized, w_fp8, w_scale, block), ref)
+    q = R.QuantizedActivation(quantized.q.to(DEVICE), quantized.scale.to(DEVICE), x.dtype)
+    got = T.fp8_linear(q, w_fp8.to(DEVICE), w_scale.to(DEVICE), block, config=CONFIGS[config])
+    assert_close_to_reference(got.cpu(), ref, GEMM_RTOL)
 
 
 # fp32 summation order in the interpreter; on a GPU the fp8 MMA also sums 128 products with fewer bits
@@ -369,3 +407,36 @@ def test_cuda_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, T.fp8_linear(x, w_fp8, w_scale))
+
+
+def test_start_up_checks_pass_the_kernels_and_fail_wrong_ones():
+    """The kernel floor's FP8 checks (hylora.kernels.checks): the Triton GEMM passes, also writing into
+    a column slice of a wider output and taking a pre-quantised input; a GEMM that writes past its
+    slice or ignores a pre-quantised input's scales fails, as does an activation that drops a scale."""
+    from hylora.kernels import checks
+    from hylora.ops.silu_mul import triton as silu_triton
+
+    def fp8_error(kernel):
+        return checks.fp8_linear_error(129, 256, (128, 128), torch.float32, DEVICE, tokens=(1, 17), kernel=kernel)
+
+    assert fp8_error(T.fp8_linear) <= 1e-4
+
+    def spills(x, w, s, block, out=None):
+        y = T.fp8_linear(x, w, s, block)
+        if out is not None:
+            out.as_strided((out.shape[0], out.shape[1] + 1), out.stride()).copy_(torch.cat([y, y[:, :1]], 1))
+        return y if out is None else out
+
+    def unscaled(x, w, s, block, out=None):
+        if isinstance(x, R.QuantizedActivation):
+            x = R.QuantizedActivation(x.q, torch.ones_like(x.scale), x.dtype)
+        return T.fp8_linear(x, w, s, block, out=out)
+
+    assert fp8_error(spills) == math.inf and fp8_error(unscaled) > 0.5
+    assert checks.silu_mul_quantized_error(300, torch.float32, DEVICE, tokens=(1, 17)) <= 1e-6  # exp: an ulp
+
+    def half_scale(gate_up, group=128, keep=False):
+        a = silu_triton.silu_mul_quantized(gate_up, group, keep)
+        return R.QuantizedActivation(a.q, a.scale * 0.5, a.dtype, a.x)
+
+    assert checks.silu_mul_quantized_error(300, torch.float32, DEVICE, tokens=(17,), kernel=half_scale) > 0.3

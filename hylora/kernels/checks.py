@@ -10,6 +10,7 @@ Triton and fla are imported only when a check runs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -617,9 +618,39 @@ def fp8_linear_error(
     worst = 0.0
     for T in tokens:
         x = torch.randn(T, in_features, generator=g, device=device).to(dtype)
-        out = torch.full((T, rows), float("nan"), dtype=dtype, device=device)
-        got = kernel(x, w8, scale, block, out=out)
-        worst = max(worst, _rel_error(got, fp8_reference(x, w8, scale, block)))
+        # out: a column slice of a wider buffer (an in_proj's FP8 rows beside its unquantised tail)
+        wider = torch.full((T, rows + 8), float("nan"), dtype=dtype, device=device)
+        got = kernel(x, w8, scale, block, out=wider[:, :rows])
+        want = fp8_reference(x, w8, scale, block)
+        worst = max(worst, _rel_error(got, want), _rel_error(wider[:, rows:], wider[:, rows:].clone().fill_(math.nan)))
+        if not weight_only:  # the input quantised by its producer (silu_mul_quantized)
+            quantized = reference.QuantizedActivation(*reference.quantize_activation(x, block[1]), dtype)
+            worst = max(worst, _rel_error(kernel(quantized, w8, scale, block), want))
+    return worst
+
+
+@torch.inference_mode()
+def silu_mul_quantized_error(
+    intermediate: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tokens: Sequence[int] = NORM_TOKENS,
+    kernel: Callable | None = None,
+) -> float:
+    """The fused activation + FP8 quantisation vs the reference: the quantised values (dequantised)
+    and the kept unquantised ones, every token count of `tokens`."""
+    from hylora.ops.fp8_linear.reference import dequantize_activation
+    from hylora.ops.silu_mul.reference import silu_mul_quantized as reference
+
+    if kernel is None:
+        from hylora.ops.silu_mul.triton import silu_mul_quantized as kernel
+    worst = 0.0
+    for T in tokens:
+        gate_up = torch.randn(T, 2 * intermediate, generator=_generator(device, T), device=device).mul(3).to(dtype)
+        got, want = kernel(gate_up, keep=True), reference(gate_up, keep=True)
+        values = dequantize_activation(got.q, got.scale), dequantize_activation(want.q, want.scale)
+        worst = max(worst, _rel_error(*values))
+        worst = max(worst, _rel_error(got.x, want.x))
     return worst
 
 

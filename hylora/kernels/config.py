@@ -36,6 +36,10 @@ class KernelsConfig:
     # convert the FP8 weights in the GEMM (the dequantised model's arithmetic, FP8 weights in memory;
     # 1.6-3x slower GEMMs than dynamic on an H200, docs/FP8.md)
     fp8_activations: str = "dynamic"
+    # dynamic FP8 activations: the MLP's activation quantises the down projection's input in its own
+    # launch (ops.silu_mul.silu_mul_quantized) rather than the GEMM quantising it in another; the same
+    # values either way. False: the separate launch (a same-run comparison, bench/profile_gpu.py)
+    fp8_fused_quant: bool = True
     # hylora's Triton LoRA in host steps (prefill) of at least this many tokens: the delta written first
     # by cuBLAS, the base GEMM accumulating onto it (docs/LORA.md); 0: never, shrink + expand always.
     # H200, 8 rank-16 slots, the 27B's linears (BASELINE run 29): 15-43 % less LoRA time than shrink +

@@ -51,6 +51,8 @@ def select_kernels(
         verdicts |= select_fast_kernels(model, page_size, config)
     if any(isinstance(m, Linear) and m.is_fp8 for m in model.modules()):
         verdicts["fp8_linear"] = select_fp8_kernel(model, config.fast_kernels, config.fp8_activations)
+        if config.fp8_activations == "dynamic" and config.fp8_fused_quant:
+            verdicts["silu_mul_quantized"] = select_silu_mul_quantized(model, config.fast_kernels)
     model.use_kernels(model_kernels(verdicts, config))
     return verdicts
 
@@ -107,6 +109,9 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
         from hylora.ops.rotary.triton import rotate_half
 
         chosen["tower_rotary"] = rotate_half
+    if "silu_mul_quantized" in verdicts:  # FP8 down projections: their input quantised by the activation
+        module = "triton" if "silu_mul_quantized" in fast else "reference"
+        chosen["silu_mul_quantized"] = importlib.import_module(f"hylora.ops.silu_mul.{module}").silu_mul_quantized
     if config.fp8_activations == "none":  # weight-only: the Triton GEMM once it passed, else its reference
         module = "triton" if "fp8_linear" in fast else "reference"
         chosen["fp8_linear"] = importlib.import_module(f"hylora.ops.fp8_linear.{module}").fp8_weight_only_linear
@@ -185,6 +190,19 @@ def select_fp8_kernel(model: HybridDecoder, fast_kernels: str = "auto", activati
     dequantize_linears(model)
     log.error("FP8 kernel failed its check: the FP8 weights are dequantised to %s", dtype)
     return replace(verdict, reason=verdict.reason + "; weights dequantised")
+
+
+def select_silu_mul_quantized(model: HybridDecoder, fast_kernels: str = "auto") -> KernelVerdict:
+    """The MLP activation fused with the FP8 down projection's input quantisation, checked against
+    its reference (which is the unfused silu_mul then quantize_activation, as the CPU runs it)."""
+    name = "silu_mul_quantized"
+    if fast_kernels == "off":
+        return reference(name, "fast kernels off")
+    if not triton_usable(model.device) or model.device.type != "cuda":
+        return reference(name, "no CUDA or no triton")
+    c = model.config
+    return _verdict(name, lambda: checks.silu_mul_quantized_error(c.intermediate_size, model.dtype, model.device),
+                    FP8_TOLERANCE)  # fmt: skip
 
 
 def select_fast_kernels(

@@ -43,6 +43,8 @@ class ModelKernels:
     gated_rms_norm: Kernel = gated_rms_norm
     silu_mul: Kernel = silu_mul
     fp8_linear: Kernel = fp8_linear  # the GEMM of FP8 projections (Linear.set_fp8)
+    # silu_mul quantised for an FP8 down projection in one launch (dynamic activations only; None: unfused)
+    silu_mul_quantized: Kernel | None = None
     lora_backend: str | None = None  # model.layers.LORA_BACKENDS; None: masked on CUDA, grouped on the CPU
     tower_lora_backend: str | None = None  # the vision tower's linears
     lora_delta_first_from: int = 0  # triton LoRA: host steps of this many tokens write the delta first; 0: never
@@ -73,7 +75,7 @@ def install(model: HybridDecoder, kernels: ModelKernels) -> None:
         elif isinstance(module, GatedRMSNorm):
             module.kernel = kernels.gated_rms_norm
         elif isinstance(module, MLP):
-            module.act = kernels.silu_mul
+            module.act, module.act_quantized = kernels.silu_mul, kernels.silu_mul_quantized
     for module in model.modules():
         if isinstance(module, Linear):
             module.lora_backend, module.fp8_kernel = kernels.lora_backend, kernels.fp8_linear

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hylora.lora import DeviceLoRABatch, LoRABatch, LoRAStack
-from hylora.ops.fp8_linear.reference import dequantize_weight, fp8_linear
+from hylora.ops.fp8_linear.reference import QuantizedActivation, dequantize_weight, fp8_linear
 from hylora.ops.lora.reference import lora_apply_grouped, lora_apply_masked, rank_mask
 from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
 from hylora.ops.silu_mul.reference import silu_mul
@@ -123,8 +123,12 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(w, requires_grad=False)
         self.weight_scale = self.tail_weight = None
 
-    def base(self, x: torch.Tensor) -> torch.Tensor:
+    def base(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         """x Wᵀ without LoRA."""
+        if isinstance(x, QuantizedActivation):  # the producer quantised x for this FP8 GEMM
+            if not self.is_fp8 or self.tail_weight is not None:
+                raise ValueError("a quantised activation needs an FP8 projection without unquantised rows")
+            return self.fp8_kernel(x, self.weight, self.weight_scale, self.quant_block)
         if not self.is_fp8:
             return F.linear(x, self.weight)
         if self.tail_weight is None:
@@ -163,9 +167,13 @@ class Linear(nn.Module):
         a = stacked[n:].view(slices, num_slots, rank, self.in_features)
         return [a[i] for i in range(slices)]  # (not unbind: its views may not be written in place)
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation, lora: LoRABatch | None = None) -> torch.Tensor:
         if lora is None or self.lora is None or not lora.has_adapters:
             return self.base(x)
+        if isinstance(x, QuantizedActivation):  # FP8: the base GEMM on the quantised x, LoRA on its values
+            if x.x is None:
+                raise ValueError("LoRA on a quantised activation needs its unquantised values (keep=True)")
+            return add_lora(x.x, self.base(x), self.lora, lora, self.lora_backend)
         if (
             self.lora_backend == "triton"
             and self.stacked_weight is not None
@@ -232,6 +240,13 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden, {"gate_proj": intermediate, "up_proj": intermediate})
         self.down_proj = Linear(intermediate, {"down_proj": hidden})
         self.act = silu_mul  # ops.silu_mul: silu(gate) * up
+        # ops.silu_mul's silu_mul_quantized, set by the kernel floor when the down projection is FP8 with
+        # dynamic activations: the activation quantised in the same launch, not by the GEMM's own
+        self.act_quantized = None
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x, lora)), lora)
+        h = self.gate_up_proj(x, lora)
+        if self.act_quantized is not None and self.down_proj.is_fp8:
+            keep = lora is not None and lora.has_adapters and self.down_proj.lora is not None  # LoRA reads h
+            return self.down_proj(self.act_quantized(h, self.down_proj.quant_block[1], keep), lora)
+        return self.down_proj(self.act(h), lora)

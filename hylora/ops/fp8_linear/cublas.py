@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hylora.ops.fp8_linear import triton as fp8_triton
-from hylora.ops.fp8_linear.reference import BLOCK
+from hylora.ops.fp8_linear.reference import BLOCK, QuantizedActivation
 
 CUBLAS_FROM = 128  # tokens
 PAD_TOKENS = 16
@@ -23,7 +23,7 @@ def usable(tokens: int, N: int, K: int, block: tuple[int, int]) -> bool:
 
 
 def fp8_linear(
-    x: torch.Tensor,  # [..., K]
+    x: torch.Tensor | QuantizedActivation,  # [..., K], or [M, K] quantised already
     w_fp8: torch.Tensor,  # [N, K] e4m3
     w_scale: torch.Tensor,  # [N / 128, K / 128]
     block: tuple[int, int] = BLOCK,
@@ -31,17 +31,38 @@ def fp8_linear(
 ) -> torch.Tensor:
     *lead, K = x.shape
     N = w_fp8.shape[0]
-    x2 = x.reshape(-1, K)
-    if not usable(x2.shape[0], N, K, block):
+    M = x.shape[0] if isinstance(x, QuantizedActivation) else x.reshape(-1, K).shape[0]
+    if not usable(M, N, K, block):
         return fp8_triton.fp8_linear(x, w_fp8, w_scale, block, out=out)
-    M = x2.shape[0]
     padded = -(-M // PAD_TOKENS) * PAD_TOKENS
-    if padded != M:  # cuBLAS's heuristics refuse some token counts: zero rows up to a multiple of 16
-        x2 = torch.cat([x2, x2.new_zeros(padded - M, K)])
-    xq, xs = fp8_triton.quantize_activation(x2, block[1])
+    if isinstance(x, QuantizedActivation):
+        xq, xs = x.q, x.scale
+        if padded != M:  # cuBLAS's heuristics refuse some token counts: zero rows up to a multiple of 16
+            xq = torch.cat([xq.view(torch.uint8), xq.new_zeros(padded - M, K, dtype=torch.uint8)]).view(xq.dtype)
+            xs = torch.cat([xs, xs.new_ones(padded - M, xs.shape[1])])
+    else:
+        x2 = x.reshape(-1, K)
+        if padded != M:
+            x2 = torch.cat([x2, x2.new_zeros(padded - M, K)])
+        xq, xs = fp8_triton.quantize_activation(x2, block[1])
     # cuBLAS wants the activation scales column-major and the weight's as [K / 128, N / 128]
-    y = torch._scaled_mm(xq, w_fp8.t(), scale_a=xs.t().contiguous().t(), scale_b=w_scale.t(), out_dtype=x.dtype)
+    args = dict(scale_a=xs.t().contiguous().t(), scale_b=w_scale.t(), out_dtype=x.dtype)
+    if out is not None and padded == M and out.dim() == 2 and _writes_into(out):
+        # into `out` as it lies, a column slice of a wider output included (the GDN in_proj's FP8 rows
+        # beside its unquantised tail): cuBLAS takes the row stride as the leading dimension, no copy
+        try:
+            return torch._scaled_mm(xq, w_fp8.t(), **args, out=out)
+        except (RuntimeError, TypeError):  # a torch without the out= form here: the copy below
+            _WRITES_INTO.append(False)
+    y = torch._scaled_mm(xq, w_fp8.t(), **args)
     y = y[:M].view(*lead, N)
     if out is None:
         return y
     return out.copy_(y)
+
+
+_WRITES_INTO: list[bool] = []  # set once torch refused out=
+
+
+def _writes_into(out: torch.Tensor) -> bool:
+    return not _WRITES_INTO and out.stride(1) == 1 and out.stride(0) >= out.shape[1]

@@ -15,6 +15,8 @@ so that its elements quantise to 0 rather than 0 / 0 = NaN and its dequantised v
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +25,21 @@ FP8_MAX = 448.0
 AMAX_FLOOR = 1e-12  # far below any amax a real bf16 activation group or weight block has
 BLOCK = (128, 128)
 GROUP = 128
+
+
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """An FP8 projection's input already quantised (`quantize_activation`) by the op that produced it
+    (e.g. `silu_mul_quantized`), so the GEMM launches no quantisation of its own."""
+
+    q: torch.Tensor  # [M, K] e4m3
+    scale: torch.Tensor  # [M, ceil(K / group)] fp32
+    dtype: torch.dtype  # the unquantised activation's: the GEMM's output dtype
+    x: torch.Tensor | None = None  # [M, K] the unquantised values, kept when LoRA needs them
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -70,7 +87,7 @@ def dequantize_activation(x_fp8: torch.Tensor, x_scale: torch.Tensor, group: int
 
 
 def fp8_linear(
-    x: torch.Tensor,  # [..., K] bf16 / fp16 / fp32
+    x: torch.Tensor | QuantizedActivation,  # [..., K] bf16 / fp16 / fp32, or [M, K] already quantised
     w_fp8: torch.Tensor,  # [N, K] e4m3
     w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)] fp32
     block: tuple[int, int] = BLOCK,
@@ -82,7 +99,10 @@ def fp8_linear(
     N = w_fp8.shape[0]
     if w_fp8.shape[1] != K:
         raise ValueError(f"fp8_linear: x has {K} features, the weight {w_fp8.shape[1]}")
-    x_fp8, x_scale = quantize_activation(x.reshape(-1, K), block[1])
+    if isinstance(x, QuantizedActivation):
+        x_fp8, x_scale = x.q, x.scale
+    else:
+        x_fp8, x_scale = quantize_activation(x.reshape(-1, K), block[1])
     a = dequantize_activation(x_fp8, x_scale, block[1])
     y = (a @ dequantize_weight(w_fp8, w_scale, block).T).to(x.dtype).reshape(*lead, N)
     return y if out is None else out.copy_(y)

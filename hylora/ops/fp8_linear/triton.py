@@ -34,7 +34,15 @@ import torch
 import triton
 import triton.language as tl
 
-from hylora.ops.fp8_linear.reference import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX, GROUP, _check_scales
+from hylora.ops.fp8_linear.reference import (
+    AMAX_FLOOR,
+    BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    GROUP,
+    QuantizedActivation,
+    _check_scales,
+)
 
 QUANT_BLOCK_M = 16  # rows per quantisation program
 SUM_BLOCK = 1024  # outputs per program of the split-K sum
@@ -117,7 +125,7 @@ def quantize_activation(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tens
 
 
 def fp8_linear(
-    x: torch.Tensor,  # [..., K] bf16 / fp16 / fp32
+    x: torch.Tensor | QuantizedActivation,  # [..., K] bf16 / fp16 / fp32, or [M, K] quantised already
     w_fp8: torch.Tensor,  # [N, K] e4m3
     w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)]
     block: tuple[int, int] = BLOCK,
@@ -126,6 +134,8 @@ def fp8_linear(
 ) -> torch.Tensor:
     """y [..., N] = `reference.fp8_linear(x, w_fp8, w_scale, block)` up to fp32 summation order (and
     the fp8 MMA's own accumulation on a GPU), written into `out` when given."""
+    if isinstance(x, QuantizedActivation):
+        return _linear(x.q, w_fp8, w_scale, block, out, config, weight_only=False, quantized=x)
     return _linear(x, w_fp8, w_scale, block, out, config, weight_only=False)
 
 
@@ -150,8 +160,10 @@ def _linear(
     out: torch.Tensor | None,
     config: GemmConfig | None,
     weight_only: bool,
+    quantized: QuantizedActivation | None = None,  # x is its q: no quantisation launch
 ) -> torch.Tensor:
     *lead, K = x.shape
+    dtype = x.dtype if quantized is None else quantized.dtype
     N = w_fp8.shape[0]
     bn, bk = block
     _check_group(bk)
@@ -159,9 +171,9 @@ def _linear(
         raise ValueError(f"fp8_linear: needs an e4m3 weight [N, {K}] with unit stride along K")
     _check_scales(w_scale, N, K, block)
     if out is None:
-        out = torch.empty(*lead, N, dtype=x.dtype, device=x.device)
-    elif out.shape != (*lead, N) or out.dtype != x.dtype or out.stride(-1) != 1:
-        raise ValueError(f"fp8_linear: out must be [{', '.join(map(str, (*lead, N)))}] {x.dtype}, unit last stride")
+        out = torch.empty(*lead, N, dtype=dtype, device=x.device)
+    elif out.shape != (*lead, N) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"fp8_linear: out must be [{', '.join(map(str, (*lead, N)))}] {dtype}, unit last stride")
     x2, y = x.reshape(-1, K), out.view(-1, N)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -171,10 +183,12 @@ def _linear(
     if K == 0:
         return out.zero_()
     cfg = config or choose_config(M, N)
-    fuse_quant = cfg.fuse_quant and not weight_only
+    fuse_quant = cfg.fuse_quant and not weight_only and quantized is None
     groups = triton.cdiv(K, bk)
     split = split_k(cfg, M, N, groups, _num_sms(x.device))
-    if fuse_quant or weight_only:
+    if quantized is not None:
+        a, a_scale = x2, quantized.scale
+    elif fuse_quant or weight_only:
         a, a_scale = x2, x2  # the kernel reads x itself (and quantises it when fused); no scale tensor
     else:
         a, a_scale = quantize_activation(x2, bk)
@@ -187,7 +201,7 @@ def _linear(
         M * N if split > 1 else 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
         SWAP_AB=cfg.swap_ab, FUSE_QUANT=fuse_quant, WEIGHT_ONLY=weight_only, EVEN_K=K % bk == 0,
-        ONE_B_SCALE=bn % cfg.block_n == 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        ONE_B_SCALE=bn % cfg.block_n == 0, PRECISION="ieee" if dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1:

@@ -1,6 +1,7 @@
-"""The MLP's activation, silu(gate) * up over the fused [gate | up] projection: `reference` (torch)
-and `triton` (imported on demand: needs the triton package)."""
+"""The MLP's activation, silu(gate) * up over the fused [gate | up] projection, and the same quantised
+for an FP8 down projection: `reference` (torch) and `triton` (imported on demand: needs the triton
+package)."""
 
-from hylora.ops.silu_mul.reference import silu_mul
+from hylora.ops.silu_mul.reference import silu_mul, silu_mul_quantized
 
-__all__ = ["silu_mul"]
+__all__ = ["silu_mul", "silu_mul_quantized"]
