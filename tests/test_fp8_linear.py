@@ -433,10 +433,10 @@ def test_start_up_checks_pass_the_kernels_and_fail_wrong_ones():
         return T.fp8_linear(x, w, s, block, out=out)
 
     assert fp8_error(spills) == math.inf and fp8_error(unscaled) > 0.5
-    assert checks.silu_mul_quantized_error(300, torch.float32, DEVICE, tokens=(1, 17)) <= 1e-6  # exp: an ulp
+    assert checks.silu_mul_error(300, torch.float32, DEVICE, tokens=(1, 17), quantized=True) <= 1e-6  # exp: an ulp
 
     def half_scale(gate_up, group=128, keep=False):
         a = silu_triton.silu_mul_quantized(gate_up, group, keep)
         return R.QuantizedActivation(a.q, a.scale * 0.5, a.dtype, a.x)
 
-    assert checks.silu_mul_quantized_error(300, torch.float32, DEVICE, tokens=(17,), kernel=half_scale) > 0.3
+    assert checks.silu_mul_error(300, torch.float32, DEVICE, tokens=(17,), kernel=half_scale, quantized=True) > 0.3

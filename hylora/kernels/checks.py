@@ -361,13 +361,27 @@ def silu_mul_error(
     device: torch.device | str,
     tokens: Sequence[int] = NORM_TOKENS,
     kernel: Callable | None = None,
+    quantized: bool = False,
 ) -> float:
+    """The activation vs the reference at every token count of `tokens`. `quantized`: the one that
+    also quantises for an FP8 down projection (silu_mul_quantized), its quantised values
+    (dequantised) and the unquantised ones it keeps."""
+    from hylora.ops.fp8_linear.reference import dequantize_activation
+    from hylora.ops.silu_mul.reference import silu_mul_quantized as quantized_reference
+
     if kernel is None:
-        from hylora.ops.silu_mul.triton import silu_mul as kernel
+        from hylora.ops.silu_mul import triton
+
+        kernel = triton.silu_mul_quantized if quantized else triton.silu_mul
     worst = 0.0
     for T in tokens:
         gate_up = torch.randn(T, 2 * intermediate, generator=_generator(device, T), device=device).mul(3).to(dtype)
-        worst = max(worst, _rel_error(kernel(gate_up), silu_mul_reference(gate_up)))
+        if not quantized:
+            worst = max(worst, _rel_error(kernel(gate_up), silu_mul_reference(gate_up)))
+            continue
+        got, want = kernel(gate_up, keep=True), quantized_reference(gate_up, keep=True)
+        values = dequantize_activation(got.q, got.scale), dequantize_activation(want.q, want.scale)
+        worst = max(worst, _rel_error(*values), _rel_error(got.x, want.x))
     return worst
 
 
@@ -626,31 +640,6 @@ def fp8_linear_error(
         if not weight_only:  # the input quantised by its producer (silu_mul_quantized)
             quantized = reference.QuantizedActivation(*reference.quantize_activation(x, block[1]), dtype)
             worst = max(worst, _rel_error(kernel(quantized, w8, scale, block), want))
-    return worst
-
-
-@torch.inference_mode()
-def silu_mul_quantized_error(
-    intermediate: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    tokens: Sequence[int] = NORM_TOKENS,
-    kernel: Callable | None = None,
-) -> float:
-    """The fused activation + FP8 quantisation vs the reference: the quantised values (dequantised)
-    and the kept unquantised ones, every token count of `tokens`."""
-    from hylora.ops.fp8_linear.reference import dequantize_activation
-    from hylora.ops.silu_mul.reference import silu_mul_quantized as reference
-
-    if kernel is None:
-        from hylora.ops.silu_mul.triton import silu_mul_quantized as kernel
-    worst = 0.0
-    for T in tokens:
-        gate_up = torch.randn(T, 2 * intermediate, generator=_generator(device, T), device=device).mul(3).to(dtype)
-        got, want = kernel(gate_up, keep=True), reference(gate_up, keep=True)
-        values = dequantize_activation(got.q, got.scale), dequantize_activation(want.q, want.scale)
-        worst = max(worst, _rel_error(*values))
-        worst = max(worst, _rel_error(got.x, want.x))
     return worst
 
 

@@ -201,7 +201,7 @@ def select_silu_mul_quantized(model: HybridDecoder, fast_kernels: str = "auto") 
     if not triton_usable(model.device) or model.device.type != "cuda":
         return reference(name, "no CUDA or no triton")
     c = model.config
-    return _verdict(name, lambda: checks.silu_mul_quantized_error(c.intermediate_size, model.dtype, model.device),
+    return _verdict(name, lambda: checks.silu_mul_error(c.intermediate_size, model.dtype, model.device, quantized=True),
                     FP8_TOLERANCE)  # fmt: skip
 
 
