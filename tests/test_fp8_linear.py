@@ -419,7 +419,7 @@ def test_start_up_checks_pass_the_kernels_and_fail_wrong_ones():
     def fp8_error(kernel):
         return checks.fp8_linear_error(129, 256, (128, 128), torch.float32, DEVICE, tokens=(1, 17), kernel=kernel)
 
-    assert fp8_error(T.fp8_linear) <= 1e-4
+    assert fp8_error(T.fp8_linear) <= GEMM_RTOL * 10  # the kernel floor allows 1e-2 (FP8_TOLERANCE)
 
     def spills(x, w, s, block, out=None):
         y = T.fp8_linear(x, w, s, block)
