@@ -8,8 +8,12 @@
 
 Each: the kernel floor's check of the new path first (error vs the reference; the FP8 GEMM's check
 includes the sliced out), then the median GPU time of one call (20 calls in a CUDA graph), old / new.
+--engine: then two FP8 engines on the same random 27B-shape model cut to --layers layers, one with
+both changes and one with neither, score the same prompts (base and an adapter, one batch; prefill
+steps of 2048 tokens and a last one that is not a multiple of 16): their prompt logprobs and greedy
+tokens, compared.
 
-    python bench/fp8_fusion_gpu.py [--tokens 32,2048,8192]
+    python bench/fp8_fusion_gpu.py [--tokens 32,2048,8192] [--engine --layers 4]
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernel_sweep_gpu import bench  # noqa: E402
-from hylora.kernels import checks  # noqa: E402
+from hylora.kernels import KernelsConfig, checks  # noqa: E402
 from hylora.ops.fp8_linear import cublas, reference  # noqa: E402
 from hylora.ops.fp8_linear import triton as fp8_triton  # noqa: E402
 from hylora.ops.silu_mul import triton as silu  # noqa: E402
@@ -34,7 +38,10 @@ INTERMEDIATE, HIDDEN, IN_PROJ_FP8, IN_PROJ_TAIL = 17408, 5120, 16384, 96
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="32,2048,8192")
-    tokens = [int(t) for t in ap.parse_args().tokens.split(",")]
+    ap.add_argument("--engine", action="store_true")
+    ap.add_argument("--layers", type=int, default=4)
+    args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
     dev, dtype = "cuda", torch.bfloat16
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     err = checks.silu_mul_error(INTERMEDIATE, dtype, dev, quantized=True)
@@ -63,6 +70,53 @@ def main() -> None:
         row = (T, 1e3 * unfused, 1e3 * fused, 1e3 * copied, 1e3 * direct)
         print("| {} | {:.1f} | {:.1f} | {:.1f} | {:.1f} |".format(*row), flush=True)
     print(f"\ncuBLAS took out= : {not cublas._WRITES_INTO}")
+    if args.engine:
+        compare_engines(args.layers)
+
+
+def compare_engines(layers: int, prompt_len: int = 3000) -> None:
+    import tempfile
+
+    from bench.engine_gpu import QWEN36_27B, random_adapters, random_model
+    from hylora.config import ModelConfig
+    from hylora.demo import write_tokenizer
+    from hylora.engine import EngineConfig, LLMEngine, SamplingParams
+    from hylora.model.fp8 import quantize_linears
+
+    cfg = ModelConfig.from_hf(dict(QWEN36_27B, num_hidden_layers=layers))
+    work = Path(tempfile.mkdtemp())
+    (work / "tok").mkdir()
+    write_tokenizer(work / "tok", 1024)
+    adapters = random_adapters(work, cfg, n=1)
+    g = torch.Generator().manual_seed(0)
+    prompts = {name: torch.randint(0, 1000, (prompt_len,), generator=g).tolist() for name in ("base", "a0")}
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    results = []
+    for fused in (True, False):
+        cublas._WRITES_INTO[:] = [] if fused else [False]  # [False]: the result + copy path
+        model = random_model(cfg, "cuda", torch.bfloat16)
+        quantize_linears(model)
+        config = EngineConfig(
+            max_model_len=4096, max_num_seqs=2, max_num_batched_tokens=2048, max_loras=1, max_lora_rank=16,
+            enable_prefix_caching=False, kernels=KernelsConfig(fp8_fused_quant=fused),
+        )  # fmt: skip
+        engine = LLMEngine(work / "tok", config, adapters, progress=False, model=model)
+        for name, ids in prompts.items():
+            engine.add_request(name, ids, params, None if name == "base" else name)
+        outs = {}
+        while engine.has_unfinished():
+            outs |= {o.request_id: o for o in engine.step() if o.finished}
+        results.append(
+            {k: (torch.tensor([p.logprob for p in o.prompt_logprobs[1:]]), o.token_ids) for k, o in outs.items()}
+        )
+        print(f"engine {'with' if fused else 'without'} both changes: {engine.kernels['fp8_linear']}", flush=True)
+        del engine, model
+        torch.cuda.empty_cache()
+    for name in prompts:
+        (new, new_ids), (old, old_ids) = results[0][name], results[1][name]
+        d = (new - old).abs()
+        print(f"{name}: {prompt_len} prompt logprobs max |Δ| {d.max():.3g}, mean {d.mean():.3g}, finite "
+              f"{bool(torch.isfinite(new).all())}; greedy tokens equal {new_ids == old_ids}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ from hylora.engine.engine import LLMEngine, RequestError, RequestOutput
 from hylora.engine.multimodal import MultimodalPrompt
 from hylora.engine.request import SamplingParams
 
-# the top-1 and the runner-up: two served results whose top-1s differ are a near-tie when each ranks
-# the other's top-1 close to its own (compare.diff_served)
+# the top-1 and the runner-up: two served results whose top-1s differ are a near-tie when the one
+# compared with ranks the judged one's top-1 close to its own (compare.diff_served)
 SERVED_TOP_K = 2
 _MISSING = object()
 

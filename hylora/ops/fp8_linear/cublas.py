@@ -9,6 +9,8 @@ paths see the same FP8 inputs; cuBLAS sums in its own order.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hylora.ops.fp8_linear import triton as fp8_triton
@@ -30,21 +32,17 @@ def fp8_linear(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     *lead, K = x.shape
-    N = w_fp8.shape[0]
-    M = x.shape[0] if isinstance(x, QuantizedActivation) else x.reshape(-1, K).shape[0]
+    N, M = w_fp8.shape[0], math.prod(lead)
     if not usable(M, N, K, block):
         return fp8_triton.fp8_linear(x, w_fp8, w_scale, block, out=out)
-    padded = -(-M // PAD_TOKENS) * PAD_TOKENS
     if isinstance(x, QuantizedActivation):
         xq, xs = x.q, x.scale
-        if padded != M:  # cuBLAS's heuristics refuse some token counts: zero rows up to a multiple of 16
-            xq = torch.cat([xq.view(torch.uint8), xq.new_zeros(padded - M, K, dtype=torch.uint8)]).view(xq.dtype)
-            xs = torch.cat([xs, xs.new_ones(padded - M, xs.shape[1])])
     else:
-        x2 = x.reshape(-1, K)
-        if padded != M:
-            x2 = torch.cat([x2, x2.new_zeros(padded - M, K)])
-        xq, xs = fp8_triton.quantize_activation(x2, block[1])
+        xq, xs = fp8_triton.quantize_activation(x.reshape(-1, K), block[1])
+    padded = -(-M // PAD_TOKENS) * PAD_TOKENS
+    if padded != M:  # cuBLAS's heuristics refuse some token counts: zero rows up to a multiple of 16
+        xq = torch.cat([xq.view(torch.uint8), xq.new_zeros(padded - M, K, dtype=torch.uint8)]).view(xq.dtype)
+        xs = torch.cat([xs, xs.new_ones(padded - M, xs.shape[1])])
     # cuBLAS wants the activation scales column-major and the weight's as [K / 128, N / 128]
     args = dict(scale_a=xs.t().contiguous().t(), scale_b=w_scale.t(), out_dtype=x.dtype)
     if out is not None and padded == M and out.dim() == 2 and _writes_into(out):
