@@ -4,12 +4,15 @@
    against `silu_mul` then `quantize_activation` (two launches, the [T, I] activation written and read
    back), at the 27B's intermediate size 17408;
 2. cuBLAS writing the GDN in_proj's FP8 rows (16384 x 5120) into their column slice of the
-   [T, 16384 + 96] output (`out=`) against writing a [T, 16384] result and copying it in.
+   [T, 16384 + 96] output (`out=`) against writing a [T, 16384] result and copying it in;
+3. the residual add + RMSNorm quantising the next projection's input (`rms_norm_quantized`, one
+   launch, the norm kept as the in_proj's b / a rows need it) against `rms_norm` then
+   `quantize_activation`, at the hidden size 5120.
 
 Each: the kernel floor's check of the new path first (error vs the reference; the FP8 GEMM's check
 includes the sliced out), then the median GPU time of one call (20 calls in a CUDA graph), old / new.
 --engine: then two FP8 engines on the same random 27B-shape model cut to --layers layers, one with
-both changes and one with neither, score the same prompts (base and an adapter, one batch; prefill
+every change and one with none, score the same prompts (base and an adapter, one batch; prefill
 steps of 2048 tokens and a last one that is not a multiple of 16): their prompt logprobs and greedy
 tokens, compared.
 
@@ -30,6 +33,7 @@ from bench.kernel_sweep_gpu import bench  # noqa: E402
 from hylora.kernels import KernelsConfig, checks  # noqa: E402
 from hylora.ops.fp8_linear import cublas, reference  # noqa: E402
 from hylora.ops.fp8_linear import triton as fp8_triton  # noqa: E402
+from hylora.ops.rmsnorm import triton as norm  # noqa: E402
 from hylora.ops.silu_mul import triton as silu  # noqa: E402
 
 INTERMEDIATE, HIDDEN, IN_PROJ_FP8, IN_PROJ_TAIL = 17408, 5120, 16384, 96
@@ -46,12 +50,18 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     err = checks.silu_mul_error(INTERMEDIATE, dtype, dev, quantized=True)
     print(f"check silu_mul_quantized: max rel. error {err:.2e}", flush=True)
+    err = checks.rms_norm_quantized_error(HIDDEN, 1e-6, dtype, dev)
+    print(f"check rms_norm_quantized: max rel. error {err:.2e}", flush=True)
     err = checks.fp8_linear_error(IN_PROJ_FP8, HIDDEN, (128, 128), dtype, dev, kernel=cublas.fp8_linear)
     print(f"check cublas fp8_linear (sliced out, pre-quantised input): max rel. error {err:.2e}", flush=True)
 
     w, w_scale = reference.quantize_weight(torch.randn(IN_PROJ_FP8, HIDDEN, device=dev))
-    print("\n| tokens | silu_mul + quantize µs | silu_mul_quantized µs | in_proj: result + copy µs | out= µs |")
-    print("| --- | --- | --- | --- | --- |")
+    print(
+        "\n| tokens | silu_mul + quantize µs | silu_mul_quantized µs | in_proj: result + copy µs | out= µs "
+        "| rms_norm + quantize µs | rms_norm_quantized (kept) µs |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    nw = torch.randn(HIDDEN, device=dev, dtype=dtype) * 0.1
     for T in tokens:
         gate_up = torch.randn(T, 2 * INTERMEDIATE, device=dev, dtype=dtype)
         unfused = bench(lambda g=gate_up: fp8_triton.quantize_activation(silu.silu_mul(g)))
@@ -67,8 +77,11 @@ def main() -> None:
             cublas.fp8_linear(x, w, w_scale, out=view)
 
         copied, direct = bench(copy), bench(into)
-        row = (T, 1e3 * unfused, 1e3 * fused, 1e3 * copied, 1e3 * direct)
-        print("| {} | {:.1f} | {:.1f} | {:.1f} | {:.1f} |".format(*row), flush=True)
+        res = torch.randn_like(x)
+        norm_unfused = bench(lambda x=x, r=res: fp8_triton.quantize_activation(norm.rms_norm(x, nw, 1e-6, r)[0]))
+        norm_fused = bench(lambda x=x, r=res: norm.rms_norm_quantized(x, nw, 1e-6, r, keep=True))
+        row = (T, *(1e3 * t for t in (unfused, fused, copied, direct, norm_unfused, norm_fused)))
+        print("| {} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} |".format(*row), flush=True)
     print(f"\ncuBLAS took out= : {not cublas._WRITES_INTO}")
     if args.engine:
         compare_engines(args.layers)
@@ -110,7 +123,7 @@ def compare_engines(layers: int, prompt_len: int = 3000) -> None:
         results.append(
             {k: (torch.tensor([p.logprob for p in o.prompt_logprobs[1:]]), o.token_ids) for k, o in outs.items()}
         )
-        print(f"engine {'with' if fused else 'without'} both changes: {engine.kernels['fp8_linear']}", flush=True)
+        print(f"engine {'with' if fused else 'without'} the changes: {engine.kernels['fp8_linear']}", flush=True)
         del engine, model
         torch.cuda.empty_cache()
     for name in prompts:

@@ -9,7 +9,7 @@ scales where this torch has them (timed with the Triton activation quantisation 
 otherwise), and the weight-only GEMM (`fp8_weight_only_linear`, x unquantised) with its error against
 its own reference. Exits 1 when an error is NaN or above BOUND.
 
-    python bench/fp8_gemm_gpu.py [--quick] [--sweep]
+    python bench/fp8_gemm_gpu.py [--quick] [--sweep | --sweep-tma]
 
 --sweep times candidate tile configurations instead (decode and prefill) at a few shapes.
 """
@@ -130,6 +130,26 @@ def _config(base: T.GemmConfig, **changes) -> T.GemmConfig:
     return dataclasses.replace(base, **changes)
 
 
+def _chosen(M: int, N: int, **changes) -> T.GemmConfig:
+    return _config(T.choose_config(M, N), **changes)
+
+
+TMA_SWEEP = [  # decode sizes: the pointer loads (today's choice) against TMA tiles; None = choose_config's
+    (
+        (1, 8, 32),
+        ("down", "gate_up", "gdn_in_qkvz", "attn_o", "attn_kv"),
+        {
+            "chosen": None,
+            "tma": {"tma": True},
+            "tma-s6": {"tma": True, "num_stages": 6},
+            "tma-n128": {"tma": True, "block_n": 128},
+            "tma-n128-s6": {"tma": True, "block_n": 128, "num_stages": 6},
+            "tma-n128-w8": {"tma": True, "block_n": 128, "num_warps": 8},
+            "tma-pps4": {"tma": True, "programs_per_sm": 4},
+        },
+    ),
+]
+
 SWEEPS = [  # (token counts, shapes, candidates)
     (
         (1, 4, 8, 16),
@@ -169,8 +189,8 @@ SWEEPS = [  # (token counts, shapes, candidates)
 ]
 
 
-def sweep() -> None:
-    for tokens, shapes, configs in SWEEPS:
+def sweep(sweeps: list = SWEEPS) -> None:
+    for tokens, shapes, configs in sweeps:
         print(f"--- M {tokens}: us per call (/ GB/s of weight for M <= 64)")
         for name in shapes:
             N, K = SHAPES[name]
@@ -180,6 +200,8 @@ def sweep() -> None:
                 ref = R.fp8_linear(x.float(), w_fp8, w_scale)
                 cells = []
                 for cname, cfg in configs.items():
+                    if not isinstance(cfg, T.GemmConfig):  # changes to choose_config's pick for (M, N)
+                        cfg = _chosen(M, N, **(cfg or {}))
                     err = max_error(T.fp8_linear(x, w_fp8, w_scale, config=cfg), ref)
                     t = bench(lambda: T.fp8_linear(x, w_fp8, w_scale, config=cfg), 20 if M <= 256 else 4)  # noqa: B023
                     gbs = f"/{N * K / (t * 1e-3) / 1e9:.0f}" if M <= 64 else ""
@@ -193,11 +215,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="gate_up, down, attn_kv at M 1, 32, 2048")
     p.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead")
+    p.add_argument("--sweep-tma", action="store_true", help="decode sizes: pointer loads against TMA tiles")
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    if args.sweep:
-        sweep()
+    if args.sweep or args.sweep_tma:
+        sweep(TMA_SWEEP if args.sweep_tma else SWEEPS)
         return
     shapes = list(QUICK_SHAPES if args.quick else SHAPES)
     if not run_table(shapes, QUICK_TOKENS if args.quick else TOKENS):

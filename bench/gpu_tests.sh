@@ -19,12 +19,14 @@ for module in tests/test_logits_scan.py tests/test_rotary_op.py tests/test_cuda_
     echo "$module: not run (budget spent)"
     continue
   fi
-  timeout "$left" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --timeout=150 "$module" \
+  # -v: each test's verdict as it happens, so a call cut by the budget still names what failed
+  timeout "$left" python3 -m pytest -v -rfE --tb=short -p no:cacheprovider --timeout=150 "$module" \
     > "$OUT/$(basename "$module" .py).log" 2>&1
   rc=$?
-  cat "$OUT/$(basename "$module" .py).log" >> "$OUT/gpu_tests.log"
-  summary=$(grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|error)" "$OUT/$(basename "$module" .py).log" | tail -6)
-  passed=$(grep -E '^[.FEsx]+ *(\[ *[0-9]+%\])?$' "$OUT/$(basename "$module" .py).log" | tr -cd '.' | wc -c)
+  log="$OUT/$(basename "$module" .py).log"
+  cat "$log" >> "$OUT/gpu_tests.log"
+  summary=$(grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|error)| (FAILED|ERROR) +\[" "$log" | tail -6)
+  passed=$(grep -c " PASSED" "$log")
   [ "$rc" -eq 124 ] && summary="$summary (cut at the budget after $passed passed tests)"
   echo "$module: rc $rc; $summary"
 done

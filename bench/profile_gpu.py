@@ -182,7 +182,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--fp8", action="store_true", help="quantise the projections to FP8 at load")
-    ap.add_argument("--fp8-unfused", action="store_true", help="FP8: the down projection quantises its own input")
+    ap.add_argument(
+        "--fp8-unfused", action="store_true", help="FP8: each projection quantises its own input (no fused producer)"
+    )
     ap.add_argument("--decode-kernels", action="store_true", help="also a per-kernel table of 20 decode steps")
     ap.add_argument("--out")
     ap.add_argument("--watchdog", type=float, default=0, help="print every thread's stack and exit after this many s")

@@ -2,9 +2,11 @@
 
 Run as a script, without TRITON_INTERPRET: the real wrappers are called on meta-free CPU tensors of
 the Qwen3.6-27B shapes (bf16) with the launch intercepted; each launch is compiled by
-`triton.compile` for GPUTarget("cuda", 90, 32) and its PTX assembled by the bundled `ptxas -v`.
-Prints one JSON line per launch: kernel, constexprs, num_warps, registers, spill bytes. This
-catches what the CPU interpreter cannot: code the Hopper backend rejects, and register spills.
+`triton.compile` for GPUTarget("cuda", 90, 32) and its PTX assembled by the bundled `ptxas -v`;
+`--test-configs` compiles the FP8 GEMM configurations the tests run on a GPU instead. Prints one
+JSON line per launch: kernel, constexprs, num_warps, registers, spill bytes, shared memory. This
+catches what the CPU interpreter cannot: code the Hopper backend rejects, register spills, and
+tiles whose pipeline stages need more shared memory than an SM has.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import torch
@@ -20,6 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime import jit
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32", torch.int64: "i64",
          torch.float8_e4m3fn: "fp8e4nv"}  # fmt: skip
@@ -47,6 +51,8 @@ def compile_sm90(fn: jit.JITFunction, args: tuple, kwargs: dict) -> dict:
         v = bound[p.name]
         if p.is_constexpr:
             signature[p.name], constexprs[p.name] = "constexpr", v
+        elif isinstance(v, TensorDescriptor):  # a host-side TMA descriptor
+            signature[p.name] = f"tensordesc<{TYPES[v.base.dtype]}[{', '.join(map(str, v.block_shape))}]>"
         elif isinstance(v, torch.Tensor):
             signature[p.name], attrs[(i,)] = "*" + TYPES[v.dtype], [["tt.divisibility", 16]]
         elif isinstance(v, int):
@@ -77,6 +83,7 @@ def compile_sm90(fn: jit.JITFunction, args: tuple, kwargs: dict) -> dict:
         "num_warps": options.get("num_warps"),
         "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
         "spill_bytes": sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)),
+        "shared_bytes": kernel.metadata.shared,
     }
 
 
@@ -122,7 +129,10 @@ def launches_27b() -> None:
                                 e(hv, dtype=torch.float32), e(hv), e(S, hv, dk, dv, dtype=torch.float32), slots,
                                 [1] * N, dk**-0.5)  # fmt: skip
     w8, w8_scale = e(5120, 17408, dtype=torch.float8_e4m3fn), e(40, 136, dtype=torch.float32)  # down_proj, FP8
-    for T in (1, 32, 2048):  # the decode, 32-token and prefill configurations
+    rmsnorm.rms_norm_quantized(e(N, 5120), e(5120), 1e-6, e(N, 5120), keep=True)  # norm + FP8 quantisation
+    z = e(N, 2 * hv * dv)[:, hv * dv :].reshape(N, hv, dv)  # the in_proj's z columns
+    rmsnorm.gated_rms_norm_quantized(e(N, hv, dv), z, e(dv), 1e-6)  # the GDN output norm for its FP8 out_proj
+    for T in (1, 32, 2048):  # the decode, 32-token (TMA tiles) and prefill configurations
         fp8.fp8_linear(e(T, 17408), w8, w8_scale)  # quantisation, GEMM (+ the split-K sum below 2048)
         fp8.fp8_weight_only_linear(e(T, 17408), w8, w8_scale)  # GEMM (+ sum)
     qkv = e(N, 48, 72)  # the tower's fused qkv: 16 heads of 72
@@ -130,8 +140,21 @@ def launches_27b() -> None:
     logits_scan.scan_logits(e(N, 248320, dtype=torch.float32))  # chunk scan, merge
 
 
+def launches_test_configs() -> None:
+    """The FP8 GEMM configurations tests/test_fp8_linear.py runs on a GPU, on its fp32 inputs (the
+    weight-only path then holds fp32 x tiles: the most shared memory), dynamic and weight-only."""
+    from hylora.ops.fp8_linear import triton as fp8
+    from tests.fp8_gemm_configs import CONFIGS
+
+    x, w, w_scale = torch.empty(17, 384), torch.empty(257, 384, dtype=torch.float8_e4m3fn), torch.empty(3, 3)
+    for config in CONFIGS.values():
+        fp8.fp8_linear(x, w, w_scale, config=config)
+        fp8.fp8_weight_only_linear(x, w, w_scale, config=config)
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels this compiles")
-    for fn, args, kwargs in capture_launches(launches_27b):
+    launches = launches_test_configs if sys.argv[1:] == ["--test-configs"] else launches_27b
+    for fn, args, kwargs in capture_launches(launches):
         print(json.dumps(compile_sm90(fn, args, kwargs)), flush=True)

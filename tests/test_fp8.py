@@ -16,7 +16,7 @@ from hylora.config import ConfigError, ModelConfig
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams
 from hylora.kernels import KernelsConfig, select_kernels
 from hylora.model.fp8 import quantize_checkpoint
-from hylora.model.layers import MLP, Linear
+from hylora.model.layers import MLP, GatedRMSNorm, Linear, RMSNorm
 from hylora.model.loader import CheckpointError, load_model
 from hylora.ops.fp8_linear.reference import dequantize_activation, quantize_activation
 from tests.conftest import write_causal
@@ -223,24 +223,50 @@ def test_kernel_floor_reports_the_fp8_gemm(fp8_ckpts):
     assert "fp8_linear" not in select_kernels(load_model(dst, dtype=torch.float32, progress=False), page_size=16)
 
 
-def test_the_mlp_activation_quantises_the_fp8_down_projections_input_and_changes_nothing(fp8_ckpts, fp8_adapter):
-    """The kernel floor gives FP8 MLPs the activation that quantises the down projection's input
-    (silu_mul_quantized: no quantisation launch in the GEMM). Base and adapter requests in one batch
-    (the adapter's LoRA reads the kept unquantised values): the same logprobs, bit for bit, as the
-    down projection quantising its own input; not with weight-only FP8 (nothing to quantise)."""
-    _, dst, _ = fp8_ckpts["unaligned"]
+@pytest.fixture(scope="module")
+def heads128(tmp_path_factory):
+    """An FP8 checkpoint whose GDN value heads are 128 wide (one activation group a head, as Qwen's),
+    and a PEFT adapter on its every projection."""
+    root = tmp_path_factory.mktemp("fp8-heads128")
+    model = write_causal(root / "src", seed=4, hidden_size=256, intermediate_size=256, linear_value_head_dim=128)
+    quantize_checkpoint(root / "src", root / "fp8", progress=False)
+    peft_adapter(model, root / "adapter", seed=6, r=8, lora_alpha=16, target_modules="all-linear")
+    return root / "fp8", root / "adapter"
+
+
+@pytest.mark.parametrize("ckpt", ["unaligned", "heads128"])
+def test_the_norms_and_the_mlp_activation_quantise_the_fp8_inputs_and_change_nothing(ckpt, request):
+    """The kernel floor gives FP8 layers the norms that quantise the input of the projection behind
+    them (rms_norm_quantized: the GDN in_proj or attention qkv, the MLP's gate_up; with 128-wide GDN
+    value heads gated_rms_norm_quantized: the out_proj) and the activation that quantises the down
+    projection's (silu_mul_quantized): no quantisation launch in those GEMMs. Base and adapter
+    requests in one batch (the adapter's LoRA, and the in_proj's unquantised b / a rows, read the
+    kept values): the same logprobs, bit for bit, as the projections quantising their own inputs;
+    not with weight-only FP8 (nothing to quantise)."""
+    if ckpt == "unaligned":
+        dst, adapter = request.getfixturevalue("fp8_ckpts")["unaligned"][1], request.getfixturevalue("fp8_adapter")
+    else:
+        dst, adapter = request.getfixturevalue("heads128")
     common = dict(device="cpu", dtype="float32", max_lora_rank=8, max_num_seqs=4, quantization="fp8")
-    lora = {"all": fp8_adapter}
+    lora = {"all": adapter}
     fused = LLMEngine(dst, EngineConfig(**common), lora_modules=lora, progress=False)
     unfused_config = EngineConfig(**common, kernels=KernelsConfig(fp8_fused_quant=False))
     unfused = LLMEngine(dst, unfused_config, lora_modules=lora, progress=False)
-    assert fused.kernels["silu_mul_quantized"].implementation == "reference"
-    assert "silu_mul_quantized" not in unfused.kernels
-    calls = []
+    for name in ("silu_mul_quantized", "rms_norm_quantized"):
+        assert fused.kernels[name].implementation == "reference" and name not in unfused.kernels
+    act_calls, norm_calls = [], []
     for mlp in (m for m in fused.model.modules() if isinstance(m, MLP)):
         act = mlp.act_quantized
-        mlp.act_quantized = lambda h, group, keep, act=act: calls.append(keep) or act(h, group, keep)
+        mlp.act_quantized = lambda h, group, keep, act=act: act_calls.append(keep) or act(h, group, keep)
+    layers = list(fused.model.layers)
+    norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if ckpt == "heads128":  # the GDN output norms quantise for the out_proj too
+        norms += [layer.linear_attn.norm for layer in layers if layer.is_linear]
+    for norm in norms:
+        kernel = norm.kernel_quantized
+        norm.kernel_quantized = lambda *a, kernel=kernel, norm=norm: norm_calls.append(norm) or kernel(*a)
     assert all(m.act_quantized is None for m in unfused.model.modules() if isinstance(m, MLP))
+    assert all(m.kernel_quantized is None for m in unfused.model.modules() if isinstance(m, RMSNorm | GatedRMSNorm))
     params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=0, logprobs=0)
     prompts = {"base": (random_ids(70, 320, 4), None), "lora": (random_ids(70, 320, 5), "all")}
     results = []
@@ -248,9 +274,11 @@ def test_the_mlp_activation_quantises_the_fp8_down_projections_input_and_changes
         out = run(engine, {0: [(name, ids, params, adapter) for name, (ids, adapter) in prompts.items()]})
         results.append({k: ([p.logprob for p in o.prompt_logprobs if p], o.token_ids) for k, o in out.items()})
     assert results[0] == results[1]
-    assert True in calls and False not in calls  # one mixed batch: LoRA kept the values at every step
+    assert True in act_calls and False not in act_calls  # one mixed batch: LoRA kept the values at every step
+    assert {id(n) for n in norm_calls} == {id(n) for n in norms}
     weight_only = EngineConfig(**common, kernels=KernelsConfig(fp8_activations="none"))
-    assert "silu_mul_quantized" not in LLMEngine(dst, weight_only, progress=False).kernels
+    kernels = LLMEngine(dst, weight_only, progress=False).kernels
+    assert "silu_mul_quantized" not in kernels and "rms_norm_quantized" not in kernels
 
 
 def _copy_with(src: Path, dst: Path, edit) -> Path:

@@ -21,6 +21,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install '.[te
 
 from hylora.ops.fp8_linear import reference as R  # noqa: E402
 from hylora.ops.fp8_linear import triton as T  # noqa: E402
+from tests.fp8_gemm_configs import CONFIGS  # noqa: E402
 
 DEVICE = kernel_device(T._gemm_kernel)
 INTERPRETED = DEVICE == "cpu"
@@ -195,6 +196,69 @@ def test_silu_mul_quantized_is_the_unfused_ops_bit_for_bit(shape, dtype):
     assert torch.equal(bits(ref.q), bits(q_ref)) and torch.equal(bits(ref.scale), bits(s_ref))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 128), (17, 300), (3, 1000), (70, 64)], ids=str)
+def test_rms_norm_quantized_is_the_unfused_ops_bit_for_bit(shape, dtype):
+    """The decoder's norm and the FP8 quantisation of the projection behind it in one launch: the
+    same bits as rms_norm then quantize_activation, with and without the residual add (whose sum is
+    rms_norm's), kept and not (widths straddling the 128-input groups and a power of two; rows
+    straddling the norm's programs); the reference is the two reference ops."""
+    from hylora.ops.rmsnorm import reference as norm_reference
+    from hylora.ops.rmsnorm import triton as norm_triton
+
+    T_, D = shape
+    g = torch.Generator().manual_seed(T_ * D)
+    x, res = ((torch.randn(T_, D, generator=g) * 3).to(dtype).to(DEVICE) for _ in range(2))
+    w = (torch.randn(D, generator=g) * 0.1).to(dtype).to(DEVICE)
+    x[0] = -res[0]  # a row summing to zero: every group's scale AMAX_FLOOR / 448, values 0
+    for residual in (None, res):
+        normed = norm_triton.rms_norm(x, w, 1e-6, residual)
+        out, total = normed if residual is not None else (normed, None)
+        q, scale = T.quantize_activation(out)
+        for keep in (False, True):
+            got = norm_triton.rms_norm_quantized(x, w, 1e-6, residual, keep=keep)
+            got, got_total = got if residual is not None else (got, None)
+            assert torch.equal(bits(got.q.cpu()), bits(q.cpu())) and torch.equal(
+                bits(got.scale.cpu()), bits(scale.cpu())
+            )
+            assert got.dtype == dtype and (torch.equal(bits(got.x), bits(out)) if keep else got.x is None)
+            assert residual is None or torch.equal(bits(got_total), bits(total))
+        ref = norm_reference.rms_norm_quantized(
+            x.cpu(), w.cpu(), 1e-6, None if residual is None else res.cpu(), keep=True
+        )
+        ref = ref if residual is None else ref[0]
+        q_ref, s_ref = R.quantize_activation(ref.x)
+        assert torch.equal(bits(ref.q), bits(q_ref)) and torch.equal(bits(ref.scale), bits(s_ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 3, 128), (17, 5, 128), (4, 2, 256)], ids=str)
+def test_gated_rms_norm_quantized_is_the_unfused_ops_bit_for_bit(shape, dtype):
+    """The GDN's gated norm quantised for its out_proj in one launch: heads [T, H, D] (D a multiple of
+    the 128-input group) as [T, H·D] rows, the gate a strided view of a wider projection output; the
+    same bits as gated_rms_norm then quantize_activation, kept and not; D not a multiple is refused."""
+    from hylora.ops.rmsnorm import reference as norm_reference
+    from hylora.ops.rmsnorm import triton as norm_triton
+
+    T_, H, D = shape
+    g = torch.Generator().manual_seed(T_ * H * D)
+    x = (torch.randn(T_, H, D, generator=g) * 3).to(dtype).to(DEVICE)
+    z = torch.randn(T_, 2 * H * D + 7, generator=g).to(dtype).to(DEVICE)[:, 7 + H * D :].reshape(T_, H, D)
+    w = (torch.randn(D, generator=g) + 1).to(dtype).to(DEVICE)
+    out = norm_triton.gated_rms_norm(x, z, w, 1e-6).reshape(T_, H * D)
+    q, scale = T.quantize_activation(out)
+    for keep in (False, True):
+        got = norm_triton.gated_rms_norm_quantized(x, z, w, 1e-6, keep=keep)
+        assert torch.equal(bits(got.q.cpu()), bits(q.cpu())) and torch.equal(bits(got.scale.cpu()), bits(scale.cpu()))
+        assert got.dtype == dtype and (torch.equal(bits(got.x), bits(out)) if keep else got.x is None)
+    ref = norm_reference.gated_rms_norm_quantized(x.cpu(), z.cpu(), w.cpu(), 1e-6, keep=True)
+    q_ref, s_ref = R.quantize_activation(ref.x)
+    assert torch.equal(bits(ref.q), bits(q_ref)) and torch.equal(bits(ref.scale), bits(s_ref))
+    for norm in (norm_triton, norm_reference):
+        with pytest.raises(ValueError, match="multiple of 128"):
+            norm.gated_rms_norm_quantized(x[..., :64], z[..., :64], w[:64], 1e-6)
+
+
 @pytest.mark.parametrize("config", ["decode", "medium"])
 def test_fp8_linear_takes_an_input_quantised_by_its_producer(config):
     """A QuantizedActivation skips the GEMM's own quantisation and gives the same output."""
@@ -209,16 +273,6 @@ def test_fp8_linear_takes_an_input_quantised_by_its_producer(config):
 
 # fp32 summation order in the interpreter; on a GPU the fp8 MMA also sums 128 products with fewer bits
 GEMM_RTOL = 1e-5 if INTERPRETED else 1e-3
-CONFIGS = {
-    "decode1": T.DECODE_1,
-    "decode": T.DECODE,
-    "decode32": T.DECODE_32,
-    "medium": T.MEDIUM,
-    "prefill": T.PREFILL,
-    "fused-noswap": T.GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, max_split_k=4, fuse_quant=True),
-    "swap-unfused": T.GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=2, max_split_k=4, swap_ab=True),
-    "wide": T.GemmConfig(block_m=16, block_n=256, num_warps=4, num_stages=2),  # a tile over 2 scale rows
-}
 # (M, N, K, bn): each of M 1 15 16 17 65, N 1 127 128 129 257, K 64 127 128 129 384 and bn 128 / 1
 # at least once against each configuration (split K: K of 2 and 3 groups where it may split)
 CASES = [
@@ -257,6 +311,42 @@ def test_fp8_linear_equals_reference(case, config, monkeypatch):
     got = T.fp8_linear(x.to(DEVICE), w_fp8.to(DEVICE), w_scale.to(DEVICE), block, out=out, config=CONFIGS[config])
     assert got is out
     assert_close_to_reference(got.cpu(), R.fp8_linear(x, w_fp8, w_scale, block), GEMM_RTOL)
+
+
+@pytest.mark.parametrize("bn", [128, 1])
+@pytest.mark.parametrize("config", ["tma-decode", "tma-wide-noswap"])
+def test_tma_tiles_zero_fill_past_k_n_and_m(config, bn, monkeypatch):
+    """K = 400 (3 whole groups and 16 inputs), N and M past their tiles: the TMA kernel runs (its
+    zero fill replaces the masked last group) and matches the reference, every element written."""
+    monkeypatch.setattr(T, "MIN_GROUPS_PER_SPLIT", 1)
+    M, N, K = 17, 129, 400
+    x, w_fp8, w_scale, block = gemm_inputs(M, N, K, bn, seed=7)
+    x, w_dev = x.to(DEVICE), w_fp8.to(DEVICE)
+    assert T._tma_usable(T.quantize_activation(x)[0], w_dev) == (DEVICE == "cpu" or on_hopper())
+    out = torch.full((M, N), float("nan"), device=DEVICE)
+    T.fp8_linear(x, w_dev, w_scale.to(DEVICE), block, out=out, config=CONFIGS[config])
+    assert_close_to_reference(out.cpu(), R.fp8_linear(x.cpu(), w_fp8, w_scale, block), GEMM_RTOL)
+
+
+def test_tma_needs_16_byte_row_strides():
+    q = torch.zeros(4, 129, dtype=R.FP8_DTYPE)
+    assert not T._tma_usable(q, q) and T._tma_usable(q[:, :128].contiguous(), q[:, :128].contiguous())
+
+
+def test_cublas_takes_only_whole_blocks_with_aligned_scale_strides():
+    """Steps cuBLAS's block-scaled GEMM cannot take go to the Triton GEMM: fewer than 128 tokens,
+    partial or per-row blocks, and K whose weight-scale rows are not 16-byte aligned (K = 256: 2 fp32)."""
+    from hylora.ops.fp8_linear import cublas
+
+    assert cublas.usable(128, 256, 5120, (128, 128)) and cublas.usable(4096, 34816, 17408, (128, 128))
+    assert cublas.usable(128, 256, 128, (128, 128)) and cublas.usable(128, 256, 512, (128, 128))
+    assert not cublas.usable(127, 256, 5120, (128, 128)) and not cublas.usable(128, 200, 5120, (128, 128))
+    assert not cublas.usable(128, 256, 256, (128, 128)) and not cublas.usable(128, 256, 640, (128, 128))
+    assert not cublas.usable(128, 256, 5120, (1, 128))
+
+
+def on_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
 def test_split_k_happens_and_changes_nothing(monkeypatch):
@@ -440,3 +530,29 @@ def test_start_up_checks_pass_the_kernels_and_fail_wrong_ones():
         return R.QuantizedActivation(a.q, a.scale * 0.5, a.dtype, a.x)
 
     assert checks.silu_mul_error(300, torch.float32, DEVICE, tokens=(17,), kernel=half_scale, quantized=True) > 0.3
+
+    from hylora.ops.rmsnorm import triton as norm_triton
+
+    assert checks.rms_norm_quantized_error(300, 1e-6, torch.float32, DEVICE, tokens=(1, 17), heads=(3, 128)) <= 1e-6
+
+    def norm_half_scale(x, w, eps, residual=None, group=128, keep=False):
+        got = norm_triton.rms_norm_quantized(x, w, eps, residual, group, keep)
+        a, total = got if residual is not None else (got, None)
+        a = R.QuantizedActivation(a.q, a.scale * 0.5, a.dtype, a.x)
+        return a if residual is None else (a, total)
+
+    def norm_drops_residual(x, w, eps, residual=None, group=128, keep=False):
+        got = norm_triton.rms_norm_quantized(x, w, eps, None, group, keep)
+        return got if residual is None else (got, x + residual)
+
+    for wrong in (norm_half_scale, norm_drops_residual):
+        assert checks.rms_norm_quantized_error(300, 1e-6, torch.float32, DEVICE, tokens=(17,), kernel=wrong) > 0.3
+
+    def gated_half_scale(x, z, w, eps, group=128, keep=False):
+        a = norm_triton.gated_rms_norm_quantized(x, z, w, eps, group, keep)
+        return R.QuantizedActivation(a.q, a.scale * 0.5, a.dtype, a.x)
+
+    error = checks.rms_norm_quantized_error(
+        300, 1e-6, torch.float32, DEVICE, tokens=(17,), heads=(3, 128), gated_kernel=gated_half_scale
+    )
+    assert error > 0.3

@@ -332,7 +332,7 @@ def rms_norm_error(
         def rand(*shape, g=g):
             return torch.randn(*shape, generator=g, device=device).to(dtype)
 
-        w, x, res = rand(hidden) * 0.1, rand(T, hidden) * 3, rand(T, hidden)
+        w, x, res = _norm_inputs(T, hidden, dtype, device, g)
         worst = max(worst, _rel_error(norm(x, w, eps), norm_reference(x, w, eps)))
         for got, ref in zip(norm(x, w, eps, res), norm_reference(x, w, eps, res), strict=True):
             worst = max(worst, _rel_error(got, ref))
@@ -366,7 +366,6 @@ def silu_mul_error(
     """The activation vs the reference at every token count of `tokens`. `quantized`: the one that
     also quantises for an FP8 down projection (silu_mul_quantized), its quantised values
     (dequantised) and the unquantised ones it keeps."""
-    from hylora.ops.fp8_linear.reference import dequantize_activation
     from hylora.ops.silu_mul.reference import silu_mul_quantized as quantized_reference
 
     if kernel is None:
@@ -379,10 +378,65 @@ def silu_mul_error(
         if not quantized:
             worst = max(worst, _rel_error(kernel(gate_up), silu_mul_reference(gate_up)))
             continue
-        got, want = kernel(gate_up, keep=True), quantized_reference(gate_up, keep=True)
-        values = dequantize_activation(got.q, got.scale), dequantize_activation(want.q, want.scale)
-        worst = max(worst, _rel_error(*values), _rel_error(got.x, want.x))
+        worst = max(worst, _quantized_error(kernel(gate_up, keep=True), quantized_reference(gate_up, keep=True)))
     return worst
+
+
+@torch.inference_mode()
+def rms_norm_quantized_error(
+    hidden: int,
+    eps: float,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tokens: Sequence[int] = NORM_TOKENS,
+    kernel: Callable | None = None,
+    heads: tuple[int, int] | None = None,
+    gated_kernel: Callable | None = None,
+) -> float:
+    """The decoder's norms quantised for an FP8 projection vs their references: the hidden norm
+    (rms_norm_quantized) alone and with the residual add, and with `heads` (Hv, dv) the GDN's gated
+    norm (gated_rms_norm_quantized, its gate a strided view as the in_proj gives it) where dv holds
+    whole input groups: the quantised values (dequantised), the kept norm, the sum."""
+    from hylora.ops.fp8_linear.reference import GROUP
+    from hylora.ops.rmsnorm import reference
+
+    if kernel is None or gated_kernel is None:
+        from hylora.ops.rmsnorm import triton
+
+        kernel, gated_kernel = kernel or triton.rms_norm_quantized, gated_kernel or triton.gated_rms_norm_quantized
+    quantized_reference = reference.rms_norm_quantized
+    worst = 0.0
+    for T in tokens:
+        g = _generator(device, T)
+        w, x, res = _norm_inputs(T, hidden, dtype, device, g)
+        worst = max(worst, _quantized_error(kernel(x, w, eps, keep=True), quantized_reference(x, w, eps, keep=True)))
+        (got, got_sum), (want, want_sum) = kernel(x, w, eps, res), quantized_reference(x, w, eps, res)
+        worst = max(worst, _quantized_error(got, want), _rel_error(got_sum, want_sum))
+        if heads is not None and heads[1] % GROUP == 0:
+            hv, dv = heads
+            o = torch.randn(T, hv, dv, generator=g, device=device).to(dtype)
+            z = torch.randn(T, 2 * hv * dv, generator=g, device=device).to(dtype)[:, hv * dv :].reshape(T, hv, dv)
+            wv = torch.randn(dv, generator=g, device=device).to(dtype) + 1
+            want = reference.gated_rms_norm_quantized(o, z, wv, eps, keep=True)
+            worst = max(worst, _quantized_error(gated_kernel(o, z, wv, eps, keep=True), want))
+    return worst
+
+
+def _norm_inputs(
+    T: int, hidden: int, dtype: torch.dtype, device: torch.device | str, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A hidden norm's weight, input and residual: the weight near zero (the norm scales by 1 + w)."""
+    shapes = ((hidden,), (T, hidden), (T, hidden))
+    w, x, res = (torch.randn(*shape, generator=g, device=device).to(dtype) for shape in shapes)
+    return w * 0.1, x * 3, res
+
+
+def _quantized_error(got, want) -> float:  # two QuantizedActivation: their values and the kept inputs
+    from hylora.ops.fp8_linear.reference import dequantize_activation
+
+    values = dequantize_activation(got.q, got.scale), dequantize_activation(want.q, want.scale)
+    kept = _rel_error(got.x, want.x) if want.x is not None else 0.0
+    return max(_rel_error(*values), kept)
 
 
 @torch.inference_mode()

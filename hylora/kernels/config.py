@@ -37,8 +37,9 @@ class KernelsConfig:
     # 1.6-3x slower GEMMs than dynamic on an H200, docs/FP8.md)
     fp8_activations: str = "dynamic"
     # dynamic FP8 activations: the MLP's activation quantises the down projection's input in its own
-    # launch (ops.silu_mul.silu_mul_quantized) rather than the GEMM quantising it in another; the same
-    # values either way. False: the separate launch (a same-run comparison, bench/profile_gpu.py)
+    # launch (ops.silu_mul.silu_mul_quantized), and the decoder's norms the in_proj / qkv's, gate_up's and
+    # the GDN out_proj's (ops.rmsnorm), rather than each GEMM quantising its input in another; the same
+    # values either way. False: the separate launches (a same-run comparison, bench/profile_gpu.py)
     fp8_fused_quant: bool = True
     # hylora's Triton LoRA in host steps (prefill) of at least this many tokens: the delta written first
     # by cuBLAS, the base GEMM accumulating onto it (docs/LORA.md); 0: never, shrink + expand always.

@@ -53,6 +53,7 @@ def select_kernels(
         verdicts["fp8_linear"] = select_fp8_kernel(model, config.fast_kernels, config.fp8_activations)
         if config.fp8_activations == "dynamic" and config.fp8_fused_quant:
             verdicts["silu_mul_quantized"] = select_silu_mul_quantized(model, config.fast_kernels)
+            verdicts["rms_norm_quantized"] = select_rms_norm_quantized(model, config.fast_kernels)
     model.use_kernels(model_kernels(verdicts, config))
     return verdicts
 
@@ -112,6 +113,11 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
     if "silu_mul_quantized" in verdicts:  # FP8 down projections: their input quantised by the activation
         module = "triton" if "silu_mul_quantized" in fast else "reference"
         chosen["silu_mul_quantized"] = importlib.import_module(f"hylora.ops.silu_mul.{module}").silu_mul_quantized
+    if "rms_norm_quantized" in verdicts:  # FP8 projections behind a norm: their input quantised by it
+        module = "triton" if "rms_norm_quantized" in fast else "reference"
+        norms = importlib.import_module(f"hylora.ops.rmsnorm.{module}")
+        chosen["rms_norm_quantized"] = norms.rms_norm_quantized
+        chosen["gated_rms_norm_quantized"] = norms.gated_rms_norm_quantized
     if config.fp8_activations == "none":  # weight-only: the Triton GEMM once it passed, else its reference
         module = "triton" if "fp8_linear" in fast else "reference"
         chosen["fp8_linear"] = importlib.import_module(f"hylora.ops.fp8_linear.{module}").fp8_weight_only_linear
@@ -203,6 +209,21 @@ def select_silu_mul_quantized(model: HybridDecoder, fast_kernels: str = "auto") 
     c = model.config
     return _verdict(name, lambda: checks.silu_mul_error(c.intermediate_size, model.dtype, model.device, quantized=True),
                     FP8_TOLERANCE)  # fmt: skip
+
+
+def select_rms_norm_quantized(model: HybridDecoder, fast_kernels: str = "auto") -> KernelVerdict:
+    """The decoder's norms fused with the input quantisation of the FP8 projection behind them (the
+    mixer's in_proj / qkv and the MLP's gate_up behind the hidden norms, the GDN out_proj behind its
+    gated norm), checked against each norm then quantize_activation."""
+    name = "rms_norm_quantized"
+    if fast_kernels == "off":
+        return reference(name, "fast kernels off")
+    if not triton_usable(model.device) or model.device.type != "cuda":
+        return reference(name, "no CUDA or no triton")
+    c, dtype, dev = model.config, model.dtype, model.device
+    heads = (c.linear_num_value_heads, c.linear_value_head_dim)
+    check = functools.partial(checks.rms_norm_quantized_error, c.hidden_size, c.rms_norm_eps, dtype, dev, heads=heads)
+    return _verdict(name, check, FP8_TOLERANCE)
 
 
 def select_fast_kernels(

@@ -45,15 +45,17 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the MLP's output, the residual stream before it); the next layer (or the final norm)
         adds the two inside its norm. `residual` None: `x` is the embedding, the stream itself."""
+        # an FP8 projection behind a norm may take the norm quantised in the norm's launch
+        mixer_in = self.linear_attn.in_proj if self.is_linear else self.self_attn.qkv_proj
         if residual is None:
-            h, residual = self.input_layernorm(x), x
+            h, residual = self.input_layernorm(x, quantize_for=mixer_in, lora=batch.lora), x
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.input_layernorm(x, residual, quantize_for=mixer_in, lora=batch.lora)
         if self.is_linear:
             h = self.linear_attn(h, batch, states)
         else:
             h = self.self_attn(h, batch, kv, cos, sin)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(h, residual, quantize_for=self.mlp.gate_up_proj, lora=batch.lora)
         return self.mlp(h, batch.lora), residual
 
 

@@ -13,6 +13,7 @@ from hylora.config import ModelConfig
 from hylora.model.forward_batch import ForwardBatch
 from hylora.model.layers import GatedRMSNorm, Linear, _param
 from hylora.ops.causal_conv1d.reference import save_conv_states
+from hylora.ops.fp8_linear.reference import QuantizedActivation
 from hylora.ops.gated_delta_rule.reference import gating
 from hylora.ops.gated_delta_rule.reference import recurrent_by_slot as recurrent_by_slot_reference
 from hylora.ops.gdn_decode.reference import gdn_decode as gdn_decode_reference
@@ -60,8 +61,7 @@ class GatedDeltaNet(nn.Module):
             step = self.decode_step or gdn_decode_reference  # both: slot < 0 reads and writes nothing
             weight = self.conv1d.weight[:, 0]
             o = step(qkv, b, a, weight, self.A_log, self.dt_bias, states.conv[layer], states.recurrent[layer], slots)
-            o = self.norm(o, z.reshape(T, self.hv, self.dv))
-            return self.out_proj(o.reshape(T, self.value_dim), batch.lora)
+            return self.output(o, z, batch)
 
         layout = batch.seq_layout  # a padded short step: the sequences as the device holds them
         starts = layout[1] if layout is not None else None
@@ -95,5 +95,12 @@ class GatedDeltaNet(nn.Module):
             initial = states.recurrent[layer, slots]
             o, recurrent = self.delta_rule(q, k, v, g, beta, initial, batch.seq_lens, self.dk**-0.5)
             states.recurrent[layer, slots] = recurrent
-        o = self.norm(o, z.reshape(T, self.hv, self.dv))
-        return self.out_proj(o.reshape(T, self.value_dim), batch.lora)
+        return self.output(o, z, batch)
+
+    def output(self, o: torch.Tensor, z: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """out_proj(gated norm of the heads o [T, Hv, dv] by z), the norm quantised for an FP8 out_proj."""
+        T = o.shape[0]
+        normed = self.norm(o, z.reshape(T, self.hv, self.dv), quantize_for=self.out_proj, lora=batch.lora)
+        if isinstance(normed, QuantizedActivation):  # already [T, value_dim] rows
+            return self.out_proj(normed, batch.lora)
+        return self.out_proj(normed.reshape(T, self.value_dim), batch.lora)

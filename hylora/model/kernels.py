@@ -45,6 +45,10 @@ class ModelKernels:
     fp8_linear: Kernel = fp8_linear  # the GEMM of FP8 projections (Linear.set_fp8)
     # silu_mul quantised for an FP8 down projection in one launch (dynamic activations only; None: unfused)
     silu_mul_quantized: Kernel | None = None
+    # rms_norm (gated_rms_norm) quantised for the FP8 projection behind it in one launch (dynamic activations
+    # only; None: unfused)
+    rms_norm_quantized: Kernel | None = None
+    gated_rms_norm_quantized: Kernel | None = None
     lora_backend: str | None = None  # model.layers.LORA_BACKENDS; None: masked on CUDA, grouped on the CPU
     tower_lora_backend: str | None = None  # the vision tower's linears
     lora_delta_first_from: int = 0  # triton LoRA: host steps of this many tokens write the delta first; 0: never
@@ -71,9 +75,9 @@ def install(model: HybridDecoder, kernels: ModelKernels) -> None:
     mtp_modules = list(model.mtp.modules()) if model.mtp is not None else []
     for module in [*model.layers.modules(), model.norm, *mtp_modules]:
         if isinstance(module, RMSNorm):
-            module.kernel = kernels.rms_norm
+            module.kernel, module.kernel_quantized = kernels.rms_norm, kernels.rms_norm_quantized
         elif isinstance(module, GatedRMSNorm):
-            module.kernel = kernels.gated_rms_norm
+            module.kernel, module.kernel_quantized = kernels.gated_rms_norm, kernels.gated_rms_norm_quantized
         elif isinstance(module, MLP):
             module.act, module.act_quantized = kernels.silu_mul, kernels.silu_mul_quantized
     for module in model.modules():

@@ -125,19 +125,27 @@ class Linear(nn.Module):
 
     def base(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         """x Wᵀ without LoRA."""
-        if isinstance(x, QuantizedActivation):  # the producer quantised x for this FP8 GEMM
-            if not self.is_fp8 or self.tail_weight is not None:
-                raise ValueError("a quantised activation needs an FP8 projection without unquantised rows")
-            return self.fp8_kernel(x, self.weight, self.weight_scale, self.quant_block)
+        quantized = isinstance(x, QuantizedActivation)  # the producer quantised x for this FP8 GEMM
+        if quantized and not self.is_fp8:
+            raise ValueError("a quantised activation needs an FP8 projection")
         if not self.is_fp8:
             return F.linear(x, self.weight)
         if self.tail_weight is None:
             return self.fp8_kernel(x, self.weight, self.weight_scale, self.quant_block)
+        values = x.x if quantized else x  # the unquantised rows' input
+        if values is None:
+            raise ValueError("a quantised activation needs its unquantised values (keep=True) for unquantised rows")
         # the FP8 GEMM writes its columns of the output in place: no concatenation copy
-        y = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=values.device)
         self.fp8_kernel(x, self.weight, self.weight_scale, self.quant_block, out=y[..., : self.weight.shape[0]])
-        y[..., self.weight.shape[0] :] = F.linear(x, self.tail_weight)
+        y[..., self.weight.shape[0] :] = F.linear(values, self.tail_weight)
         return y
+
+    def needs_input_values(self, lora: LoRABatch | None) -> bool:
+        """Whether a quantised input must keep its unquantised values: for the unquantised rows, or
+        for this batch's LoRA."""
+        uses_lora = lora is not None and lora.has_adapters and self.lora is not None
+        return self.tail_weight is not None or uses_lora
 
     @property
     def slice_offsets(self) -> list[tuple[int, int]]:
@@ -209,28 +217,49 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _param(dim)
         self.kernel = rms_norm  # ops.rmsnorm: the Triton kernel once the start-up check installs it
+        # ops.rmsnorm's rms_norm_quantized, set by the kernel floor for FP8 with dynamic activations: the
+        # norm quantised for the FP8 projection behind it in the same launch, not by the GEMM's own
+        self.kernel_quantized = None
 
     def forward(
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin) [T, R], x [T, H, D]
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        quantize_for: Linear | None = None,  # the projection that reads the norm, if it may take it quantised
+        lora: LoRABatch | None = None,  # the batch's adapters (whether quantize_for's LoRA reads the norm)
+    ) -> torch.Tensor | QuantizedActivation | tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
+        if quantize_for is not None and quantize_for.is_fp8 and self.kernel_quantized is not None:
+            keep = quantize_for.needs_input_values(lora)
+            return self.kernel_quantized(x, self.weight, self.eps, residual, quantize_for.quant_block[1], keep)
         if rotary is not None:
             return self.kernel(x, self.weight, self.eps, residual, rotary=rotary)
         return self.kernel(x, self.weight, self.eps, residual)
 
 
 class GatedRMSNorm(nn.Module):
-    """Output norm of the GDN layer: norm(x) * w * silu(z), plain weight."""
+    """Output norm of the GDN layer: norm(x) * w * silu(z), plain weight, over heads [T, H, D]."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = _param(dim)
         self.kernel = gated_rms_norm  # ops.rmsnorm
+        # ops.rmsnorm's gated_rms_norm_quantized, set by the kernel floor as RMSNorm.kernel_quantized
+        self.kernel_quantized = None
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H, D]
+        z: torch.Tensor,  # [T, H, D]
+        quantize_for: Linear | None = None,  # the projection that reads the norm as [T, H·D] rows
+        lora: LoRABatch | None = None,
+    ) -> torch.Tensor | QuantizedActivation:
+        """[T, H, D], or [T, H·D] quantised for `quantize_for` (where its input groups hold whole heads)."""
+        fused = quantize_for is not None and quantize_for.is_fp8 and self.kernel_quantized is not None
+        if fused and x.shape[-1] % quantize_for.quant_block[1] == 0:
+            group, keep = quantize_for.quant_block[1], quantize_for.needs_input_values(lora)
+            return self.kernel_quantized(x, z, self.weight, self.eps, group, keep)
         return self.kernel(x, z, self.weight, self.eps)
 
 
@@ -247,6 +276,6 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         h = self.gate_up_proj(x, lora)
         if self.act_quantized is not None and self.down_proj.is_fp8:
-            keep = lora is not None and lora.has_adapters and self.down_proj.lora is not None  # LoRA reads h
+            keep = self.down_proj.needs_input_values(lora)
             return self.down_proj(self.act_quantized(h, self.down_proj.quant_block[1], keep), lora)
         return self.down_proj(self.act(h), lora)

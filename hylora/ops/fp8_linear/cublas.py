@@ -21,7 +21,13 @@ PAD_TOKENS = 16
 
 
 def usable(tokens: int, N: int, K: int, block: tuple[int, int]) -> bool:
-    return tokens >= CUBLAS_FROM and block == (128, 128) and N % 128 == 0 and K % 128 == 0
+    """Whole 128 x 128 blocks whose fp32 weight scales, as cuBLAS reads them ([K / 128, N / 128] with
+    row stride K / 128), have 16-byte aligned strides, as torch's message for 128 x 128 block scales
+    asks: K a multiple of 512, or a single K block. (On the H200 the demo, whose K are 128, 256 and
+    512, failed cuBLAS's start-up check with rel. error ~1e2, while the 27B's K of 5120, 6144 and 17408
+    pass; K = 256's 8-byte stride is the difference found, not yet confirmed on a GPU.)"""
+    aligned = K % 512 == 0 or K == 128
+    return tokens >= CUBLAS_FROM and block == (128, 128) and N % 128 == 0 and K % 128 == 0 and aligned
 
 
 def fp8_linear(

@@ -15,6 +15,9 @@
   the tokens on its N side of 16 or 32), and K split over programs when the (M, N) tiles alone would
   leave SMs idle: fp32 partials [split, M, N] summed by a second launch (no atomics: deterministic).
   `GemmConfig.fuse_quant` quantises x inside the GEMM instead of in its own launch (slower, below).
+  `GemmConfig.tma` (2-32 tokens): `_gemm_tma_kernel` loads both e4m3 tiles by Hopper's TMA (host tensor
+  descriptors, where bases and row strides are 16-byte aligned; the pointer kernel elsewhere): no
+  address arithmetic in the loop, and TMA's zero fill past M, N and K replaces the masked last group.
 - `fp8_weight_only_linear` (`reference.fp8_weight_only_linear`): the same GEMM on unquantised x, the
   weight tile converted to x's dtype in registers (e4m3 values are exact in bf16 and fp16) and the
   dot in x's dtype, times the weight scale per group: x · Wᵀ to fp32 summation order, no activation
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hylora.ops.fp8_linear.reference import (
     AMAX_FLOOR,
@@ -61,6 +65,7 @@ class GemmConfig:
     fuse_quant: bool = False  # quantise x inside the GEMM (each N tile quantises its x tiles again)
     group_m: int = 8  # M tiles swept together per N tile (L2 reuse of the weight)
     programs_per_sm: int = 2  # split K until the grid holds this many programs per SM
+    tma: bool = False  # load the e4m3 tiles by Hopper's TMA (tensor descriptors) where the operands allow it
 
 
 # From H200 sweeps (bench/fp8_gemm_gpu.py --sweep) at the Qwen3.6-27B shapes, bf16 x:
@@ -68,7 +73,9 @@ class GemmConfig:
 #   B (weight rows on the MMA's M side, 64 at a time), split K until 2 programs sit on every SM, 4
 #   stages. One token takes 128-row tiles and 8 warps (Triton specialises M = 1 as a constant; the
 #   64-row tile ran up to 25% slower there). 17-32 tokens: 32-token tiles where N is narrow (split K
-#   on), two 16-token tiles where N is wide. ~2.7-3.5 TB/s on the large linears.
+#   on), two 16-token tiles where N is wide. ~2.7-3.5 TB/s on the large linears. 2-32 tokens load their
+#   tiles by TMA (--sweep-tma, 2026-12-03: 4-8% less time on gate_up, the GDN in_proj and o_proj at 32
+#   tokens, within 3% either way elsewhere; at one token no better).
 # - quantising x inside the GEMM (fuse_quant) ran 1.3-1.8x slower than the separate launch: each
 #   weight tile quantises its x tile again (div_rn, amax) on the critical path.
 # - from 33 tokens: 64 x 128 tiles, one warpgroup (two CTAs per SM overlap one's scale FMAs with the
@@ -76,8 +83,8 @@ class GemmConfig:
 #   Prefill runs at about bf16 F.linear's speed; cuBLAS's block-scaled torch._scaled_mm was ~1.5x
 #   faster there (and slower than these kernels below 32 tokens).
 DECODE_1 = GemmConfig(block_m=16, block_n=128, num_warps=8, num_stages=3, max_split_k=8, swap_ab=True)
-DECODE = GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=4, max_split_k=8, swap_ab=True)
-DECODE_32 = GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=4, max_split_k=8, swap_ab=True)
+DECODE = GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=4, max_split_k=8, swap_ab=True, tma=True)
+DECODE_32 = GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=4, max_split_k=8, swap_ab=True, tma=True)
 MEDIUM = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4, max_split_k=4)
 PREFILL = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, group_m=16)
 WIDE_N = 12288  # from this many output features, 17-32 tokens take two 16-token tiles
@@ -108,6 +115,11 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: decide as on an H200
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache
+def _has_tma(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9  # the interpreter emulates it
 
 
 def quantize_activation(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,21 +206,38 @@ def _linear(
         a, a_scale = quantize_activation(x2, bk)
     target = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
-    _gemm_kernel[grid](
-        a, a_scale, w_fp8, w_scale, target,
-        M, N, K, bn, triton.cdiv(groups, split),
-        a.stride(0), a_scale.stride(0), w_fp8.stride(0), w_scale.stride(0), target.stride(-2),
-        M * N if split > 1 else 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        SWAP_AB=cfg.swap_ab, FUSE_QUANT=fuse_quant, WEIGHT_ONLY=weight_only, EVEN_K=K % bk == 0,
-        ONE_B_SCALE=bn % cfg.block_n == 0, PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    if cfg.tma and not (fuse_quant or weight_only) and _tma_usable(a, w_fp8):
+        _gemm_tma_kernel[grid](
+            TensorDescriptor.from_tensor(a, [cfg.block_m, bk]), a_scale,
+            TensorDescriptor.from_tensor(w_fp8, [cfg.block_n, bk]), w_scale, target,
+            M, N, bn, triton.cdiv(groups, split), a_scale.stride(0), w_scale.stride(0), target.stride(-2),
+            M * N if split > 1 else 0,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
+            ONE_B_SCALE=bn % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    else:
+        _gemm_kernel[grid](
+            a, a_scale, w_fp8, w_scale, target,
+            M, N, K, bn, triton.cdiv(groups, split),
+            a.stride(0), a_scale.stride(0), w_fp8.stride(0), w_scale.stride(0), target.stride(-2),
+            M * N if split > 1 else 0,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
+            SWAP_AB=cfg.swap_ab, FUSE_QUANT=fuse_quant, WEIGHT_ONLY=weight_only, EVEN_K=K % bk == 0,
+            ONE_B_SCALE=bn % cfg.block_n == 0, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](
             target, y, M * N, N, y.stride(0), SPLIT=split, BLOCK=SUM_BLOCK
         )
     return out
+
+
+def _tma_usable(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and row strides (and Hopper or newer; the interpreter emulates it)."""
+    if not _has_tma(a.device):
+        return False
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (a, w))
 
 
 def _check_group(group: int) -> None:
@@ -268,16 +297,8 @@ def _gemm_kernel(
     SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr, WEIGHT_ONLY: tl.constexpr, EVEN_K: tl.constexpr,
     ONE_B_SCALE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * tiles_n
-    first_m = (pid // width) * GROUP_M
-    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_size
-    pid_n = (pid % width) // group_size
-
     om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = (om % M).to(tl.int64)
@@ -315,14 +336,66 @@ def _gemm_kernel(
                 acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, FUSE_QUANT, WEIGHT_ONLY, ONE_B_SCALE, PRECISION
             )
 
-    c_base = c_ptr + split.to(tl.int64) * stride_cs
+    _store_tile(acc, c_ptr + split.to(tl.int64) * stride_cs, om, on, M, N, stride_cm, SWAP_AB)
+
+
+@triton.jit
+def _gemm_tma_kernel(
+    a_desc,  # [M, K] e4m3, tiles [BLOCK_M, BLOCK_K]; rows past M and inputs past K read as zeros
+    as_ptr,  # [M, K / BLOCK_K] fp32
+    b_desc,  # [N, K] e4m3, tiles [BLOCK_N, BLOCK_K]
+    bs_ptr,  # [N / bn, K / BLOCK_K]
+    c_ptr,  # [M, N] out, or [split, M, N] fp32 partials
+    M, N, bn, groups_per_split, stride_asm, stride_bsn, stride_cm, stride_cs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SWAP_AB: tl.constexpr, ONE_B_SCALE: tl.constexpr,
+):  # fmt: skip
+    """`_gemm_kernel`'s quantised path with both tiles loaded by TMA: no address arithmetic or
+    vector loads in the loop, and the zero fill past K and N replaces the masked last group."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    split = tl.program_id(1)
+    om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    as_ptrs = as_ptr + (om % M).to(tl.int64) * stride_asm  # rows past M: a real row's scale times zeros
+    if ONE_B_SCALE:
+        bs_ptrs = bs_ptr + (pid_n * BLOCK_N // bn).to(tl.int64) * stride_bsn
+    else:
+        bs_ptrs = bs_ptr + ((on % N) // bn).to(tl.int64) * stride_bsn
+    kb0 = split * groups_per_split
+    kb1 = tl.minimum(kb0 + groups_per_split, tl.cdiv(a_desc.shape[1], BLOCK_K))
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(kb0, kb1):
+        a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+        b = b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K])
+        acc = _accumulate(acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, False, False, ONE_B_SCALE, "tf32")
+    _store_tile(acc, c_ptr + split.to(tl.int64) * stride_cs, om, on, M, N, stride_cm, SWAP_AB)
+
+
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(M tile, N tile) of this program: GROUP_M M tiles swept together per N tile (L2 reuse)."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % width) % group_size, (pid % width) // group_size
+
+
+@triton.jit
+def _store_tile(acc, c_base, om, on, M, N, stride_cm, SWAP_AB: tl.constexpr):
+    """acc ([BLOCK_N, BLOCK_M] when SWAP_AB, else [BLOCK_M, BLOCK_N]) into c's rows om, columns on."""
     if SWAP_AB:
         mask = (on < N)[:, None] & (om < M)[None, :]
         c_ptrs = c_base + om.to(tl.int64)[None, :] * stride_cm + on[:, None]
     else:
         mask = (om < M)[:, None] & (on < N)[None, :]
         c_ptrs = c_base + om.to(tl.int64)[:, None] * stride_cm + on[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    tl.store(c_ptrs, acc.to(c_base.dtype.element_ty), mask=mask)
 
 
 @triton.jit

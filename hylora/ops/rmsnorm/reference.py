@@ -3,6 +3,10 @@
 `rms_norm`: the decoder's zero-centred norm, norm(x) * (1 + w); given `residual` it first forms
 s = residual + x (in x's dtype, as an unfused `x = x + h` would) and returns (norm(s), s); given
 `rotary` (the attention's q/k norms) it applies the rotary embedding to the normed heads.
+`rms_norm_quantized`: `rms_norm` (2-D, no rotary) quantised for an FP8 projection
+(`fp8_linear.quantize_activation`), e.g. the GDN in_proj or the MLP's gate_up behind the norm;
+`gated_rms_norm_quantized`: `gated_rms_norm` of [T, H, D] heads as [T, H·D] rows, quantised for the
+GDN out_proj (D a multiple of the group: a group never spans two heads).
 `gated_rms_norm`: the GDN output norm, w * norm(x) * silu(z), with the roundings of the layer it
 replaces (norm(x) rounded to x's dtype, then times w in that dtype, then times silu(z) in fp32).
 """
@@ -11,6 +15,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from hylora.ops.fp8_linear.reference import GROUP, QuantizedActivation, quantize_activation
 
 
 def rms_norm(
@@ -28,6 +34,22 @@ def rms_norm(
     if rotary is not None:
         out = apply_rotary(out, *rotary)
     return out if residual is None else (out, x)
+
+
+def rms_norm_quantized(
+    x: torch.Tensor,  # [T, D]
+    weight: torch.Tensor,  # [D]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, D]
+    group: int = GROUP,
+    keep: bool = False,
+) -> QuantizedActivation | tuple[QuantizedActivation, torch.Tensor]:
+    """`rms_norm(x, weight, eps, residual)` quantised per token and group of `group` inputs; with
+    `keep`, the unquantised norm too (for the projection's LoRA or unquantised rows)."""
+    normed = rms_norm(x, weight, eps, residual)
+    out, total = normed if residual is not None else (normed, None)
+    quantized = QuantizedActivation(*quantize_activation(out, group), out.dtype, out if keep else None)
+    return quantized if residual is None else (quantized, total)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -50,3 +72,19 @@ def gated_rms_norm(
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (weight * normed * F.silu(z.float())).to(x.dtype)
+
+
+def gated_rms_norm_quantized(
+    x: torch.Tensor,  # [T, H, D]
+    z: torch.Tensor,  # [T, H, D]
+    weight: torch.Tensor,  # [D]
+    eps: float,
+    group: int = GROUP,
+    keep: bool = False,
+) -> QuantizedActivation:
+    """`gated_rms_norm(x, z, weight, eps)` as [T, H·D] rows, quantised per token and group of `group`
+    inputs; with `keep`, the unquantised rows too."""
+    if x.ndim != 3 or x.shape[-1] % group:
+        raise ValueError(f"gated_rms_norm_quantized: takes [T, H, D] heads with D a multiple of {group}")
+    out = gated_rms_norm(x, z, weight, eps).reshape(x.shape[0], -1)
+    return QuantizedActivation(*quantize_activation(out, group), out.dtype, out if keep else None)

@@ -1,4 +1,8 @@
 """The RMSNorms of `reference` in one Triton launch each, same signatures and results.
+`rms_norm_quantized` (and `gated_rms_norm_quantized`) also quantise the norm for an FP8 projection in
+that launch, bit-equal to `fp8_linear.triton.quantize_activation` of this module's `rms_norm`
+(`gated_rms_norm`): the norm is not written (unless kept) nor read back by a quantisation launch of
+its own.
 
 Rows may be strided views (the attention layer's q/k heads are slices of its fused projection): x
 is addressed as [A, B, D] with strides (sa, sb, 1), row r = (r // B, r % B). Each program normalises
@@ -10,6 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from hylora.ops.fp8_linear.reference import FP8_DTYPE, GROUP, QuantizedActivation
+from hylora.ops.fp8_linear.triton import _check_group, _quantize_rows
 
 ELEMENTS_PER_PROGRAM = 4096
 
@@ -33,6 +40,39 @@ def rms_norm(
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     out = _launch(x, weight, eps, residual=residual, total=total, rotary=rotary)
     return out if residual is None else (out, total)
+
+
+def rms_norm_quantized(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    group: int = GROUP,
+    keep: bool = False,
+) -> QuantizedActivation | tuple[QuantizedActivation, torch.Tensor]:
+    if x.ndim != 2 or (residual is not None and residual.shape != x.shape):
+        raise ValueError("rms_norm_quantized: takes x [T, D] and a residual of the same shape")
+    _check_group(group)
+    T, D = x.shape
+    q = torch.empty(T, D, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(T, triton.cdiv(D, group), dtype=torch.float32, device=x.device)
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    out = _launch(x, weight, eps, residual=residual, total=total, quant=(q, scale, group), keep=keep)
+    quantized = QuantizedActivation(q, scale, x.dtype, out if keep else None)
+    return quantized if residual is None else (quantized, total)
+
+
+def gated_rms_norm_quantized(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group: int = GROUP, keep: bool = False
+) -> QuantizedActivation:
+    if x.ndim != 3 or z.shape != x.shape or x.shape[-1] % group:
+        raise ValueError(f"gated_rms_norm_quantized: takes [T, H, D] heads and gate, D a multiple of {group}")
+    _check_group(group)
+    T, H, D = x.shape
+    q = torch.empty(T, H * D, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(T, H * D // group, dtype=torch.float32, device=x.device)
+    out = _launch(x, weight, eps, gate=z, quant=(q, scale, group), keep=keep)  # head row r of q: [r // H, r % H]
+    return QuantizedActivation(q, scale, x.dtype, out.reshape(T, H * D) if keep else None)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,7 +100,9 @@ def _launch(
     total: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+    quant: tuple[torch.Tensor, torch.Tensor, int] | None = None,  # (e4m3 [T, D], scales [T, D / group], group)
+    keep: bool = True,  # write the norm (with quant: only when kept)
+) -> torch.Tensor | None:
     if x.ndim > 3:
         x = x.reshape(-1, *x.shape[-2:])
         residual = residual.reshape(x.shape) if residual is not None else None
@@ -68,22 +110,25 @@ def _launch(
     D = x.shape[-1]
     if weight.shape != (D,):
         raise ValueError(f"rms_norm: weight {list(weight.shape)} for rows of {D}")
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if keep else None
     A, B, sxa, sxb = _rows(x)
     rows = A * B
     if rows == 0:
         return out
     _, _, sra, srb = _rows(residual) if residual is not None else (0, 0, 0, 0)
     _, _, sga, sgb = _rows(gate) if gate is not None else (0, 0, 0, 0)
-    block_d = triton.next_power_of_2(D)
+    q, scale, group = quant if quant is not None else (x, x, GROUP)
+    block_d = max(triton.next_power_of_2(D), group if quant is not None else 1)
     block_rows = max(1, min(64, ELEMENTS_PER_PROGRAM // block_d))
     grid = (triton.cdiv(rows, block_rows),)
     cos, sin = rotary if rotary is not None else (x, x)
     _rms_norm_kernel[grid](
-        x, residual if residual is not None else x, gate if gate is not None else x, weight, out,
-        total if total is not None else out, cos, sin,
+        x, residual if residual is not None else x, gate if gate is not None else x, weight,
+        out if out is not None else x, total if total is not None else x, cos, sin, q, scale,
         rows, B, sxa, sxb, sra, srb, sga, sgb, D, eps, cos.shape[-1] if rotary is not None else 0,
+        triton.cdiv(D, group),
         HAS_RESIDUAL=residual is not None, GATED=gate is not None, ROTARY=rotary is not None,
+        QUANT=quant is not None, STORE_OUT=out is not None, GROUP=group, GROUPS_PER_ROW=block_d // group,
         BLOCK_D=block_d, ROWS=block_rows, num_warps=8 if block_d >= 4096 else 4,
     )  # fmt: skip
     return out
@@ -91,9 +136,10 @@ def _launch(
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, total_ptr, cos_ptr, sin_ptr,
-    rows, B, sxa, sxb, sra, srb, sga, sgb, D, eps, R,
-    HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ROTARY: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, total_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr,
+    rows, B, sxa, sxb, sra, srb, sga, sgb, D, eps, R, groups,
+    HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ROTARY: tl.constexpr, QUANT: tl.constexpr,
+    STORE_OUT: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_ROW: tl.constexpr, BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS]
@@ -131,4 +177,12 @@ def _rms_norm_kernel(
         normed = y.to(x.dtype).to(tl.float32)
         turned = (normed * c).to(x.dtype).to(tl.float32) + (rotated * s).to(x.dtype).to(tl.float32)
         y = tl.where(in_rot[None, :], turned, normed)
-    tl.store(out_ptr + dense, y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = y.to(x_ptr.dtype.element_ty)
+    if STORE_OUT:
+        tl.store(out_ptr + dense, y, mask=mask)
+    if QUANT:  # each row's groups of GROUP inputs, from the rounded norm (lanes past D are zeros)
+        q, scale = _quantize_rows(tl.reshape(y.to(tl.float32), (ROWS * GROUPS_PER_ROW, GROUP)))
+        tl.store(q_ptr + dense, tl.reshape(q, (ROWS, BLOCK_D)), mask=mask)
+        g = tl.arange(0, GROUPS_PER_ROW)
+        s_mask = (r < rows)[:, None] & (g < groups)[None, :]
+        tl.store(s_ptr + r[:, None] * groups + g[None, :], tl.reshape(scale, (ROWS, GROUPS_PER_ROW)), mask=s_mask)
