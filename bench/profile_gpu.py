@@ -185,6 +185,9 @@ def main() -> None:
     ap.add_argument(
         "--fp8-unfused", action="store_true", help="FP8: each projection quantises its own input (no fused producer)"
     )
+    ap.add_argument(
+        "--no-fused-lora-expand", action="store_true", help="gate_up's LoRA expand in its own kernel (not the act.)"
+    )
     ap.add_argument("--decode-kernels", action="store_true", help="also a per-kernel table of 20 decode steps")
     ap.add_argument("--out")
     ap.add_argument("--watchdog", type=float, default=0, help="print every thread's stack and exit after this many s")
@@ -201,9 +204,10 @@ def main() -> None:
         print(f"fp8: {quantize_linears(model)} projections quantised", flush=True)
     adapters = random_adapters(work, cfg)
     t0 = time.perf_counter()
+    kernels = KernelsConfig(fp8_fused_quant=not args.fp8_unfused, fused_lora_expand=not args.no_fused_lora_expand)
     config = EngineConfig(
         max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens, max_loras=8,
-        max_lora_rank=16, kernels=KernelsConfig(fp8_fused_quant=not args.fp8_unfused),
+        max_lora_rank=16, kernels=kernels,
     )  # fmt: skip
     engine = LLMEngine(demo, config, adapters, progress=False, model=model)
     print(f"kernels: {as_text(engine.kernels)}; engine set-up {time.perf_counter() - t0:.1f} s", flush=True)

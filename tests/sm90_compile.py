@@ -97,6 +97,7 @@ def launches_27b() -> None:
     from hylora.ops.paged_decode_attention import triton as attention
     from hylora.ops.rmsnorm import triton as rmsnorm
     from hylora.ops.rotary import triton as rotary
+    from hylora.ops.silu_mul import triton as silu
 
     dt, N = torch.bfloat16, 4
 
@@ -121,6 +122,11 @@ def launches_27b() -> None:
         meta = lora.LoRAKernelMeta.build(torch.zeros(T, dtype=torch.long), 8)
         lora.lora_apply(e(T, 5120), e(T, sum(rows)), a, b, offsets, meta)
     lora.lora_expand(e(1, 32, 3, 8, r), b, offsets, e(32, sum(rows)), meta)  # decode's stacked expand: bf16 h
+    b_mlp = [e(8, r, 17408)] * 2  # gate_up's B: its expand in the activation (plain, and for an FP8 down_proj)
+    for T, h in ((32, e(1, 32, 2, 8, r)), (2048, e(8, 2048, 2, r, dtype=torch.float32))):  # stacked h, partials
+        meta = lora.LoRAKernelMeta.build(torch.zeros(T, dtype=torch.long), 8)
+        silu.silu_mul_lora(e(T, 2 * 17408), h, b_mlp, meta)
+        silu.silu_mul_lora(e(T, 2 * 17408), h, b_mlp, meta, group=128, keep=True)
     q = e(N, 24, 512)[..., :256]  # the query half of [query | gate] heads
     rmsnorm.rms_norm(q, e(256), 1e-6, rotary=(e(N, 64), e(N, 64)))  # q norm + rotary (partial: 64 of 256)
     conv.causal_conv1d_by_slot(e(N, C), e(C, 4), e(S, C, 3), slots, [1] * N, splits=(hk * dk, hk * dk, hv * dv))

@@ -107,3 +107,114 @@ def test_engine_lora_delta_first_equals_reference(causal_ckpt, engine_adapter_ro
         assert delta_first[rid].token_ids == out.token_ids, rid
         diff = max(abs(a.logprob - b.logprob) for a, b in zip(delta_first[rid].logprobs, out.logprobs, strict=True))
         assert diff <= 1e-4, (rid, diff)
+
+
+def triton_lora(engine, fused_activation: bool = False, **config) -> None:
+    """The engine's own kernels (for an FP8 model: the norms and the activation quantising the FP8
+    inputs) with hylora's Triton LoRA, and with or without the activation applying gate_up's expand."""
+    from hylora.kernels.config import KernelsConfig
+
+    names = ["lora", "silu_mul_lora"] if fused_activation else ["lora"]
+    engine.model.use_kernels(model_kernels(dict(engine.kernels) | fast_verdicts(names), KernelsConfig(**config)))
+
+
+def assert_same_outputs(got: dict, want: dict, tolerance: float = 1e-4) -> None:
+    for rid, out in want.items():
+        assert got[rid].token_ids == out.token_ids, rid
+        diff = max(abs(a.logprob - b.logprob) for a, b in zip(got[rid].logprobs, out.logprobs, strict=True))
+        assert diff <= tolerance, (rid, diff)
+
+
+def test_fp8_decode_lora_takes_every_slots_h_from_one_gemm_beside_the_fp8_gemm(
+    causal_ckpt, engine_adapter_root, monkeypatch
+):
+    """FP8 projections (quantised at load; the CPU runs the reference FP8 GEMM, fed by the norms and
+    the activation that quantise its inputs) with the Triton LoRA: steps under 128 tokens take every
+    slot's h from one 16-bit GEMM over [unquantised rows; A] (the GDN in_proj's b / a rows among them)
+    and run the expand alone, as bf16 decode steps do, with no shrink launch. Adapters on different
+    projections mixed with base requests: tokens and logprobs equal the torch LoRA path on the same
+    FP8 weights."""
+    from hylora.model.layers import Linear
+    from hylora.ops.lora import triton as lora_triton
+
+    requests = [
+        (f"r{i}", random_ids(n, 320, seed=90 + i), SamplingParams(max_tokens=5, temperature=0, logprobs=1), adapter)
+        for i, (n, adapter) in enumerate([(13, None), (16, "gdn_attn"), (31, "all_linear"), (40, "rs_mlp")])
+    ]
+    expand, expands = lora_triton.lora_expand, []
+
+    def counted_expand(h, *args, **kwargs):
+        expands.append(h.ndim)  # 5: [1, T, slices, slots, r], every slot's h; 4: a shrink's partials
+        return expand(h, *args, **kwargs)
+
+    outputs = []
+    for triton in (False, True):
+        engine = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=128, page_size=16, quantization="fp8")
+        assert engine.kernels["rms_norm_quantized"].implementation == "reference"  # quantised inputs
+        fp8 = [m for m in engine.model.modules() if isinstance(m, Linear) and m.is_fp8 and m.lora is not None]
+        with_tail = [m for m in fp8 if m.tail_weight is not None]
+        assert fp8 and with_tail  # the in_proj's b / a rows stay unquantised
+        assert all(m.tail_weight.data_ptr() == m.stacked_weight.data_ptr() for m in with_tail)
+        if triton:
+            triton_lora(engine)
+            monkeypatch.setattr(lora_triton, "lora_shrink", lambda *a, **k: pytest.fail("a shrink launch ran"))
+            monkeypatch.setattr(lora_triton, "lora_expand", counted_expand)
+        outputs.append(run(engine, {0: requests}))
+    assert expands and set(expands) == {5}  # every expand read each token's own slot of the stacked h
+    assert_same_outputs(outputs[1], outputs[0])
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["unquantised", "fp8"])
+def test_the_activation_applies_gate_ups_lora_expand_as_the_expand_kernel_does(
+    causal_ckpt, engine_adapter_root, quantization
+):
+    """silu_mul_lora in the engine: a 340-token prompt step (the shrink's fp32 partials; the delta
+    first off) and decode steps (every slot's h), adapters that target the MLP and one that does not
+    (a zero delta over both slices), base requests beside them; with FP8 the activation quantises
+    for the down projection too. Tokens and logprobs equal the expand kernel then the activation, and
+    both forms of h reached the fused activation."""
+    from hylora.ops.silu_mul import triton as silu_triton
+
+    requests = [
+        (f"r{i}", random_ids(n, 320, seed=110 + i), SamplingParams(max_tokens=4, temperature=0, logprobs=1), adapter)
+        for i, (n, adapter) in enumerate([(150, "gdn_attn"), (140, "rs_mlp"), (30, None), (20, "all_linear")])
+    ]
+    forms = []
+
+    def fused(gate_up, h, *args):
+        forms.append(h.ndim)
+        return silu_triton.silu_mul_lora(gate_up, h, *args)
+
+    outputs = []
+    for fused_activation in (False, True):
+        engine = make_engine(
+            causal_ckpt[0], engine_adapter_root, max_model_len=256, page_size=16, quantization=quantization
+        )
+        triton_lora(engine, fused_activation, lora_delta_first_from=0)
+        mlps = [layer.mlp for layer in engine.model.layers]
+        assert all((m.act_lora is not None) == fused_activation for m in mlps)
+        for mlp in mlps if fused_activation else ():
+            mlp.act_lora = fused
+        outputs.append(run(engine, {0: requests}))
+    assert set(forms) == {4, 5}  # the prompt step's shrink partials, the decode steps' stacked h
+    assert_same_outputs(outputs[1], outputs[0])
+
+
+def test_the_fused_activation_serves_only_the_triton_lora(causal_ckpt, engine_adapter_root):
+    """silu_mul_lora takes over the expand of hylora's Triton LoRA; with another LoRA backend (the
+    torch ones have no expand kernel) or fused_lora_expand off the activation stays the plain one."""
+    from hylora.kernels.config import KernelsConfig
+    from hylora.kernels.select import select_kernels
+
+    engine = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=64, page_size=16)
+    mlp = engine.model.layers[0].mlp
+    for names, config, fused in (
+        (["lora", "silu_mul_lora"], KernelsConfig(), True),
+        (["silu_mul_lora"], KernelsConfig(), False),  # the lora kernels failed: the masked / grouped LoRA
+        (["lora", "silu_mul_lora"], KernelsConfig(lora_backend="masked"), False),
+    ):
+        engine.model.use_kernels(model_kernels(fast_verdicts(names), config))
+        assert (mlp.act_lora is not None) == fused, (names, config)
+    verdicts = select_kernels(engine.model, 16, KernelsConfig(fused_lora_expand=False))
+    assert "silu_mul_lora" not in verdicts and mlp.act_lora is None
+    assert select_kernels(engine.model, 16)["silu_mul_lora"].implementation == "reference"  # no CUDA here

@@ -125,8 +125,11 @@ ADAPTER_OF = [None, "gdn_attn", "all_linear", "rs_mlp", None]
 PROMPT_LENS = [13, 16, 31, 47, 20]  # 16: the new token opens a page
 
 
-def _prefilled(causal_ckpt, adapter_root, fast: bool):
-    engine = make_engine(causal_ckpt[0], adapter_root, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=512)
+def _prefilled(causal_ckpt, adapter_root, fast: bool, quantization: str | None = None):
+    engine = make_engine(
+        causal_ckpt[0], adapter_root, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=512,
+        quantization=quantization,
+    )  # fmt: skip
     if fast:
         from hylora.kernels import model_kernels
         from hylora.kernels.select import fast_verdicts
@@ -138,20 +141,24 @@ def _prefilled(causal_ckpt, adapter_root, fast: bool):
     return engine
 
 
-CASES = [  # (batch, forced bucket, Triton kernels under the interpreter: slow, so one case)
-    pytest.param("base", None, False, id="base-smallest-bucket-references"),
-    pytest.param("base", 8, False, id="base-bucket-8-references"),
-    pytest.param("mixed", None, False, id="mixed-smallest-bucket-references"),
-    pytest.param("mixed", 8, False, id="mixed-bucket-8-references"),
-    pytest.param("mixed", 8, True, id="mixed-bucket-8-triton-interpreter"),
+CASES = [  # (batch, forced bucket, Triton kernels under the interpreter: slow, so two cases; weights)
+    pytest.param("base", None, False, None, id="base-smallest-bucket-references"),
+    pytest.param("base", 8, False, None, id="base-bucket-8-references"),
+    pytest.param("mixed", None, False, None, id="mixed-smallest-bucket-references"),
+    pytest.param("mixed", 8, False, None, id="mixed-bucket-8-references"),
+    pytest.param("mixed", 8, True, None, id="mixed-bucket-8-triton-interpreter"),
+    # FP8 projections: the LoRA's h of every slot from a GEMM beside the FP8 one, padding rows included
+    pytest.param("mixed", 8, True, "fp8", id="mixed-bucket-8-fp8-triton-interpreter"),
 ]
 
 
-@pytest.mark.parametrize("mix, bucket, fast", CASES)
-def test_padded_step_equals_unpadded_and_writes_nowhere_else(causal_ckpt, adapter_root, mix, bucket, fast):
+@pytest.mark.parametrize("mix, bucket, fast, quantization", CASES)
+def test_padded_step_equals_unpadded_and_writes_nowhere_else(
+    causal_ckpt, adapter_root, mix, bucket, fast, quantization
+):
     if fast:
         pytest.importorskip("triton")
-    engine = _prefilled(causal_ckpt, adapter_root, fast)
+    engine = _prefilled(causal_ckpt, adapter_root, fast, quantization)
     plan = engine.scheduler.schedule()  # the next step (pages for the new tokens allocated)
     wanted = {f"r{i}" for i in BATCHES[mix]}
     chunks = [c for c in plan.chunks if c.request.request_id in wanted]

@@ -642,6 +642,79 @@ def test_silu_mul_equals_reference(shape):
         torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
 
 
+SILU_LORA_CASES = [  # (tokens, inner, rank): 16- and 32-token tiles (from 128 tokens), a 160-wide
+    # activation (a 128-column group and a tail), ranks under and at the dot's 16
+    (5, 160, 8),
+    (40, 160, 16),
+    (130, 96, 8),
+]
+
+
+@pytest.mark.parametrize("form", ["shrink-partials", "stacked-h"])
+@pytest.mark.parametrize("case", SILU_LORA_CASES, ids=str)
+@pytest.mark.parametrize("group", [None, 32], ids=["bf16-out", "fp8-out"])
+def test_silu_mul_lora_is_the_expand_then_the_activation(case, form, group):
+    """The MLP activation with gate_up's LoRA expand in its launch: base tokens (slot -1, their h
+    NaN: never read) and three adapters in interleaved runs, slot 2 unused and NaN; equal to
+    `reference.silu_mul_lora` (the expand into [gate | up], then the activation) on every row, and
+    the kept values quantised as `quantize_activation` would."""
+    from hylora.ops.fp8_linear import triton as fp8_triton
+
+    T, inner, R = case
+    L = 4
+    g = torch.Generator().manual_seed(T * inner + R)
+    runs = [-1, 0, 3, -1, 1, 0]
+    slots = torch.tensor([runs[t * len(runs) // T] for t in range(T)])
+    stride = 2 * inner + 24  # [gate | up] rows inside a wider output (the stacked GEMM's)
+    gate_up = (torch.randn(T, stride, generator=g) * 3)[:, : 2 * inner]
+    b = [torch.randn(L, R, inner, generator=g) for _ in range(2)]
+    for bi in b:
+        bi[2] = NAN  # an unused slot
+    if form == "stacked-h":  # [1, T, 2, L, r], every slot's h (one GEMM)
+        h = torch.randn(1, T, 2, L, R, generator=g)
+        h[:, :, :, 2] = NAN
+    else:  # [split, T, 2, r] shrink partials; base rows unwritten
+        h = torch.randn(3, T, 2, R, generator=g)
+        h[:, slots < 0] = NAN
+    meta = lora_triton.LoRAKernelMeta.build(slots, L)
+    got = silu_triton.silu_mul_lora(gate_up, h, b, meta, group=group, keep=True)
+    ref = silu_reference.silu_mul_lora(gate_up, h, b, slots, group=group, keep=True)
+    plain = silu_triton.silu_mul(gate_up)  # the plain kernel: the same float formula as the fused one
+    if group is None:
+        values, want = got, ref
+    else:
+        values, want = got.x, ref.x
+        q, scale = fp8_triton.quantize_activation(got.x, group)
+        assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got.scale, scale)
+    assert not values.isnan().any()
+    torch.testing.assert_close(values, want, rtol=1e-5, atol=1e-5)
+    base = slots < 0
+    assert torch.equal(values[base], plain[base])  # base rows: the activation alone, bit for bit
+    assert not torch.allclose(values[~base], plain[~base])  # the adapters' delta is there
+
+
+def test_silu_mul_lora_start_up_check_passes_the_kernel_and_fails_wrong_ones():
+    """The kernel floor's check of the fused activation: the kernel within fp32's bound; a kernel
+    that drops the delta, sums one of the shrink's partials, or takes every token's delta from slot 0
+    fails."""
+    small = dict(tokens=(5, 130), ranks=(8,))
+    assert check.silu_mul_lora_error(160, torch.float32, "cpu", **small) <= 1e-5
+
+    def no_delta(gate_up, h, b, meta, group=None, keep=False):
+        zero = [torch.zeros_like(bi) for bi in b]
+        return silu_triton.silu_mul_lora(gate_up, h, zero, meta, group, keep)
+
+    def first_partial(gate_up, h, b, meta, group=None, keep=False):
+        return silu_triton.silu_mul_lora(gate_up, h[:1] if h.ndim == 4 else h, b, meta, group, keep)
+
+    def slot_zero(gate_up, h, b, meta, group=None, keep=False):
+        slot0 = lora_triton.LoRAKernelMeta.build(meta.token_slots.clamp(max=0), meta.num_slots)
+        return silu_triton.silu_mul_lora(gate_up, h, b, slot0, group, keep)
+
+    for wrong in (no_delta, first_partial, slot_zero):
+        assert check.silu_mul_lora_error(160, torch.float32, "cpu", kernel=wrong, **small) > 1e-2, wrong.__name__
+
+
 # --- causal conv1d by slot (GDN prefill) ----------------------------------------------------------
 
 

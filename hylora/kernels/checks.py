@@ -383,6 +383,51 @@ def silu_mul_error(
 
 
 @torch.inference_mode()
+def silu_mul_lora_error(
+    intermediate: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tokens: Sequence[int] = STACKED_TOKENS,
+    ranks: Sequence[int] = LORA_RANKS,
+    kernel: Callable | None = None,
+) -> float:
+    """The activation with gate_up's LoRA expand (silu_mul_lora) vs the expand then the activation, at
+    every token count and rank: base tokens and three adapters (a fourth slot unused and NaN), h as
+    the shrink's fp32 partials and as a decode step's 16-bit h of every slot; plain, and quantised for
+    an FP8 down projection (its quantised values dequantised, and the kept ones)."""
+    from hylora.ops.fp8_linear.reference import GROUP
+    from hylora.ops.lora.triton import LoRAKernelMeta
+    from hylora.ops.silu_mul.reference import silu_mul_lora as reference_kernel
+
+    if kernel is None:
+        from hylora.ops.silu_mul.triton import silu_mul_lora as kernel
+    L, worst = 4, 0.0
+    for T in tokens:
+        for R in ranks:
+            g = _generator(device, T * 100 + R)
+
+            def rand(*shape, g=g):
+                return torch.randn(*shape, generator=g, device=device)
+
+            runs = torch.tensor([-1, 0, 3, -1, 1, 0], device=device)
+            slots = runs[torch.arange(T, device=device) * len(runs) // T]
+            gate_up = rand(T, 2 * intermediate).mul(3).to(dtype)
+            b = [rand(L, R, intermediate).div(R**0.5).to(dtype) for _ in range(2)]
+            for bi in b:
+                bi[2] = float("nan")
+            meta = LoRAKernelMeta.build(slots, L)
+            partials = rand(8, T, 2, R)  # the shrink's split-K partials
+            stacked = rand(1, T, 2, L, R).to(dtype)  # a decode step's h of every slot
+            stacked[:, :, :, 2] = float("nan")
+            for h in (partials, stacked):
+                got, want = kernel(gate_up, h, b, meta), reference_kernel(gate_up, h, b, slots)
+                worst = max(worst, _rel_error(got, want))
+                got = kernel(gate_up, h, b, meta, GROUP, True)
+                worst = max(worst, _quantized_error(got, reference_kernel(gate_up, h, b, slots, GROUP, True)))
+    return worst
+
+
+@torch.inference_mode()
 def rms_norm_quantized_error(
     hidden: int,
     eps: float,

@@ -41,6 +41,10 @@ class KernelsConfig:
     # the GDN out_proj's (ops.rmsnorm), rather than each GEMM quantising its input in another; the same
     # values either way. False: the separate launches (a same-run comparison, bench/profile_gpu.py)
     fp8_fused_quant: bool = True
+    # the Triton LoRA: the MLP's activation applies gate_up's LoRA expand in its own launch
+    # (ops.silu_mul.silu_mul_lora), rather than the expand's kernel writing [gate | up] back first; the
+    # same arithmetic. False: the expand kernel, then the activation (a same-run comparison)
+    fused_lora_expand: bool = True
     # hylora's Triton LoRA in host steps (prefill) of at least this many tokens: the delta written first
     # by cuBLAS, the base GEMM accumulating onto it (docs/LORA.md); 0: never, shrink + expand always.
     # H200, 8 rank-16 slots, the 27B's linears (BASELINE run 29): 15-43 % less LoRA time than shrink +

@@ -54,6 +54,8 @@ def select_kernels(
         if config.fp8_activations == "dynamic" and config.fp8_fused_quant:
             verdicts["silu_mul_quantized"] = select_silu_mul_quantized(model, config.fast_kernels)
             verdicts["rms_norm_quantized"] = select_rms_norm_quantized(model, config.fast_kernels)
+    if config.fused_lora_expand:
+        verdicts["silu_mul_lora"] = select_silu_mul_lora(model, config.fast_kernels)
     model.use_kernels(model_kernels(verdicts, config))
     return verdicts
 
@@ -118,6 +120,10 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
         norms = importlib.import_module(f"hylora.ops.rmsnorm.{module}")
         chosen["rms_norm_quantized"] = norms.rms_norm_quantized
         chosen["gated_rms_norm_quantized"] = norms.gated_rms_norm_quantized
+    if "silu_mul_lora" in fast:  # the Triton LoRA's gate_up expand in the activation (model/kernels.py)
+        from hylora.ops.silu_mul.triton import silu_mul_lora
+
+        chosen["silu_mul_lora"] = silu_mul_lora
     if config.fp8_activations == "none":  # weight-only: the Triton GEMM once it passed, else its reference
         module = "triton" if "fp8_linear" in fast else "reference"
         chosen["fp8_linear"] = importlib.import_module(f"hylora.ops.fp8_linear.{module}").fp8_weight_only_linear
@@ -209,6 +215,19 @@ def select_silu_mul_quantized(model: HybridDecoder, fast_kernels: str = "auto") 
     c = model.config
     return _verdict(name, lambda: checks.silu_mul_error(c.intermediate_size, model.dtype, model.device, quantized=True),
                     FP8_TOLERANCE)  # fmt: skip
+
+
+def select_silu_mul_lora(model: HybridDecoder, fast_kernels: str = "auto") -> KernelVerdict:
+    """The MLP activation with gate_up's LoRA expand in its launch, plain and quantised for an FP8 down
+    projection, on both forms of h (a shrink's fp32 partials, a decode step's 16-bit h of every slot),
+    checked against the expand then the activation."""
+    name = "silu_mul_lora"
+    if fast_kernels == "off":
+        return reference(name, "fast kernels off")
+    if not triton_usable(model.device) or model.device.type != "cuda":
+        return reference(name, "no CUDA or no triton")
+    check = functools.partial(checks.silu_mul_lora_error, model.config.intermediate_size, model.dtype, model.device)
+    return _verdict(name, check, TOLERANCE[model.dtype])
 
 
 def select_rms_norm_quantized(model: HybridDecoder, fast_kernels: str = "auto") -> KernelVerdict:

@@ -49,6 +49,9 @@ class ModelKernels:
     # only; None: unfused)
     rms_norm_quantized: Kernel | None = None
     gated_rms_norm_quantized: Kernel | None = None
+    # silu_mul (or silu_mul_quantized) with gate_up's LoRA expand in its launch (the Triton LoRA only; None:
+    # the expand kernel, then the activation)
+    silu_mul_lora: Kernel | None = None
     lora_backend: str | None = None  # model.layers.LORA_BACKENDS; None: masked on CUDA, grouped on the CPU
     tower_lora_backend: str | None = None  # the vision tower's linears
     lora_delta_first_from: int = 0  # triton LoRA: host steps of this many tokens write the delta first; 0: never
@@ -80,6 +83,7 @@ def install(model: HybridDecoder, kernels: ModelKernels) -> None:
             module.kernel, module.kernel_quantized = kernels.gated_rms_norm, kernels.gated_rms_norm_quantized
         elif isinstance(module, MLP):
             module.act, module.act_quantized = kernels.silu_mul, kernels.silu_mul_quantized
+            module.act_lora = kernels.silu_mul_lora if kernels.lora_backend == "triton" else None
     for module in model.modules():
         if isinstance(module, Linear):
             module.lora_backend, module.fp8_kernel = kernels.lora_backend, kernels.fp8_linear

@@ -3,6 +3,8 @@ RMSNorms, the SiLU MLP."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,7 +76,7 @@ class Linear(nn.Module):
         self.lora: LoRAStack | None = None  # set by the adapter registry
         self.lora_backend: str | None = None  # set by the kernel floor (one of LORA_BACKENDS); None: by device
         self.delta_first_from = 0  # set by the kernel floor: steps of this many tokens take the delta first; 0: never
-        # [W; every slice's A]: `weight` and the LoRA stack's A tensors are views of it (stack_lora_a)
+        # [W; every slice's A] ([tail_weight; A] for FP8): those and the LoRA stack's A are views of it (stack_lora_a)
         self.stacked_weight: torch.Tensor | None = None
         self.compute_dtype = torch.float32
         # FP8 (set by the loader for a block-quantised checkpoint served on FP8 hardware): `weight` holds the
@@ -117,6 +119,8 @@ class Linear(nn.Module):
         """Back to one unquantised weight (the values FP8 stood for), e.g. when no FP8 kernel runs here."""
         if not self.is_fp8:
             return
+        if self.stacked_weight is not None:
+            raise RuntimeError("dequantize an FP8 projection before LoRA A is stacked beside it (stack_lora_a)")
         w = dequantize_weight(self.weight, self.weight_scale, self.quant_block, self.compute_dtype)
         if self.tail_weight is not None:
             w = torch.cat([w, self.tail_weight])
@@ -156,55 +160,103 @@ class Linear(nn.Module):
         return offsets
 
     def stack_lora_a(self, num_slots: int, rank: int) -> list[torch.Tensor]:
-        """Move the weight into [W; A_0; A_1; ...] ([out + slices * num_slots * rank, in]) and return
-        each slice's A [num_slots, rank, in] as a zeroed view of it. One GEMM over the whole buffer then
-        gives y and every slot's x·Aᵀ: a decode step's LoRA shrink rides in the base GEMM. `weight`
-        stays [out, in] (a view) with the same values."""
-        n, slices = self.out_features, len(self.slices)
-        if self.is_fp8:  # the FP8 GEMM cannot carry A: separate tensors, shrunk by the LoRA kernels
-            return [
-                torch.zeros(num_slots, rank, self.in_features, dtype=self.dtype, device=self.weight.device)
-                for _ in range(slices)
-            ]
+        """Move the unquantised weight rows into [W; A_0; A_1; ...] ([rows + slices * num_slots * rank, in])
+        and return each slice's A [num_slots, rank, in] as a zeroed view of it. One GEMM over the whole
+        buffer then gives those rows' outputs and every slot's x·Aᵀ: a decode step's LoRA shrink rides
+        in the base GEMM. The rows are the whole weight, or for an FP8 projection its unquantised tail
+        (none, or the GDN in_proj's b / a rows): the FP8 GEMM cannot carry A, a 16-bit GEMM beside it
+        can. `weight` (`tail_weight`) stays [rows, in] (a view) with the same values."""
+        rows = self.weight if not self.is_fp8 else self.tail_weight
+        n, slices = 0 if rows is None else rows.shape[0], len(self.slices)
         stacked = torch.zeros(
-            n + slices * num_slots * rank, self.in_features, dtype=self.weight.dtype, device=self.weight.device
+            n + slices * num_slots * rank, self.in_features, dtype=self.dtype, device=self.weight.device
         )
-        stacked[:n] = self.weight
-        self.weight = nn.Parameter(stacked[:n], requires_grad=False)
+        if rows is not None:
+            stacked[:n] = rows
+        if self.is_fp8:
+            self.tail_weight = None if rows is None else stacked[:n]
+        else:
+            self.weight = nn.Parameter(stacked[:n], requires_grad=False)
         self.stacked_weight = stacked
         a = stacked[n:].view(slices, num_slots, rank, self.in_features)
         return [a[i] for i in range(slices)]  # (not unbind: its views may not be written in place)
 
     def forward(self, x: torch.Tensor | QuantizedActivation, lora: LoRABatch | None = None) -> torch.Tensor:
-        if lora is None or self.lora is None or not lora.has_adapters:
-            return self.base(x)
-        if isinstance(x, QuantizedActivation):  # FP8: the base GEMM on the quantised x, LoRA on its values
-            if x.x is None:
-                raise ValueError("LoRA on a quantised activation needs its unquantised values (keep=True)")
-            return add_lora(x.x, self.base(x), self.lora, lora, self.lora_backend)
-        if (
-            self.lora_backend == "triton"
-            and self.stacked_weight is not None
-            and (isinstance(lora, DeviceLoRABatch) or x.shape[0] < STACKED_LORA_BELOW)
-        ):  # a decode step (its CUDA graph, or run eagerly with the graph's arithmetic): shrink in the base GEMM
-            from hylora.ops.lora.triton import lora_apply_stacked
+        y, expand = self.forward_unexpanded(x, lora)
+        return y if expand is None else expand.apply(y)
 
-            meta = triton_meta(lora, self.lora.num_slots)
-            return lora_apply_stacked(x, self.stacked_weight, self.out_features, self.lora.b, self.lora.offsets, meta)
+    def forward_unexpanded(
+        self, x: torch.Tensor | QuantizedActivation, lora: LoRABatch | None = None, all_slices: bool = False
+    ) -> tuple[torch.Tensor, PendingExpand | None]:
+        """(y, None) with y final, or, where the Triton LoRA ends in an expand kernel, (y without it, the
+        expand), for a consumer that applies it in its own launch (MLP: silu_mul_lora). `all_slices`: the
+        expand covers every slice (zero deltas where the step's adapters skip one), as such a consumer
+        needs. FP8: the base GEMM takes the quantised x, LoRA its unquantised values."""
+        if lora is None or self.lora is None or not lora.has_adapters:
+            return self.base(x), None
+        values = x.x if isinstance(x, QuantizedActivation) else x
+        if values is None:
+            raise ValueError("LoRA on a quantised activation needs its unquantised values (keep=True)")
+        if self.lora_backend != "triton":
+            return add_lora(values, self.base(x), self.lora, lora, self.lora_backend), None
+        from hylora.ops.lora.triton import choose_config, lora_apply_delta_first, lora_shrink
+
+        meta = triton_meta(lora, self.lora.num_slots)
+        on_device, T = isinstance(lora, DeviceLoRABatch), values.shape[0]
+        if self.stacked_weight is not None and (on_device or T < STACKED_LORA_BELOW):
+            # a decode step (its CUDA graph, or run eagerly with the graph's arithmetic): shrink in a base GEMM
+            y, h = self._stacked(x, values)
+            return y, PendingExpand(h, self.lora.b, self.lora.offsets, meta)
         if (
-            self.lora_backend == "triton"
-            and not self.is_fp8
-            and not isinstance(lora, DeviceLoRABatch)
-            and x.ndim == 2
-            and 0 < self.delta_first_from <= x.shape[0]
+            not self.is_fp8
+            and not on_device
+            and values.ndim == 2
+            and 0 < self.delta_first_from <= T
             and len(lora.slots) * self.lora.a[0].shape[1] <= DELTA_FIRST_MAX_K
         ):  # a long prefill step: the delta first, the base GEMM accumulating onto it
-            from hylora.ops.lora.triton import lora_apply_delta_first
-
             a, b, offsets = self.lora.pick(self.lora.slices_used_by(lora.slots))
-            meta = triton_meta(lora, self.lora.num_slots)
-            return lora_apply_delta_first(x, self.weight, a, b, offsets, meta, len(lora.slots))
-        return add_lora(x, self.base(x), self.lora, lora, self.lora_backend)
+            return lora_apply_delta_first(values, self.weight, a, b, offsets, meta, len(lora.slots)), None
+        y = self.base(x)
+        used = range(len(self.lora.a)) if on_device or all_slices else self.lora.slices_used_by(lora.slots)
+        if not used:
+            return y, None  # no adapter of this batch targets this linear: exactly zero
+        a, b, offsets = self.lora.pick(used)
+        config = choose_config(T, values.shape[1])
+        return y, PendingExpand(lora_shrink(values, a, meta, config), b, offsets, meta, config)
+
+    def _stacked(
+        self, x: torch.Tensor | QuantizedActivation, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """y and every slot's h [1, T, slices, L, r] (rounded to the model dtype) from one 16-bit GEMM over
+        [unquantised rows; A] (`stack_lora_a`); an FP8 projection's FP8 rows by its FP8 GEMM beside it."""
+        T = values.shape[0]
+        full = F.linear(values, self.stacked_weight)  # [T, rows + slices * L * r]
+        if not self.is_fp8:
+            y, rows = full[:, : self.out_features], self.out_features  # a view: the expand writes into it
+        else:
+            q_rows = self.weight.shape[0]
+            rows = self.out_features - q_rows  # the unquantised tail (the GDN in_proj's b / a rows), or none
+            y = torch.empty(T, self.out_features, dtype=values.dtype, device=values.device)
+            self.fp8_kernel(x, self.weight, self.weight_scale, self.quant_block, out=y[:, :q_rows])
+            if rows:
+                y[:, q_rows:] = full[:, :rows]
+        return y, full[:, rows:].view(1, T, len(self.lora.a), self.lora.num_slots, self.lora.a[0].shape[1])
+
+
+@dataclass
+class PendingExpand:
+    """A LoRA expand not yet applied: y[:, slice i] += each adapter token's h_i · B_i[slot]."""
+
+    h: torch.Tensor  # [split, T, slices, r] fp32 shrink partials, or [1, T, slices, L, r] every slot's (16-bit)
+    b: list[torch.Tensor]  # per slice [L, r, rows]
+    offsets: list[tuple[int, int]]  # per slice (first column of y, rows)
+    meta: object  # ops.lora.triton.LoRAKernelMeta
+    config: object | None = None  # ops.lora.triton.KernelConfig; None: by the step's size
+
+    def apply(self, y: torch.Tensor) -> torch.Tensor:
+        from hylora.ops.lora.triton import lora_expand
+
+        return lora_expand(self.h, self.b, self.offsets, y, self.meta, self.config)
 
 
 class RMSNorm(nn.Module):
@@ -272,10 +324,22 @@ class MLP(nn.Module):
         # ops.silu_mul's silu_mul_quantized, set by the kernel floor when the down projection is FP8 with
         # dynamic activations: the activation quantised in the same launch, not by the GEMM's own
         self.act_quantized = None
+        # ops.silu_mul's silu_mul_lora, set by the kernel floor with the Triton LoRA: gate_up's LoRA expand
+        # applied in the activation's launch (quantised too where act_quantized is), not by its own kernel
+        self.act_lora = None
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        h = self.gate_up_proj(x, lora)
-        if self.act_quantized is not None and self.down_proj.is_fp8:
-            keep = self.down_proj.needs_input_values(lora)
-            return self.down_proj(self.act_quantized(h, self.down_proj.quant_block[1], keep), lora)
-        return self.down_proj(self.act(h), lora)
+    def forward(self, x: torch.Tensor | QuantizedActivation, lora: LoRABatch | None = None) -> torch.Tensor:
+        quantize = self.act_quantized is not None and self.down_proj.is_fp8
+        keep = self.down_proj.needs_input_values(lora)  # the down projection's LoRA reads the activation
+        if self.act_lora is not None:
+            gate_up, expand = self.gate_up_proj.forward_unexpanded(x, lora, all_slices=True)
+            if expand is not None and len(expand.b) == 2:  # [gate | up], each its slice
+                group = self.down_proj.quant_block[1] if quantize else None
+                h = self.act_lora(gate_up, expand.h, expand.b, expand.meta, group, keep)
+                return self.down_proj(h, lora)
+            gate_up = gate_up if expand is None else expand.apply(gate_up)
+        else:
+            gate_up = self.gate_up_proj(x, lora)
+        if quantize:
+            return self.down_proj(self.act_quantized(gate_up, self.down_proj.quant_block[1], keep), lora)
+        return self.down_proj(self.act(gate_up), lora)

@@ -325,9 +325,7 @@ def lora_expand(
         raise ValueError("lora_expand: y needs contiguous rows and B contiguous [L, r, rows] tensors")
     if any(bi.shape[2] != n for bi, (_, n) in zip(b, offsets, strict=True)):
         raise ValueError("lora_expand: B widths differ from the slice offsets")
-    # (Triton 3.7's CPU interpreter reads bf16 dot operands wrongly: there bf16 takes the fp32 dot.)
-    interpreted = isinstance(_expand_kernel, InterpretedFunction)  # (TRITON_INTERPRET=1 when triton was imported)
-    h_native = h.dtype == y.dtype and (h.dtype == torch.float16 or (h.dtype == torch.bfloat16 and not interpreted))
+    h_native = h_is_native(h, y.dtype)
     if h_native and split_k != 1:
         raise ValueError("lora_expand: a 16-bit h comes whole from one GEMM (split_k 1); partials are fp32")
     config = config or choose_config(T, 0)
@@ -358,6 +356,13 @@ def lora_expand(
             **options,
         )  # fmt: skip
     return y
+
+
+def h_is_native(h: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether an expand dots h as it is (a 16-bit h of the output's dtype) rather than in fp32.
+    (Triton 3.7's CPU interpreter reads bf16 dot operands wrongly: there bf16 takes the fp32 dot.)"""
+    interpreted = isinstance(_expand_kernel, InterpretedFunction)  # (TRITON_INTERPRET=1 when triton was imported)
+    return h.dtype == dtype and (h.dtype == torch.float16 or (h.dtype == torch.bfloat16 and not interpreted))
 
 
 def _options(num_warps: int, num_stages: int | None) -> dict[str, int]:

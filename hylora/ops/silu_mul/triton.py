@@ -1,7 +1,14 @@
 """`reference.silu_mul` in one Triton launch: reads [gate | up] once, writes [T, I] once.
 `silu_mul_quantized`: the same values quantised for an FP8 down projection in that launch (bit-equal
 to `fp8_linear.triton.quantize_activation` of `silu_mul`): the [T, I] activation is neither written
-(unless kept for LoRA) nor read back by a quantisation launch of its own."""
+(unless kept for LoRA) nor read back by a quantisation launch of its own.
+`silu_mul_lora`: either, with the gate_up projection's LoRA expand in the same launch (the twin of
+`reference.silu_mul_lora`): the adapter tokens' [gate | up] rows plus h · B, rounded, then the
+activation, so the expand's read-modify-write of [T, 2I] goes (prefill: ~57 % of the expand's bytes
+at the 27B's shapes, gate_up being the widest projection) and a decode step launches one kernel
+for both. Programs over the LoRA's M tiles (tokens of one slot, `LoRAKernelMeta.tile_map`) add the
+delta; programs over the base tokens (order[:starts[0]]) apply the activation alone; each over a
+column group of 128 (the FP8 group)."""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import triton.language as tl
 
 from hylora.ops.fp8_linear.reference import FP8_DTYPE, GROUP, QuantizedActivation
 from hylora.ops.fp8_linear.triton import QUANT_BLOCK_M, _check_group, _quantize_rows
+from hylora.ops.lora.triton import LoRAKernelMeta, _block_r, _tile_tokens, h_is_native
 
 BLOCK = 2048
 
@@ -76,3 +84,112 @@ def _silu_mul_quant_kernel(
     q, scale = _quantize_rows(h.to(tl.float32))
     tl.store(q_ptr + out, q, mask=mask)
     tl.store(s_ptr + rt.to(tl.int64) * tl.cdiv(inner, GROUP) + g, scale, mask=rt < T)
+
+
+def silu_mul_lora(
+    gate_up: torch.Tensor,  # [T, 2I] the base GEMM's [gate | up] (rows may be strided), without the delta
+    h: torch.Tensor,  # [split, T, 2, r] fp32 shrink partials, or [1, T, 2, L, r] every slot's (16-bit)
+    b: list[torch.Tensor],  # [B_gate, B_up], each [L, r, I] contiguous
+    meta: LoRAKernelMeta,
+    group: int | None = None,  # quantise for an FP8 down projection, groups of `group` inputs
+    keep: bool = False,
+) -> torch.Tensor | QuantizedActivation:
+    T, two_i = gate_up.shape
+    inner = two_i // 2
+    if two_i % 2 or gate_up.stride(1) != 1:
+        raise ValueError("silu_mul_lora: needs [T, 2I] with unit stride along the last dimension")
+    L, R = b[0].shape[0], b[0].shape[1]
+    if len(b) != 2 or any(not bi.is_contiguous() or bi.shape != (L, R, inner) for bi in b):
+        raise ValueError(f"silu_mul_lora: needs B of gate and up, each contiguous [L, r, {inner}]")
+    if h.shape[1] != T or h.shape[2] != 2 or h.shape[-1] != R or (h.ndim == 5 and h.shape[3] != L):
+        raise ValueError(f"silu_mul_lora: h {list(h.shape)} is not [split, {T}, 2, {R}] or [1, {T}, 2, {L}, {R}]")
+    if meta.num_slots != L:
+        raise ValueError(f"silu_mul_lora: metadata for {meta.num_slots} slots, stack of {L}")
+    columns = GROUP if group is None else group
+    _check_group(columns)
+    native = h_is_native(h, gate_up.dtype)
+    dev, dt = gate_up.device, gate_up.dtype
+    if group is None:
+        out = q = torch.empty(T, inner, dtype=dt, device=dev)
+        s = torch.empty(0, dtype=torch.float32, device=dev)
+    else:
+        q = torch.empty(T, inner, dtype=FP8_DTYPE, device=dev)
+        s = torch.empty(T, triton.cdiv(inner, group), dtype=torch.float32, device=dev)
+        out = torch.empty(T, inner, dtype=dt, device=dev) if keep else q
+    if T and inner:
+        block_m = 16  # (32-token tiles held ~200 registers a thread at rank 64: one CTA an SM)
+        tiles = meta.tile_map(block_m)
+        # LoRA tiles first, then the base tokens' (most of which exit at once when few tokens are base)
+        grid = (tiles.shape[0] + triton.cdiv(T, block_m), triton.cdiv(inner, columns))
+        s_hl = h.stride(3) if h.ndim == 5 else 0
+        _silu_mul_lora_kernel[grid](
+            gate_up, h, b[0], b[1], meta.order, tiles, meta.starts, out, q, s,
+            inner, gate_up.stride(0), R, h.shape[0], h.stride(0), h.stride(1), h.stride(2), s_hl, tiles.shape[0],
+            BLOCK_M=block_m, BLOCK_R=_block_r(R), COLUMNS=columns, QUANT=group is not None,
+            STORE_OUT=group is None or keep, H_NATIVE=native,
+            PRECISION="ieee" if dt == torch.float32 else "tf32x3",
+        )  # fmt: skip
+    if group is None:
+        return out
+    return QuantizedActivation(q, s, dt, out if keep else None)
+
+
+@triton.jit
+def _silu_mul_lora_kernel(
+    x_ptr, h_ptr, bg_ptr, bu_ptr, order_ptr, tiles_ptr, starts_ptr, out_ptr, q_ptr, s_ptr,
+    inner, stride_t, R, split_k, s_hs, s_ht, s_hi, s_hl, num_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, COLUMNS: tl.constexpr, QUANT: tl.constexpr,
+    STORE_OUT: tl.constexpr, H_NATIVE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    is_lora = pid < num_tiles
+    if is_lora:  # tokens order[lo:hi], all of one slot
+        lo = tl.load(tiles_ptr + pid * 4 + 2)
+        hi = tl.load(tiles_ptr + pid * 4 + 3)
+        slot = tl.load(tiles_ptr + pid * 4).to(tl.int64)
+    else:  # base tokens: order[:starts[0]] (the sort puts slot -1 first)
+        lo = (pid - num_tiles) * BLOCK_M
+        hi = tl.minimum(lo + BLOCK_M, tl.load(starts_ptr))
+        slot = tl.zeros((), dtype=tl.int64)
+    if lo >= hi:  # past the last tile, or past the base tokens
+        return
+    tokens, m_mask = _tile_tokens(order_ptr, lo, hi, BLOCK_M)
+    cols = g * COLUMNS + tl.arange(0, COLUMNS)
+    c_mask = cols < inner
+    mask = m_mask[:, None] & c_mask[None, :]
+    rows = x_ptr + tokens[:, None] * stride_t
+    gate = tl.load(rows + cols[None, :], mask=mask, other=0.0)
+    up = tl.load(rows + inner + cols[None, :], mask=mask, other=0.0)
+    if is_lora:
+        rr = tl.arange(0, BLOCK_R)
+        r_mask = rr < R
+        h_mask = m_mask[:, None] & r_mask[None, :]
+        h_ptrs = h_ptr + tokens[:, None] * s_ht + slot * s_hl + rr[None, :]  # slice 0 (gate); + s_hi: up
+        b_off = slot * R * inner + rr[:, None] * inner + cols[None, :]
+        b_mask = r_mask[:, None] & c_mask[None, :]
+        bg = tl.load(bg_ptr + b_off, mask=b_mask, other=0.0)
+        bu = tl.load(bu_ptr + b_off, mask=b_mask, other=0.0)
+        if H_NATIVE:  # one 16-bit h (the stacked GEMM's): exact products, fp32 sums in the dot
+            dg = tl.dot(tl.load(h_ptrs, mask=h_mask, other=0.0), bg, out_dtype=tl.float32)
+            du = tl.dot(tl.load(h_ptrs + s_hi, mask=h_mask, other=0.0), bu, out_dtype=tl.float32)
+        else:
+            hg = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+            hu = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+            for split in range(split_k):  # the shrink's K partials, in the expand's order
+                hg += tl.load(h_ptrs + split * s_hs, mask=h_mask, other=0.0).to(tl.float32)
+                hu += tl.load(h_ptrs + split * s_hs + s_hi, mask=h_mask, other=0.0).to(tl.float32)
+            dg = tl.dot(hg, bg.to(tl.float32), input_precision=PRECISION)
+            du = tl.dot(hu, bu.to(tl.float32), input_precision=PRECISION)
+        gate = (gate.to(tl.float32) + dg).to(gate.dtype)  # rounded once, as the expand writes y
+        up = (up.to(tl.float32) + du).to(up.dtype)
+    gf = gate.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype).to(tl.float32)  # F.silu rounds to the input dtype
+    h = (act * up.to(tl.float32)).to(gate.dtype)
+    out = tokens[:, None] * inner + cols[None, :]
+    if STORE_OUT:
+        tl.store(out_ptr + out, h, mask=mask)
+    if QUANT:
+        q, scale = _quantize_rows(h.to(tl.float32))
+        tl.store(q_ptr + out, q, mask=mask)
+        tl.store(s_ptr + tokens * tl.cdiv(inner, COLUMNS) + g, scale, mask=m_mask)
