@@ -505,6 +505,39 @@ def test_lora_shrink_inside_the_base_gemm_equals_grouped(T):
         torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T", [1, 17, 127, 128, 129], ids=lambda t: f"T{t}")
+def test_fp8_linear_lora_takes_h_from_a_gemm_over_its_tail_and_a(T):
+    """An FP8 projection (slices s0, s1 in e4m3; s2 its unquantised tail, as the GDN in_proj's b / a
+    rows): A is stacked under the tail, so a decode step's one 16-bit GEMM gives the tail's rows and
+    every slot's h beside the FP8 GEMM. Plain and producer-quantised inputs (LoRA reads the kept
+    values), device (graph) batches at every size and host batches below 128 tokens; longer host steps
+    take the shrink. Equal to the grouped reference on the FP8 base output; base rows bit for bit."""
+    from hylora.ops.fp8_linear import reference as fp8_reference
+
+    x, _, stack, batch = lora_case(T, seed=T + 7)
+    linear = Linear(x.shape[1], {"s0": 48, "s1": 16, "s2": 33})
+    w = torch.randn(97, x.shape[1], generator=torch.Generator().manual_seed(T))
+    w8, scale = fp8_reference.quantize_weight(w[:64], (128, 128))
+    tail = w[64:].clone()
+    linear.set_fp8(w8, scale, (128, 128), tail, torch.float32)
+    a = linear.stack_lora_a(4, stack.a[0].shape[1])
+    for dst, src in zip(a, stack.a, strict=True):
+        dst.copy_(src)
+    linear.lora = LoRAStack(a=a, b=stack.b, offsets=stack.offsets, present=stack.present)
+    linear.lora_backend = "triton"
+    assert torch.equal(linear.tail_weight, tail) and linear.tail_weight.data_ptr() == linear.stacked_weight.data_ptr()
+    base_out = linear.base(x)
+    ref = grouped_reference(x, base_out.clone(), stack, batch)
+    quantized = fp8_reference.QuantizedActivation(*fp8_reference.quantize_activation(x), x.dtype, x)
+    base = batch.token_slots < 0
+    for inputs in (x, quantized):
+        device_batch = DeviceLoRABatch(token_slots=batch.token_slots)
+        for y in (linear(inputs, device_batch), linear(inputs, batch)):
+            assert y.shape == ref.shape and y.isfinite().all()
+            assert same_bits(y[base], base_out[base])
+            torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("T", [1, 17, 127, 128, 129, 257], ids=lambda t: f"T{t}")
 def test_lora_delta_first_equals_grouped(T):
     """Long prefill steps' LoRA: the delta written first (h of the step's slots, zero but each
