@@ -4,6 +4,7 @@ RMSNorms, the SiLU MLP."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,9 @@ from hylora.ops.fp8_linear.reference import QuantizedActivation, dequantize_weig
 from hylora.ops.lora.reference import lora_apply_grouped, lora_apply_masked, rank_mask
 from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
 from hylora.ops.silu_mul.reference import silu_mul
+
+if TYPE_CHECKING:  # (the Triton LoRA is imported where it runs: the package is optional)
+    from hylora.ops.lora.triton import KernelConfig, LoRAKernelMeta
 
 # Steps of fewer tokens run the LoRA shrink inside the base GEMM when the triton backend is installed
 # (Linear.stack_lora_a): h is then rounded to the model dtype once. Longer steps (prefill) keep the
@@ -48,7 +52,7 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, stack: LoRAStack, lora: LoRABatch
     return lora_apply_masked(x, y, a, b, offsets, mask)
 
 
-def triton_meta(lora: LoRABatch, num_slots: int):  # -> hylora.ops.lora.triton.LoRAKernelMeta
+def triton_meta(lora: LoRABatch, num_slots: int) -> LoRAKernelMeta:
     """The Triton kernels' token grouping of this step, built once per step for every linear."""
     from hylora.ops.lora.triton import LoRAKernelMeta
 
@@ -250,8 +254,8 @@ class PendingExpand:
     h: torch.Tensor  # [split, T, slices, r] fp32 shrink partials, or [1, T, slices, L, r] every slot's (16-bit)
     b: list[torch.Tensor]  # per slice [L, r, rows]
     offsets: list[tuple[int, int]]  # per slice (first column of y, rows)
-    meta: object  # ops.lora.triton.LoRAKernelMeta
-    config: object | None = None  # ops.lora.triton.KernelConfig; None: by the step's size
+    meta: LoRAKernelMeta
+    config: KernelConfig | None = None  # None: by the step's size
 
     def apply(self, y: torch.Tensor) -> torch.Tensor:
         from hylora.ops.lora.triton import lora_expand
