@@ -218,3 +218,35 @@ def test_the_fused_activation_serves_only_the_triton_lora(causal_ckpt, engine_ad
     verdicts = select_kernels(engine.model, 16, KernelsConfig(fused_lora_expand=False))
     assert "silu_mul_lora" not in verdicts and mlp.act_lora is None
     assert select_kernels(engine.model, 16)["silu_mul_lora"].implementation == "reference"  # no CUDA here
+
+
+def test_a_fault_beside_an_adapter_neighbour_stays_in_its_rows_through_the_fused_activation(
+    causal_ckpt, engine_adapter_root
+):
+    """The Triton LoRA with gate_up's expand in the activation: a request whose state turned NaN
+    shares its adapter, and so the fused activation's token tiles, with a healthy one; the faulty
+    request fails alone and the healthy one's tokens and logprobs are those of a run without the
+    fault (bit for bit: same steps, same batch shapes)."""
+    def greedy(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, temperature=0, logprobs=1)
+
+    faulty = ("faulty", random_ids(50, 320, seed=1), greedy(8), "all_linear")
+    healthy = ("healthy", random_ids(70, 320, seed=2), greedy(8), "all_linear")
+    ends_there = ("faulty", faulty[1], greedy(2), "all_linear")
+
+    def engine():
+        e = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=128, page_size=16, max_num_seqs=2)
+        triton_lora(e, fused_activation=True)
+        return e
+
+    reference = run(engine(), {0: [ends_there, healthy]})
+    e = engine()
+    e.add_request(*faulty)
+    e.add_request(*healthy)
+    e.step()  # both prefilled
+    e.inject_fault("faulty")
+    out = run(e, {})
+    assert out["faulty"].finish_reason == "error" and "numerical fault" in out["faulty"].error
+    got, want = out["healthy"], reference["healthy"]
+    assert got.token_ids == want.token_ids
+    assert [p.logprob for p in got.logprobs] == [p.logprob for p in want.logprobs]
