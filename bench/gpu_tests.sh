@@ -13,7 +13,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
   || { echo "pip install of .peerwhl failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$(pwd) PYTHONUNBUFFERED=1
 budget=${GPU_TESTS_BUDGET:-540}
-for module in tests/test_logits_scan.py tests/test_rotary_op.py tests/test_cuda_graphs.py tests/test_fp8_linear.py; do
+for module in tests/test_logits_scan.py tests/test_rotary_op.py tests/test_silu_mul_lora.py tests/test_cuda_graphs.py \
+  tests/test_fp8_linear.py; do
   left=$(( budget - ($(date +%s) - t0) ))
   if [ "$left" -lt 20 ]; then
     echo "$module: not run (budget spent)"
