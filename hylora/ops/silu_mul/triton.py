@@ -101,7 +101,7 @@ def silu_mul_lora(
     L, R = b[0].shape[0], b[0].shape[1]
     if len(b) != 2 or any(not bi.is_contiguous() or bi.shape != (L, R, inner) for bi in b):
         raise ValueError(f"silu_mul_lora: needs B of gate and up, each contiguous [L, r, {inner}]")
-    if h.shape[1] != T or h.shape[2] != 2 or h.shape[-1] != R or (h.ndim == 5 and h.shape[3] != L):
+    if h.shape[1] != T or h.shape[2] != 2 or h.shape[-1] != R or (h.ndim == 5 and h.shape[3] != L) or h.stride(-1) != 1:
         raise ValueError(f"silu_mul_lora: h {list(h.shape)} is not [split, {T}, 2, {R}] or [1, {T}, 2, {L}, {R}]")
     if meta.num_slots != L:
         raise ValueError(f"silu_mul_lora: metadata for {meta.num_slots} slots, stack of {L}")
