@@ -413,6 +413,29 @@ def _tile_tokens(order_ptr, lo, hi, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _tile_h(h_ptrs, h_mask, split_k, s_hs, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, H_NATIVE: tl.constexpr):
+    """An expand tile's h [BLOCK_M, BLOCK_R]: a 16-bit h (the stacked GEMM's) as it is, or the shrink's
+    fp32 K partials summed in a fixed order (deterministic)."""
+    if H_NATIVE:
+        h = tl.load(h_ptrs, mask=h_mask, other=0.0)
+    else:
+        h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for split in range(split_k):
+            h += tl.load(h_ptrs + split * s_hs, mask=h_mask, other=0.0).to(tl.float32)
+    return h
+
+
+@triton.jit
+def _tile_delta(h, b, H_NATIVE: tl.constexpr, PRECISION: tl.constexpr):
+    """h · B in fp32: a 16-bit h and B as they are (exact products, fp32 sums), else fp32 at PRECISION."""
+    if H_NATIVE:
+        delta = tl.dot(h, b, out_dtype=tl.float32)
+    else:
+        delta = tl.dot(h, b.to(tl.float32), input_precision=PRECISION)
+    return delta
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, a0, a1, a2, a3, h_ptr, order_ptr, tiles_ptr,
     IN, R, s_xt, s_al, s_ar, s_hs, s_ht, s_hi, slices, split_k, k_per_split,
@@ -466,12 +489,7 @@ def _expand_kernel(
     r_mask = rr < R
     h_mask = m_mask[:, None] & r_mask[None, :]
     h_ptrs = h_ptr + tokens[:, None] * s_ht + i * s_hi + slot.to(tl.int64) * s_hl + rr[None, :]
-    if H_NATIVE:  # one 16-bit h (the stacked GEMM's): exact products, fp32 sums in the dot
-        h = tl.load(h_ptrs, mask=h_mask, other=0.0)
-    else:
-        h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for split in range(split_k):  # the shrink's K partials, in a fixed order: deterministic
-            h += tl.load(h_ptrs + split * s_hs, mask=h_mask, other=0.0).to(tl.float32)
+    h = _tile_h(h_ptrs, h_mask, split_k, s_hs, BLOCK_M, BLOCK_R, H_NATIVE)
 
     b_row = _pick(i, b0, b1, b2, b3) + slot.to(tl.int64) * R * rows + rr[:, None] * rows
     y_ptr = _pick(i, y0, y1, y2, y3)
@@ -487,9 +505,6 @@ def _expand_kernel(
         nn_next = nn + BLOCK_N  # in flight while this tile is computed and stored
         y_next = tl.load(y_row + nn_next[None, :], mask=m_mask[:, None] & (nn_next < n_hi)[None, :], other=0.0)
         b_next = tl.load(b_row + nn_next[None, :], mask=r_mask[:, None] & (nn_next < n_hi)[None, :], other=0.0)
-        if H_NATIVE:
-            delta = tl.dot(h, b, out_dtype=tl.float32)  # [M, R] x [R, N]
-        else:
-            delta = tl.dot(h, b.to(tl.float32), input_precision=PRECISION)
+        delta = _tile_delta(h, b, H_NATIVE, PRECISION)  # [M, R] x [R, N]
         y_mask = m_mask[:, None] & n_mask[None, :]
         tl.store(y_row + nn[None, :], (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=y_mask)

@@ -18,9 +18,18 @@ import triton.language as tl
 
 from hylora.ops.fp8_linear.reference import FP8_DTYPE, GROUP, QuantizedActivation
 from hylora.ops.fp8_linear.triton import QUANT_BLOCK_M, _check_group, _quantize_rows
-from hylora.ops.lora.triton import LoRAKernelMeta, _block_r, _tile_tokens, h_is_native
+from hylora.ops.lora.triton import LoRAKernelMeta, _block_r, _tile_delta, _tile_h, _tile_tokens, h_is_native
 
 BLOCK = 2048
+
+
+@triton.jit
+def _silu_times(gate, up):
+    """silu(gate) * up in gate's dtype, rounded as the torch ops are: F.silu to the input dtype, then
+    the product."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(gate.dtype)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -42,9 +51,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, n, inner, stride_t, BLOCK: tl.constexpr):
     t, c = i // inner, i % inner
     gate = tl.load(x_ptr + t * stride_t + c, mask=mask, other=0.0)
     up = tl.load(x_ptr + t * stride_t + inner + c, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # F.silu rounds to the input dtype
-    tl.store(out_ptr + i, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + i, _silu_times(gate, up), mask=mask)
 
 
 def silu_mul_quantized(gate_up: torch.Tensor, group: int = GROUP, keep: bool = False) -> QuantizedActivation:
@@ -75,9 +82,7 @@ def _silu_mul_quant_kernel(
     rows = rt.to(tl.int64)[:, None]
     gate = tl.load(x_ptr + rows * stride_t + rc[None, :], mask=mask, other=0.0)
     up = tl.load(x_ptr + rows * stride_t + inner + rc[None, :], mask=mask, other=0.0)
-    gf = gate.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype).to(tl.float32)  # F.silu rounds to the input dtype
-    h = (act * up.to(tl.float32)).to(gate.dtype)  # the unfused op's [T, I] output, rounded as it is
+    h = _silu_times(gate, up)  # the unfused op's [T, I] output, rounded as it is
     out = rows * inner + rc[None, :]
     if KEEP:
         tl.store(h_ptr + out, h, mask=mask)
@@ -159,33 +164,24 @@ def _silu_mul_lora_kernel(
     c_mask = cols < inner
     mask = m_mask[:, None] & c_mask[None, :]
     rows = x_ptr + tokens[:, None] * stride_t
+    rr = tl.arange(0, BLOCK_R)
+    r_mask = rr < R
+    h_mask = m_mask[:, None] & r_mask[None, :]
+    h_ptrs = h_ptr + tokens[:, None] * s_ht + slot * s_hl + rr[None, :]  # slice 0 (gate); + s_hi: up
+    b_off = slot * R * inner + rr[:, None] * inner + cols[None, :]
+    b_mask = r_mask[:, None] & c_mask[None, :]
+    # gate and its delta, then up and its: one slice's h and B live at a time (both at once spilled at rank 64)
     gate = tl.load(rows + cols[None, :], mask=mask, other=0.0)
+    if is_lora:
+        hg = _tile_h(h_ptrs, h_mask, split_k, s_hs, BLOCK_M, BLOCK_R, H_NATIVE)
+        bg = tl.load(bg_ptr + b_off, mask=b_mask, other=0.0)
+        gate = (gate.to(tl.float32) + _tile_delta(hg, bg, H_NATIVE, PRECISION)).to(gate.dtype)  # rounded once
     up = tl.load(rows + inner + cols[None, :], mask=mask, other=0.0)
     if is_lora:
-        rr = tl.arange(0, BLOCK_R)
-        r_mask = rr < R
-        h_mask = m_mask[:, None] & r_mask[None, :]
-        h_ptrs = h_ptr + tokens[:, None] * s_ht + slot * s_hl + rr[None, :]  # slice 0 (gate); + s_hi: up
-        b_off = slot * R * inner + rr[:, None] * inner + cols[None, :]
-        b_mask = r_mask[:, None] & c_mask[None, :]
-        bg = tl.load(bg_ptr + b_off, mask=b_mask, other=0.0)
+        hu = _tile_h(h_ptrs + s_hi, h_mask, split_k, s_hs, BLOCK_M, BLOCK_R, H_NATIVE)
         bu = tl.load(bu_ptr + b_off, mask=b_mask, other=0.0)
-        if H_NATIVE:  # one 16-bit h (the stacked GEMM's): exact products, fp32 sums in the dot
-            dg = tl.dot(tl.load(h_ptrs, mask=h_mask, other=0.0), bg, out_dtype=tl.float32)
-            du = tl.dot(tl.load(h_ptrs + s_hi, mask=h_mask, other=0.0), bu, out_dtype=tl.float32)
-        else:
-            hg = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-            hu = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-            for split in range(split_k):  # the shrink's K partials, in the expand's order
-                hg += tl.load(h_ptrs + split * s_hs, mask=h_mask, other=0.0).to(tl.float32)
-                hu += tl.load(h_ptrs + split * s_hs + s_hi, mask=h_mask, other=0.0).to(tl.float32)
-            dg = tl.dot(hg, bg.to(tl.float32), input_precision=PRECISION)
-            du = tl.dot(hu, bu.to(tl.float32), input_precision=PRECISION)
-        gate = (gate.to(tl.float32) + dg).to(gate.dtype)  # rounded once, as the expand writes y
-        up = (up.to(tl.float32) + du).to(up.dtype)
-    gf = gate.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype).to(tl.float32)  # F.silu rounds to the input dtype
-    h = (act * up.to(tl.float32)).to(gate.dtype)
+        up = (up.to(tl.float32) + _tile_delta(hu, bu, H_NATIVE, PRECISION)).to(up.dtype)  # as the expand does
+    h = _silu_times(gate, up)
     out = tokens[:, None] * inner + cols[None, :]
     if STORE_OUT:
         tl.store(out_ptr + out, h, mask=mask)
