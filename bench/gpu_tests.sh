@@ -3,6 +3,7 @@
 # device call, from the repo root with .peerwhl carried (the engine's server dependencies; the
 # device image lacks pydantic and llguidance):
 #   GPU_TESTS_BUDGET=540 bash bench/gpu_tests.sh
+#   GPU_TESTS_MODULES="tests/test_silu_mul_lora.py tests/test_fp8_linear.py" bash bench/gpu_tests.sh  # a subset
 # Cheapest first, each module under what is left of the budget, each test under --timeout; a module
 # cut short by the budget says so instead of hiding the others. Writes $OUT/gpu_tests.log (everything)
 # and prints one summary line per module.
@@ -13,8 +14,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
   || { echo "pip install of .peerwhl failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$(pwd) PYTHONUNBUFFERED=1
 budget=${GPU_TESTS_BUDGET:-540}
-for module in tests/test_logits_scan.py tests/test_rotary_op.py tests/test_silu_mul_lora.py tests/test_cuda_graphs.py \
-  tests/test_fp8_linear.py; do
+modules=${GPU_TESTS_MODULES:-tests/test_logits_scan.py tests/test_rotary_op.py tests/test_silu_mul_lora.py \
+  tests/test_cuda_graphs.py tests/test_fp8_linear.py}
+for module in $modules; do
   left=$(( budget - ($(date +%s) - t0) ))
   if [ "$left" -lt 20 ]; then
     echo "$module: not run (budget spent)"
