@@ -185,8 +185,12 @@ def main() -> None:
     ap.add_argument(
         "--fp8-unfused", action="store_true", help="FP8: each projection quantises its own input (no fused producer)"
     )
+    ap.add_argument("--fp8-fused-norms", action="store_true", help="FP8: the norms quantise the projections' inputs")
     ap.add_argument(
         "--no-fused-lora-expand", action="store_true", help="gate_up's LoRA expand in its own kernel (not the act.)"
+    )
+    ap.add_argument(
+        "--fused-lora-expand-quantized", action="store_true", help="FP8: the fused expand also where the act. quantises"
     )
     ap.add_argument("--decode-kernels", action="store_true", help="also a per-kernel table of 20 decode steps")
     ap.add_argument("--out")
@@ -204,7 +208,12 @@ def main() -> None:
         print(f"fp8: {quantize_linears(model)} projections quantised", flush=True)
     adapters = random_adapters(work, cfg)
     t0 = time.perf_counter()
-    kernels = KernelsConfig(fp8_fused_quant=not args.fp8_unfused, fused_lora_expand=not args.no_fused_lora_expand)
+    kernels = KernelsConfig(
+        fp8_fused_quant=not args.fp8_unfused,
+        fp8_fused_norm_quant=args.fp8_fused_norms,
+        fused_lora_expand=not args.no_fused_lora_expand,
+        fused_lora_expand_quantized=args.fused_lora_expand_quantized,
+    )
     config = EngineConfig(
         max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens, max_loras=8,
         max_lora_rank=16, kernels=kernels,

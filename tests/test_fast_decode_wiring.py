@@ -134,6 +134,7 @@ def test_fp8_decode_lora_takes_every_slots_h_from_one_gemm_beside_the_fp8_gemm(
     and run the expand alone, as bf16 decode steps do, with no shrink launch. Adapters on different
     projections mixed with base requests: tokens and logprobs equal the torch LoRA path on the same
     FP8 weights."""
+    from hylora.kernels.config import KernelsConfig
     from hylora.model.layers import Linear
     from hylora.ops.lora import triton as lora_triton
 
@@ -149,7 +150,10 @@ def test_fp8_decode_lora_takes_every_slots_h_from_one_gemm_beside_the_fp8_gemm(
 
     outputs = []
     for triton in (False, True):
-        engine = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=128, page_size=16, quantization="fp8")
+        engine = make_engine(
+            causal_ckpt[0], engine_adapter_root, max_model_len=128, page_size=16, quantization="fp8",
+            kernels=KernelsConfig(fp8_fused_norm_quant=True),
+        )  # fmt: skip
         assert engine.kernels["rms_norm_quantized"].implementation == "reference"  # quantised inputs
         fp8 = [m for m in engine.model.modules() if isinstance(m, Linear) and m.is_fp8 and m.lora is not None]
         with_tail = [m for m in fp8 if m.tail_weight is not None]
@@ -172,7 +176,7 @@ def test_the_activation_applies_gate_ups_lora_expand_as_the_expand_kernel_does(
     first off) and decode steps (every slot's h), adapters that target the MLP and one that does not
     (a zero delta over both slices), base requests beside them; with FP8 the activation quantises
     for the down projection too. Tokens and logprobs equal the expand kernel then the activation, and
-    both forms of h reached the fused activation."""
+    both forms of h reached the fused activation (with FP8 asked for by fused_lora_expand_quantized)."""
     from hylora.ops.silu_mul import triton as silu_triton
 
     requests = [
@@ -190,13 +194,42 @@ def test_the_activation_applies_gate_ups_lora_expand_as_the_expand_kernel_does(
         engine = make_engine(
             causal_ckpt[0], engine_adapter_root, max_model_len=256, page_size=16, quantization=quantization
         )
-        triton_lora(engine, fused_activation, lora_delta_first_from=0)
+        triton_lora(engine, fused_activation, lora_delta_first_from=0, fused_lora_expand_quantized=True)
         mlps = [layer.mlp for layer in engine.model.layers]
         assert all((m.act_lora is not None) == fused_activation for m in mlps)
         for mlp in mlps if fused_activation else ():
             mlp.act_lora = fused
         outputs.append(run(engine, {0: requests}))
     assert set(forms) == {4, 5}  # the prompt step's shrink partials, the decode steps' stacked h
+    assert_same_outputs(outputs[1], outputs[0])
+
+
+def test_an_fp8_down_projection_keeps_the_expand_kernel_unless_asked(causal_ckpt, engine_adapter_root):
+    """Where the activation quantises for an FP8 down projection, the MLP runs the expand kernel then
+    silu_mul_quantized (H200, run 34: the fused quantising variant was the slower one) unless
+    KernelsConfig.fused_lora_expand_quantized asks for silu_mul_lora; both serve the same tokens."""
+    from hylora.ops.silu_mul import triton as silu_triton
+
+    requests = [
+        (f"r{i}", random_ids(n, 320, seed=130 + i), SamplingParams(max_tokens=3, temperature=0, logprobs=1), adapter)
+        for i, (n, adapter) in enumerate([(40, "rs_mlp"), (20, "all_linear"), (10, None)])
+    ]
+    engine = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=128, page_size=16, quantization="fp8")
+    mlps = [layer.mlp for layer in engine.model.layers]
+    calls, outputs = [], []
+
+    def fused(*args):
+        calls.append(args[4])  # the quantisation group
+        return silu_triton.silu_mul_lora(*args)
+
+    for quantized in (False, True):
+        calls.clear()
+        triton_lora(engine, True, fused_lora_expand_quantized=quantized)
+        assert all(m.act_lora is not None and m.act_quantized is not None for m in mlps)
+        for mlp in mlps:
+            mlp.act_lora = fused
+        outputs.append(run(engine, {0: requests}))
+        assert bool(calls) == quantized and all(group == 128 for group in calls)
     assert_same_outputs(outputs[1], outputs[0])
 
 

@@ -239,7 +239,8 @@ def test_the_norms_and_the_mlp_activation_quantise_the_fp8_inputs_and_change_not
     """The kernel floor gives FP8 layers the norms that quantise the input of the projection behind
     them (rms_norm_quantized: the GDN in_proj or attention qkv, the MLP's gate_up; with 128-wide GDN
     value heads gated_rms_norm_quantized: the out_proj) and the activation that quantises the down
-    projection's (silu_mul_quantized): no quantisation launch in those GEMMs. Base and adapter
+    projection's (silu_mul_quantized): no quantisation launch in those GEMMs (the norms' part asked for
+    by fp8_fused_norm_quant; by default only the activation's). Base and adapter
     requests in one batch (the adapter's LoRA, and the in_proj's unquantised b / a rows, read the
     kept values): the same logprobs, bit for bit, as the projections quantising their own inputs;
     not with weight-only FP8 (nothing to quantise)."""
@@ -249,7 +250,8 @@ def test_the_norms_and_the_mlp_activation_quantise_the_fp8_inputs_and_change_not
         dst, adapter = request.getfixturevalue("heads128")
     common = dict(device="cpu", dtype="float32", max_lora_rank=8, max_num_seqs=4, quantization="fp8")
     lora = {"all": adapter}
-    fused = LLMEngine(dst, EngineConfig(**common), lora_modules=lora, progress=False)
+    fused_config = EngineConfig(**common, kernels=KernelsConfig(fp8_fused_norm_quant=True))
+    fused = LLMEngine(dst, fused_config, lora_modules=lora, progress=False)
     unfused_config = EngineConfig(**common, kernels=KernelsConfig(fp8_fused_quant=False))
     unfused = LLMEngine(dst, unfused_config, lora_modules=lora, progress=False)
     for name in ("silu_mul_quantized", "rms_norm_quantized"):
@@ -276,9 +278,12 @@ def test_the_norms_and_the_mlp_activation_quantise_the_fp8_inputs_and_change_not
     assert results[0] == results[1]
     assert True in act_calls and False not in act_calls  # one mixed batch: LoRA kept the values at every step
     assert {id(n) for n in norm_calls} == {id(n) for n in norms}
-    weight_only = EngineConfig(**common, kernels=KernelsConfig(fp8_activations="none"))
+    weight_only = EngineConfig(**common, kernels=KernelsConfig(fp8_activations="none", fp8_fused_norm_quant=True))
     kernels = LLMEngine(dst, weight_only, progress=False).kernels
     assert "silu_mul_quantized" not in kernels and "rms_norm_quantized" not in kernels
+    # by default (run 34: the fused norms were the slower) only the activation quantises for its GEMM
+    kernels = LLMEngine(dst, EngineConfig(**common), progress=False).kernels
+    assert "silu_mul_quantized" in kernels and "rms_norm_quantized" not in kernels
 
 
 def _copy_with(src: Path, dst: Path, edit) -> Path:

@@ -37,14 +37,23 @@ class KernelsConfig:
     # 1.6-3x slower GEMMs than dynamic on an H200, docs/FP8.md)
     fp8_activations: str = "dynamic"
     # dynamic FP8 activations: the MLP's activation quantises the down projection's input in its own
-    # launch (ops.silu_mul.silu_mul_quantized), and the decoder's norms the in_proj / qkv's, gate_up's and
-    # the GDN out_proj's (ops.rmsnorm), rather than each GEMM quantising its input in another; the same
+    # launch (ops.silu_mul.silu_mul_quantized), rather than the GEMM quantising it in another; the same
     # values either way. False: the separate launches (a same-run comparison, bench/profile_gpu.py)
     fp8_fused_quant: bool = True
+    # ... and the decoder's norms quantise the in_proj / qkv's, gate_up's and the GDN out_proj's input
+    # (ops.rmsnorm's rms_norm_quantized). Off by default: on an H200 (BASELINE run 34 against run 32,
+    # bench/profile_gpu.py --fp8) the fused norms took longer than the norms plus their quantisations
+    # (a 16-layer decode step 300 vs 268 us, an 8192-token prefill step 7.8 vs 6.6 ms)
+    fp8_fused_norm_quant: bool = False
     # the Triton LoRA: the MLP's activation applies gate_up's LoRA expand in its own launch
     # (ops.silu_mul.silu_mul_lora), rather than the expand's kernel writing [gate | up] back first; the
     # same arithmetic. False: the expand kernel, then the activation (a same-run comparison)
     fused_lora_expand: bool = True
+    # ... also where the activation quantises for an FP8 down projection (dynamic activations). Off by
+    # default: on an H200 (BASELINE run 34, bench/lora_activation_gpu.py, the 27B's gate_up, 8 rank-16
+    # slots) that variant ran 1.2-1.65x slower than the expand kernel then silu_mul_quantized, while the
+    # unquantised one ran 1.1-1.3x faster than the expand then silu_mul
+    fused_lora_expand_quantized: bool = False
     # hylora's Triton LoRA in host steps (prefill) of at least this many tokens: the delta written first
     # by cuBLAS, the base GEMM accumulating onto it (docs/LORA.md); 0: never, shrink + expand always.
     # H200, 8 rank-16 slots, the 27B's linears (BASELINE run 29): 15-43 % less LoRA time than shrink +

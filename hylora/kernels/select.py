@@ -53,7 +53,8 @@ def select_kernels(
         verdicts["fp8_linear"] = select_fp8_kernel(model, config.fast_kernels, config.fp8_activations)
         if config.fp8_activations == "dynamic" and config.fp8_fused_quant:
             verdicts["silu_mul_quantized"] = select_silu_mul_quantized(model, config.fast_kernels)
-            verdicts["rms_norm_quantized"] = select_rms_norm_quantized(model, config.fast_kernels)
+            if config.fp8_fused_norm_quant:
+                verdicts["rms_norm_quantized"] = select_rms_norm_quantized(model, config.fast_kernels)
     if config.fused_lora_expand:
         verdicts["silu_mul_lora"] = select_silu_mul_lora(model, config.fast_kernels)
     model.use_kernels(model_kernels(verdicts, config))
@@ -124,6 +125,7 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
         from hylora.ops.silu_mul.triton import silu_mul_lora
 
         chosen["silu_mul_lora"] = silu_mul_lora
+        chosen["silu_mul_lora_quantizes"] = config.fused_lora_expand_quantized
     if config.fp8_activations == "none":  # weight-only: the Triton GEMM once it passed, else its reference
         module = "triton" if "fp8_linear" in fast else "reference"
         chosen["fp8_linear"] = importlib.import_module(f"hylora.ops.fp8_linear.{module}").fp8_weight_only_linear

@@ -52,6 +52,7 @@ class ModelKernels:
     # silu_mul (or silu_mul_quantized) with gate_up's LoRA expand in its launch (the Triton LoRA only; None:
     # the expand kernel, then the activation)
     silu_mul_lora: Kernel | None = None
+    silu_mul_lora_quantizes: bool = False  # ... also where it quantises for an FP8 down projection
     lora_backend: str | None = None  # model.layers.LORA_BACKENDS; None: masked on CUDA, grouped on the CPU
     tower_lora_backend: str | None = None  # the vision tower's linears
     lora_delta_first_from: int = 0  # triton LoRA: host steps of this many tokens write the delta first; 0: never
@@ -84,6 +85,7 @@ def install(model: HybridDecoder, kernels: ModelKernels) -> None:
         elif isinstance(module, MLP):
             module.act, module.act_quantized = kernels.silu_mul, kernels.silu_mul_quantized
             module.act_lora = kernels.silu_mul_lora if kernels.lora_backend == "triton" else None
+            module.act_lora_quantizes = kernels.silu_mul_lora_quantizes
     for module in model.modules():
         if isinstance(module, Linear):
             module.lora_backend, module.fp8_kernel = kernels.lora_backend, kernels.fp8_linear

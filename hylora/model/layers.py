@@ -329,13 +329,15 @@ class MLP(nn.Module):
         # dynamic activations: the activation quantised in the same launch, not by the GEMM's own
         self.act_quantized = None
         # ops.silu_mul's silu_mul_lora, set by the kernel floor with the Triton LoRA: gate_up's LoRA expand
-        # applied in the activation's launch (quantised too where act_quantized is), not by its own kernel
+        # applied in the activation's launch, not by its own kernel; where act_quantized quantises for the
+        # down projection only if act_lora_quantizes (KernelsConfig.fused_lora_expand_quantized)
         self.act_lora = None
+        self.act_lora_quantizes = False
 
     def forward(self, x: torch.Tensor | QuantizedActivation, lora: LoRABatch | None = None) -> torch.Tensor:
         quantize = self.act_quantized is not None and self.down_proj.is_fp8
         keep = self.down_proj.needs_input_values(lora)  # the down projection's LoRA reads the activation
-        if self.act_lora is not None:
+        if self.act_lora is not None and (self.act_lora_quantizes or not quantize):
             gate_up, expand = self.gate_up_proj.forward_unexpanded(x, lora, all_slices=True)
             if expand is not None and len(expand.b) == 2:  # [gate | up], each its slice
                 group = self.down_proj.quant_block[1] if quantize else None
