@@ -1,9 +1,10 @@
 """`reference.fp8_linear` in Triton: per-token activation quantisation and a block-scaled FP8 GEMM.
 
 - `quantize_activation`: one program per (16 rows, group of 128 inputs); bit-equal to the reference.
-  The fp32 → e4m3 rounding is done in fp32 (`_e4m3`), so that the cast itself only meets
-  representable values: the interpreter's own fp32 → fp8 cast rounds wrongly, and fp32 division is
-  `div_rn` (Triton's `/` is the approximate `div.full.f32` on NVIDIA).
+  Under the interpreter the fp32 → e4m3 rounding is done in fp32 (`_e4m3`), so that the cast itself
+  only meets representable values: the interpreter's own fp32 → fp8 cast rounds wrongly (compiled,
+  the cast rounds to nearest even itself). Division is correctly rounded (Triton's `/` is the
+  approximate `div.full.f32` on NVIDIA): `div_rn` once a row, then two FMAs an element (`_div_rows`).
 - `fp8_linear`: y[m, n] = Σ_kb dot(a_fp8[m, kb], b_fp8[n, kb]) · a_scale[m, kb] · b_scale[n // bn, kb],
   one tl.dot per 128-input group (its scales differ group to group), the sum in fp32. On Hopper the
   fp8 MMA accumulates with reduced precision inside one dot; promoting every 128 inputs to fp32 keeps
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hylora.ops.fp8_linear.reference import (
@@ -52,6 +54,7 @@ QUANT_BLOCK_M = 16  # rows per quantisation program
 SUM_BLOCK = 1024  # outputs per program of the split-K sum
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @dataclass(frozen=True)
@@ -259,14 +262,44 @@ def _e4m3(q):
     return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(tl.float8e4nv)
 
 
+# Compiled, the e4m3 cast is cvt.rn.satfinite.e4m3x2.f32, itself round-to-nearest-even, and tl.fma one
+# rounding: `_e4m3`'s ~10 operations an element and div_rn an element only serve the interpreter
+# (TRITON_INTERPRET=1), whose cast rounds half away from zero and whose fma rounds twice
+_INTERPRETED = tl.constexpr(isinstance(_e4m3, InterpretedFunction))
+
+
+@triton.jit
+def _div_rows(x, scale):
+    """div_rn(x, scale[:, None]) with one IEEE division a row instead of one an element (each a
+    MUFU.RCP, five FFMAs, an FCHK and a branch to a slow path, serialised by BSSY/BSYNC): y = RN(1/s)
+    is within half an ulp of 1/s and q0 = RN(x·y) within one ulp of x/s, so with the exact remainder
+    r = x - q0·s (an fma), RN(q0 + r·y) = RN(x/s) (Markstein's theorem, barring underflow of the
+    remainder or the quotient: subnormal x or q, all at |q| < 2^-50, an e4m3 zero either way;
+    tests/test_fp8_row_division.py). r = -(q0·s - x) negated by `* -1.0`
+    (Triton's unary minus is 0 - v) is -0 for x = -0, which then stays -0. A row holding an inf has
+    s = inf: the fma takes FLT_MAX instead, so r·y = x·0 and q = x·0 = x / inf (NaN for x = ±inf)."""
+    y = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+    s = tl.minimum(scale, _FLT_MAX)[:, None]
+    q0 = x * y
+    r = tl.fma(q0, s, x * -1.0) * -1.0
+    return tl.fma(r, y, q0)
+
+
 @triton.jit
 def _quantize_rows(x):
     """x [R, GROUP] fp32, one group per row → (e4m3 [R, GROUP], scale [R] fp32), as the reference."""
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
-    q = tl.math.div_rn(x, scale[:, None])
+    if _INTERPRETED:
+        q = tl.math.div_rn(x, scale[:, None])
+    else:
+        q = _div_rows(x, scale)
     q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
-    return _e4m3(q), scale
+    if _INTERPRETED:
+        q8 = _e4m3(q)
+    else:
+        q8 = q.to(tl.float8e4nv)
+    return q8, scale
 
 
 @triton.jit

@@ -129,7 +129,7 @@ def _launch(
         triton.cdiv(D, group),
         HAS_RESIDUAL=residual is not None, GATED=gate is not None, ROTARY=rotary is not None,
         QUANT=quant is not None, STORE_OUT=out is not None, GROUP=group, GROUPS_PER_ROW=block_d // group,
-        BLOCK_D=block_d, ROWS=block_rows, num_warps=8 if block_d >= 4096 else 4,
+        BLOCK_D=block_d, ROWS=block_rows, VEC=16 // x.element_size(), num_warps=8 if block_d >= 4096 else 4,
     )  # fmt: skip
     return out
 
@@ -140,7 +140,7 @@ def _rms_norm_kernel(
     rows, B, sxa, sxb, sra, srb, sga, sgb, D, eps, R, groups,
     HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ROTARY: tl.constexpr, QUANT: tl.constexpr,
     STORE_OUT: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_ROW: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS]
     a, b = r // B, r % B
@@ -182,7 +182,11 @@ def _rms_norm_kernel(
         tl.store(out_ptr + dense, y, mask=mask)
     if QUANT:  # each row's groups of GROUP inputs, from the rounded norm (lanes past D are zeros)
         q, scale = _quantize_rows(tl.reshape(y.to(tl.float32), (ROWS * GROUPS_PER_ROW, GROUP)))
-        tl.store(q_ptr + dense, tl.reshape(q, (ROWS, BLOCK_D)), mask=mask)
+        # q's offsets declared VEC-contiguous (VEC: x's elements in 16 bytes; they are BLOCK_D-contiguous):
+        # the e4m3 store then takes the layout of x's loads and stores (VEC a thread) instead of its own
+        # (16 a thread), so x, w, y and the sum of squares keep the plain norm's layout: no [ROWS, BLOCK_D]
+        # conversion through shared memory, and the plain norm's summation order (bit-equal on a GPU too)
+        tl.store(q_ptr + tl.max_contiguous(dense, [1, VEC]), tl.reshape(q, (ROWS, BLOCK_D)), mask=mask)
         g = tl.arange(0, GROUPS_PER_ROW)
         s_mask = (r < rows)[:, None] & (g < groups)[None, :]
         tl.store(s_ptr + r[:, None] * groups + g[None, :], tl.reshape(scale, (ROWS, GROUPS_PER_ROW)), mask=s_mask)

@@ -187,5 +187,9 @@ def _silu_mul_lora_kernel(
         tl.store(out_ptr + out, h, mask=mask)
     if QUANT:
         q, scale = _quantize_rows(h.to(tl.float32))
+        if STORE_OUT:  # q's offsets declared 8-contiguous (they are 128-contiguous): the e4m3 store takes
+            # h's store layout (8 a thread) instead of its own (16), so q is computed there from the one
+            # conversion of h (no conversion of q through shared memory; the scale's amax stays in the MMA layout)
+            out = tl.max_contiguous(out, [1, 8])
         tl.store(q_ptr + out, q, mask=mask)
         tl.store(s_ptr + tokens * tl.cdiv(inner, COLUMNS) + g, scale, mask=m_mask)
