@@ -185,7 +185,7 @@ def _rms_norm_kernel(
         # q's offsets declared VEC-contiguous (VEC: x's elements in 16 bytes; they are BLOCK_D-contiguous):
         # the e4m3 store then takes the layout of x's loads and stores (VEC a thread) instead of its own
         # (16 a thread), so x, w, y and the sum of squares keep the plain norm's layout: no [ROWS, BLOCK_D]
-        # conversion through shared memory, and the plain norm's summation order (bit-equal on a GPU too)
+        # conversion through shared memory, and the plain norm's summation order (as compiled for sm_90)
         tl.store(q_ptr + tl.max_contiguous(dense, [1, VEC]), tl.reshape(q, (ROWS, BLOCK_D)), mask=mask)
         g = tl.arange(0, GROUPS_PER_ROW)
         s_mask = (r < rows)[:, None] & (g < groups)[None, :]
