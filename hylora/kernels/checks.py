@@ -390,11 +390,12 @@ def silu_mul_lora_error(
     tokens: Sequence[int] = STACKED_TOKENS,
     ranks: Sequence[int] = LORA_RANKS,
     kernel: Callable | None = None,
+    quantized: bool = True,
 ) -> float:
     """The activation with gate_up's LoRA expand (silu_mul_lora) vs the expand then the activation, at
     every token count and rank: base tokens and three adapters (a fourth slot unused and NaN), h as
-    the shrink's fp32 partials and as a decode step's 16-bit h of every slot; plain, and quantised for
-    an FP8 down projection (its quantised values dequantised, and the kept ones)."""
+    the shrink's fp32 partials and as a decode step's 16-bit h of every slot; plain, and (`quantized`)
+    quantised for an FP8 down projection (its quantised values dequantised, and the kept ones)."""
     from hylora.ops.fp8_linear.reference import GROUP
     from hylora.ops.lora.triton import LoRAKernelMeta
     from hylora.ops.silu_mul.reference import silu_mul_lora as reference_kernel
@@ -422,8 +423,10 @@ def silu_mul_lora_error(
             for h in (partials, stacked):
                 got, want = kernel(gate_up, h, b, meta), reference_kernel(gate_up, h, b, slots)
                 worst = max(worst, _rel_error(got, want))
-                got = kernel(gate_up, h, b, meta, GROUP, True)
-                worst = max(worst, _quantized_error(got, reference_kernel(gate_up, h, b, slots, GROUP, True)))
+                if quantized:
+                    got = kernel(gate_up, h, b, meta, GROUP, True)
+                    want = reference_kernel(gate_up, h, b, slots, GROUP, True)
+                    worst = max(worst, _quantized_error(got, want))
     return worst
 
 

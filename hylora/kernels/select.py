@@ -56,7 +56,9 @@ def select_kernels(
             if config.fp8_fused_norm_quant:
                 verdicts["rms_norm_quantized"] = select_rms_norm_quantized(model, config.fast_kernels)
     if config.fused_lora_expand:
-        verdicts["silu_mul_lora"] = select_silu_mul_lora(model, config.fast_kernels)
+        verdicts["silu_mul_lora"] = select_silu_mul_lora(
+            model, config.fast_kernels, quantized=config.fused_lora_expand_quantized
+        )
     model.use_kernels(model_kernels(verdicts, config))
     return verdicts
 
@@ -219,16 +221,18 @@ def select_silu_mul_quantized(model: HybridDecoder, fast_kernels: str = "auto") 
                     FP8_TOLERANCE)  # fmt: skip
 
 
-def select_silu_mul_lora(model: HybridDecoder, fast_kernels: str = "auto") -> KernelVerdict:
-    """The MLP activation with gate_up's LoRA expand in its launch, plain and quantised for an FP8 down
-    projection, on both forms of h (a shrink's fp32 partials, a decode step's 16-bit h of every slot),
-    checked against the expand then the activation."""
+def select_silu_mul_lora(model: HybridDecoder, fast_kernels: str = "auto", quantized: bool = True) -> KernelVerdict:
+    """The MLP activation with gate_up's LoRA expand in its launch, plain and (`quantized`: where it will
+    serve so) quantised for an FP8 down projection, on both forms of h (a shrink's fp32 partials, a
+    decode step's 16-bit h of every slot), checked against the expand then the activation."""
     name = "silu_mul_lora"
     if fast_kernels == "off":
         return reference(name, "fast kernels off")
     if not triton_usable(model.device) or model.device.type != "cuda":
         return reference(name, "no CUDA or no triton")
-    check = functools.partial(checks.silu_mul_lora_error, model.config.intermediate_size, model.dtype, model.device)
+    check = functools.partial(
+        checks.silu_mul_lora_error, model.config.intermediate_size, model.dtype, model.device, quantized=quantized
+    )
     return _verdict(name, check, TOLERANCE[model.dtype])
 
 
