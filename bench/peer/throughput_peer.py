@@ -567,7 +567,7 @@ def phase_hylora(args: argparse.Namespace) -> None:
     )
     records = {m: Record(work, "hylora", weights, m, **common) for m in mnbts}
     try:
-        engine, setup = hylora_engine(work, weights, mnbts[0], args.device)
+        engine, setup = hylora_engine(work, weights, mnbts[0], args.device, args.kernels)
         for mnbt in mnbts:
             engine.config.max_num_batched_tokens = mnbt  # the scheduler reads it at every step
             assert engine.scheduler.config is engine.config
@@ -590,15 +590,18 @@ def phase_hylora(args: argparse.Namespace) -> None:
         raise
 
 
-def hylora_engine(work: Work, weights: str, mnbt: int, device: str) -> tuple[Any, dict[str, Any]]:
+def hylora_engine(
+    work: Work, weights: str, mnbt: int, device: str, kernels: dict[str, bool] | None = None
+) -> tuple[Any, dict[str, Any]]:
     """`LLMEngine` on the checkpoint, given its decoder loaded as the engine would load it (FP8 GEMMs
-    where the device has them), without the vision tower (the checkpoint carries only a stub)."""
+    where the device has them), without the vision tower (the checkpoint carries only a stub).
+    `kernels`: KernelsConfig fields to set (a same-run comparison of a kernel choice)."""
     import torch
 
     from hylora.config import ModelConfig
     from hylora.engine import EngineConfig, LLMEngine
     from hylora.kernels import as_text
-    from hylora.kernels.config import serve_fp8
+    from hylora.kernels.config import KernelsConfig, serve_fp8
     from hylora.model.loader import load_model
 
     ckpt = work.ckpt(weights)
@@ -612,6 +615,7 @@ def hylora_engine(work: Work, weights: str, mnbt: int, device: str) -> tuple[Any
         dtype=str(dtype).removeprefix("torch."),
         device=device,
         enable_prefix_caching=False,  # vLLM 0.20.2's default on this model; the runs repeat the same prompts
+        kernels=KernelsConfig(**(kernels or {})),
     )
     log("hylora", config)
     t0 = time.perf_counter()
@@ -625,6 +629,7 @@ def hylora_engine(work: Work, weights: str, mnbt: int, device: str) -> tuple[Any
         "served_as": engine.quantization or ("bf16" if dtype == torch.bfloat16 else "fp32"),
         "kernels": as_text(engine.kernels),
         "kv_pages": engine.kv.num_pages,
+        "kernels_config": dict(kernels or {}),
         "settings": {k: str(v) for k, v in vars(config).items() if k != "kernels"},
     }
     log(f"hylora engine up in {setup['startup_s']:.0f}s, served as {setup['served_as']}, kernels {setup['kernels']}")
@@ -841,10 +846,11 @@ def table_md(records: dict[tuple[str, str, int], dict[str, Any]]) -> str:
 
 
 def engine_note(r: dict[str, Any]) -> str:
-    """hylora: what its weights were served as (its GDN state is always fp32); vLLM: its attention
-    backend, whether FA3 loaded, and its GDN state dtype."""
+    """hylora: what its weights were served as (its GDN state is always fp32) and the kernel switches
+    set by --kernels; vLLM: its attention backend, whether FA3 loaded, and its GDN state dtype."""
     if r["engine"] == "hylora":
-        return f"served as {r.get('served_as', '?')}, GDN state float32"
+        switches = "".join(f", {k}={int(v)}" for k, v in (r.get("kernels_config") or {}).items())
+        return f"served as {r.get('served_as', '?')}, GDN state float32{switches}"
     fa3 = {True: "loadable", False: "not loadable"}.get(r.get("fa3_available"), "?")
     state = r.get("gdn_state_dtype") or (r.get("checkpoint") or {}).get("mamba_ssm_dtype")
     state = state or "of the model's dtype (the config has no mamba_ssm_dtype)"
@@ -930,6 +936,7 @@ def phase_run(args: argparse.Namespace) -> None:
     common += ["--tiny"] * args.tiny + ["--reuse"] * args.reuse + ["--dry-run"] * args.dry_run
     common += ["--attention-backend", args.attention_backend] if args.attention_backend else []
     common += ["--profile-decode"] * args.profile_decode
+    common += ["--kernels", ",".join(f"{k}={int(v)}" for k, v in args.kernels.items())] if args.kernels else []
     log(f"work {args.work}, out {args.out}, budget {args.budget:.0f}s, device {args.device}: "
         + "; ".join(f"{p} {' '.join(a)}" for p, a in commands))  # fmt: skip
     env = child_env()
@@ -960,6 +967,22 @@ def add_shared_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dry-run", action="store_true", help="vllm: check the engine arguments, build nothing")
 
 
+def kernel_overrides(text: str) -> dict[str, bool]:
+    """`name=0|1,...` for KernelsConfig's boolean fields."""
+    from dataclasses import fields
+
+    from hylora.kernels.config import KernelsConfig
+
+    switches = {f.name for f in fields(KernelsConfig) if f.type in (bool, "bool")}
+    out: dict[str, bool] = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in switches or value not in ("0", "1"):
+            raise argparse.ArgumentTypeError(f"{item!r}: want name=0 or name=1, name one of {sorted(switches)}")
+        out[name] = value == "1"
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("phase", choices=PHASES)
@@ -974,6 +997,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="after the timed runs, the base and the 8-mixed workload with decode steps under torch.profiler: "
         "a per-kernel table each into --out/profiles (bench/peer/decode_profile.py)",
+    )
+    ap.add_argument(
+        "--kernels",
+        type=kernel_overrides,
+        default={},
+        help="hylora: KernelsConfig switches, e.g. fp8_fused_norm_quant=1,fused_lora_expand_quantized=0",
     )
     add_shared_args(ap)
     args = ap.parse_args(argv)
