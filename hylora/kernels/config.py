@@ -41,18 +41,19 @@ class KernelsConfig:
     # values either way. False: the separate launches (a same-run comparison, bench/profile_gpu.py)
     fp8_fused_quant: bool = True
     # ... and the decoder's norms quantise the in_proj / qkv's, gate_up's and the GDN out_proj's input
-    # (ops.rmsnorm's rms_norm_quantized). Off by default: on an H200 (BASELINE run 34 against run 32,
-    # bench/profile_gpu.py --fp8) the fused norms took longer than the norms plus their quantisations
-    # (a 16-layer decode step 300 vs 268 us, an 8192-token prefill step 7.8 vs 6.6 ms)
-    fp8_fused_norm_quant: bool = False
+    # (ops.rmsnorm's rms_norm_quantized). On an H200 (BASELINE run 35, same call, 16-layer cut, 8192
+    # batched tokens): FP8 workload 4001 -> 4069 tok/s base, 3397 -> 3445 mixed; the kernel alone 1.3x
+    # faster than the norm + quantisation (bench/fp8_fusion_gpu.py). Run 34's slower fused norm had the
+    # per-element division since replaced (docs/FP8.md)
+    fp8_fused_norm_quant: bool = True
     # the Triton LoRA: the MLP's activation applies gate_up's LoRA expand in its own launch
     # (ops.silu_mul.silu_mul_lora), rather than the expand's kernel writing [gate | up] back first; the
     # same arithmetic. False: the expand kernel, then the activation (a same-run comparison)
     fused_lora_expand: bool = True
     # ... also where the activation quantises for an FP8 down projection (dynamic activations). Off by
-    # default: on an H200 (BASELINE run 34, bench/lora_activation_gpu.py, the 27B's gate_up, 8 rank-16
-    # slots) that variant ran 1.2-1.65x slower than the expand kernel then silu_mul_quantized, while the
-    # unquantised one ran 1.1-1.3x faster than the expand then silu_mul
+    # default: on an H200 it gains nothing over the expand kernel then silu_mul_quantized (BASELINE run
+    # 35: 9.1 vs 9.0 us at 32 tokens, 682 vs 686 at 8192; the FP8 workload 4071 vs 4069 tok/s base,
+    # 3452 vs 3445 mixed), and its start-up check would cost a compile
     fused_lora_expand_quantized: bool = False
     # hylora's Triton LoRA in host steps (prefill) of at least this many tokens: the delta written first
     # by cuBLAS, the base GEMM accumulating onto it (docs/LORA.md); 0: never, shrink + expand always.
