@@ -113,7 +113,8 @@ def compare_engines(layers: int, prompt_len: int = 3000) -> None:
         # LoRA through silu_mul_lora, whose h . B sums differ from the expand kernel's on a GPU (run 35)
         config = EngineConfig(
             max_model_len=4096, max_num_seqs=2, max_num_batched_tokens=2048, max_loras=1, max_lora_rank=16,
-            enable_prefix_caching=False, kernels=KernelsConfig(fp8_fused_quant=fused, fp8_fused_norm_quant=fused, fused_lora_expand=False),
+            enable_prefix_caching=False,
+            kernels=KernelsConfig(fp8_fused_quant=fused, fp8_fused_norm_quant=fused, fused_lora_expand=False),
             num_pages=2 * (4096 // EngineConfig.page_size + 1),  # both engines fit
         )  # fmt: skip
         engine = LLMEngine(work / "tok", config, adapters, progress=False, model=model)
