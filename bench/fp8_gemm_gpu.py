@@ -9,7 +9,7 @@ scales where this torch has them (timed with the Triton activation quantisation 
 otherwise), and the weight-only GEMM (`fp8_weight_only_linear`, x unquantised) with its error against
 its own reference. Exits 1 when an error is NaN or above BOUND.
 
-    python bench/fp8_gemm_gpu.py [--quick] [--sweep | --sweep-tma]
+    python bench/fp8_gemm_gpu.py [--quick] [--sweep | --sweep-tma | --sweep-weight-only]
 
 --sweep times candidate tile configurations instead (decode and prefill) at a few shapes.
 """
@@ -211,14 +211,76 @@ def sweep(sweeps: list = SWEEPS) -> None:
             torch.cuda.empty_cache()
 
 
+WEIGHT_ONLY_DECODE = {  # changes to choose_config's weight-only pick (TMA at 2-32 tokens, one 32-token tile)
+    "chosen": {},
+    "pointer": {"tma": False},
+    "m16": {"block_m": 16},
+    "pps4": {"programs_per_sm": 4},
+    "n128": {"block_n": 128},
+    "s6": {"num_stages": 6},
+}
+
+
+def sweep_weight_only() -> None:
+    """The weight-only GEMM (x unquantised): tile candidates at decode sizes beside the dynamic GEMM and
+    bf16 F.linear; then, at more tokens, the Triton GEMM against the weight dequantised for cuBLAS's
+    bf16 GEMM (cublas.WEIGHT_ONLY_FROM's crossover)."""
+    from hylora.ops.fp8_linear import cublas
+
+    def dequant_linear(x, w_fp8, w_scale):
+        return F.linear(x, T.dequantize_weight(w_fp8, w_scale, (128, 128), x.dtype))
+
+    print("--- weight-only, decode: us per call / GB/s of fp8 weight")
+    for name in ("down", "gate_up", "gdn_in_qkvz", "attn_o", "attn_kv"):
+        N, K = SHAPES[name]
+        w_fp8, w_scale = R.quantize_weight(torch.randn(N, K, device=DEV) * 0.02)
+        w16 = R.dequantize_weight(w_fp8, w_scale, dtype=torch.bfloat16)
+        for M in (1, 8, 32):
+            x = torch.randn(M, K, device=DEV).bfloat16()
+            ref = R.fp8_weight_only_linear(x.float(), w_fp8, w_scale)
+            cells = []
+            for cname, changes in WEIGHT_ONLY_DECODE.items():
+                cfg = _config(T.choose_config(M, N, weight_only=True), **changes)
+                err = max_error(T.fp8_weight_only_linear(x, w_fp8, w_scale, config=cfg), ref)
+                t = bench(lambda: T.fp8_weight_only_linear(x, w_fp8, w_scale, config=cfg), 20)  # noqa: B023
+                bad = f"(e{err:.0e})" if not err <= BOUND else ""
+                cells.append(f"{cname}={t * 1e3:.1f}/{N * K / (t * 1e-3) / 1e9:.0f}{bad}")
+            dyn = bench(lambda: T.fp8_linear(x, w_fp8, w_scale), 20)  # noqa: B023
+            b16 = bench(lambda: F.linear(x, w16), 20)  # noqa: B023
+            cells.append(f"| dynamic={dyn * 1e3:.1f} bf16={b16 * 1e3:.1f}")
+            print(f"{name} M={M}: " + "  ".join(cells), flush=True)
+        torch.cuda.empty_cache()
+    print(f"--- weight-only, more tokens: us per call (cublas.WEIGHT_ONLY_FROM = {cublas.WEIGHT_ONLY_FROM})")
+    for name in ("down", "gate_up", "attn_kv"):
+        N, K = SHAPES[name]
+        w_fp8, w_scale = R.quantize_weight(torch.randn(N, K, device=DEV) * 0.02)
+        w16 = R.dequantize_weight(w_fp8, w_scale, dtype=torch.bfloat16)
+        for M in (64, 128, 256, 2048, 8192):
+            x = torch.randn(M, K, device=DEV).bfloat16()
+            ref = R.fp8_weight_only_linear(x.float(), w_fp8, w_scale)
+            err = max_error(dequant_linear(x, w_fp8, w_scale), ref)
+            reps = 20 if M <= 256 else 4
+            tri = bench(lambda: T.fp8_weight_only_linear(x, w_fp8, w_scale), reps)  # noqa: B023
+            deq = bench(lambda: dequant_linear(x, w_fp8, w_scale), reps)  # noqa: B023
+            b16 = bench(lambda: F.linear(x, w16), reps)  # noqa: B023
+            dyn = bench(lambda: cublas.fp8_linear(x, w_fp8, w_scale), reps)  # noqa: B023
+            print(f"{name} M={M}: triton={tri * 1e3:.1f} dequant+cublas={deq * 1e3:.1f} (e{err:.1e}) "
+                  f"bf16={b16 * 1e3:.1f} dynamic={dyn * 1e3:.1f}", flush=True)  # fmt: skip
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="gate_up, down, attn_kv at M 1, 32, 2048")
     p.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead")
     p.add_argument("--sweep-tma", action="store_true", help="decode sizes: pointer loads against TMA tiles")
+    p.add_argument("--sweep-weight-only", action="store_true", help="the weight-only GEMM's tiles and crossover")
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.sweep_weight_only:
+        sweep_weight_only()
+        return
     if args.sweep or args.sweep_tma:
         sweep(TMA_SWEEP if args.sweep_tma else SWEEPS)
         return

@@ -12,7 +12,7 @@ shape, `--layers`): finite.
 `speed --weights bf16|fp8`: random weights of the 27B text shape cut to `--layers` layers (fp8:
 quantised in memory exactly as an FP8 checkpoint loads), 8 random rank-16 adapters; the decode step
 (CUDA graph) at batch 1/8/32 beside its weight-read floor, one 8k-token prefill, DESIGN.md's workload
-(32 x 512 + 64 greedy) base and 8 mixed adapters at 2048 and 8192 batched tokens. Run both and
+(32 x 512 + 64 greedy) base and 8 mixed adapters at 2048 and 8192 batched tokens (`--step-tokens`). Run both and
 `compare` in one device call; each writes JSON.
 
     python bench/fp8_gpu.py fidelity --out fid.json
@@ -219,7 +219,7 @@ def speed(args) -> dict:
     result["prefill_8k"] = prefill_8k(engine)
     print(json.dumps(result["prefill_8k"]), flush=True)
     runs = []
-    for tokens in (2048, 8192):
+    for tokens in args.step_tokens:
         engine.scheduler.config.max_num_batched_tokens = tokens
         for label, adapter_of, warm in (("base", lambda i: None, 1), ("8 adapters mixed", lambda i: f"a{i % 8}", 8)):
             row = _run_workload(engine, f"{label}, {tokens} tokens per step", adapter_of, warm)
@@ -254,6 +254,8 @@ def main() -> None:
     ap.add_argument("--weights", choices=["bf16", "fp8"], default="fp8")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--fp8-activations", choices=["dynamic", "none"], default="dynamic", help="speed: FP8 GEMM inputs")
+    ap.add_argument("--step-tokens", type=lambda s: [int(t) for t in s.split(",")], default=[2048, 8192],
+                    help="speed: the workload's batched-token settings")  # fmt: skip
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.part == "compare":

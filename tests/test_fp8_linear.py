@@ -33,7 +33,7 @@ E4M3_SUBNORMAL = 2.0**-10  # its absolute rounding bound below 2^-6, in units of
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def blocky(N: int, K: int, block: tuple[int, int], seed: int) -> torch.Tensor:
@@ -451,6 +451,73 @@ def test_weight_only_ignores_fuse_quant_and_takes_bf16_and_strided_inputs(gpu_bf
         assert got.dtype == torch.bfloat16
         diff = (got.float() - ref.float()).abs()
         assert (diff <= 2.0**-7 * ref.float().abs() + GEMM_RTOL * ref.float().abs().amax()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("N, K, bn", [(1, 64, 128), (31, 129, 1), (129, 384, 128), (33, 127, 1)], ids=str)
+def test_dequantize_weight_kernel_is_the_reference_bit_for_bit(N, K, bn, dtype, gpu_bf16):
+    """Every element of a NaN-filled output: e4m3 times its block's scale in fp32, rounded once."""
+    block = (bn, 128)
+    w_fp8, w_scale = R.quantize_weight(blocky(N, K, block, seed=N + K), block)
+    out = torch.full((N, K), float("nan"), dtype=dtype, device=DEVICE)
+    got = T.dequantize_weight(w_fp8.to(DEVICE), w_scale.to(DEVICE), block, dtype, out=out)
+    assert got is out
+    assert torch.equal(bits(got.cpu()), bits(R.dequantize_weight(w_fp8, w_scale, block, dtype)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_weight_only_many_tokens_dequantise_for_a_16_bit_gemm(dtype, gpu_bf16, monkeypatch):
+    """From WEIGHT_ONLY_FROM tokens a 16-bit x meets the weight dequantised into its dtype (what a
+    16-bit copy of the dequantised checkpoint holds) in one 16-bit GEMM; fewer tokens, or fp32, keep
+    the Triton GEMM's exact weights. Both close to the exact reference; into a column slice of `out`."""
+    from hylora.ops.fp8_linear import cublas
+
+    monkeypatch.setattr(cublas, "WEIGHT_ONLY_FROM", 17)
+    x, w_fp8, w_scale, block = gemm_inputs(17, 129, 384, 128, seed=17, dtype=dtype)
+    xd, wd, sd = x.to(DEVICE), w_fp8.to(DEVICE), w_scale.to(DEVICE)
+    wide = torch.full((17, 140), float("nan"), dtype=dtype, device=DEVICE)
+    got = cublas.fp8_weight_only_linear(xd, wd, sd, block, out=wide[:, 5:134])
+    want = torch.nn.functional.linear(x, R.dequantize_weight(w_fp8, w_scale, block, dtype))
+    assert torch.equal(bits(got.cpu()), bits(want))
+    assert wide[:, :5].isnan().all() and wide[:, 134:].isnan().all()
+    ref = R.fp8_weight_only_linear(x, w_fp8, w_scale, block).float()
+    assert ((got.cpu().float() - ref).abs() <= 2.0**-6 * ref.abs() + 1e-3 * ref.abs().amax()).all()
+    fewer = cublas.fp8_weight_only_linear(xd[:16], wd, sd, block)
+    assert torch.equal(bits(fewer), bits(T.fp8_weight_only_linear(xd[:16], wd, sd, block)))
+    x32 = x.float().to(DEVICE)
+    assert torch.equal(cublas.fp8_weight_only_linear(x32, wd, sd, block), T.fp8_weight_only_linear(x32, wd, sd, block))
+
+
+@pytest.mark.parametrize("config", ["tma-decode", "tma-wide-noswap"])
+def test_weight_only_tma_tiles_take_16_bit_x(config, gpu_bf16, monkeypatch):
+    """bf16 x with 16-byte row strides: the weight-only GEMM loads x's tile and the e4m3 tile by TMA
+    (K = 400: the zero fill past K, N and M) and matches the exact reference to bf16 rounding."""
+    monkeypatch.setattr(T, "MIN_GROUPS_PER_SPLIT", 1)
+    x, w_fp8, w_scale, block = gemm_inputs(17, 129, 400, 128, seed=19, dtype=torch.bfloat16)
+    xd, wd = x.to(DEVICE), w_fp8.to(DEVICE)
+    assert T._tma_usable(xd, wd) == (DEVICE == "cpu" or on_hopper())
+    launched = []
+    kernel = T._gemm_tma_kernel
+    monkeypatch.setattr(T, "_gemm_tma_kernel", _Spy(kernel, launched))
+    out = torch.full((17, 129), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    T.fp8_weight_only_linear(xd, wd, w_scale.to(DEVICE), block, out=out, config=CONFIGS[config])
+    assert launched == [True] or not T._tma_usable(xd, wd)
+    ref = R.fp8_weight_only_linear(x, w_fp8, w_scale, block).float()
+    assert ((out.cpu().float() - ref).abs() <= 2.0**-7 * ref.abs() + GEMM_RTOL * ref.abs().amax()).all()
+
+
+class _Spy:
+    """A kernel whose launches record their WEIGHT_ONLY flag, then run."""
+
+    def __init__(self, kernel, launched: list) -> None:
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.append(kwargs["WEIGHT_ONLY"])
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
 
 
 # --- CUDA only -----------------------------------------------------------------------------------------

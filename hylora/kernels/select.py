@@ -128,12 +128,15 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
 
         chosen["silu_mul_lora"] = silu_mul_lora
         chosen["silu_mul_lora_quantizes"] = config.fused_lora_expand_quantized
-    if config.fp8_activations == "none":  # weight-only: the Triton GEMM once it passed, else its reference
-        module = "triton" if "fp8_linear" in fast else "reference"
-        chosen["fp8_linear"] = importlib.import_module(f"hylora.ops.fp8_linear.{module}").fp8_weight_only_linear
-    elif "fp8_linear" in fast:
+    if "fp8_linear" in fast:
         kernel = "cublas" if verdicts["fp8_linear"].implementation == "cublas+triton" else "triton"
-        chosen["fp8_linear"] = importlib.import_module(f"hylora.ops.fp8_linear.{kernel}").fp8_linear
+    else:
+        kernel = "reference"
+    fp8_ops = importlib.import_module(f"hylora.ops.fp8_linear.{kernel}")
+    if config.fp8_activations == "none":  # weight-only: the activations as they are
+        chosen["fp8_linear"] = fp8_ops.fp8_weight_only_linear
+    elif kernel != "reference":
+        chosen["fp8_linear"] = fp8_ops.fp8_linear
     if config.lora_backend != "auto":  # forced, for the decoder and the tower alike
         chosen["lora_backend"] = chosen["tower_lora_backend"] = config.lora_backend
     elif "lora" in fast:
@@ -178,7 +181,8 @@ def select_fp8_kernel(model: HybridDecoder, fast_kernels: str = "auto", activati
     """The FP8 GEMM for the model's FP8 projections, checked against the reference on the model's
     shapes. activations "dynamic" (quantised activations x dequantised weights): cuBLAS's block-scaled
     GEMM for steps of many tokens with hylora's Triton kernel below ("cublas+triton"), else the Triton
-    kernel alone; "none" (weight-only: the activations as they are): the Triton kernel ("triton").
+    kernel alone; "none" (weight-only: the activations as they are): the Triton kernel, with the
+    weight dequantised for cuBLAS's 16-bit GEMM from `cublas.WEIGHT_ONLY_FROM` tokens ("cublas+triton").
     On the CPU, or with fast kernels off, the reference (exact, slow: it dequantises per call); on
     CUDA when no kernel passes, the weights are dequantised."""
     name = "fp8_linear"
@@ -199,9 +203,7 @@ def select_fp8_kernel(model: HybridDecoder, fast_kernels: str = "auto", activati
 
     verdict = _verdict(name, check("triton"), FP8_TOLERANCE)
     if not verdict.check_failed:
-        if weight_only:
-            return verdict
-        with_cublas = _verdict(name, check("cublas"), FP8_TOLERANCE)
+        with_cublas = _verdict(name, check("cublas"), FP8_TOLERANCE, implementation="cublas")
         return replace(with_cublas, implementation="cublas+triton") if not with_cublas.check_failed else verdict
     dequantize_linears(model)
     log.error("FP8 kernel failed its check: the FP8 weights are dequantised to %s", dtype)
@@ -312,8 +314,8 @@ def select_fast_kernels(
     return verdicts
 
 
-def _verdict(name: str, run: Callable[[], float], tolerance: float) -> KernelVerdict:
-    implementation = IMPLEMENTATION.get(name, "triton")
+def _verdict(name: str, run: Callable[[], float], tolerance: float, implementation: str = "") -> KernelVerdict:
+    implementation = implementation or IMPLEMENTATION.get(name, "triton")
     try:
         error = run()
     except Exception as e:  # a kernel that does not compile or launch here is not used

@@ -1,10 +1,20 @@
-"""`reference.fp8_linear` through cuBLAS (`torch._scaled_mm` with 1 x 128 activation and 128 x 128
-weight block scales, Hopper) for steps of many tokens, the Triton GEMM for the rest.
+"""The FP8 linears through cuBLAS for steps of many tokens, the Triton GEMM for the rest.
+
+`fp8_linear` (`reference.fp8_linear`): `torch._scaled_mm` with 1 x 128 activation and 128 x 128
+weight block scales (Hopper).
 
 On an H200 cuBLAS's block-scaled GEMM is 1.3-1.6x faster than the Triton kernel from ~128 tokens
 and slower below; it refuses a single token and takes only whole 128 x 128 weight blocks
 (`bench/fp8_gemm_gpu.py`). The activations are quantised by the Triton kernel either way, so both
 paths see the same FP8 inputs; cuBLAS sums in its own order.
+
+`fp8_weight_only_linear` (`reference.fp8_weight_only_linear`, activations unquantised): from
+WEIGHT_ONLY_FROM tokens in a 16-bit dtype, the weight is dequantised into x's dtype (the Triton
+`dequantize_weight`: each e4m3 value times its scale in fp32, rounded once) and multiplied by cuBLAS's
+16-bit GEMM. The Triton weight-only GEMM converts every weight tile in registers and runs ~3x slower
+than bf16 at prefill sizes (docs/FP8.md); the dequantisation reads 1 and writes 2 bytes a weight, a
+few per cent of an 8k-token step's GEMM. The rounding of each dequantised weight to bf16 is the one a
+bf16 copy of the dequantised checkpoint has; below the threshold (decode) the weights stay exact.
 """
 
 from __future__ import annotations
@@ -12,12 +22,14 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from hylora.ops.fp8_linear import triton as fp8_triton
 from hylora.ops.fp8_linear.reference import BLOCK, QuantizedActivation
 
 CUBLAS_FROM = 128  # tokens
 PAD_TOKENS = 16
+WEIGHT_ONLY_FROM = 128  # tokens: dequantise then cuBLAS (H200 sweep: bench/fp8_gemm_gpu.py --sweep-weight-only)
 
 
 def usable(tokens: int, N: int, K: int, block: tuple[int, int]) -> bool:
@@ -70,3 +82,19 @@ _WRITES_INTO: list[bool] = []  # set once torch refused out=
 
 def _writes_into(out: torch.Tensor) -> bool:
     return not _WRITES_INTO and out.stride(1) == 1 and out.stride(0) >= out.shape[1]
+
+
+def fp8_weight_only_linear(
+    x: torch.Tensor,  # [..., K]
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)]
+    block: tuple[int, int] = BLOCK,
+    out: torch.Tensor | None = None,  # [..., N] in x.dtype
+) -> torch.Tensor:
+    *lead, K = x.shape
+    if math.prod(lead) < WEIGHT_ONLY_FROM or x.dtype not in (torch.bfloat16, torch.float16):
+        return fp8_triton.fp8_weight_only_linear(x, w_fp8, w_scale, block, out=out)
+    w = fp8_triton.dequantize_weight(w_fp8, w_scale, block, x.dtype)
+    if out is None:
+        return F.linear(x, w)
+    return out.copy_(F.linear(x, w))

@@ -22,9 +22,12 @@
 - `fp8_weight_only_linear` (`reference.fp8_weight_only_linear`): the same GEMM on unquantised x, the
   weight tile converted to x's dtype in registers (e4m3 values are exact in bf16 and fp16) and the
   dot in x's dtype, times the weight scale per group: x · Wᵀ to fp32 summation order, no activation
-  rounding. No quantisation launch; the tensor cores run at x's dtype's rate. On an H200 the in-register
-  conversion makes it 1.6-2.3x slower than the dynamic GEMM at decode sizes and ~3x at prefill sizes
-  (bench/fp8_gemm_gpu.py, docs/BASELINE.md run 26).
+  rounding. No quantisation launch; the tensor cores run at x's dtype's rate. 16-bit x at 2-32 tokens
+  is loaded by TMA too, and 17-32 tokens take one 32-token tile, so each weight tile is converted
+  once. On an H200 (docs/BASELINE.md run 36) it decodes at bf16 F.linear's speed, ~1.6-1.8x the
+  dynamic GEMM's time; converting e4m3 → bf16 by integer bit moves instead of the cvt instructions
+  made no difference there (the conversion is not what bounds it). Prefill sizes: `cublas`.
+- `dequantize_weight`: W in a 16-bit dtype, bit-equal to the reference (the weight-only prefill).
 
 No host sync and no data-dependent Python: the launches depend on the shapes alone (CUDA-graph safe).
 """
@@ -51,6 +54,7 @@ from hylora.ops.fp8_linear.reference import (
 )
 
 QUANT_BLOCK_M = 16  # rows per quantisation program
+DEQUANT_ROWS = 32  # weight rows per dequantisation program (one K group each)
 SUM_BLOCK = 1024  # outputs per program of the split-K sum
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
@@ -95,10 +99,11 @@ PREFILL_FROM = 1024  # tokens
 MIN_GROUPS_PER_SPLIT = 4  # 512 inputs at least per split
 
 
-def choose_config(num_tokens: int, out_features: int) -> GemmConfig:
+def choose_config(num_tokens: int, out_features: int, weight_only: bool = False) -> GemmConfig:
     if num_tokens == 1:
         return DECODE_1
-    if num_tokens <= 16 or (num_tokens <= 32 and out_features >= WIDE_N):
+    # weight-only: one 32-token tile, each weight tile converted once (two 16-token tiles convert it twice)
+    if num_tokens <= 16 or (num_tokens <= 32 and out_features >= WIDE_N and not weight_only):
         return DECODE
     if num_tokens <= 32:
         return DECODE_32
@@ -197,7 +202,7 @@ def _linear(
         return out
     if K == 0:
         return out.zero_()
-    cfg = config or choose_config(M, N)
+    cfg = config or choose_config(M, N, weight_only)
     fuse_quant = cfg.fuse_quant and not weight_only and quantized is None
     groups = triton.cdiv(K, bk)
     split = split_k(cfg, M, N, groups, _num_sms(x.device))
@@ -209,14 +214,17 @@ def _linear(
         a, a_scale = quantize_activation(x2, bk)
     target = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
-    if cfg.tma and not (fuse_quant or weight_only) and _tma_usable(a, w_fp8):
+    # weight-only: TMA for 16-bit x only (an fp32 x tile converted for an fp32 dot is a test aid, not a path to tune)
+    tma_x = not weight_only or a.dtype in (torch.bfloat16, torch.float16)
+    if cfg.tma and not fuse_quant and tma_x and _tma_usable(a, w_fp8):
         _gemm_tma_kernel[grid](
             TensorDescriptor.from_tensor(a, [cfg.block_m, bk]), a_scale,
             TensorDescriptor.from_tensor(w_fp8, [cfg.block_n, bk]), w_scale, target,
             M, N, bn, triton.cdiv(groups, split), a_scale.stride(0), w_scale.stride(0), target.stride(-2),
             M * N if split > 1 else 0,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
-            ONE_B_SCALE=bn % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            ONE_B_SCALE=bn % cfg.block_n == 0, WEIGHT_ONLY=weight_only,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
         _gemm_kernel[grid](
@@ -236,11 +244,37 @@ def _linear(
     return out
 
 
+def dequantize_weight(
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)] fp32
+    block: tuple[int, int] = BLOCK,
+    dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,  # [N, K] dtype
+) -> torch.Tensor:
+    """W [N, K] in `dtype` = `reference.dequantize_weight`, bit for bit: each e4m3 value times its
+    block's scale in fp32, rounded once to `dtype`."""
+    N, K = w_fp8.shape
+    bn, bk = block
+    _check_group(bk)
+    _check_scales(w_scale, N, K, block)
+    if w_fp8.stride(1) != 1:
+        raise ValueError("dequantize_weight: needs unit stride along K")
+    if out is None:
+        out = torch.empty(N, K, dtype=dtype, device=w_fp8.device)
+    if N and K:
+        grid = (triton.cdiv(N, DEQUANT_ROWS), triton.cdiv(K, bk))
+        _dequantize_kernel[grid](
+            w_fp8, w_scale, out, N, K, bn, w_fp8.stride(0), w_scale.stride(0), out.stride(0),
+            BLOCK_N=DEQUANT_ROWS, BLOCK_K=bk,
+        )  # fmt: skip
+    return out
+
+
 def _tma_usable(a: torch.Tensor, w: torch.Tensor) -> bool:
     """TMA needs 16-byte aligned bases and row strides (and Hopper or newer; the interpreter emulates it)."""
     if not _has_tma(a.device):
         return False
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (a, w))
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 and t.stride(1) == 1 for t in (a, w))
 
 
 def _check_group(group: int) -> None:
@@ -318,6 +352,20 @@ def _quantize_kernel(
 
 
 @triton.jit
+def _dequantize_kernel(
+    w_ptr, s_ptr, out_ptr, N, K, bn, stride_wn, stride_sn, stride_on, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(1)
+    rk = g * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    rows = rn.to(tl.int64)[:, None]
+    w = tl.load(w_ptr + rows * stride_wn + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(s_ptr + (rn // bn).to(tl.int64) * stride_sn + g, mask=rn < N, other=0.0)
+    tl.store(out_ptr + rows * stride_on + rk[None, :], (w * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _gemm_kernel(
     a_ptr,  # [M, K] e4m3, or x itself when FUSE_QUANT or WEIGHT_ONLY
     as_ptr,  # [M, K / BLOCK_K] fp32 (unused when FUSE_QUANT or WEIGHT_ONLY)
@@ -381,10 +429,11 @@ def _gemm_tma_kernel(
     c_ptr,  # [M, N] out, or [split, M, N] fp32 partials
     M, N, bn, groups_per_split, stride_asm, stride_bsn, stride_cm, stride_cs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SWAP_AB: tl.constexpr, ONE_B_SCALE: tl.constexpr,
+    SWAP_AB: tl.constexpr, ONE_B_SCALE: tl.constexpr, WEIGHT_ONLY: tl.constexpr,
 ):  # fmt: skip
-    """`_gemm_kernel`'s quantised path with both tiles loaded by TMA: no address arithmetic or
-    vector loads in the loop, and the zero fill past K and N replaces the masked last group."""
+    """`_gemm_kernel` with both tiles loaded by TMA (x's e4m3 tile, or with WEIGHT_ONLY x's 16-bit
+    tile itself): no address arithmetic or vector loads in the loop, and the zero fill past K and N
+    replaces the masked last group."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -403,7 +452,7 @@ def _gemm_tma_kernel(
     for kb in range(kb0, kb1):
         a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
         b = b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K])
-        acc = _accumulate(acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, False, False, ONE_B_SCALE, "tf32")
+        acc = _accumulate(acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, False, WEIGHT_ONLY, ONE_B_SCALE, "tf32")
     _store_tile(acc, c_ptr + split.to(tl.int64) * stride_cs, om, on, M, N, stride_cm, SWAP_AB)
 
 
