@@ -177,6 +177,39 @@ def test_verdict():
     assert crashed.check_failed and "no sm_90 here" in crashed.reason
 
 
+@pytest.mark.parametrize(
+    "errors, implementation, checked, dequantised",
+    [
+        ({"cublas": 1e-4}, "cublas+triton", ["cublas"], False),  # as it serves: Triton's prefill tiles not compiled
+        ({"cublas": 1.0, "triton": 1e-4}, "triton", ["cublas", "triton"], False),
+        ({"cublas": "raises", "triton": 1e-4}, "triton", ["cublas", "triton"], False),  # e.g. no block-scaled cuBLAS
+        ({"cublas": 1.0, "triton": float("nan")}, "reference", ["cublas", "triton"], True),
+    ],
+)
+def test_fp8_gemm_is_checked_as_it_serves_then_falls_back(errors, implementation, checked, dequantised):
+    """cuBLAS with Triton below is checked first; a failure falls back to Triton alone, and a failure
+    of that to dequantised weights; the verdict names what serves and, on failure, why."""
+    seen, dequantize = [], Mock()
+
+    def check(module):
+        def run():
+            seen.append(module)
+            if errors[module] == "raises":
+                raise RuntimeError("blockwise scaling needs sm_90")
+            return errors[module]
+
+        return run
+
+    verdict = select.choose_fp8_gemm(check, dequantize)
+    assert verdict.implementation == implementation and seen == checked
+    assert dequantize.called == dequantised == verdict.check_failed
+    if dequantised:
+        assert "weights dequantised" in verdict.reason
+    kernels = select.model_kernels({"fp8_linear": verdict})
+    want = {"cublas+triton": "hylora.ops.fp8_linear.cublas", "triton": "hylora.ops.fp8_linear.triton"}
+    assert kernels.fp8_linear.__module__ == want.get(implementation, "hylora.ops.fp8_linear.reference")
+
+
 def test_verdicts_choose_the_model_kernels():
     from hylora.kernels import KernelsConfig
     from hylora.ops.rmsnorm.reference import rms_norm

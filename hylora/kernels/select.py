@@ -193,7 +193,7 @@ def select_fp8_kernel(model: HybridDecoder, fast_kernels: str = "auto", activati
     dtype, dev, shapes = model.dtype, model.device, checks.fp8_shapes(model)
     weight_only = activations == "none"
 
-    def check(kernel_module: str):
+    def check(kernel_module: str) -> Callable[[], float]:
         def run() -> float:
             module = importlib.import_module(f"hylora.ops.fp8_linear.{kernel_module}")
             kernel = module.fp8_weight_only_linear if weight_only else module.fp8_linear
@@ -201,13 +201,24 @@ def select_fp8_kernel(model: HybridDecoder, fast_kernels: str = "auto", activati
 
         return run
 
-    verdict = _verdict(name, check("triton"), FP8_TOLERANCE)
-    if not verdict.check_failed:
-        with_cublas = _verdict(name, check("cublas"), FP8_TOLERANCE, implementation="cublas")
-        return replace(with_cublas, implementation="cublas+triton") if not with_cublas.check_failed else verdict
-    dequantize_linears(model)
-    log.error("FP8 kernel failed its check: the FP8 weights are dequantised to %s", dtype)
-    return replace(verdict, reason=verdict.reason + "; weights dequantised")
+    return choose_fp8_gemm(check, lambda: dequantize_linears(model))
+
+
+def choose_fp8_gemm(check: Callable[[str], Callable[[], float]], dequantize: Callable[[], None]) -> KernelVerdict:
+    """The FP8 GEMM as it will serve first: the `cublas` module (cuBLAS where it takes the step, the
+    Triton kernel below and for the other shapes), so a model that cuBLAS serves from 128 tokens never
+    compiles Triton's tiles for those sizes just to check them. If that fails, the Triton kernel alone
+    at every size; if that fails too, `dequantize()` (the weights in the model's dtype)."""
+    name = "fp8_linear"
+    with_cublas = _verdict(name, check("cublas"), FP8_TOLERANCE, implementation="cublas+triton")
+    if not with_cublas.check_failed:
+        return with_cublas
+    triton_alone = _verdict(name, check("triton"), FP8_TOLERANCE)
+    if not triton_alone.check_failed:
+        return triton_alone
+    dequantize()
+    log.error("FP8 kernel failed its check: the FP8 weights are dequantised")
+    return replace(triton_alone, reason=triton_alone.reason + "; weights dequantised")
 
 
 def select_silu_mul_quantized(model: HybridDecoder, fast_kernels: str = "auto") -> KernelVerdict:
