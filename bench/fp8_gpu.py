@@ -19,7 +19,7 @@ quantised in memory exactly as an FP8 checkpoint loads), 8 random rank-16 adapte
     python bench/fp8_gpu.py speed --weights bf16 --out bf16.json
     python bench/fp8_gpu.py speed --weights fp8 --out fp8.json
     python bench/fp8_gpu.py speed --weights fp8 --fp8-activations none --out w8.json   # weight-only
-    python bench/fp8_gpu.py compare bf16.json fp8.json
+    python bench/fp8_gpu.py compare bf16.json fp8.json [w8.json]
 """
 
 from __future__ import annotations
@@ -230,21 +230,29 @@ def speed(args) -> dict:
     return result
 
 
-def compare(bf16_path: str, fp8_path: str) -> None:
-    bf16, fp8 = (json.loads(Path(p).read_text()) for p in (bf16_path, fp8_path))
-    print(f"| {bf16['card']}, {bf16['layers']} layers, {bf16['date']} | bf16 | fp8 | fp8 / bf16 |")
-    print("| --- | --- | --- | --- |")
-    print(f"| weights read per decode step (GB) | {bf16['weight_gb']:.1f} | {fp8['weight_gb']:.1f} | "
-          f"{fp8['weight_gb'] / bf16['weight_gb']:.2f} |")  # fmt: skip
-    for a, b in zip(bf16["decode_steps"], fp8["decode_steps"], strict=True):
-        print(f"| decode step, batch {a['batch']} (ms; x its weight floor) "
-              f"| {a['graph_ms']:.2f} ({a['over_floor']:.2f}x) | {b['graph_ms']:.2f} ({b['over_floor']:.2f}x) "
-              f"| {b['graph_ms'] / a['graph_ms']:.2f} |")  # fmt: skip
-    a, b = bf16["prefill_8k"], fp8["prefill_8k"]
-    print(f"| prefill 8k tokens (tok/s) | {a['tok_s']:.0f} | {b['tok_s']:.0f} | {b['tok_s'] / a['tok_s']:.2f} |")
-    for a, b in zip(bf16["workload"], fp8["workload"], strict=True):
-        print(f"| workload {a['run']} (out tok/s) | {a['out_tok_s']:.0f} | {b['out_tok_s']:.0f} | "
-              f"{b['out_tok_s'] / a['out_tok_s']:.2f} |")  # fmt: skip
+def compare(bf16_path: str, *fp8_paths: str) -> None:
+    """One table: bf16, then each FP8 run (dynamic, weight-only, ...) with its ratio to bf16."""
+    bf16, *fp8s = (json.loads(Path(p).read_text()) for p in (bf16_path, *fp8_paths))
+    names = [f"fp8 ({r.get('fp8_activations', 'dynamic')} activations) | / bf16" for r in fp8s]
+    print(f"| {bf16['card']}, {bf16['layers']} layers, {bf16['date']} | bf16 | {' | '.join(names)} |")
+    print("| --- | --- |" + " --- | --- |" * len(fp8s))
+
+    def row(label: str, value) -> None:  # value(run) -> (number, its text)
+        a = value(bf16)
+        cells = [f"{value(r)[1]} | {value(r)[0] / a[0]:.2f}" for r in fp8s]
+        print(f"| {label} | {a[1]} | {' | '.join(cells)} |")
+
+    row("weights read per decode step (GB)", lambda r: (r["weight_gb"], f"{r['weight_gb']:.1f}"))
+    def decode(r: dict, i: int) -> tuple[float, str]:
+        step = r["decode_steps"][i]
+        return step["graph_ms"], f"{step['graph_ms']:.2f} ({step['over_floor']:.2f}x)"
+
+    for i, step in enumerate(bf16["decode_steps"]):
+        row(f"decode step, batch {step['batch']} (ms; x its weight floor)", lambda r, i=i: decode(r, i))
+    row("prefill 8k tokens (tok/s)", lambda r: (r["prefill_8k"]["tok_s"], f"{r['prefill_8k']['tok_s']:.0f}"))
+    for i, run in enumerate(bf16["workload"]):
+        row(f"workload {run['run']} (out tok/s)",
+            lambda r, i=i: (r["workload"][i]["out_tok_s"], f"{r['workload'][i]['out_tok_s']:.0f}"))  # fmt: skip
 
 
 def main() -> None:
