@@ -33,8 +33,8 @@ class KernelsConfig:
     gdn_decode_launch: tuple[int, int, int] | None = None
     # what FP8 projections do with their inputs. dynamic: quantise them per token and 128 inputs, as the
     # checkpoints' activation_scheme says (FP8 tensor cores); none: keep them in the model's dtype and
-    # convert the FP8 weights in the GEMM (the dequantised model's arithmetic, FP8 weights in memory;
-    # 1.6-3x slower GEMMs than dynamic on an H200, docs/FP8.md)
+    # convert the FP8 weights in the GEMM, or dequantise them for cuBLAS from 128 tokens (the
+    # dequantised model's arithmetic, FP8 weights in memory; about bf16's speed on an H200, docs/FP8.md)
     fp8_activations: str = "dynamic"
     # dynamic FP8 activations: the MLP's activation quantises the down projection's input in its own
     # launch (ops.silu_mul.silu_mul_quantized), rather than the GEMM quantising it in another; the same
