@@ -9,7 +9,7 @@ scales where this torch has them (timed with the Triton activation quantisation 
 otherwise), and the weight-only GEMM (`fp8_weight_only_linear`, x unquantised) with its error against
 its own reference. Exits 1 when an error is NaN or above BOUND.
 
-    python bench/fp8_gemm_gpu.py [--quick] [--sweep | --sweep-tma | --sweep-weight-only]
+    python bench/fp8_gemm_gpu.py [--quick] [--sweep | --sweep-tma | --sweep-weight-only | --extra-rows]
 
 --sweep times candidate tile configurations instead (decode and prefill) at a few shapes.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -269,15 +270,60 @@ def sweep_weight_only() -> None:
         torch.cuda.empty_cache()
 
 
+def extra_rows(extra_groups: list[int]) -> None:
+    """A decode step's LoRA shrink with an FP8 base (8 slots of rank 16 on every slice, and the GDN
+    in_proj's 96 unquantised b / a rows): the 16-bit rows served in the FP8 GEMM's launch (`extra=`,
+    their K in chunks of each of `extra_groups` groups) against the FP8 GEMM plus a 16-bit F.linear
+    beside it (the path before), and the FP8 GEMM alone."""
+    slots, rank = 8, 16
+    rows = {"gate_up": 2, "down": 1, "gdn_in_qkvz": 2, "gdn_out": 1, "attn_q_gate": 3, "attn_o": 1}  # slices
+    chunks = " | ".join(f"in the launch, {g} groups a chunk" for g in extra_groups)
+    print(f"--- extra rows, us per call: {chunks} | FP8 + F.linear beside it | FP8 alone (max error)")
+    for name, slices in rows.items():
+        N, K = SHAPES[name]
+        E = slices * slots * rank + (96 if name == "gdn_in_qkvz" else 0)
+        w_fp8, w_scale = R.quantize_weight(torch.randn(N, K, device=DEV) * 0.02)
+        a16 = (torch.randn(E, K, device=DEV) * 0.02).bfloat16()
+        for gemm in (T.fp8_linear, T.fp8_weight_only_linear):
+            for M in (1, 8, 32):
+                x = torch.randn(M, K, device=DEV).bfloat16()
+                out = torch.empty(M, N + E, device=DEV, dtype=torch.bfloat16)
+                times, err = [], 0.0
+                for groups in extra_groups:
+                    T.EXTRA_GROUPS = groups
+                    got = gemm(x, w_fp8, w_scale, extra=(x, a16))[:, N:]
+                    err = max(err, max_error(got, F.linear(x.float(), a16.float())))
+                    times.append(bench(functools.partial(gemm, x, w_fp8, w_scale, out=out, extra=(x, a16)), 20))
+                times += [
+                    bench(functools.partial(_beside, gemm, x, w_fp8, w_scale, a16, out), 20),
+                    bench(functools.partial(gemm, x, w_fp8, w_scale), 20),
+                ]
+                cells = " | ".join(f"{t * 1e3:.1f}" for t in times)
+                print(f"{name} {gemm.__name__} M={M} E={E}: {cells}  (e{err:.1e})", flush=True)
+        torch.cuda.empty_cache()
+    T.EXTRA_GROUPS = extra_groups[0]
+
+
+def _beside(gemm, x, w_fp8, w_scale, a16, out) -> None:
+    N = w_fp8.shape[0]
+    gemm(x, w_fp8, w_scale, out=out[:, :N])
+    out[:, N:] = F.linear(x, a16)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="gate_up, down, attn_kv at M 1, 32, 2048")
     p.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead")
     p.add_argument("--sweep-tma", action="store_true", help="decode sizes: pointer loads against TMA tiles")
     p.add_argument("--sweep-weight-only", action="store_true", help="the weight-only GEMM's tiles and crossover")
+    p.add_argument("--extra-rows", action="store_true", help="16-bit rows (LoRA A) in the FP8 launch against beside it")
+    p.add_argument("--extra-groups", default=str(T.EXTRA_GROUPS), help="K groups per extra chunk, e.g. 1,2,4")
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.extra_rows:
+        extra_rows([int(g) for g in args.extra_groups.split(",")])
+        return
     if args.sweep_weight_only:
         sweep_weight_only()
         return

@@ -141,6 +141,10 @@ def launches_27b() -> None:
     for T in (1, 32, 2048):  # the decode, 32-token (TMA tiles) and prefill configurations
         fp8.fp8_linear(e(T, 17408), w8, w8_scale)  # quantisation, GEMM (+ the split-K sum below 2048)
         fp8.fp8_weight_only_linear(e(T, 17408), w8, w8_scale)  # GEMM (+ sum)
+    extra = e(2 * 8 * r, 17408)  # 16-bit rows in the FP8 GEMM's launch: 8 slots' LoRA A of two slices
+    for T in (1, 32, 64):  # decode steps (the stacked LoRA shrink) and a short chunk's (the GDN in_proj's tail)
+        fp8.fp8_linear(e(T, 17408), w8, w8_scale, extra=(e(T, 17408), extra))  # quantisation, GEMM (+ sum)
+        fp8.fp8_weight_only_linear(e(T, 17408), w8, w8_scale, extra=(e(T, 17408), extra))  # GEMM (+ sum)
     qkv = e(N, 48, 72)  # the tower's fused qkv: 16 heads of 72
     rotary.rotate_half(qkv[:, :32], e(N, 72, dtype=torch.float32), e(N, 72, dtype=torch.float32), out=qkv[:, :32])
     logits_scan.scan_logits(e(N, 248320, dtype=torch.float32))  # chunk scan, merge
@@ -153,9 +157,12 @@ def launches_test_configs() -> None:
     from tests.fp8_gemm_configs import CONFIGS
 
     x, w, w_scale = torch.empty(17, 384), torch.empty(257, 384, dtype=torch.float8_e4m3fn), torch.empty(3, 3)
+    extra = (x, torch.empty(129, 384))  # the 16-bit rows the same launch serves (fp32 here)
     for config in CONFIGS.values():
         fp8.fp8_linear(x, w, w_scale, config=config)
         fp8.fp8_weight_only_linear(x, w, w_scale, config=config)
+        fp8.fp8_linear(x, w, w_scale, config=config, extra=extra)
+        fp8.fp8_weight_only_linear(x, w, w_scale, config=config, extra=extra)
 
 
 if __name__ == "__main__":

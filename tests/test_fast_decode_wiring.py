@@ -125,13 +125,12 @@ def assert_same_outputs(got: dict, want: dict, tolerance: float = 1e-4) -> None:
         assert diff <= tolerance, (rid, diff)
 
 
-def test_fp8_decode_lora_takes_every_slots_h_from_one_gemm_beside_the_fp8_gemm(
-    causal_ckpt, engine_adapter_root, monkeypatch
-):
+def test_fp8_decode_lora_takes_every_slots_h_from_the_fp8_gemm(causal_ckpt, engine_adapter_root, monkeypatch):
     """FP8 projections (quantised at load; the CPU runs the reference FP8 GEMM, fed by the norms and
     the activation that quantise its inputs) with the Triton LoRA: steps under 128 tokens take every
-    slot's h from one 16-bit GEMM over [unquantised rows; A] (the GDN in_proj's b / a rows among them)
-    and run the expand alone, as bf16 decode steps do, with no shrink launch. Adapters on different
+    slot's h from the FP8 GEMM, which serves the 16-bit rows [unquantised rows; A] (the GDN in_proj's
+    b / a rows among them) after its own, and run the expand alone, as bf16 decode steps do, with no
+    shrink launch. Adapters on different
     projections mixed with base requests: tokens and logprobs equal the torch LoRA path on the same
     FP8 weights."""
     from hylora.kernels.config import KernelsConfig

@@ -414,6 +414,98 @@ def test_fp8_linear_bf16_inputs():
         assert (diff <= 2.0**-7 * ref.float().abs() + GEMM_RTOL * ref.float().abs().amax()).all()
 
 
+# --- extra 16-bit rows in the FP8 GEMM's launch (an unquantised tail, every slot's LoRA A) ----------------
+
+# (M, N, K, bn, E): E of 1, one tile, past one and two tiles of every configuration's BLOCK_N; K with a
+# partial last group and of 3 groups (split K), M past a tile; K of 9 groups, which the extra rows split
+# in chunks of their own (several to a split of the FP8 tiles, and one program left without a chunk)
+EXTRA_CASES = [
+    (1, 127, 129, 128, 1), (17, 129, 384, 1, 65), (16, 64, 400, 128, 129), (65, 1, 64, 1, 257), (33, 130, 1100, 128, 40)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("weight_only", [False, True], ids=["dynamic", "weight-only"])
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("case", EXTRA_CASES, ids=str)
+def test_extra_rows_join_the_fp8_launch(case, config, weight_only, monkeypatch):
+    """Columns N.. N + E of the output are x · extraᵀ (16-bit rows, x unquantised), written by the
+    same launch as the N FP8 columns, through split K and every tile configuration; the FP8 columns
+    are unchanged by them, and columns past N + E of a wider NaN-filled buffer stay untouched."""
+    monkeypatch.setattr(T, "MIN_GROUPS_PER_SPLIT", 1)
+    M, N, K, bn, E = case
+    x, w_fp8, w_scale, block = gemm_inputs(M, N, K, bn, seed=M + N + K + E)
+    rows = torch.randn(E, K, generator=torch.Generator().manual_seed(E)) / 8
+    kernel, reference = (
+        (T.fp8_weight_only_linear, R.fp8_weight_only_linear) if weight_only else (T.fp8_linear, R.fp8_linear)
+    )
+    launches = []  # the GEMM launches: the extra rows take none of their own
+    for name in ("_gemm_kernel", "_gemm_tma_kernel"):
+        monkeypatch.setattr(T, name, LaunchCounter(getattr(T, name), launches))
+    buffer = torch.full((M, N + E + 3), float("nan"), device=DEVICE)
+    dev = (x.to(DEVICE), w_fp8.to(DEVICE), w_scale.to(DEVICE))
+    got = kernel(*dev, block, out=buffer[:, : N + E], config=CONFIGS[config], extra=(dev[0], rows.to(DEVICE)))
+    assert len(launches) == 1
+    want = reference(x, w_fp8, w_scale, block, extra=(x, rows))
+    assert want.shape == (M, N + E)
+    assert_close_to_reference(got[:, :N].cpu(), reference(x, w_fp8, w_scale, block), GEMM_RTOL)
+    assert_close_to_reference(got[:, N:].cpu(), (x.double() @ rows.double().T).float(), GEMM_RTOL)
+    assert buffer[:, N + E :].isnan().all()
+    if not weight_only:  # the input quantised by its producer, its kept values for the extra rows
+        quantized = R.QuantizedActivation(*T.quantize_activation(dev[0], block[1]), torch.float32, dev[0])
+        again = T.fp8_linear(quantized, *dev[1:], block, config=CONFIGS[config], extra=(dev[0], rows.to(DEVICE)))
+        assert_close_to_reference(again.cpu(), want, GEMM_RTOL)
+
+
+class LaunchCounter:
+    """A Triton kernel whose `kernel[grid](...)` launches are recorded before they run."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
+def test_extra_rows_need_matching_shapes_and_dtype():
+    x, w_fp8, w_scale, block = gemm_inputs(3, 64, 128, 128, seed=1)
+    rows = torch.randn(5, 128)
+    for bad in ((x[:2], rows), (x, rows[:, :64]), (x, rows.double())):
+        with pytest.raises(ValueError, match="extra rows"):
+            R.fp8_linear(x, w_fp8, w_scale, block, extra=bad)
+        with pytest.raises(ValueError, match="extra rows"):
+            T.fp8_linear(
+                x.to(DEVICE), w_fp8.to(DEVICE), w_scale.to(DEVICE), block, extra=tuple(t.to(DEVICE) for t in bad)
+            )
+    with pytest.raises(ValueError, match="out must be"):  # out sized for the FP8 rows alone
+        T.fp8_linear(
+            x.to(DEVICE),
+            w_fp8.to(DEVICE),
+            w_scale.to(DEVICE),
+            block,
+            out=torch.empty(3, 64, device=DEVICE),
+            extra=(x.to(DEVICE), rows.to(DEVICE)),
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cublas_serves_extra_rows_beside_its_gemm(dtype, gpu_bf16, monkeypatch):
+    """From the cuBLAS thresholds the FP8 columns come from its GEMM (here the weight-only
+    dequantise + 16-bit GEMM) and the extra columns from its 16-bit GEMM, into one output."""
+    from hylora.ops.fp8_linear import cublas
+
+    monkeypatch.setattr(cublas, "WEIGHT_ONLY_FROM", 4)
+    x, w_fp8, w_scale, block = gemm_inputs(9, 130, 256, 128, seed=21, dtype=dtype)
+    rows = (torch.randn(7, 256) / 8).to(dtype)
+    dev = (x.to(DEVICE), w_fp8.to(DEVICE), w_scale.to(DEVICE))
+    got = cublas.fp8_weight_only_linear(*dev, block, extra=(dev[0], rows.to(DEVICE)))
+    assert got.shape == (9, 137)
+    plain = cublas.fp8_weight_only_linear(*dev, block)
+    assert torch.equal(got[:, :130], plain)
+    want = torch.nn.functional.linear(dev[0], rows.to(DEVICE))
+    assert torch.equal(got[:, 130:], want)
+
+
 # --- weight-only: the activations as they are, the weights' exact values ------------------------------
 
 
@@ -591,8 +683,9 @@ def test_cuda_graph_replay():
 
 def test_start_up_checks_pass_the_kernels_and_fail_wrong_ones():
     """The kernel floor's FP8 checks (hylora.kernels.checks): the Triton GEMM passes, also writing into
-    a column slice of a wider output and taking a pre-quantised input; a GEMM that writes past its
-    slice or ignores a pre-quantised input's scales fails, as does an activation that drops a scale."""
+    a column slice of a wider output, taking a pre-quantised input and serving 16-bit rows in its launch;
+    a GEMM that writes past its slice, ignores a pre-quantised input's scales or mixes up the 16-bit
+    rows fails, as does an activation that drops a scale."""
     from hylora.kernels import checks
     from hylora.ops.silu_mul import triton as silu_triton
 
@@ -601,18 +694,23 @@ def test_start_up_checks_pass_the_kernels_and_fail_wrong_ones():
 
     assert fp8_error(T.fp8_linear) <= GEMM_RTOL * 10  # the kernel floor allows 1e-2 (FP8_TOLERANCE)
 
-    def spills(x, w, s, block, out=None):
-        y = T.fp8_linear(x, w, s, block)
+    def spills(x, w, s, block, out=None, extra=None):
+        y = T.fp8_linear(x, w, s, block, extra=extra)
         if out is not None:
             out.as_strided((out.shape[0], out.shape[1] + 1), out.stride()).copy_(torch.cat([y, y[:, :1]], 1))
         return y if out is None else out
 
-    def unscaled(x, w, s, block, out=None):
+    def unscaled(x, w, s, block, out=None, extra=None):
         if isinstance(x, R.QuantizedActivation):
             x = R.QuantizedActivation(x.q, torch.ones_like(x.scale), x.dtype)
-        return T.fp8_linear(x, w, s, block, out=out)
+        return T.fp8_linear(x, w, s, block, out=out, extra=extra)
 
-    assert fp8_error(spills) == math.inf and fp8_error(unscaled) > 0.5
+    def extra_rows_shifted(x, w, s, block, out=None, extra=None):  # the extra rows' columns off by one row
+        if extra is not None:
+            extra = (extra[0], extra[1].roll(1, 0))
+        return T.fp8_linear(x, w, s, block, out=out, extra=extra)
+
+    assert fp8_error(spills) == math.inf and fp8_error(unscaled) > 0.5 and fp8_error(extra_rows_shifted) > 0.5
     assert checks.silu_mul_error(300, torch.float32, DEVICE, tokens=(1, 17), quantized=True) <= 1e-6  # exp: an ulp
 
     def half_scale(gate_up, group=128, keep=False):

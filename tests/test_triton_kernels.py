@@ -505,14 +505,17 @@ def test_lora_shrink_inside_the_base_gemm_equals_grouped(T):
         torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fp8_kernel", ["reference", "triton"])
 @pytest.mark.parametrize("T", [1, 17, 127, 128, 129], ids=lambda t: f"T{t}")
-def test_fp8_linear_lora_takes_h_from_a_gemm_over_its_tail_and_a(T):
+def test_fp8_linear_lora_takes_h_from_a_gemm_over_its_tail_and_a(T, fp8_kernel):
     """An FP8 projection (slices s0, s1 in e4m3; s2 its unquantised tail, as the GDN in_proj's b / a
-    rows): A is stacked under the tail, so a decode step's one 16-bit GEMM gives the tail's rows and
-    every slot's h beside the FP8 GEMM. Plain and producer-quantised inputs (LoRA reads the kept
-    values), device (graph) batches at every size and host batches below 128 tokens; longer host steps
-    take the shrink. Equal to the grouped reference on the FP8 base output; base rows bit for bit."""
+    rows): A is stacked under the tail, and a decode step's FP8 GEMM serves those 16-bit rows in its
+    own launch: the tail's outputs and every slot's h after its FP8 columns. Plain and
+    producer-quantised inputs (LoRA reads the kept values), device (graph) batches at every size and
+    host batches below 128 tokens; longer host steps take the shrink. Equal to the grouped reference
+    on the FP8 base output; base rows bit for bit. The FP8 GEMM: the reference, or the Triton kernel."""
     from hylora.ops.fp8_linear import reference as fp8_reference
+    from hylora.ops.fp8_linear import triton as fp8_triton
 
     x, _, stack, batch = lora_case(T, seed=T + 7)
     linear = Linear(x.shape[1], {"s0": 48, "s1": 16, "s2": 33})
@@ -525,6 +528,8 @@ def test_fp8_linear_lora_takes_h_from_a_gemm_over_its_tail_and_a(T):
         dst.copy_(src)
     linear.lora = LoRAStack(a=a, b=stack.b, offsets=stack.offsets, present=stack.present)
     linear.lora_backend = "triton"
+    if fp8_kernel == "triton":
+        linear.fp8_kernel = fp8_triton.fp8_linear
     assert torch.equal(linear.tail_weight, tail) and linear.tail_weight.data_ptr() == linear.stacked_weight.data_ptr()
     base_out = linear.base(x)
     ref = grouped_reference(x, base_out.clone(), stack, batch)

@@ -694,6 +694,7 @@ def gated_delta_rule_error(
 
 # decode rows to prefill chunks: each tile configuration of the Triton GEMM (compiled here, at start-up)
 FP8_TOKENS = (1, 15, 16, 17, 33, 129, 1100)
+FP8_EXTRA_ROWS = 5  # 16-bit rows served in the FP8 GEMM's launch (Linear._fp8_gemm); fewer than the 8 spare columns
 
 
 def fp8_shapes(model: torch.nn.Module) -> list[tuple[int, int, tuple[int, int]]]:
@@ -739,6 +740,14 @@ def fp8_linear_error(
         got = kernel(x, w8, scale, block, out=wider[:, :rows])
         want = fp8_reference(x, w8, scale, block)
         worst = max(worst, _rel_error(got, want), _rel_error(wider[:, rows:], wider[:, rows:].clone().fill_(math.nan)))
+        # 16-bit rows in the same launch (an in_proj's unquantised tail, every slot's LoRA A), into a
+        # column slice of a wider buffer whose other columns must stay as they were
+        extra = (x, (torch.randn(FP8_EXTRA_ROWS, in_features, generator=g, device=device) / 8).to(dtype))
+        got = kernel(x, w8, scale, block, out=wider[:, : rows + FP8_EXTRA_ROWS], extra=extra)
+        full = fp8_reference(x, w8, scale, block, extra=extra)
+        after = wider[:, rows + FP8_EXTRA_ROWS :]
+        worst = max(worst, _rel_error(got[:, :rows], want), _rel_error(got[:, rows:], full[:, rows:]))
+        worst = max(worst, _rel_error(after, after.clone().fill_(math.nan)))
         if not weight_only:  # the input quantised by its producer (silu_mul_quantized)
             quantized = reference.QuantizedActivation(*reference.quantize_activation(x, block[1]), dtype)
             worst = max(worst, _rel_error(kernel(quantized, w8, scale, block), want))

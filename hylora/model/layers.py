@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hylora.lora import DeviceLoRABatch, LoRABatch, LoRAStack
-from hylora.ops.fp8_linear.reference import QuantizedActivation, dequantize_weight, fp8_linear
+from hylora.ops.fp8_linear.reference import Extra, QuantizedActivation, dequantize_weight, fp8_linear
 from hylora.ops.lora.reference import lora_apply_grouped, lora_apply_masked, rank_mask
 from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
 from hylora.ops.silu_mul.reference import silu_mul
@@ -139,15 +139,16 @@ class Linear(nn.Module):
         if not self.is_fp8:
             return F.linear(x, self.weight)
         if self.tail_weight is None:
-            return self.fp8_kernel(x, self.weight, self.weight_scale, self.quant_block)
+            return self._fp8_gemm(x)
         values = x.x if quantized else x  # the unquantised rows' input
         if values is None:
             raise ValueError("a quantised activation needs its unquantised values (keep=True) for unquantised rows")
-        # the FP8 GEMM writes its columns of the output in place: no concatenation copy
-        y = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=values.device)
-        self.fp8_kernel(x, self.weight, self.weight_scale, self.quant_block, out=y[..., : self.weight.shape[0]])
-        y[..., self.weight.shape[0] :] = F.linear(values, self.tail_weight)
-        return y
+        # the unquantised rows in the FP8 GEMM's launch, their columns after its own: no second GEMM or copy
+        return self._fp8_gemm(x, extra=(values, self.tail_weight))
+
+    def _fp8_gemm(self, x: torch.Tensor | QuantizedActivation, extra: Extra | None = None) -> torch.Tensor:
+        """The FP8 rows' GEMM, with `extra`'s 16-bit rows in the same launch (their columns after them)."""
+        return self.fp8_kernel(x, self.weight, self.weight_scale, self.quant_block, extra=extra)
 
     def needs_input_values(self, lora: LoRABatch | None) -> bool:
         """Whether a quantised input must keep its unquantised values: for the unquantised rows, or
@@ -168,8 +169,9 @@ class Linear(nn.Module):
         and return each slice's A [num_slots, rank, in] as a zeroed view of it. One GEMM over the whole
         buffer then gives those rows' outputs and every slot's x·Aᵀ: a decode step's LoRA shrink rides
         in the base GEMM. The rows are the whole weight, or for an FP8 projection its unquantised tail
-        (none, or the GDN in_proj's b / a rows): the FP8 GEMM cannot carry A, a 16-bit GEMM beside it
-        can. `weight` (`tail_weight`) stays [rows, in] (a view) with the same values."""
+        (none, or the GDN in_proj's b / a rows): the FP8 GEMM's MMAs cannot carry A, the 16-bit rows
+        its launch serves beside them (`extra`) can. `weight` (`tail_weight`) stays [rows, in] (a
+        view) with the same values."""
         rows = self.weight if not self.is_fp8 else self.tail_weight
         n, slices = 0 if rows is None else rows.shape[0], len(self.slices)
         stacked = torch.zeros(
@@ -231,20 +233,17 @@ class Linear(nn.Module):
     def _stacked(
         self, x: torch.Tensor | QuantizedActivation, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """y and every slot's h [1, T, slices, L, r] (rounded to the model dtype) from one 16-bit GEMM over
-        [unquantised rows; A] (`stack_lora_a`); an FP8 projection's FP8 rows by its FP8 GEMM beside it."""
+        """y and every slot's h [1, T, slices, L, r] (rounded to the model dtype) from one GEMM launch: a
+        16-bit GEMM over [W; A] (`stack_lora_a`), or for an FP8 projection its FP8 GEMM with the rows
+        [unquantised tail; A] served in the same launch (their columns after the FP8 ones)."""
         T = values.shape[0]
-        full = F.linear(values, self.stacked_weight)  # [T, rows + slices * L * r]
         if not self.is_fp8:
-            y, rows = full[:, : self.out_features], self.out_features  # a view: the expand writes into it
+            full = F.linear(values, self.stacked_weight)  # [T, out + slices * L * r]
         else:
-            q_rows = self.weight.shape[0]
-            rows = self.out_features - q_rows  # the unquantised tail (the GDN in_proj's b / a rows), or none
-            y = torch.empty(T, self.out_features, dtype=values.dtype, device=values.device)
-            self.fp8_kernel(x, self.weight, self.weight_scale, self.quant_block, out=y[:, :q_rows])
-            if rows:
-                y[:, q_rows:] = full[:, :rows]
-        return y, full[:, rows:].view(1, T, len(self.lora.a), self.lora.num_slots, self.lora.a[0].shape[1])
+            full = self._fp8_gemm(x, extra=(values, self.stacked_weight))
+        y = full[:, : self.out_features]  # a view: the expand writes into it
+        h = full[:, self.out_features :]
+        return y, h.view(1, T, len(self.lora.a), self.lora.num_slots, self.lora.a[0].shape[1])
 
 
 @dataclass

@@ -20,12 +20,13 @@ bf16 copy of the dequantised checkpoint has; below the threshold (decode) the we
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from hylora.ops.fp8_linear import triton as fp8_triton
-from hylora.ops.fp8_linear.reference import BLOCK, QuantizedActivation
+from hylora.ops.fp8_linear.reference import BLOCK, Extra, QuantizedActivation, check_extra
 
 CUBLAS_FROM = 128  # tokens
 PAD_TOKENS = 16
@@ -46,12 +47,15 @@ def fp8_linear(
     w_fp8: torch.Tensor,  # [N, K] e4m3
     w_scale: torch.Tensor,  # [N / 128, K / 128]
     block: tuple[int, int] = BLOCK,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,  # [..., N (+ E)]
+    extra: Extra | None = None,  # E more output columns from 16-bit rows
 ) -> torch.Tensor:
     *lead, K = x.shape
     N, M = w_fp8.shape[0], math.prod(lead)
     if not usable(M, N, K, block):
-        return fp8_triton.fp8_linear(x, w_fp8, w_scale, block, out=out)
+        return fp8_triton.fp8_linear(x, w_fp8, w_scale, block, out=out, extra=extra)
+    if extra is not None:  # cuBLAS's FP8 GEMM into the first N columns, the extra rows by its 16-bit one
+        return _with_extra(lambda y: fp8_linear(x, w_fp8, w_scale, block, out=y), out, extra, lead, N)
     if isinstance(x, QuantizedActivation):
         xq, xs = x.q, x.scale
     else:
@@ -88,12 +92,29 @@ def fp8_weight_only_linear(
     w_fp8: torch.Tensor,  # [N, K] e4m3
     w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)]
     block: tuple[int, int] = BLOCK,
-    out: torch.Tensor | None = None,  # [..., N] in x.dtype
+    out: torch.Tensor | None = None,  # [..., N (+ E)] in x.dtype
+    extra: Extra | None = None,  # E more output columns from 16-bit rows
 ) -> torch.Tensor:
     *lead, K = x.shape
     if math.prod(lead) < WEIGHT_ONLY_FROM or x.dtype not in (torch.bfloat16, torch.float16):
-        return fp8_triton.fp8_weight_only_linear(x, w_fp8, w_scale, block, out=out)
+        return fp8_triton.fp8_weight_only_linear(x, w_fp8, w_scale, block, out=out, extra=extra)
+    if extra is not None:
+        linear = lambda y: fp8_weight_only_linear(x, w_fp8, w_scale, block, out=y)  # noqa: E731
+        return _with_extra(linear, out, extra, lead, len(w_fp8))
     w = fp8_triton.dequantize_weight(w_fp8, w_scale, block, x.dtype)
     if out is None:
         return F.linear(x, w)
     return out.copy_(F.linear(x, w))
+
+
+def _with_extra(
+    linear: Callable[[torch.Tensor], torch.Tensor], out: torch.Tensor | None, extra: Extra, lead: list[int], N: int
+) -> torch.Tensor:
+    """`linear` into out's first N columns, then the extra columns by cuBLAS's 16-bit GEMM."""
+    x16, w16 = extra
+    E = check_extra(extra, lead, x16.shape[-1], x16.dtype)
+    if out is None:
+        out = torch.empty(*lead, N + E, dtype=x16.dtype, device=x16.device)
+    linear(out[..., :N])
+    out[..., N:] = F.linear(x16, w16)
+    return out

@@ -42,6 +42,12 @@ class QuantizedActivation:
         return self.q.shape
 
 
+# (x16 [..., K], w16 [E, K]), both in the output's dtype: E output columns x16 · w16ᵀ after the N FP8
+# ones, from the same launch. The rows an FP8 GEMM serves beside its FP8 weight: a projection's
+# unquantised tail (the GDN in_proj's b / a rows) and every adapter slot's LoRA A (a decode step's shrink).
+Extra = tuple[torch.Tensor, torch.Tensor]
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -91,10 +97,12 @@ def fp8_linear(
     w_fp8: torch.Tensor,  # [N, K] e4m3
     w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)] fp32
     block: tuple[int, int] = BLOCK,
-    out: torch.Tensor | None = None,  # [..., N] in x.dtype (may be a column slice of a wider output)
+    out: torch.Tensor | None = None,  # [..., N (+ E)] in x.dtype (may be a column slice of a wider output)
+    extra: Extra | None = None,  # E more output columns from 16-bit rows
 ) -> torch.Tensor:
     """y [..., N] in x.dtype: x quantised per token and group of bk, both sides dequantised, one fp32
-    matmul, one rounding to x.dtype."""
+    matmul, one rounding to x.dtype. With `extra` (x16, w16): y [..., N + E], its last E columns
+    x16 · w16ᵀ (see `Extra`)."""
     *lead, K = x.shape
     N = w_fp8.shape[0]
     if w_fp8.shape[1] != K:
@@ -105,7 +113,7 @@ def fp8_linear(
         x_fp8, x_scale = quantize_activation(x.reshape(-1, K), block[1])
     a = dequantize_activation(x_fp8, x_scale, block[1])
     y = (a @ dequantize_weight(w_fp8, w_scale, block).T).to(x.dtype).reshape(*lead, N)
-    return y if out is None else out.copy_(y)
+    return with_extra(y, out, extra)
 
 
 def fp8_weight_only_linear(
@@ -113,7 +121,8 @@ def fp8_weight_only_linear(
     w_fp8: torch.Tensor,  # [N, K] e4m3
     w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)] fp32
     block: tuple[int, int] = BLOCK,
-    out: torch.Tensor | None = None,  # [..., N] in x.dtype
+    out: torch.Tensor | None = None,  # [..., N (+ E)] in x.dtype
+    extra: Extra | None = None,  # E more output columns from 16-bit rows (`Extra`)
 ) -> torch.Tensor:
     """y [..., N] in x.dtype = x · dequantize(W)ᵀ: the weights' exact values and x unquantised, one fp32
     matmul, one rounding to x.dtype (FP8 weights in memory, the arithmetic of the dequantised model)."""
@@ -123,7 +132,34 @@ def fp8_weight_only_linear(
         raise ValueError(f"fp8_weight_only_linear: x has {K} features, the weight {w_fp8.shape[1]}")
     w = dequantize_weight(w_fp8, w_scale, block)
     y = (x.reshape(-1, K).float() @ w.T).to(x.dtype).reshape(*lead, N)
-    return y if out is None else out.copy_(y)
+    return with_extra(y, out, extra)
+
+
+def check_extra(extra: Extra | None, lead: list[int], K: int, dtype: torch.dtype) -> int:
+    """E, the extra output columns (0 without `extra`); a clear error where its shapes do not fit."""
+    if extra is None:
+        return 0
+    x16, w16 = extra
+    if list(x16.shape) != [*lead, K] or w16.dim() != 2 or w16.shape[1] != K or x16.dtype != dtype or w16.dtype != dtype:
+        raise ValueError(
+            f"fp8 extra rows: need x [{', '.join(map(str, (*lead, K)))}] and rows [E, {K}] in {dtype}, got "
+            f"{list(x16.shape)} {x16.dtype} and {list(w16.shape)} {w16.dtype}"
+        )
+    return w16.shape[0]
+
+
+def with_extra(y: torch.Tensor, out: torch.Tensor | None, extra: Extra | None) -> torch.Tensor:
+    """y [..., N] into `out`, followed by the extra columns (fp32 products, one rounding) when given."""
+    if extra is None:
+        return y if out is None else out.copy_(y)
+    *lead, N = y.shape
+    x16, w16 = extra
+    E = check_extra(extra, lead, x16.shape[-1], y.dtype)
+    if out is None:
+        out = torch.empty(*lead, N + E, dtype=y.dtype, device=y.device)
+    out[..., :N] = y
+    out[..., N:] = (x16.float() @ w16.float().T).to(y.dtype)
+    return out
 
 
 def _div_rn(t: torch.Tensor, divisor: float) -> torch.Tensor:

@@ -28,6 +28,13 @@
   dynamic GEMM's time; converting e4m3 → bf16 by integer bit moves instead of the cvt instructions
   made no difference there (the conversion is not what bounds it). Prefill sizes: `cublas`.
 - `dequantize_weight`: W in a 16-bit dtype, bit-equal to the reference (the weight-only prefill).
+- `extra=(x16, rows)` on both GEMMs: E more output columns x16 · rowsᵀ (16-bit rows: the GDN in_proj's
+  unquantised b / a rows, every slot's LoRA A), computed by extra programs of the same launch, placed
+  first in the grid. They split K on their own, in chunks of at most EXTRA_GROUPS groups (their loads
+  are not pipelined, to leave the FP8 tiles' shared memory as it is), into fp32 partials that one sum
+  launch adds (with the FP8 columns' split-K partials where those exist). On an H200 (docs/BASELINE.md
+  run 38) this beat the FP8 GEMM plus a 16-bit F.linear beside it on every decode shape (up to 7 us a
+  projection); with whole-K extra programs it had been up to 2x slower.
 
 No host sync and no data-dependent Python: the launches depend on the shapes alone (CUDA-graph safe).
 """
@@ -49,13 +56,22 @@ from hylora.ops.fp8_linear.reference import (
     FP8_DTYPE,
     FP8_MAX,
     GROUP,
+    Extra,
     QuantizedActivation,
     _check_scales,
+    check_extra,
+    with_extra,
 )
 
 QUANT_BLOCK_M = 16  # rows per quantisation program
 DEQUANT_ROWS = 32  # weight rows per dequantisation program (one K group each)
 SUM_BLOCK = 1024  # outputs per program of the split-K sum
+EXTRA_GROUPS = 2  # K groups per extra-rows program at most (they run unpipelined: short chunks)
+EXTRA_SUM_ELEMENTS = 4096  # partials one program of the extra columns' sum loads at once
+EXTRA_SUM_MIN_SPLIT = 32  # the sum's compiled chunk count: 32 or, past it, the next power of two
+# the GEMMs' extra-rows arguments that vary with the token count or the adapters: not specialised on
+# (== 1, multiples of 16), so that they add no compiled variants (the row strides stay specialised)
+_EXTRA_RUNTIME_ARGS = ["E", "stride_ecm", "stride_ecs", "ec_col0", "extra_programs", "extra_per_split", "extra_chunk"]
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -149,14 +165,15 @@ def fp8_linear(
     w_fp8: torch.Tensor,  # [N, K] e4m3
     w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)]
     block: tuple[int, int] = BLOCK,
-    out: torch.Tensor | None = None,  # [..., N] in x.dtype
+    out: torch.Tensor | None = None,  # [..., N (+ E)] in x.dtype
     config: GemmConfig | None = None,  # None: choose_config(tokens, N)
+    extra: Extra | None = None,  # E more output columns from 16-bit rows, in the same launch
 ) -> torch.Tensor:
-    """y [..., N] = `reference.fp8_linear(x, w_fp8, w_scale, block)` up to fp32 summation order (and
-    the fp8 MMA's own accumulation on a GPU), written into `out` when given."""
+    """y [..., N (+ E)] = `reference.fp8_linear(x, w_fp8, w_scale, block, extra=extra)` up to fp32
+    summation order (and the fp8 MMA's own accumulation on a GPU), written into `out` when given."""
     if isinstance(x, QuantizedActivation):
-        return _linear(x.q, w_fp8, w_scale, block, out, config, weight_only=False, quantized=x)
-    return _linear(x, w_fp8, w_scale, block, out, config, weight_only=False)
+        return _linear(x.q, w_fp8, w_scale, block, out, config, weight_only=False, quantized=x, extra=extra)
+    return _linear(x, w_fp8, w_scale, block, out, config, weight_only=False, extra=extra)
 
 
 def fp8_weight_only_linear(
@@ -164,12 +181,13 @@ def fp8_weight_only_linear(
     w_fp8: torch.Tensor,  # [N, K] e4m3
     w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)]
     block: tuple[int, int] = BLOCK,
-    out: torch.Tensor | None = None,  # [..., N] in x.dtype
+    out: torch.Tensor | None = None,  # [..., N (+ E)] in x.dtype
     config: GemmConfig | None = None,  # None: choose_config(tokens, N); fuse_quant is ignored
+    extra: Extra | None = None,  # E more output columns from 16-bit rows, in the same launch
 ) -> torch.Tensor:
-    """y [..., N] = `reference.fp8_weight_only_linear(x, w_fp8, w_scale, block)` up to fp32 summation
-    order: x unquantised, the weights' exact values."""
-    return _linear(x, w_fp8, w_scale, block, out, config, weight_only=True)
+    """y [..., N (+ E)] = `reference.fp8_weight_only_linear(x, w_fp8, w_scale, block, extra=extra)` up
+    to fp32 summation order: x unquantised, the weights' exact values."""
+    return _linear(x, w_fp8, w_scale, block, out, config, weight_only=True, extra=extra)
 
 
 def _linear(
@@ -181,6 +199,7 @@ def _linear(
     config: GemmConfig | None,
     weight_only: bool,
     quantized: QuantizedActivation | None = None,  # x is its q: no quantisation launch
+    extra: Extra | None = None,
 ) -> torch.Tensor:
     *lead, K = x.shape
     dtype = x.dtype if quantized is None else quantized.dtype
@@ -190,18 +209,23 @@ def _linear(
     if w_fp8.shape[1] != K or w_fp8.dtype != FP8_DTYPE or w_fp8.stride(1) != 1:
         raise ValueError(f"fp8_linear: needs an e4m3 weight [N, {K}] with unit stride along K")
     _check_scales(w_scale, N, K, block)
+    E = check_extra(extra, lead, K, dtype)
+    width = N + E  # the output's columns: N from the FP8 weight, then E from the extra rows
     if out is None:
-        out = torch.empty(*lead, N, dtype=dtype, device=x.device)
-    elif out.shape != (*lead, N) or out.dtype != dtype or out.stride(-1) != 1:
-        raise ValueError(f"fp8_linear: out must be [{', '.join(map(str, (*lead, N)))}] {dtype}, unit last stride")
-    x2, y = x.reshape(-1, K), out.view(-1, N)
+        out = torch.empty(*lead, width, dtype=dtype, device=x.device)
+    elif out.shape != (*lead, width) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"fp8_linear: out must be [{', '.join(map(str, (*lead, width)))}] {dtype}, unit last stride")
+    x2, y = x.reshape(-1, K), out.view(-1, width)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    if M == 0 or N == 0:
+    if M == 0 or width == 0:
         return out
     if K == 0:
         return out.zero_()
+    if N == 0:  # only extra rows (not a path the model takes: a projection has FP8 rows)
+        return with_extra(out[..., :0], out, extra)
+    ex, ew = _extra_operands(extra, x2, M, K)
     cfg = config or choose_config(M, N, weight_only)
     fuse_quant = cfg.fuse_quant and not weight_only and quantized is None
     groups = triton.cdiv(K, bk)
@@ -213,7 +237,18 @@ def _linear(
     else:
         a, a_scale = quantize_activation(x2, bk)
     target = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
+    tiles_m = triton.cdiv(M, cfg.block_m)
+    per_split, chunk, chunks = _extra_split(groups, split) if E else (0, 0, 1)
+    extra_programs = tiles_m * triton.cdiv(E, cfg.block_n) * per_split
+    # the extra columns: straight into y when one chunk holds all of K, else fp32 partials [chunks, M, E]
+    e_target = y if chunks == 1 else torch.empty(chunks, M, E, dtype=torch.float32, device=x.device)
+    e_col0, e_stride_s = (N, 0) if chunks == 1 else (0, M * E)
+    grid = (extra_programs + tiles_m * triton.cdiv(N, cfg.block_n), split)
+    extra_args = (
+        ex, ew, e_target, E, ex.stride(0), ew.stride(0), e_target.stride(-2), e_stride_s, e_col0,
+        extra_programs, per_split, chunk,
+    )  # fmt: skip
+    precision = "ieee" if dtype == torch.float32 else "tf32"
     # weight-only: TMA for 16-bit x only (an fp32 x tile converted for an fp32 dot is a test aid, not a path to tune)
     tma_x = not weight_only or a.dtype in (torch.bfloat16, torch.float16)
     if cfg.tma and not fuse_quant and tma_x and _tma_usable(a, w_fp8):
@@ -221,9 +256,9 @@ def _linear(
             TensorDescriptor.from_tensor(a, [cfg.block_m, bk]), a_scale,
             TensorDescriptor.from_tensor(w_fp8, [cfg.block_n, bk]), w_scale, target,
             M, N, bn, triton.cdiv(groups, split), a_scale.stride(0), w_scale.stride(0), target.stride(-2),
-            M * N if split > 1 else 0,
+            M * N if split > 1 else 0, *extra_args,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
-            ONE_B_SCALE=bn % cfg.block_n == 0, WEIGHT_ONLY=weight_only,
+            ONE_B_SCALE=bn % cfg.block_n == 0, WEIGHT_ONLY=weight_only, HAS_EXTRA=E > 0, PRECISION=precision,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
@@ -231,17 +266,44 @@ def _linear(
             a, a_scale, w_fp8, w_scale, target,
             M, N, K, bn, triton.cdiv(groups, split),
             a.stride(0), a_scale.stride(0), w_fp8.stride(0), w_scale.stride(0), target.stride(-2),
-            M * N if split > 1 else 0,
+            M * N if split > 1 else 0, *extra_args,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
             SWAP_AB=cfg.swap_ab, FUSE_QUANT=fuse_quant, WEIGHT_ONLY=weight_only, EVEN_K=K % bk == 0,
-            ONE_B_SCALE=bn % cfg.block_n == 0, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+            ONE_B_SCALE=bn % cfg.block_n == 0, HAS_EXTRA=E > 0, PRECISION=precision,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    if split > 1:
+    if E and chunks > 1:  # one launch sums both column ranges' partials
+        main_programs = triton.cdiv(M * N, SUM_BLOCK) if split > 1 else 0
+        split_extra = max(EXTRA_SUM_MIN_SPLIT, triton.next_power_of_2(chunks))  # few compiled variants
+        block_e = max(16, EXTRA_SUM_ELEMENTS // split_extra)
+        _sum_with_extra_kernel[(main_programs + triton.cdiv(M * E, block_e),)](
+            target, e_target, y, M, N, E, y.stride(0), main_programs, split, chunks,
+            SPLIT_EXTRA=split_extra, BLOCK=SUM_BLOCK, BLOCK_E=block_e,
+        )  # fmt: skip
+    elif split > 1:
         _sum_splits_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](
             target, y, M * N, N, y.stride(0), SPLIT=split, BLOCK=SUM_BLOCK
         )
     return out
+
+
+def _extra_operands(extra: Extra | None, x: torch.Tensor, M: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The extra rows' x [M, K] and w [E, K] with unit stride along K (without extra: x twice, which
+    the kernel then never reads)."""
+    if extra is None:
+        return x, x
+    x16, w16 = extra
+    x16 = x16.reshape(M, K)
+    return (x16 if x16.stride(1) == 1 else x16.contiguous()), (w16 if w16.stride(1) == 1 else w16.contiguous())
+
+
+def _extra_split(groups: int, split: int) -> tuple[int, int, int]:
+    """How the extra rows split K: (programs per extra tile in each of the FP8 GEMM's K splits, K groups
+    per chunk, chunks). Chunks of at most EXTRA_GROUPS groups, so that an extra program (loads not
+    pipelined) finishes within an FP8 tile's time; chunk j of split s is chunk j * split + s."""
+    per_split = triton.cdiv(triton.cdiv(groups, split), EXTRA_GROUPS)
+    chunk = triton.cdiv(groups, split * per_split)
+    return per_split, chunk, triton.cdiv(groups, chunk)
 
 
 def dequantize_weight(
@@ -365,101 +427,161 @@ def _dequantize_kernel(
     tl.store(out_ptr + rows * stride_on + rk[None, :], (w * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_EXTRA_RUNTIME_ARGS)
 def _gemm_kernel(
     a_ptr,  # [M, K] e4m3, or x itself when FUSE_QUANT or WEIGHT_ONLY
     as_ptr,  # [M, K / BLOCK_K] fp32 (unused when FUSE_QUANT or WEIGHT_ONLY)
     b_ptr,  # [N, K] e4m3
     bs_ptr,  # [N / bn, K / BLOCK_K]
-    c_ptr,  # [M, N] out, or [split, M, N] fp32 partials
+    c_ptr,  # [M, N (+ E)] out, or [split, M, N] fp32 partials
     M, N, K, bn, groups_per_split,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs,
+    ex_ptr, ew_ptr, ec_ptr, E, stride_exm, stride_ewn, stride_ecm, stride_ecs, ec_col0,  # HAS_EXTRA: `_extra_tile`
+    extra_programs, extra_per_split, extra_chunk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr, WEIGHT_ONLY: tl.constexpr, EVEN_K: tl.constexpr,
-    ONE_B_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+    ONE_B_SCALE: tl.constexpr, HAS_EXTRA: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
-    om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = (om % M).to(tl.int64)
-    rn = (on % N).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
     kb0 = split * groups_per_split
     kb1 = tl.minimum(kb0 + groups_per_split, tl.cdiv(K, BLOCK_K))
-    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]  # group 0; group kb at + kb * BLOCK_K
-    b_ptrs = b_ptr + rn[:, None] * stride_bn + rk[None, :]
-    as_ptrs = as_ptr + rm * stride_asm
-    if ONE_B_SCALE:  # the tile's rows share one scale row (rows past N are not stored)
-        bs_ptrs = bs_ptr + (pid_n * BLOCK_N // bn).to(tl.int64) * stride_bsn
-    else:
-        bs_ptrs = bs_ptr + (rn // bn) * stride_bsn
+    c_base = c_ptr + split.to(tl.int64) * stride_cs
+    pid = tl.program_id(0) - extra_programs  # the extra rows' programs come first: short, they finish early
+    if pid >= 0:
+        pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = (om % M).to(tl.int64)
+        rn = (on % N).to(tl.int64)
+        rk = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]  # group 0; group kb at + kb * BLOCK_K
+        b_ptrs = b_ptr + rn[:, None] * stride_bn + rk[None, :]
+        as_ptrs = as_ptr + rm * stride_asm
+        if ONE_B_SCALE:  # the tile's rows share one scale row (rows past N are not stored)
+            bs_ptrs = bs_ptr + (pid_n * BLOCK_N // bn).to(tl.int64) * stride_bsn
+        else:
+            bs_ptrs = bs_ptr + (rn // bn) * stride_bsn
 
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # whole groups unmasked, a partial last group (K % BLOCK_K) masked after the loop: the mask
-    # varies along the contiguous dimension, which would cost the loop's loads their vector width
-    for kb in range(kb0, tl.minimum(kb1, K // BLOCK_K)):
-        a = tl.load(a_ptrs + kb * BLOCK_K)
-        b = tl.load(b_ptrs + kb * BLOCK_K)
-        acc = _accumulate(
-            acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, FUSE_QUANT, WEIGHT_ONLY, ONE_B_SCALE, PRECISION
-        )
-    if not EVEN_K:  # noqa: SIM102 (a constexpr test, then a runtime one)
-        if kb1 * BLOCK_K > K:  # this split holds the partial group
-            kb = kb1 - 1
-            k_in = (rk < K - kb * BLOCK_K)[None, :]
-            a = tl.load(a_ptrs + kb * BLOCK_K, mask=k_in, other=0.0)
-            b = tl.load(b_ptrs + kb * BLOCK_K, mask=k_in, other=0.0)
+        if SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # whole groups unmasked, a partial last group (K % BLOCK_K) masked after the loop: the mask
+        # varies along the contiguous dimension, which would cost the loop's loads their vector width
+        for kb in range(kb0, tl.minimum(kb1, K // BLOCK_K)):
+            a = tl.load(a_ptrs + kb * BLOCK_K)
+            b = tl.load(b_ptrs + kb * BLOCK_K)
             acc = _accumulate(
                 acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, FUSE_QUANT, WEIGHT_ONLY, ONE_B_SCALE, PRECISION
             )
+        if not EVEN_K:  # noqa: SIM102 (a constexpr test, then a runtime one)
+            if kb1 * BLOCK_K > K:  # this split holds the partial group
+                kb = kb1 - 1
+                k_in = (rk < K - kb * BLOCK_K)[None, :]
+                a = tl.load(a_ptrs + kb * BLOCK_K, mask=k_in, other=0.0)
+                b = tl.load(b_ptrs + kb * BLOCK_K, mask=k_in, other=0.0)
+                acc = _accumulate(
+                    acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, FUSE_QUANT, WEIGHT_ONLY, ONE_B_SCALE, PRECISION
+                )
+        _store_tile(acc, c_base, om, on, M, N, stride_cm, SWAP_AB)
+    else:
+        if HAS_EXTRA:  # noqa: SIM102 (the grid holds these programs only then)
+            _extra_tile(
+                ex_ptr, ew_ptr, ec_ptr, tl.program_id(0), M, E, K, stride_exm, stride_ewn, stride_ecm,
+                stride_ecs, ec_col0, extra_per_split, extra_chunk, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, PRECISION,
+            )  # fmt: skip
 
-    _store_tile(acc, c_ptr + split.to(tl.int64) * stride_cs, om, on, M, N, stride_cm, SWAP_AB)
 
-
-@triton.jit
+@triton.jit(do_not_specialize=_EXTRA_RUNTIME_ARGS)
 def _gemm_tma_kernel(
     a_desc,  # [M, K] e4m3, tiles [BLOCK_M, BLOCK_K]; rows past M and inputs past K read as zeros
     as_ptr,  # [M, K / BLOCK_K] fp32
     b_desc,  # [N, K] e4m3, tiles [BLOCK_N, BLOCK_K]
     bs_ptr,  # [N / bn, K / BLOCK_K]
-    c_ptr,  # [M, N] out, or [split, M, N] fp32 partials
+    c_ptr,  # [M, N (+ E)] out, or [split, M, N] fp32 partials
     M, N, bn, groups_per_split, stride_asm, stride_bsn, stride_cm, stride_cs,
+    ex_ptr, ew_ptr, ec_ptr, E, stride_exm, stride_ewn, stride_ecm, stride_ecs, ec_col0,  # HAS_EXTRA: `_extra_tile`
+    extra_programs, extra_per_split, extra_chunk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SWAP_AB: tl.constexpr, ONE_B_SCALE: tl.constexpr, WEIGHT_ONLY: tl.constexpr,
+    SWAP_AB: tl.constexpr, ONE_B_SCALE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, HAS_EXTRA: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """`_gemm_kernel` with both tiles loaded by TMA (x's e4m3 tile, or with WEIGHT_ONLY x's 16-bit
     tile itself): no address arithmetic or vector loads in the loop, and the zero fill past K and N
-    replaces the masked last group."""
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    replaces the masked last group. The extra rows' tiles are loaded by pointers (a few tiles)."""
     split = tl.program_id(1)
-    om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    as_ptrs = as_ptr + (om % M).to(tl.int64) * stride_asm  # rows past M: a real row's scale times zeros
-    if ONE_B_SCALE:
-        bs_ptrs = bs_ptr + (pid_n * BLOCK_N // bn).to(tl.int64) * stride_bsn
-    else:
-        bs_ptrs = bs_ptr + ((on % N) // bn).to(tl.int64) * stride_bsn
+    K = a_desc.shape[1]
     kb0 = split * groups_per_split
-    kb1 = tl.minimum(kb0 + groups_per_split, tl.cdiv(a_desc.shape[1], BLOCK_K))
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    kb1 = tl.minimum(kb0 + groups_per_split, tl.cdiv(K, BLOCK_K))
+    c_base = c_ptr + split.to(tl.int64) * stride_cs
+    pid = tl.program_id(0) - extra_programs  # the extra rows' programs come first: short, they finish early
+    if pid >= 0:
+        pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        as_ptrs = as_ptr + (om % M).to(tl.int64) * stride_asm  # rows past M: a real row's scale times zeros
+        if ONE_B_SCALE:
+            bs_ptrs = bs_ptr + (pid_n * BLOCK_N // bn).to(tl.int64) * stride_bsn
+        else:
+            bs_ptrs = bs_ptr + ((on % N) // bn).to(tl.int64) * stride_bsn
+        if SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(kb0, kb1):
+            a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+            b = b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K])
+            acc = _accumulate(acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, False, WEIGHT_ONLY, ONE_B_SCALE, "tf32")
+        _store_tile(acc, c_base, om, on, M, N, stride_cm, SWAP_AB)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(kb0, kb1):
-        a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
-        b = b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K])
-        acc = _accumulate(acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, False, WEIGHT_ONLY, ONE_B_SCALE, "tf32")
-    _store_tile(acc, c_ptr + split.to(tl.int64) * stride_cs, om, on, M, N, stride_cm, SWAP_AB)
+        if HAS_EXTRA:  # noqa: SIM102 (the grid holds these programs only then)
+            _extra_tile(
+                ex_ptr, ew_ptr, ec_ptr, tl.program_id(0), M, E, K, stride_exm, stride_ewn, stride_ecm,
+                stride_ecs, ec_col0, extra_per_split, extra_chunk, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, PRECISION,
+            )  # fmt: skip
 
 
 @triton.jit
-def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(M tile, N tile) of this program: GROUP_M M tiles swept together per N tile (L2 reuse)."""
-    pid = tl.program_id(0)
+def _extra_tile(
+    x_ptr, w_ptr, c_ptr, pid, M, E, K, stride_xm, stride_wn, stride_cm, stride_cs, col0, per_split, chunk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Output columns [pid's BLOCK_N of E] = x · wᵀ over one chunk of K (`_extra_split`): 16-bit rows (an
+    unquantised tail, every slot's LoRA A) served in the FP8 GEMM's launch; 16-bit dots, fp32 sums.
+    c: y itself from column col0 (one chunk), or chunk c's fp32 partial at c_ptr + c * stride_cs."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tile = pid // per_split
+    c = (pid % per_split) * tl.num_programs(1) + tl.program_id(1)  # this program's chunk of K
+    kb0 = c * chunk
+    kb1 = tl.minimum(kb0 + chunk, tl.cdiv(K, BLOCK_K))
+    if kb0 < kb1:  # the last programs may hold no chunk
+        om = (tile % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+        oe = (tile // tiles_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + (om % M).to(tl.int64)[:, None] * stride_xm + rk[None, :]
+        w_ptrs = w_ptr + (oe % E).to(tl.int64)[:, None] * stride_wn + rk[None, :]
+        if SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # not pipelined: the FP8 tiles' shared memory budget (and with it their CTAs per SM) stays as it is
+        for kb in tl.range(kb0, tl.minimum(kb1, K // BLOCK_K), num_stages=1):
+            x = tl.load(x_ptrs + kb * BLOCK_K)
+            w = tl.load(w_ptrs + kb * BLOCK_K)
+            acc = _accumulate_unquantised(acc, x, w, 1.0, SWAP_AB, True, PRECISION)
+        if kb1 * BLOCK_K > K:  # this chunk holds a partial last group
+            kb = kb1 - 1
+            k_in = (rk < K - kb * BLOCK_K)[None, :]
+            x = tl.load(x_ptrs + kb * BLOCK_K, mask=k_in, other=0.0)
+            w = tl.load(w_ptrs + kb * BLOCK_K, mask=k_in, other=0.0)
+            acc = _accumulate_unquantised(acc, x, w, 1.0, SWAP_AB, True, PRECISION)
+        _store_tile(acc, c_ptr + c.to(tl.int64) * stride_cs, om, col0 + oe, M, col0 + E, stride_cm, SWAP_AB)
+
+
+@triton.jit
+def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(M tile, N tile) of program pid: GROUP_M M tiles swept together per N tile (L2 reuse)."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * tiles_n
@@ -551,3 +673,33 @@ def _sum_splits_kernel(part_ptr, y_ptr, size, N, stride_ym, SPLIT: tl.constexpr,
         acc += tl.load(part_ptrs, mask=mask, other=0.0)
         part_ptrs += size
     tl.store(y_ptr + (i // N) * stride_ym + i % N, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "N", "E", "main_programs", "split_main", "split_extra"])
+def _sum_with_extra_kernel(
+    main_ptr, extra_ptr, y_ptr, M, N, E, stride_ym, main_programs, split_main, split_extra,
+    SPLIT_EXTRA: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """y[:, :N] = the sum of the FP8 columns' split_main partials [split_main, M, N] (main_programs
+    programs, none when the FP8 GEMM wrote y itself), y[:, N:] = the sum of the extra columns'
+    split_extra partials [split_extra, M, E] (SPLIT_EXTRA: a power of two at least as large): those
+    are many (one per K chunk), so a program loads all of them at once and sums them in registers."""
+    pid = tl.program_id(0)
+    if pid < main_programs:
+        i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < M * N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(split_main):
+            acc += tl.load(main_ptr + s * M * N + i, mask=mask, other=0.0)
+        tl.store(y_ptr + (i // N) * stride_ym + i % N, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        j = (pid - main_programs).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
+        chunk = tl.arange(0, SPLIT_EXTRA)
+        j_in = j < M * E
+        parts = tl.load(
+            extra_ptr + chunk[:, None].to(tl.int64) * M * E + j[None, :],
+            mask=(chunk < split_extra)[:, None] & j_in[None, :],
+            other=0.0,
+        )  # [SPLIT_EXTRA, BLOCK_E]
+        total = tl.sum(parts, axis=0)
+        tl.store(y_ptr + (j // E) * stride_ym + N + j % E, total.to(y_ptr.dtype.element_ty), mask=j_in)
