@@ -6,7 +6,7 @@
 # prefix caching, the delta-first LoRA from 4096 tokens in the pollution burst), delta-first (the
 # sweep's 4096-token prompts through the delta first: prefix caching off), shrink-expand (the same
 # with the delta first off), mtp (MTP speculative decoding, 2 tokens), fp8 (the demo's projections
-# quantised at load). Each under what is left of the budget; writes $OUT/doctor-NAME.{log,json}
+# quantised at load), fp8-weight-only (the same, activations unquantised). Each under what is left of the budget; writes $OUT/doctor-NAME.{log,json}
 # and prints each run's check lines. DOCTOR_ARGS go to every run (the demo's default dtype is fp32).
 OUT=${OUT:-/tmp/doctor_gpu_out}
 mkdir -p "$OUT"
@@ -23,9 +23,10 @@ declare -A flags=(
   [shrink-expand]="--no-enable-prefix-caching --lora-delta-first-from 0"
   [mtp]='--speculative-config {"method":"mtp","num_speculative_tokens":2}'
   [fp8]="--quantization fp8"
+  [fp8-weight-only]="--quantization fp8 --fp8-activations none"
 )
 names=("$@")
-[ ${#names[@]} -eq 0 ] && names=(serve delta-first shrink-expand mtp fp8)
+[ ${#names[@]} -eq 0 ] && names=(serve delta-first shrink-expand mtp fp8 fp8-weight-only)
 for name in "${names[@]}"; do
   left=$(( budget - ($(date +%s) - t0) ))
   if [ "$left" -lt 45 ]; then

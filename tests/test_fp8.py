@@ -342,7 +342,7 @@ def fp8_demo(demo_dir, tmp_path_factory):
     return quantize_checkpoint(demo_dir, tmp_path_factory.mktemp("demo-fp8") / "demo-fp8", progress=False)
 
 
-def _doctor(model_dir: Path, adapters: Path, monkeypatch, broken_kernel=None) -> dict:
+def _doctor(model_dir: Path, adapters: Path, monkeypatch, broken_kernel=None, flags: tuple[str, ...] = ()) -> dict:
     import contextlib
     import io
     from dataclasses import replace
@@ -356,12 +356,13 @@ def _doctor(model_dir: Path, adapters: Path, monkeypatch, broken_kernel=None) ->
         monkeypatch.setattr(select, "model_kernels", lambda *a: replace(chosen(*a), fp8_linear=broken_kernel))
     out = model_dir.parent / "doctor.json"
     argv = ["doctor", str(model_dir), "--lora-modules", f"relic={adapters / 'relic'}", "--device", "cpu"]
-    argv += ["--quantization", "fp8", "--max-model-len", "300", "--json", str(out)]
+    argv += ["--quantization", "fp8", "--max-model-len", "300", "--json", str(out), *flags]
     with contextlib.redirect_stdout(io.StringIO()):
         code = run_from_args(build_parser().parse_args(argv))
     report = json.loads(out.read_text())
     checks = {c["name"]: c["status"] for c in report["checks"]}
-    return {"exit": code, "checks": checks}
+    fp8 = next(c for c in report["checks"] if c["name"] == "fp8")
+    return {"exit": code, "checks": checks, "fp8": fp8, "features": report["features"]}
 
 
 def test_doctor_checks_fp8_serving_against_the_dequantised_checkpoint(fp8_demo, demo_dir, monkeypatch):
@@ -373,10 +374,28 @@ def test_doctor_checks_fp8_serving_against_the_dequantised_checkpoint(fp8_demo, 
     good = _doctor(fp8_demo, demo_dir / "adapters", monkeypatch)
     assert good["exit"] == 0 and good["checks"]["fp8"] == "pass" and good["checks"]["fidelity"] == "pass"
 
-    def shifted_scales(x, w, scale, block):
-        return fp8_linear(x, w, scale.roll(1, dims=1) * 4, block)
+    def shifted_scales(x, w, scale, block, out=None, extra=None):
+        return fp8_linear(x, w, scale.roll(1, dims=1) * 4, block, out=out, extra=extra)
 
     bad = _doctor(fp8_demo, demo_dir / "adapters", monkeypatch, broken_kernel=shifted_scales)
+    assert bad["exit"] == 1 and bad["checks"]["fp8"] == "fail"
+
+
+def test_doctor_holds_weight_only_fp8_to_the_unquantised_tolerance(fp8_demo, demo_dir, monkeypatch):
+    """`--fp8-activations none` (weight-only, as hylora serve): the FP8 weights' only error against the
+    dequantised reference is summation order, so the fp8 check judges with the tolerance an unquantised
+    deployment gets, far below FP8's, and passes. A deployment that quantises the activations anyway
+    under that flag (the dynamic GEMM installed) passes FP8's tolerance but fails this one."""
+    from hylora.doctor.fastpaths import FP8_TOLERANCE
+    from hylora.ops.fp8_linear.reference import fp8_linear
+
+    flags = ("--fp8-activations", "none")
+    good = _doctor(fp8_demo, demo_dir / "adapters", monkeypatch, flags=flags)
+    assert good["exit"] == 0 and good["checks"]["fp8"] == "pass" and good["checks"]["fidelity"] == "pass"
+    assert good["features"]["quantized_activations"] is False and "weight-only" in good["fp8"]["summary"]
+    assert good["fp8"]["data"]["tolerance"]["mean"] < FP8_TOLERANCE.mean / 10
+
+    bad = _doctor(fp8_demo, demo_dir / "adapters", monkeypatch, broken_kernel=fp8_linear, flags=flags)
     assert bad["exit"] == 1 and bad["checks"]["fp8"] == "fail"
 
 

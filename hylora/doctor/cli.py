@@ -47,6 +47,13 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
         "the reference is the checkpoint dequantised",
     )
     g.add_argument(
+        "--fp8-activations",
+        default="dynamic",
+        choices=["dynamic", "none"],
+        help="in-process, FP8 weights: as hylora serve --fp8-activations (none: weight-only, judged against the "
+        "dequantised reference with the unquantised tolerance instead of the FP8 one)",
+    )
+    g.add_argument(
         "--max-model-len", type=int, default=4097, help="the sweep runs up to this minus one (the generated token)"
     )
     g.add_argument(
@@ -255,9 +262,10 @@ def _run(args: argparse.Namespace) -> int:
         num_speculative_tokens=0 if endpoint else speculative.get("num_speculative_tokens", 0),
         enable_prefix_caching=args.enable_prefix_caching and endpoint is None,
         max_short_step_tokens=0 if endpoint else short_steps,
-        kernels=KernelsConfig()
-        if args.lora_delta_first_from is None
-        else KernelsConfig(lora_delta_first_from=args.lora_delta_first_from),
+        kernels=KernelsConfig(
+            fp8_activations=args.fp8_activations,
+            **({} if args.lora_delta_first_from is None else {"lora_delta_first_from": args.lora_delta_first_from}),
+        ),
     )
     # the reference's engine: unquantised weights (an FP8 checkpoint's dequantised), which adapters merge
     # into; in-process it is also the deployment checked, unless that serves FP8 weights

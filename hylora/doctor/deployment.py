@@ -50,6 +50,9 @@ class Features:
     prefix_caching: bool | None = None
     speculative: bool | None = None
     quantization: str | None = None  # e.g. "fp8": the deployment serves quantised weights
+    # with quantised weights: whether it quantises the activations too (None: not known, judged as if it
+    # does); False (weight-only FP8) is held to the unquantised tolerance
+    quantized_activations: bool | None = None
     source: str = ""  # where this came from
 
     def as_dict(self) -> dict:
@@ -122,10 +125,14 @@ class EngineDeployment:
         speculative = getattr(config, "speculative_config", None) or getattr(config, "num_speculative_tokens", 0)
         cache = getattr(self.engine, "prefix_cache", _MISSING)  # None when configured on but not built
         prefix = cache is not None if cache is not _MISSING else bool(getattr(config, "enable_prefix_caching", False))
+        quantization = getattr(self.engine, "quantization", None) or getattr(config, "quantization", None)
+        kernels = getattr(config, "kernels", None)
+        activations = getattr(kernels, "fp8_activations", "dynamic") if quantization else None
         return Features(
             prefix_caching=prefix,
             speculative=bool(speculative),
-            quantization=getattr(self.engine, "quantization", None) or getattr(config, "quantization", None),
+            quantization=quantization,
+            quantized_activations=None if activations is None else activations != "none",
             source="the engine's configuration",
         )
 

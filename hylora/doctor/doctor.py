@@ -116,7 +116,8 @@ def _policy(options: DoctorOptions, reference: Reference, features: Features) ->
     if isinstance(tol, Tolerance):
         return TolerancePolicy.of(tol)
     policy = tol or TolerancePolicy.measured(getattr(reference, "dtype", "float32"))
-    if features.quantization and policy.fixed is None and policy.ceiling.max < FP8_TOLERANCE.max:
+    quantization_error = features.quantization and features.quantized_activations is not False  # weight-only: none
+    if quantization_error and policy.fixed is None and policy.ceiling.max < FP8_TOLERANCE.max:
         policy = replace(policy, ceiling=FP8_TOLERANCE, ceiling_name=str(features.quantization))
     return policy
 
@@ -191,9 +192,9 @@ def run_doctor(
     noise.add_median("base vs reference", list(base_diffs.values()))
     choice: ToleranceChoice = _policy(options, reference, features).choose(noise)
     tol = choice.tolerance
-    fp8_diffs = []
+    fp8_diffs, fp8_tol = [], FP8_TOLERANCE if features.quantized_activations is not False else tol
     if features.quantization:
-        fp8_diffs = [diff_reference(sweep.results[(None, n)], base_ref, n, texts, FP8_TOLERANCE) for n in base_diffs]
+        fp8_diffs = [diff_reference(sweep.results[(None, n)], base_ref, n, texts, fp8_tol) for n in base_diffs]
 
     mixed = check_mixed(mixed_run, texts, tol)
     pollution = judge_pollution(pollution_run, sweep, texts, tol, exact=kernels is not None)
@@ -205,7 +206,7 @@ def run_doctor(
     checks = [
         check_kernels(kernels), effect, fidelity, mixed, pollution, judge_decode(decode_run, texts, tol),
         judge_prefix_cache(prefix_run, texts, tol), judge_speculation(spec_run, texts, tol),
-        check_fp8(features, reference, fp8_diffs), load,
+        check_fp8(features, reference, fp8_diffs, fp8_tol), load,
     ]  # fmt: skip
     return Report(
         deployment=deployment.description,

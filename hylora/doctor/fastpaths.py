@@ -28,9 +28,10 @@ shows no drafts during the check.
 
 **fp8**: a deployment serving FP8 weights is judged against the reference computed from the same
 weights dequantised (the reference must say so: `Reference.dequantised`), the base model's sweep
-with `FP8_TOLERANCE`. Skipped for unquantised weights, and — with the reason in the report — when
-the reference is not the dequantised model (then only the fidelity check's measured tolerance
-judges the FP8 error).
+with `FP8_TOLERANCE`; a weight-only deployment (activations unquantised, `--fp8-activations none`)
+with the tolerance an unquantised one gets, as its only error is the GEMM's summation order.
+Skipped for unquantised weights, and — with the reason in the report — when the reference is not
+the dequantised model (then only the fidelity check's measured tolerance judges the FP8 error).
 """
 
 from __future__ import annotations
@@ -333,8 +334,11 @@ def judge_speculation(run: SpecRun, texts: TokenTexts, tol: Tolerance) -> CheckR
 # --- FP8 -------------------------------------------------------------------------------------------
 
 
-def check_fp8(features: Features, reference, base_diffs: list[Diff]) -> CheckResult:
-    """The base model's sweep (no LoRA) against the dequantised reference, with FP8_TOLERANCE."""
+def check_fp8(
+    features: Features, reference, base_diffs: list[Diff], tolerance: Tolerance = FP8_TOLERANCE
+) -> CheckResult:
+    """The base model's sweep (no LoRA) against the dequantised reference, with `tolerance`:
+    FP8_TOLERANCE, or for weight-only FP8 (activations unquantised) the unquantised deployment's."""
     if not features.quantization:
         return CheckResult("fp8", Status.SKIP, "the deployment serves unquantised weights")
     if not getattr(reference, "dequantised", False):
@@ -343,13 +347,14 @@ def check_fp8(features: Features, reference, base_diffs: list[Diff]) -> CheckRes
             f"the deployment serves {features.quantization} weights but the reference is not computed from the same "
             "weights dequantised: the quantisation error is judged only by the fidelity check's tolerance",
         )  # fmt: skip
-    failures = [f"base at {d.length} tokens: {'; '.join(d.problems(FP8_TOLERANCE))}" for d in base_diffs
-                if d.problems(FP8_TOLERANCE)]  # fmt: skip
+    failures = [f"base at {d.length} tokens: {'; '.join(d.problems(tolerance))}" for d in base_diffs
+                if d.problems(tolerance)]  # fmt: skip
     total = pooled(base_diffs)
+    served = features.quantization + (" weight-only" if features.quantized_activations is False else "")
     summary = (
-        f"{features.quantization} vs the dequantised reference, base model at {len(base_diffs)} lengths: "
-        f"max |Δ logprob| {total.max_abs:.2g}, mean {total.mean_abs:.2g} (tolerance mean {FP8_TOLERANCE.mean:g}, "
-        f"max {FP8_TOLERANCE.max:g})"
+        f"{served} vs the dequantised reference, base model at {len(base_diffs)} lengths: "
+        f"max |Δ logprob| {total.max_abs:.2g}, mean {total.mean_abs:.2g} (tolerance mean {tolerance.mean:g}, "
+        f"max {tolerance.max:g})"
     )
     compared = sum(d.compared for d in base_diffs if d.error is None)
-    return CheckResult.judged("fp8", summary, compared, failures, data={"tolerance": vars(FP8_TOLERANCE)})
+    return CheckResult.judged("fp8", summary, compared, failures, data={"tolerance": vars(tolerance)})
