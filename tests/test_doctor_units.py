@@ -673,6 +673,35 @@ def test_fp8_is_judged_against_the_dequantised_reference_only():
     assert bad.status is Status.FAIL and bad.failures[0].startswith("base at 400 tokens")
 
 
+def test_weight_only_fp8_keeps_the_unquantised_tolerance():
+    """An FP8 deployment that quantises its activations, or may (a server not told otherwise), has its
+    tolerance's ceiling raised to FP8's; weight-only FP8 (in-process with --fp8-activations none, or a
+    server told by --endpoint-quantization fp8-weight-only) keeps the unquantised one, and so does its
+    fp8 check when given that tolerance."""
+    from types import SimpleNamespace
+
+    from hylora.doctor.doctor import _policy
+    from hylora.doctor.endpoint import Endpoint
+    from hylora.doctor.fastpaths import FP8_TOLERANCE
+
+    options, reference = SimpleNamespace(tolerance=None), SimpleNamespace(dtype="bfloat16")
+    unquantised = _policy(options, reference, Features()).ceiling
+    assert unquantised.max < FP8_TOLERANCE.max
+    dynamic = Endpoint("http://127.0.0.1:1", [], [], quantization="fp8").features()
+    weight_only = Endpoint("http://127.0.0.1:1", [], [], quantization="fp8-weight-only").features()
+    assert weight_only.quantization == "fp8" and weight_only.quantized_activations is False
+    assert _policy(options, reference, dynamic).ceiling == FP8_TOLERANCE
+    assert _policy(options, reference, weight_only).ceiling == unquantised
+
+    class Dequantised:
+        dequantised = True
+
+    fp8_sized = [Diff(n, positions=n, mean_abs=0.15, max_abs=3.0) for n in (65, 129)]  # within FP8's bounds
+    assert check_fp8(dynamic, Dequantised(), fp8_sized).status is Status.PASS
+    judged = check_fp8(weight_only, Dequantised(), fp8_sized, unquantised)
+    assert judged.status is Status.FAIL and "weight-only" in judged.summary
+
+
 # --- report, plot and progress ------------------------------------------------------------------
 
 

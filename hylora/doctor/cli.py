@@ -30,8 +30,10 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--endpoint-quantization",
         default=None,
-        choices=["fp8"],
-        help="the server serves quantised weights (the fp8 check; the tolerance's ceiling)",
+        choices=["fp8", "fp8-weight-only"],
+        help="the server serves quantised weights (the fp8 check; the tolerance's ceiling); fp8-weight-only: FP8 "
+        "weights with unquantised activations (hylora serve --fp8-activations none), held to the unquantised "
+        "tolerance",
     )
     g.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     g.add_argument("--max-requests", type=int, default=2000, help="requests doctor may send in all")

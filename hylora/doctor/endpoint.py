@@ -250,7 +250,10 @@ class Endpoint:
     def features(self) -> Features:
         """A server does not say which fast paths it runs: prefix caching shows in the cached
         prompt tokens it reports (usage.prompt_tokens_details.cached_tokens), speculative decoding
-        in its /metrics (vLLM's spec_decode counters), FP8 only when told (--endpoint-quantization)."""
+        in its /metrics (vLLM's spec_decode counters), FP8 only when told (--endpoint-quantization:
+        "fp8", or "fp8-weight-only" for a server with unquantised activations)."""
+        if self.quantization == "fp8-weight-only":
+            return Features(quantization="fp8", quantized_activations=False, source="what the server reports")
         return Features(quantization=self.quantization, source="what the server reports")
 
     def speculation_counter(self) -> float | None:
