@@ -456,6 +456,26 @@ def test_extra_rows_join_the_fp8_launch(case, config, weight_only, monkeypatch):
         assert_close_to_reference(again.cpu(), want, GEMM_RTOL)
 
 
+@pytest.mark.parametrize("config", ["decode", "tma-decode", "prefill"])
+@pytest.mark.parametrize("case", EXTRA_CASES, ids=str)
+def test_extra_rows_take_whole_k_past_the_chunked_sizes(case, config, monkeypatch):
+    """Past EXTRA_CHUNKED_UP_TO tokens (prefill sizes) the extra rows take each split's whole K: the
+    same columns, no fp32 partials of their own and no sum launch where the FP8 tiles need none."""
+    monkeypatch.setattr(T, "MIN_GROUPS_PER_SPLIT", 1)
+    monkeypatch.setattr(T, "EXTRA_CHUNKED_UP_TO", 0)
+    M, N, K, bn, E = case
+    x, w_fp8, w_scale, block = gemm_inputs(M, N, K, bn, seed=M + N + K + E)
+    rows = torch.randn(E, K, generator=torch.Generator().manual_seed(E)) / 8
+    sums = []
+    monkeypatch.setattr(T, "_sum_with_extra_kernel", LaunchCounter(T._sum_with_extra_kernel, sums))
+    dev = (x.to(DEVICE), w_fp8.to(DEVICE), w_scale.to(DEVICE))
+    got = T.fp8_linear(*dev, block, config=CONFIGS[config], extra=(dev[0], rows.to(DEVICE))).cpu()
+    assert_close_to_reference(got[:, :N], R.fp8_linear(x, w_fp8, w_scale, block), GEMM_RTOL)
+    assert_close_to_reference(got[:, N:], (x.double() @ rows.double().T).float(), GEMM_RTOL)
+    split = T.split_k(CONFIGS[config], M, N, -(-K // block[1]), T._num_sms(torch.device(DEVICE)))
+    assert len(sums) == (split > 1)
+
+
 class LaunchCounter:
     """A Triton kernel whose `kernel[grid](...)` launches are recorded before they run."""
 

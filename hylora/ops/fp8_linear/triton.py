@@ -67,6 +67,7 @@ QUANT_BLOCK_M = 16  # rows per quantisation program
 DEQUANT_ROWS = 32  # weight rows per dequantisation program (one K group each)
 SUM_BLOCK = 1024  # outputs per program of the split-K sum
 EXTRA_GROUPS = 2  # K groups per extra-rows program at most (they run unpipelined: short chunks)
+EXTRA_CHUNKED_UP_TO = 128  # tokens; more: the extra rows take their split's whole K (`_extra_split`)
 EXTRA_SUM_ELEMENTS = 4096  # partials one program of the extra columns' sum loads at once
 EXTRA_SUM_MIN_SPLIT = 32  # the sum's compiled chunk count: 32 or, past it, the next power of two
 # the GEMMs' extra-rows arguments that vary with the token count or the adapters: not specialised on
@@ -238,7 +239,7 @@ def _linear(
         a, a_scale = quantize_activation(x2, bk)
     target = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     tiles_m = triton.cdiv(M, cfg.block_m)
-    per_split, chunk, chunks = _extra_split(groups, split) if E else (0, 0, 1)
+    per_split, chunk, chunks = _extra_split(groups, split, M) if E else (0, 0, 1)
     extra_programs = tiles_m * triton.cdiv(E, cfg.block_n) * per_split
     # the extra columns: straight into y when one chunk holds all of K, else fp32 partials [chunks, M, E]
     e_target = y if chunks == 1 else torch.empty(chunks, M, E, dtype=torch.float32, device=x.device)
@@ -297,10 +298,15 @@ def _extra_operands(extra: Extra | None, x: torch.Tensor, M: int, K: int) -> tup
     return (x16 if x16.stride(1) == 1 else x16.contiguous()), (w16 if w16.stride(1) == 1 else w16.contiguous())
 
 
-def _extra_split(groups: int, split: int) -> tuple[int, int, int]:
+def _extra_split(groups: int, split: int, tokens: int) -> tuple[int, int, int]:
     """How the extra rows split K: (programs per extra tile in each of the FP8 GEMM's K splits, K groups
     per chunk, chunks). Chunks of at most EXTRA_GROUPS groups, so that an extra program (loads not
-    pipelined) finishes within an FP8 tile's time; chunk j of split s is chunk j * split + s."""
+    pipelined) finishes within an FP8 tile's time; chunk j of split s is chunk j * split + s. Above
+    EXTRA_CHUNKED_UP_TO tokens (prefill sizes, where the FP8 tiles run many waves and the extra
+    programs, first in the grid, finish long before them) each split's whole K: the fp32 partials
+    [chunks, tokens, E] would grow with the tokens."""
+    if tokens > EXTRA_CHUNKED_UP_TO:
+        return 1, triton.cdiv(groups, split), split
     per_split = triton.cdiv(triton.cdiv(groups, split), EXTRA_GROUPS)
     chunk = triton.cdiv(groups, split * per_split)
     return per_split, chunk, triton.cdiv(groups, chunk)
