@@ -32,9 +32,10 @@
   unquantised b / a rows, every slot's LoRA A), computed by extra programs of the same launch, placed
   first in the grid. They split K on their own, in chunks of at most EXTRA_GROUPS groups (their loads
   are not pipelined, to leave the FP8 tiles' shared memory as it is), into fp32 partials that one sum
-  launch adds (with the FP8 columns' split-K partials where those exist). On an H200 (docs/BASELINE.md
-  run 38) this beat the FP8 GEMM plus a 16-bit F.linear beside it on every decode shape (up to 7 us a
-  projection); with whole-K extra programs it had been up to 2x slower.
+  launch adds (with the FP8 columns' split-K partials where those exist); above 128 tokens each takes
+  its split's whole K, so no partials grow with a prompt. On an H200 (docs/BASELINE.md run 38) this
+  beat the FP8 GEMM plus a 16-bit F.linear beside it on every decode shape (up to 7 us a projection);
+  at decode sizes, whole-K extra programs placed last in the grid had been up to 2x slower (run 37).
 
 No host sync and no data-dependent Python: the launches depend on the shapes alone (CUDA-graph safe).
 """
