@@ -7,7 +7,9 @@ Builds the 27B shape (cut to --layers) with random FP8 weights and 8 random rank
 capture) with every Triton compile timed and counted by kernel name. A fresh TRITON_CACHE_DIR makes
 the figure a first start on a new machine (later starts read Triton's cache). --root imports the
 code from another checkout (e.g. `git archive main bench hylora | tar -x -C /tmp/main`), for a
-comparison in one lease; run each root in its own process.
+comparison in one lease; run each root in its own process. Compiles are timed by Triton's
+`knobs.runtime` jit hooks (run 38 c's figures came from a first form of this script that wrapped
+Triton's private compile method instead; this form has not run on a GPU yet).
 """
 
 from __future__ import annotations
@@ -30,19 +32,20 @@ def main() -> None:
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # before triton is imported
     sys.path.insert(0, os.path.abspath(args.root))
     import torch
-    import triton.runtime.jit as jit
+    from triton import knobs
 
     stats: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])  # name -> [compiles, seconds]
-    compile_one = jit.JITFunction._do_compile
+    started = [0.0]  # compiles run one at a time: Triton's hooks before and after each
 
-    def timed(self, *a, **k):
-        t = time.perf_counter()
-        kernel = compile_one(self, *a, **k)
-        stats[self.__name__][0] += 1
-        stats[self.__name__][1] += time.perf_counter() - t
-        return kernel
+    def before(**_) -> bool:
+        started[0] = time.perf_counter()
+        return False  # compile it
 
-    jit.JITFunction._do_compile = timed
+    def after(*, fn, **_) -> None:
+        stats[fn.name][0] += 1
+        stats[fn.name][1] += time.perf_counter() - started[0]
+
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
     sys.argv = sys.argv[:1]
     import bench.fp8_gpu as B
 
