@@ -9,6 +9,7 @@ unwritten shows; what a kernel must not write is compared bit for bit afterwards
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -709,6 +710,48 @@ def test_causal_conv1d_by_slot_equals_reference(lens, kernel):
     assert same_bits(pool, ref_pool) or torch.allclose(pool[slots], ref_pool[slots])
     unowned = torch.ones(S, dtype=torch.bool)
     unowned[slots] = False
+    assert torch.isnan(pool[unowned]).all()
+
+
+@pytest.mark.parametrize("blocks", [(8, 16), (16, 256), (32, 8)], ids=str)
+def test_causal_conv1d_by_slot_long_chunks_and_a_padded_layout(blocks):
+    """Chunks spanning many token tiles (tiles read from x alone, tiles where a chunk starts mid-tile),
+    a chunk shorter than the kernel's K-1 taps, then a padded short step's tail as the device lays it
+    out: one-token padding sequences on slot -1 and empty sequences starting at T. The live rows and
+    slots equal the reference; the output is written in full (it starts as NaN) and padding writes no
+    state (unowned slots stay NaN)."""
+    block_t, block_c = blocks
+    g = torch.Generator().manual_seed(block_t + block_c)
+    K, C, lens = 4, 40, [37, 2, 29, 9]
+    live, T_live = len(lens), sum(lens)
+    padding, empty = 5, 3
+    T, N = T_live + padding, live + padding + empty
+    x = torch.randn(T, C + 7, generator=g)[:, :C]  # strided rows, as the in_proj's columns
+    weight = torch.randn(C, K, generator=g)
+    S = live + 4
+    slots = torch.cat([torch.randperm(S, generator=g)[:live], torch.full((padding + empty,), -1)])
+    pool = torch.full((S, C, K - 1), NAN)
+    pool[slots[:live]] = torch.randn(live, C, K - 1, generator=g)
+    ref_pool = pool.clone()
+    ref = conv_reference.causal_conv1d_by_slot(x[:T_live], weight, ref_pool, slots[:live], lens)
+    seq_lens = lens + [1] * padding + [0] * empty
+    starts = torch.tensor([0, *itertools.accumulate(seq_lens)])
+    token_seq = torch.repeat_interleave(torch.arange(N, dtype=torch.int32), torch.tensor(seq_lens))
+    empty_out = torch.empty
+    try:  # every output element must be written: start from NaN
+        torch.empty = lambda *a, **k: empty_out(*a, **k).fill_(NAN)
+        parts = conv_triton.causal_conv1d_by_slot(
+            x, weight, pool, slots, seq_lens, block_t=block_t, block_c=block_c, splits=(12, 12, 16),
+            layout=(token_seq, starts),
+        )  # fmt: skip
+    finally:
+        torch.empty = empty_out
+    got = torch.cat(parts, dim=1)
+    torch.testing.assert_close(got[:T_live], ref, atol=1e-6, rtol=1e-5)
+    assert not got.isnan().any()
+    assert torch.allclose(pool[slots[:live]], ref_pool[slots[:live]])
+    unowned = torch.ones(S, dtype=torch.bool)
+    unowned[slots[:live]] = False
     assert torch.isnan(pool[unowned]).all()
 
 

@@ -1,14 +1,17 @@
 """`reference.causal_conv1d_by_slot` in two Triton launches, the conv state read and written in
 place in the pool by slot (no gather / scatter copies), every sequence of the step at once.
+out[t, c] = silu(sum_j w[c, j] * in[pos - K + 1 + j]), where inputs before the chunk's first token
+come from the sequence's conv state, accumulated in fp32 in the reference's order. With `splits`
+(the GDN layer's q | k | v), each group of channels is stored as its own contiguous [T, width]
+tensor, which fla's kernels take without the copy they would make of a strided view; channel blocks
+are numbered group by group, so a program's channels share one group and its stores stay contiguous.
 
-1. `_conv_kernel`, grid (token block, channel block): out[t, c] = silu(sum_j w[c, j] * in[pos - K + 1
-   + j]) where inputs before the chunk's first token come from the sequence's conv state.
-   Accumulated in fp32 in the reference's order. With `splits` (the GDN layer's q | k | v), each
-   group of channels is stored as its own contiguous [T, width] tensor, which fla's kernels take
-   without the copy they would make of a strided view.
-2. `_state_kernel`, grid (sequence, channel block): the state becomes the last K-1 inputs (of the
-   old state followed by the chunk). It runs after (1) on the stream, so (1) reads the old state;
-   each program loads all K-1 values before it stores any, so its in-place shift is safe.
+1. `_conv_kernel`, grid (token block, channel block): every row at position K-1 or later in its
+   chunk, whose K taps are all inputs of that chunk — all but K-1 rows of each chunk, read from x
+   alone with no per-element choice between x and the state.
+2. `_head_kernel`, grid (sequence, channel block): each chunk's first K-1 rows, whose taps reach
+   into the conv state; then the state becomes the last K-1 inputs of [old state | chunk]. A barrier
+   keeps every read of the old state before the first write of the new one.
 
 Per-token sequence indices come from the step's lengths, built once per step (`_token_meta`).
 """
@@ -59,12 +62,15 @@ def causal_conv1d_by_slot(
     parts = tuple(out[T * lo : T * (lo + n)].view(T, n) for lo, n in zip(firsts, splits or [C], strict=True))
     if T > 0:
         token_seq, starts = layout if layout is not None else _token_meta(tuple(seq_lens), x.device)
-        _conv_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
-            x, weight.contiguous(), conv_state, slots, token_seq, starts, out, T, C, x.stride(0), *bounds,
+        channel_blocks = sum(triton.cdiv(hi - lo, block_c) for lo, hi in zip((0, *bounds), (*bounds, C), strict=True))
+        w = weight.contiguous()
+        _conv_kernel[(triton.cdiv(T, block_t), channel_blocks)](
+            x, w, conv_state, token_seq, starts, out, T, C, x.stride(0), *bounds,
             K=K, BLOCK_T=block_t, BLOCK_C=block_c,
         )  # fmt: skip
-        _state_kernel[(N, triton.cdiv(C, block_c))](
-            x, conv_state, slots, starts, C, x.stride(0), K=K, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(K - 1),
+        _head_kernel[(N, channel_blocks)](
+            x, w, conv_state, slots, starts, out, T, C, x.stride(0), *bounds,
+            K=K, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(K - 1),
         )  # fmt: skip
     return parts if splits is not None else parts[0]
 
@@ -78,61 +84,79 @@ def _token_meta(seq_lens: tuple[int, ...], device: torch.device) -> tuple[torch.
 
 
 @triton.jit
+def _channel_block(pid, B1, B2, C, BLOCK_C: tl.constexpr):
+    """Channel blocks are numbered group by group ([0, B1), [B1, B2), [B2, C); an empty group has no
+    blocks), so a program's channels share one group. Returns (group's first channel, its end, the
+    block's channels [BC])."""
+    blocks1 = tl.cdiv(B1, BLOCK_C)
+    blocks2 = blocks1 + tl.cdiv(B2 - B1, BLOCK_C)
+    first = tl.where(pid >= blocks2, B2, tl.where(pid >= blocks1, B1, 0))
+    end = tl.where(pid >= blocks2, C, tl.where(pid >= blocks1, B2, B1))
+    local = pid - tl.where(pid >= blocks2, blocks2, tl.where(pid >= blocks1, blocks1, 0))
+    return first, end, first + local * BLOCK_C + tl.arange(0, BLOCK_C)
+
+
+@triton.jit
 def _conv_kernel(
-    x_ptr, w_ptr, state_ptr, slots_ptr, token_seq_ptr, starts_ptr, out_ptr, T, C, stride_xt, B1, B2,
+    x_ptr, w_ptr, state_ptr, token_seq_ptr, starts_ptr, out_ptr, T, C, stride_xt, B1, B2,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # [BT]
-    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)  # [BC]
-    t_ok, c_ok = t < T, c < C
-    seq = tl.load(token_seq_ptr + t, mask=t_ok, other=0)
-    pos = t - tl.load(starts_ptr + seq, mask=t_ok, other=0)  # position within this chunk
-    slot = tl.load(slots_ptr + seq, mask=t_ok, other=-1).to(tl.int64)
-    state_row = slot * C * (K - 1)
+    first, end, c = _channel_block(tl.program_id(1), B1, B2, C, BLOCK_C)  # [BC]
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    seq = tl.load(token_seq_ptr + t, mask=t < T, other=0)
+    pos = t - tl.load(starts_ptr + seq, mask=t < T, other=0).to(tl.int32)  # position within this chunk
+    # rows whose K taps are all inputs of their own chunk; `_head_kernel` writes the others
+    mask = ((t < T) & (pos >= K - 1))[:, None] & (c < end)[None, :]
+    x_rows = x_ptr + t.to(tl.int64)[:, None] * stride_xt + c[None, :]  # [BT, BC]
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(K):
-        src = pos - (K - 1) + j  # [BT] input index within the chunk; < 0: in the carried state
-        from_x = (src >= 0) & t_ok
-        from_state = (src < 0) & t_ok & (slot >= 0)
-        xv = tl.load(
-            x_ptr + (t - (K - 1) + j)[:, None] * stride_xt + c[None, :],
-            mask=from_x[:, None] & c_ok[None, :],
-            other=0.0,
-        )
-        sv = tl.load(
-            state_ptr + state_row[:, None] + c[None, :] * (K - 1) + (K - 1 + src)[:, None],
-            mask=from_state[:, None] & c_ok[None, :],
-            other=0.0,
-        )
+        xv = tl.load(x_rows + (j - (K - 1)) * stride_xt, mask=mask, other=0.0)
+        wj = tl.load(w_ptr + c * K + j, mask=c < end, other=0.0).to(tl.float32)
+        acc += xv.to(state_ptr.dtype.element_ty).to(tl.float32) * wj[None, :]  # x as the state holds it
+    y = tl.fdiv(acc, 1.0 + tl.exp(-acc), ieee_rounding=False)
+    out = out_ptr + first.to(tl.int64) * T + t.to(tl.int64)[:, None] * (end - first) + (c - first)[None, :]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _head_kernel(
+    x_ptr, w_ptr, state_ptr, slots_ptr, starts_ptr, out_ptr, T, C, stride_xt, B1, B2,
+    K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0)
+    first, end, c = _channel_block(tl.program_id(1), B1, B2, C, BLOCK_C)  # [BC]
+    i = tl.arange(0, BLOCK_K)  # [BK] the chunk's first K-1 rows, then the state's K-1 positions
+    start = tl.load(starts_ptr + n)
+    length = tl.load(starts_ptr + n + 1) - start
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    c_ok = c < end
+    state_rows = state_ptr + slot * C * (K - 1) + c * (K - 1)  # [BC]
+    row_ok = (i < K - 1) & (i < length)
+    acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(K):
+        src = i - (K - 1) + j  # [BK] input index within the chunk; < 0: in the carried state
+        from_x = (src >= 0) & row_ok
+        from_state = (src < 0) & row_ok & (slot >= 0)
+        xv = tl.load(x_ptr + (start + src)[:, None] * stride_xt + c[None, :], mask=from_x[:, None] & c_ok[None, :])
+        sv = tl.load(state_rows[None, :] + (K - 1 + src)[:, None], mask=from_state[:, None] & c_ok[None, :], other=0.0)
         value = tl.where(from_x[:, None], xv.to(state_ptr.dtype.element_ty), sv).to(tl.float32)
         wj = tl.load(w_ptr + c * K + j, mask=c_ok, other=0.0).to(tl.float32)
         acc += value * wj[None, :]
     y = acc / (1.0 + tl.exp(-acc))
-    # channel c's group [first, first + width) is stored [T, width] from element T * first
-    first = tl.where(c >= B2, B2, tl.where(c >= B1, B1, 0)).to(tl.int64)
-    width = tl.where(c >= B2, C, tl.where(c >= B1, B2, B1)).to(tl.int64) - first
-    out = out_ptr + T * first[None, :] + t[:, None] * width[None, :] + (c - first)[None, :]
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
+    t = (start + i).to(tl.int64)
+    out = out_ptr + first.to(tl.int64) * T + t[:, None] * (end - first) + (c - first)[None, :]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & c_ok[None, :])
 
-
-@triton.jit
-def _state_kernel(
-    x_ptr, state_ptr, slots_ptr, starts_ptr, C, stride_xt,
-    K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    n = tl.program_id(0)
-    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)  # [BC]
-    i = tl.arange(0, BLOCK_K).to(tl.int64)  # [BK] state position
-    start = tl.load(starts_ptr + n)
-    length = tl.load(starts_ptr + n + 1) - start
-    slot = tl.load(slots_ptr + n).to(tl.int64)
-    live = (c < C)[:, None] & (i < K - 1)[None, :] & (slot >= 0)
+    # the state becomes the last K-1 inputs of [old state | chunk]: every thread's reads of the old
+    # state above are done before any thread of the program overwrites it
+    tl.debug_barrier()
+    live = c_ok[:, None] & (i < K - 1)[None, :] & (slot >= 0)  # [BC, BK]
     src = length - (K - 1) + i  # [BK] index within the chunk of the input that lands at state[i]
-    row = state_ptr + slot * C * (K - 1) + c[:, None] * (K - 1)  # [BC, 1]
     xv = tl.load(x_ptr + (start + src)[None, :] * stride_xt + c[:, None], mask=live & (src >= 0)[None, :], other=0.0)
-    sv = tl.load(row + (i + length)[None, :], mask=live & (src < 0)[None, :], other=0.0)
+    sv = tl.load(state_rows[:, None] + (i + length)[None, :], mask=live & (src < 0)[None, :], other=0.0)
     new = tl.where((src >= 0)[None, :], xv.to(state_ptr.dtype.element_ty), sv)  # all loaded before the store
-    tl.store(row + i[None, :], new, mask=live)
+    tl.debug_barrier()
+    tl.store(state_rows[:, None] + i[None, :], new, mask=live)
 
 
 def save_conv_states(
