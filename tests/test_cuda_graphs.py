@@ -3,17 +3,19 @@
 A graph replay equals the same padded step run eagerly, bit for bit (logits, finiteness flags and
 every byte of the caches); the engine with graphs gives the tokens and logprobs of the engine with
 `enforce_eager`; a NaN poisoned into one request inside a graph fails that request alone; the eager
-decode forward and the padded short step make no host sync.
+decode forward and the padded short step make no host sync; Python's cyclic collector cannot free an
+unreachable graph in the middle of a capture.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
 import torch
 
-from hylora.engine.cuda_graphs import CudaGraphDecode, CudaGraphShortStep
+from hylora.engine.cuda_graphs import CudaGraphDecode, CudaGraphShortStep, capture_graphs
 from hylora.engine.padded_decode import PaddedDecode
 from hylora.engine.runner import _decode_rows
 from hylora.engine.short_step import PaddedShortStep
@@ -254,3 +256,37 @@ def test_speculating_with_verify_and_drafting_graphs_keeps_greedy_output(causal_
     stats = engine.stats()  # (the head drafts the base model's tokens: the adapters' requests reject some)
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
     assert free_pages(engine) == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
+
+
+def test_an_unreachable_graph_is_not_freed_inside_a_capture():
+    """Run 39 b: a capture failed when the collector freed a previous engine's graphs in its middle
+    (destroying a graph is not permitted while a stream captures; it invalidates the capture). Here a
+    graph becomes unreachable garbage inside the capture and the collector would run at every
+    allocation: the capture must still succeed, and the graph is freed after it."""
+    device = torch.device("cuda")
+    x = torch.ones(4, device=device)
+    old = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(old):
+        x.add(1)
+    pending = [old]
+    del old
+
+    def step(key: int) -> tuple[torch.Tensor, ...]:
+        if torch.cuda.is_current_stream_capturing() and pending:
+            cycle = {"graph": pending.pop()}
+            cycle["self"] = cycle  # reachable from nothing but itself: only the cyclic collector frees it
+            del cycle
+        _ = [[] for _ in range(1000)]  # allocations: each one may trigger the collector below
+        return (x * key,)
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        graphs = capture_graphs("test", [3, 2], lambda key: None, step, device)
+        assert gc.isenabled() and not pending
+    finally:
+        gc.set_threshold(*thresholds)
+    for key, (graph, (y,)) in graphs.items():
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, torch.full_like(x, key))

@@ -16,6 +16,7 @@ check: the references sync with the host and cannot be captured, so without them
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Hashable
@@ -55,6 +56,12 @@ def capture_graphs(
     t0 = time.perf_counter()
     pool = torch.cuda.graph_pool_handle()
     graphs = {}
+    # Python's cyclic collector must not run inside a capture: freeing an unreachable engine's graphs
+    # (cudaGraphExecDestroy) is not permitted while a stream captures, and it invalidates the capture
+    # (seen on the H200 when a test's previous engine was collected mid-capture)
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         with torch.inference_mode():
             for key in keys:
@@ -69,6 +76,9 @@ def capture_graphs(
         raise GraphCaptureError(
             f"capturing the {what} CUDA graphs failed: {e!r}; start with {without} to serve without them"
         ) from e
+    finally:
+        if collecting:
+            gc.enable()
     torch.cuda.synchronize(device)
     used = free_before - torch.cuda.mem_get_info(device)[0]
     took = time.perf_counter() - t0
