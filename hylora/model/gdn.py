@@ -94,7 +94,8 @@ class GatedDeltaNet(nn.Module):
             g, beta = gating(b, a, self.A_log, self.dt_bias)  # [T, Hv] each
             initial = states.recurrent[layer, slots]
             o, recurrent = self.delta_rule(q, k, v, g, beta, initial, batch.seq_lens, self.dk**-0.5)
-            states.recurrent[layer, slots] = recurrent
+            # index_copy_ on the layer's view: 41 against 59 µs for 16 states (run 39 a)
+            states.recurrent[layer].index_copy_(0, slots, recurrent.to(states.recurrent.dtype))
         return self.output(o, z, batch)
 
     def output(self, o: torch.Tensor, z: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
