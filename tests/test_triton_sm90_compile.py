@@ -43,7 +43,7 @@ def test_kernels_compile_for_sm90_without_spills():
     names = {k["kernel"] for k in kernels}
     assert names == {"_gdn_decode_kernel", "_conv_state_kernel", "_partition_kernel", "_merge_kernel",
                      "_shrink_kernel", "_expand_kernel", "_rms_norm_kernel", "_conv_kernel",
-                     "_state_kernel", "_recurrent_kernel", "_quantize_kernel", "_gemm_kernel",
+                     "_chunk_head_kernel", "_recurrent_kernel", "_quantize_kernel", "_gemm_kernel",
                      "_sum_splits_kernel", "_rotate_half_kernel", "_scan_chunk_kernel", "_merge_chunks_kernel",
                      "_conv_step_kernel", "_delta_rule_step_kernel", "_gemm_tma_kernel",
                      "_silu_mul_lora_kernel", "_sum_with_extra_kernel"}  # fmt: skip

@@ -9,7 +9,7 @@ are numbered group by group, so a program's channels share one group and its sto
 1. `_conv_kernel`, grid (token block, channel block): every row at position K-1 or later in its
    chunk, whose K taps are all inputs of that chunk — all but K-1 rows of each chunk, read from x
    alone with no per-element choice between x and the state.
-2. `_head_kernel`, grid (sequence, channel block): each chunk's first K-1 rows, whose taps reach
+2. `_chunk_head_kernel`, grid (sequence, channel block): each chunk's first K-1 rows, whose taps reach
    into the conv state; then the state becomes the last K-1 inputs of [old state | chunk]. A barrier
    keeps every read of the old state before the first write of the new one.
 
@@ -68,7 +68,7 @@ def causal_conv1d_by_slot(
             x, w, conv_state, token_seq, starts, out, T, C, x.stride(0), *bounds,
             K=K, BLOCK_T=block_t, BLOCK_C=block_c,
         )  # fmt: skip
-        _head_kernel[(N, channel_blocks)](
+        _chunk_head_kernel[(N, channel_blocks)](
             x, w, conv_state, slots, starts, out, T, C, x.stride(0), *bounds,
             K=K, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(K - 1),
         )  # fmt: skip
@@ -105,7 +105,7 @@ def _conv_kernel(
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     seq = tl.load(token_seq_ptr + t, mask=t < T, other=0)
     pos = t - tl.load(starts_ptr + seq, mask=t < T, other=0).to(tl.int32)  # position within this chunk
-    # rows whose K taps are all inputs of their own chunk; `_head_kernel` writes the others
+    # rows whose K taps are all inputs of their own chunk; `_chunk_head_kernel` writes the others
     mask = ((t < T) & (pos >= K - 1))[:, None] & (c < end)[None, :]
     x_rows = x_ptr + t.to(tl.int64)[:, None] * stride_xt + c[None, :]  # [BT, BC]
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
@@ -119,7 +119,7 @@ def _conv_kernel(
 
 
 @triton.jit
-def _head_kernel(
+def _chunk_head_kernel(
     x_ptr, w_ptr, state_ptr, slots_ptr, starts_ptr, out_ptr, T, C, stride_xt, B1, B2,
     K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
