@@ -714,7 +714,7 @@ def test_causal_conv1d_by_slot_equals_reference(lens, kernel):
 
 
 @pytest.mark.parametrize("blocks", [(8, 16), (16, 256), (32, 8)], ids=str)
-def test_causal_conv1d_by_slot_long_chunks_and_a_padded_layout(blocks):
+def test_causal_conv1d_by_slot_long_chunks_and_a_padded_layout(blocks, monkeypatch):
     """Chunks spanning many token tiles (tiles read from x alone, tiles where a chunk starts mid-tile),
     a chunk shorter than the kernel's K-1 taps, then a padded short step's tail as the device lays it
     out: one-token padding sequences on slot -1 and empty sequences starting at T. The live rows and
@@ -737,15 +737,13 @@ def test_causal_conv1d_by_slot_long_chunks_and_a_padded_layout(blocks):
     seq_lens = lens + [1] * padding + [0] * empty
     starts = torch.tensor([0, *itertools.accumulate(seq_lens)])
     token_seq = torch.repeat_interleave(torch.arange(N, dtype=torch.int32), torch.tensor(seq_lens))
-    empty_out = torch.empty
-    try:  # every output element must be written: start from NaN
-        torch.empty = lambda *a, **k: empty_out(*a, **k).fill_(NAN)
-        parts = conv_triton.causal_conv1d_by_slot(
-            x, weight, pool, slots, seq_lens, block_t=block_t, block_c=block_c, splits=(12, 12, 16),
-            layout=(token_seq, starts),
-        )  # fmt: skip
-    finally:
-        torch.empty = empty_out
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(NAN))  # every output element is written
+    parts = conv_triton.causal_conv1d_by_slot(
+        x, weight, pool, slots, seq_lens, block_t=block_t, block_c=block_c, splits=(12, 12, 16),
+        layout=(token_seq, starts),
+    )  # fmt: skip
+    monkeypatch.undo()
     got = torch.cat(parts, dim=1)
     torch.testing.assert_close(got[:T_live], ref, atol=1e-6, rtol=1e-5)
     assert not got.isnan().any()
