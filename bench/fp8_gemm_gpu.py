@@ -9,7 +9,7 @@ scales where this torch has them (timed with the Triton activation quantisation 
 otherwise), and the weight-only GEMM (`fp8_weight_only_linear`, x unquantised) with its error against
 its own reference. Exits 1 when an error is NaN or above BOUND.
 
-    python bench/fp8_gemm_gpu.py [--quick] [--sweep | --sweep-tma | --sweep-weight-only | --extra-rows]
+    python bench/fp8_gemm_gpu.py [--quick] [--sweep | --sweep-tma | --sweep-weight-only | --extra-rows | --fold]
 
 --sweep times candidate tile configurations instead (decode and prefill) at a few shapes.
 """
@@ -304,6 +304,56 @@ def extra_rows(extra_groups: list[int]) -> None:
     T.EXTRA_GROUPS = extra_groups[0]
 
 
+FOLD_LAYERS = {  # a 64-layer 27B decode step: its FP8 projections, per layer kind, and the layers of that kind
+    "gdn": (("gdn_in_qkvz", "gdn_out", "gate_up", "down"), 48),
+    "attention": (("attn_q_gate", "attn_kv", "attn_o", "gate_up", "down"), 16),
+}
+
+
+def fold_splits() -> None:
+    """Split-K partials summed by the tile's last program (`T.FOLD_SPLITS`) against a sum launch after
+    the GEMM, at decode sizes, base and with a mixed step's extra rows (8 slots of rank 16 on every
+    slice; the GDN in_proj's 96 unquantised rows in both). FP8 columns must be bit-equal; the extra
+    columns within rounding. Then what it saves on a 64-layer decode step (every projection once)."""
+    slots, rank = 8, 16
+    slices = {"gate_up": 2, "down": 1, "gdn_in_qkvz": 2, "gdn_out": 1, "attn_q_gate": 3, "attn_kv": 2, "attn_o": 1}
+    print("--- us per call: sum launch -> folded (split K ways; extra-rows chunks) [max |diff| of the extra columns]")
+    saved: dict[tuple[str, int], float] = {}
+    for name, (N, K) in SHAPES.items():
+        w_fp8, w_scale = R.quantize_weight(torch.randn(N, K, device=DEV) * 0.02)
+        tail = 96 if name == "gdn_in_qkvz" else 0
+        for mixed in (False, True):
+            E = tail + (slices[name] * slots * rank if mixed else 0)
+            a16 = (torch.randn(E, K, device=DEV) * 0.02).bfloat16() if E else None
+            for M in (1, 8, 32):
+                x = torch.randn(M, K, device=DEV).bfloat16()
+                out = torch.empty(M, N + E, device=DEV, dtype=torch.bfloat16)
+                extra = (x, a16) if E else None
+                call = functools.partial(T.fp8_linear, x, w_fp8, w_scale, out=out, extra=extra)
+                results, times = [], []
+                for fold in (False, True):
+                    T.FOLD_SPLITS = fold
+                    results.append(call().clone())
+                    times.append(bench(call, 20))
+                T.FOLD_SPLITS = True
+                cfg = T.choose_config(M, N)
+                split = T.split_k(cfg, M, N, K // 128, T._num_sms(x.device))
+                chunks = T._extra_split(K // 128, split, M)[2] if E else 0
+                same = torch.equal(results[0][:, :N], results[1][:, :N])
+                diff = float((results[0][:, N:].float() - results[1][:, N:].float()).abs().max()) if E else 0.0
+                key = ("mixed" if mixed else "base", M)
+                saved[key] = saved.get(key, 0.0) + (times[0] - times[1]) * sum(
+                    layers for names, layers in FOLD_LAYERS.values() if name in names
+                )
+                scale = float(results[0][:, N:].float().abs().max()) if E else 1.0
+                flag = "" if same and diff <= 2e-2 * scale else "  <-- DIFFERS"
+                print(f"{name} M={M} E={E}: {times[0] * 1e3:.1f} -> {times[1] * 1e3:.1f} "
+                      f"(split {split}; {chunks} chunks) [{diff:.1e}]{flag}", flush=True)  # fmt: skip
+        torch.cuda.empty_cache()
+    for (label, M), ms in saved.items():
+        print(f"64-layer decode step, {label}, batch {M}: folding saves {ms * 1e3:.0f} us of FP8 GEMM time")
+
+
 def _beside(gemm, x, w_fp8, w_scale, a16, out) -> None:
     N = w_fp8.shape[0]
     gemm(x, w_fp8, w_scale, out=out[:, :N])
@@ -318,9 +368,13 @@ def main() -> None:
     p.add_argument("--sweep-weight-only", action="store_true", help="the weight-only GEMM's tiles and crossover")
     p.add_argument("--extra-rows", action="store_true", help="16-bit rows (LoRA A) in the FP8 launch against beside it")
     p.add_argument("--extra-groups", default=str(T.EXTRA_GROUPS), help="K groups per extra chunk, e.g. 1,2,4")
+    p.add_argument("--fold", action="store_true", help="split-K partials summed by the last program, or a launch")
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.fold:
+        fold_splits()
+        return
     if args.extra_rows:
         extra_rows([int(g) for g in args.extra_groups.split(",")])
         return

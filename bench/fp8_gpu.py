@@ -19,6 +19,7 @@ quantised in memory exactly as an FP8 checkpoint loads), 8 random rank-16 adapte
     python bench/fp8_gpu.py speed --weights bf16 --out bf16.json
     python bench/fp8_gpu.py speed --weights fp8 --out fp8.json
     python bench/fp8_gpu.py speed --weights fp8 --fp8-activations none --out w8.json   # weight-only
+    python bench/fp8_gpu.py speed --weights fp8 --fold off --out nofold.json   # split-K sums in a launch of their own
     python bench/fp8_gpu.py compare bf16.json fp8.json [w8.json]
 """
 
@@ -44,6 +45,7 @@ from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from hylora.engine.decode_batch import DecodeRow  # noqa: E402
 from hylora.kernels import KernelsConfig, as_text  # noqa: E402
 from hylora.model.fp8 import quantize_checkpoint, quantize_linears  # noqa: E402
+from hylora.ops.fp8_linear import triton as fp8_triton  # noqa: E402
 
 FIDELITY_PROMPT = 1500
 
@@ -180,6 +182,7 @@ def prefill_8k(engine: LLMEngine) -> dict:
 
 
 def speed(args) -> dict:
+    fp8_triton.FOLD_SPLITS = args.fold == "on"  # the A/B of the split-K partials' sum (folded, or a launch)
     cfg = ModelConfig.from_hf(dict(QWEN36_27B, num_hidden_layers=args.layers))
     work = Path(tempfile.mkdtemp())
     tok = work / "tok"
@@ -210,7 +213,7 @@ def speed(args) -> dict:
     result = {
         "card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "layers": args.layers,
         "weights": args.weights, "served_as": engine.quantization or "bf16", "weight_gb": floor_bytes / 1e9,
-        "fp8_activations": args.fp8_activations,
+        "fp8_activations": args.fp8_activations, "fold": args.fold,
         "engine_setup_s": time.perf_counter() - t0, "kernels": as_text(engine.kernels),
     }  # fmt: skip
     print(json.dumps({k: v for k, v in result.items() if k != "kernels"}), flush=True)
@@ -264,6 +267,7 @@ def main() -> None:
     ap.add_argument("--fp8-activations", choices=["dynamic", "none"], default="dynamic", help="speed: FP8 GEMM inputs")
     ap.add_argument("--step-tokens", type=lambda s: [int(t) for t in s.split(",")], default=[2048, 8192],
                     help="speed: the workload's batched-token settings")  # fmt: skip
+    ap.add_argument("--fold", choices=["on", "off"], default="on", help="speed: split-K sums in the FP8 GEMM's launch")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.part == "compare":

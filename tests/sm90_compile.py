@@ -143,8 +143,8 @@ def launches_27b() -> None:
         fp8.fp8_weight_only_linear(e(T, 17408), w8, w8_scale)  # GEMM (+ sum)
     extra = e(2 * 8 * r, 17408)  # 16-bit rows in the FP8 GEMM's launch: 8 slots' LoRA A of two slices
     for T in (1, 32, 64):  # decode steps (the stacked LoRA shrink) and a short chunk's (the GDN in_proj's tail)
-        fp8.fp8_linear(e(T, 17408), w8, w8_scale, extra=(e(T, 17408), extra))  # quantisation, GEMM (+ sum)
-        fp8.fp8_weight_only_linear(e(T, 17408), w8, w8_scale, extra=(e(T, 17408), extra))  # GEMM (+ sum)
+        fp8.fp8_linear(e(T, 17408), w8, w8_scale, extra=(e(T, 17408), extra))  # quantisation, GEMM (+ sum past 1)
+        fp8.fp8_weight_only_linear(e(T, 17408), w8, w8_scale, extra=(e(T, 17408), extra))  # GEMM (+ sum past 1)
     qkv = e(N, 48, 72)  # the tower's fused qkv: 16 heads of 72
     rotary.rotate_half(qkv[:, :32], e(N, 72, dtype=torch.float32), e(N, 72, dtype=torch.float32), out=qkv[:, :32])
     logits_scan.scan_logits(e(N, 248320, dtype=torch.float32))  # chunk scan, merge

@@ -456,13 +456,17 @@ def test_extra_rows_join_the_fp8_launch(case, config, weight_only, monkeypatch):
         assert_close_to_reference(again.cpu(), want, GEMM_RTOL)
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "sum-launch"])
 @pytest.mark.parametrize("config", ["decode", "tma-decode", "prefill"])
 @pytest.mark.parametrize("case", EXTRA_CASES, ids=str)
-def test_extra_rows_take_whole_k_past_the_chunked_sizes(case, config, monkeypatch):
+def test_extra_rows_take_whole_k_past_the_chunked_sizes(case, config, fold, monkeypatch):
     """Past EXTRA_CHUNKED_UP_TO tokens (prefill sizes) the extra rows take each split's whole K: the
-    same columns, no fp32 partials of their own and no sum launch where the FP8 tiles need none."""
+    same columns, no fp32 partials of their own and no sum launch where the FP8 tiles need none (and
+    none at all where the GEMM's last programs fold the partials)."""
     monkeypatch.setattr(T, "MIN_GROUPS_PER_SPLIT", 1)
     monkeypatch.setattr(T, "EXTRA_CHUNKED_UP_TO", 0)
+    monkeypatch.setattr(T, "FOLD_SPLITS", fold)
+    monkeypatch.setattr(T, "FOLD_UP_TO_TOKENS", 128)
     M, N, K, bn, E = case
     x, w_fp8, w_scale, block = gemm_inputs(M, N, K, bn, seed=M + N + K + E)
     rows = torch.randn(E, K, generator=torch.Generator().manual_seed(E)) / 8
@@ -473,7 +477,72 @@ def test_extra_rows_take_whole_k_past_the_chunked_sizes(case, config, monkeypatc
     assert_close_to_reference(got[:, :N], R.fp8_linear(x, w_fp8, w_scale, block), GEMM_RTOL)
     assert_close_to_reference(got[:, N:], (x.double() @ rows.double().T).float(), GEMM_RTOL)
     split = T.split_k(CONFIGS[config], M, N, -(-K // block[1]), T._num_sms(torch.device(DEVICE)))
-    assert len(sums) == (split > 1)
+    assert len(sums) == (split > 1 and not fold)
+
+
+# (M, N, K, bn, E) on 4 SMs: split K of the FP8 tiles alone (E = 0), with chunked extra rows, and extra
+# rows chunked where the FP8 tiles do not split (N of 8 or more tiles fills the SMs)
+FOLD_CASES = [(5, 70, 640, 128, 0), (17, 129, 400, 1, 0), (3, 64, 1100, 128, 33), (2, 1024, 384, 128, 20)]
+
+
+@pytest.mark.parametrize("config", ["decode1", "decode", "decode32"])
+@pytest.mark.parametrize("case", FOLD_CASES, ids=str)
+def test_folded_split_k_is_the_sum_launch_and_leaves_the_counters_at_zero(case, config, monkeypatch):
+    """The last program of each split tile sums its tile's fp32 partials in split order: the FP8
+    columns are the separate sum launch's bits, the extra columns (that launch sums them as a tree)
+    within rounding; nothing else is launched, every element is written, the arrival counters are
+    all back at zero, and a second launch gives the same bits."""
+    monkeypatch.setattr(T, "MIN_GROUPS_PER_SPLIT", 1)
+    monkeypatch.setattr(T, "_num_sms", lambda device: 4)
+    monkeypatch.setattr(T, "FOLD_UP_TO_TOKENS", 64)  # every case folds (served: one token with extra rows)
+    monkeypatch.setattr(T, "FOLD_WITHOUT_EXTRA", True)
+    M, N, K, bn, E = case
+    x, w_fp8, w_scale, block = gemm_inputs(M, N, K, bn, seed=M + N + K)
+    rows = torch.randn(E, K, generator=torch.Generator().manual_seed(E)) / 8
+    dev = (x.to(DEVICE), w_fp8.to(DEVICE), w_scale.to(DEVICE))
+    extra = (dev[0], rows.to(DEVICE)) if E else None
+
+    def run(fold: bool) -> tuple[torch.Tensor, list]:
+        launches = []
+        with monkeypatch.context() as m:
+            m.setattr(T, "FOLD_SPLITS", fold)
+            for name in ("_gemm_kernel", "_gemm_tma_kernel", "_sum_splits_kernel", "_sum_with_extra_kernel"):
+                m.setattr(T, name, LaunchCounter(getattr(T, name), launches))
+            out = torch.full((M, N + E), float("nan"), device=DEVICE)
+            T.fp8_linear(*dev, block, out=out, config=CONFIGS[config], extra=extra)
+        return out.cpu(), launches
+
+    summed, sum_launches = run(False)
+    folded, launches = run(True)
+    assert len(sum_launches) == 2 and len(launches) == 1  # the GEMM split, and folding took its sum launch
+    assert not folded.isnan().any()
+    assert torch.equal(bits(folded[:, :N]), bits(summed[:, :N]))
+    if E:
+        assert_close_to_reference(folded[:, N:], summed[:, N:], GEMM_RTOL)
+    assert T._COUNTERS[dev[0].device].eq(0).all()
+    again, _ = run(True)
+    assert torch.equal(bits(again), bits(folded))
+
+
+@pytest.mark.parametrize(
+    "tokens, rows, counters, folds", [(1, 8, 64, True), (1, 8, 1, False), (1, 0, 64, False), (2, 8, 64, False)]
+)
+def test_only_one_token_with_extra_rows_folds_and_only_into_enough_counters(tokens, rows, counters, folds, monkeypatch):
+    """Served, the partials are folded at one token with extra rows (where that beat the sum launch
+    on an H200), and only where the device's counters cover the launch's split tiles; elsewhere the
+    sum launch, with the same result."""
+    monkeypatch.setattr(T, "MIN_GROUPS_PER_SPLIT", 1)
+    monkeypatch.setattr(T, "FOLD_COUNTERS", counters)  # 1: the case's 2 split tiles (+ extra tiles) do not fit
+    x, w_fp8, w_scale, block = gemm_inputs(tokens, 70, 640, 128, seed=3)
+    extra = torch.randn(rows, 640, generator=torch.Generator().manual_seed(1)) / 8
+    sums = []
+    for name in ("_sum_splits_kernel", "_sum_with_extra_kernel"):
+        monkeypatch.setattr(T, name, LaunchCounter(getattr(T, name), sums))
+    dev = (x.to(DEVICE), w_fp8.to(DEVICE), w_scale.to(DEVICE))
+    got = T.fp8_linear(*dev, block, config=CONFIGS["decode"], extra=(dev[0], extra.to(DEVICE)) if rows else None)
+    assert len(sums) == (not folds)
+    want = R.fp8_linear(x, w_fp8, w_scale, block, extra=(x, extra) if rows else None)
+    assert_close_to_reference(got.cpu(), want, GEMM_RTOL)
 
 
 class LaunchCounter:

@@ -37,6 +37,11 @@
   beat the FP8 GEMM plus a 16-bit F.linear beside it on every decode shape (up to 7 us a projection);
   at decode sizes, whole-K extra programs placed last in the grid had been up to 2x slower (run 37).
 
+- Folding (`_finish_tile`, one token with extra rows): the split tiles' last program to finish sums
+  the partials itself, counted by per-tile arrival counters that live on the device (`_fold_counters`)
+  and that the summing program sets back to zero: no sum launch. The same bits as the launch for the
+  FP8 columns (the same order). Elsewhere the sum launch was as fast or faster (docs/BASELINE.md run 40).
+
 No host sync and no data-dependent Python: the launches depend on the shapes alone (CUDA-graph safe).
 """
 
@@ -71,9 +76,20 @@ EXTRA_GROUPS = 2  # K groups per extra-rows program at most (they run unpipeline
 EXTRA_CHUNKED_UP_TO = 128  # tokens; more: the extra rows take their split's whole K (`_extra_split`)
 EXTRA_SUM_ELEMENTS = 4096  # partials one program of the extra columns' sum loads at once
 EXTRA_SUM_MIN_SPLIT = 32  # the sum's compiled chunk count: 32 or, past it, the next power of two
+# The last program of a split tile may sum its partials itself (`_finish_tile`) instead of a sum launch
+# after the GEMM. On an H200 (docs/BASELINE.md run 40 b; CUDA graphs) that paid only at one token with
+# extra rows: 0.6-2.1 us less per projection than the extra rows' sum launch. Without extra rows the
+# split FP8 columns' sum launch was 0.3-0.8 us faster, and at 8-32 tokens one program reading 20-68
+# partial tiles in turn cost up to 33 us (the launch reads them in parallel).
+FOLD_SPLITS = True  # False: always the sum launch (the A/B switch)
+FOLD_UP_TO_TOKENS = 1
+FOLD_WITHOUT_EXTRA = False
+FOLD_COUNTERS = 1 << 14  # arrival counters per device; a launch with more split tiles sums in a launch of its own
 # the GEMMs' extra-rows arguments that vary with the token count or the adapters: not specialised on
 # (== 1, multiples of 16), so that they add no compiled variants (the row strides stay specialised)
-_EXTRA_RUNTIME_ARGS = ["E", "stride_ecm", "stride_ecs", "ec_col0", "extra_programs", "extra_per_split", "extra_chunk"]
+_EXTRA_RUNTIME_ARGS = [
+    "E", "stride_ecm", "stride_ecs", "ec_col0", "extra_programs", "extra_per_split", "extra_chunk", "stride_ym"
+]  # fmt: skip
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -240,15 +256,21 @@ def _linear(
         a, a_scale = quantize_activation(x2, bk)
     target = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     tiles_m = triton.cdiv(M, cfg.block_m)
+    tiles_n = triton.cdiv(N, cfg.block_n)
     per_split, chunk, chunks = _extra_split(groups, split, M) if E else (0, 0, 1)
-    extra_programs = tiles_m * triton.cdiv(E, cfg.block_n) * per_split
+    extra_tiles = tiles_m * triton.cdiv(E, cfg.block_n)
+    extra_programs = extra_tiles * per_split
     # the extra columns: straight into y when one chunk holds all of K, else fp32 partials [chunks, M, E]
     e_target = y if chunks == 1 else torch.empty(chunks, M, E, dtype=torch.float32, device=x.device)
     e_col0, e_stride_s = (N, 0) if chunks == 1 else (0, M * E)
-    grid = (extra_programs + tiles_m * triton.cdiv(N, cfg.block_n), split)
+    # split tiles: the last of their programs to finish sums the partials (counters: main tiles, then extra)
+    folds = (split > 1 or chunks > 1) and M <= FOLD_UP_TO_TOKENS and (E > 0 or FOLD_WITHOUT_EXTRA)
+    counters = _fold_counters(x.device, tiles_m * tiles_n + extra_tiles) if folds else None
+    fold = counters is not None
+    grid = (extra_programs + tiles_m * tiles_n, split)
     extra_args = (
         ex, ew, e_target, E, ex.stride(0), ew.stride(0), e_target.stride(-2), e_stride_s, e_col0,
-        extra_programs, per_split, chunk,
+        extra_programs, per_split, chunk, y, y.stride(0), counters if fold else y,
     )  # fmt: skip
     precision = "ieee" if dtype == torch.float32 else "tf32"
     # weight-only: TMA for 16-bit x only (an fp32 x tile converted for an fp32 dot is a test aid, not a path to tune)
@@ -261,7 +283,7 @@ def _linear(
             M * N if split > 1 else 0, *extra_args,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
             ONE_B_SCALE=bn % cfg.block_n == 0, WEIGHT_ONLY=weight_only, HAS_EXTRA=E > 0, PRECISION=precision,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            FOLD=fold, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
         _gemm_kernel[grid](
@@ -271,10 +293,10 @@ def _linear(
             M * N if split > 1 else 0, *extra_args,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
             SWAP_AB=cfg.swap_ab, FUSE_QUANT=fuse_quant, WEIGHT_ONLY=weight_only, EVEN_K=K % bk == 0,
-            ONE_B_SCALE=bn % cfg.block_n == 0, HAS_EXTRA=E > 0, PRECISION=precision,
+            ONE_B_SCALE=bn % cfg.block_n == 0, HAS_EXTRA=E > 0, PRECISION=precision, FOLD=fold,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    if E and chunks > 1:  # one launch sums both column ranges' partials
+    if not fold and E and chunks > 1:  # one launch sums both column ranges' partials
         main_programs = triton.cdiv(M * N, SUM_BLOCK) if split > 1 else 0
         split_extra = max(EXTRA_SUM_MIN_SPLIT, triton.next_power_of_2(chunks))  # few compiled variants
         block_e = max(16, EXTRA_SUM_ELEMENTS // split_extra)
@@ -282,11 +304,29 @@ def _linear(
             target, e_target, y, M, N, E, y.stride(0), main_programs, split, chunks,
             SPLIT_EXTRA=split_extra, BLOCK=SUM_BLOCK, BLOCK_E=block_e,
         )  # fmt: skip
-    elif split > 1:
+    elif not fold and split > 1:
         _sum_splits_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](
             target, y, M * N, N, y.stride(0), SPLIT=split, BLOCK=SUM_BLOCK
         )
     return out
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _fold_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's arrival counters (int32 zeros; each folding program that sums a tile sets its
+    counter back to 0), or None: folding off, more tiles than counters, or no counters yet while a
+    CUDA graph captures (an allocation there would belong to the graph's pool). The engine launches
+    its GEMMs on one stream, so no two launches share a counter at once."""
+    if not FOLD_SPLITS or tiles > FOLD_COUNTERS:
+        return None
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _COUNTERS[device] = torch.zeros(FOLD_COUNTERS, dtype=torch.int32, device=device)
+    return counters
 
 
 def _extra_operands(extra: Extra | None, x: torch.Tensor, M: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -444,15 +484,14 @@ def _gemm_kernel(
     M, N, K, bn, groups_per_split,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs,
     ex_ptr, ew_ptr, ec_ptr, E, stride_exm, stride_ewn, stride_ecm, stride_ecs, ec_col0,  # HAS_EXTRA: `_extra_tile`
-    extra_programs, extra_per_split, extra_chunk,
+    extra_programs, extra_per_split, extra_chunk, y_ptr, stride_ym, cnt_ptr,  # FOLD: `_finish_tile`
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr, WEIGHT_ONLY: tl.constexpr, EVEN_K: tl.constexpr,
-    ONE_B_SCALE: tl.constexpr, HAS_EXTRA: tl.constexpr, PRECISION: tl.constexpr,
+    ONE_B_SCALE: tl.constexpr, HAS_EXTRA: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
     split = tl.program_id(1)
     kb0 = split * groups_per_split
     kb1 = tl.minimum(kb0 + groups_per_split, tl.cdiv(K, BLOCK_K))
-    c_base = c_ptr + split.to(tl.int64) * stride_cs
     pid = tl.program_id(0) - extra_programs  # the extra rows' programs come first: short, they finish early
     if pid >= 0:
         pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -490,12 +529,17 @@ def _gemm_kernel(
                 acc = _accumulate(
                     acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, FUSE_QUANT, WEIGHT_ONLY, ONE_B_SCALE, PRECISION
                 )
-        _store_tile(acc, c_base, om, on, M, N, stride_cm, SWAP_AB)
+        _finish_tile(
+            acc, c_ptr, stride_cs, split, tl.num_programs(1), cnt_ptr + pid, y_ptr, stride_ym, om, on, M, N,
+            stride_cm, SWAP_AB, FOLD,
+        )  # fmt: skip
     else:
         if HAS_EXTRA:  # noqa: SIM102 (the grid holds these programs only then)
             _extra_tile(
                 ex_ptr, ew_ptr, ec_ptr, tl.program_id(0), M, E, K, stride_exm, stride_ewn, stride_ecm,
-                stride_ecs, ec_col0, extra_per_split, extra_chunk, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, PRECISION,
+                stride_ecs, ec_col0, extra_per_split, extra_chunk, y_ptr + N, stride_ym,
+                cnt_ptr + tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N),  # the extra tiles' counters follow the main's
+                BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, PRECISION, FOLD,
             )  # fmt: skip
 
 
@@ -508,10 +552,10 @@ def _gemm_tma_kernel(
     c_ptr,  # [M, N (+ E)] out, or [split, M, N] fp32 partials
     M, N, bn, groups_per_split, stride_asm, stride_bsn, stride_cm, stride_cs,
     ex_ptr, ew_ptr, ec_ptr, E, stride_exm, stride_ewn, stride_ecm, stride_ecs, ec_col0,  # HAS_EXTRA: `_extra_tile`
-    extra_programs, extra_per_split, extra_chunk,
+    extra_programs, extra_per_split, extra_chunk, y_ptr, stride_ym, cnt_ptr,  # FOLD: `_finish_tile`
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP_AB: tl.constexpr, ONE_B_SCALE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, HAS_EXTRA: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
     """`_gemm_kernel` with both tiles loaded by TMA (x's e4m3 tile, or with WEIGHT_ONLY x's 16-bit
     tile itself): no address arithmetic or vector loads in the loop, and the zero fill past K and N
@@ -520,7 +564,6 @@ def _gemm_tma_kernel(
     K = a_desc.shape[1]
     kb0 = split * groups_per_split
     kb1 = tl.minimum(kb0 + groups_per_split, tl.cdiv(K, BLOCK_K))
-    c_base = c_ptr + split.to(tl.int64) * stride_cs
     pid = tl.program_id(0) - extra_programs  # the extra rows' programs come first: short, they finish early
     if pid >= 0:
         pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -539,24 +582,30 @@ def _gemm_tma_kernel(
             a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
             b = b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K])
             acc = _accumulate(acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, False, WEIGHT_ONLY, ONE_B_SCALE, "tf32")
-        _store_tile(acc, c_base, om, on, M, N, stride_cm, SWAP_AB)
+        _finish_tile(
+            acc, c_ptr, stride_cs, split, tl.num_programs(1), cnt_ptr + pid, y_ptr, stride_ym, om, on, M, N,
+            stride_cm, SWAP_AB, FOLD,
+        )  # fmt: skip
     else:
         if HAS_EXTRA:  # noqa: SIM102 (the grid holds these programs only then)
             _extra_tile(
                 ex_ptr, ew_ptr, ec_ptr, tl.program_id(0), M, E, K, stride_exm, stride_ewn, stride_ecm,
-                stride_ecs, ec_col0, extra_per_split, extra_chunk, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, PRECISION,
+                stride_ecs, ec_col0, extra_per_split, extra_chunk, y_ptr + N, stride_ym,
+                cnt_ptr + tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N),  # the extra tiles' counters follow the main's
+                BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, PRECISION, FOLD,
             )  # fmt: skip
 
 
 @triton.jit
 def _extra_tile(
     x_ptr, w_ptr, c_ptr, pid, M, E, K, stride_xm, stride_wn, stride_cm, stride_cs, col0, per_split, chunk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-    PRECISION: tl.constexpr,
+    y_ptr, stride_ym, cnt_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
     """Output columns [pid's BLOCK_N of E] = x · wᵀ over one chunk of K (`_extra_split`): 16-bit rows (an
     unquantised tail, every slot's LoRA A) served in the FP8 GEMM's launch; 16-bit dots, fp32 sums.
-    c: y itself from column col0 (one chunk), or chunk c's fp32 partial at c_ptr + c * stride_cs."""
+    c: y itself from column col0 (one chunk), or chunk c's fp32 partial at c_ptr + c * stride_cs; FOLD: the
+    tile's last chunk to finish sums them into y_ptr (y from column N) with counter cnt_ptr + tile."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tile = pid // per_split
     c = (pid % per_split) * tl.num_programs(1) + tl.program_id(1)  # this program's chunk of K
@@ -583,7 +632,11 @@ def _extra_tile(
             x = tl.load(x_ptrs + kb * BLOCK_K, mask=k_in, other=0.0)
             w = tl.load(w_ptrs + kb * BLOCK_K, mask=k_in, other=0.0)
             acc = _accumulate_unquantised(acc, x, w, 1.0, SWAP_AB, True, PRECISION)
-        _store_tile(acc, c_ptr + c.to(tl.int64) * stride_cs, om, col0 + oe, M, col0 + E, stride_cm, SWAP_AB)
+        chunks = tl.cdiv(tl.cdiv(K, BLOCK_K), chunk)
+        _finish_tile(
+            acc, c_ptr, stride_cs, c, chunks, cnt_ptr + tile, y_ptr, stride_ym, om, col0 + oe, M, col0 + E,
+            stride_cm, SWAP_AB, FOLD,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -598,15 +651,48 @@ def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 
 
 @triton.jit
-def _store_tile(acc, c_base, om, on, M, N, stride_cm, SWAP_AB: tl.constexpr):
-    """acc ([BLOCK_N, BLOCK_M] when SWAP_AB, else [BLOCK_M, BLOCK_N]) into c's rows om, columns on."""
+def _tile_ptrs(c_base, om, on, M, N, stride_cm, SWAP_AB: tl.constexpr):
+    """Pointers to c's rows om, columns on (laid out as acc: [BLOCK_N, BLOCK_M] when SWAP_AB, else
+    [BLOCK_M, BLOCK_N]) and the mask of those inside [M, N]."""
     if SWAP_AB:
         mask = (on < N)[:, None] & (om < M)[None, :]
         c_ptrs = c_base + om.to(tl.int64)[None, :] * stride_cm + on[:, None]
     else:
         mask = (om < M)[:, None] & (on < N)[None, :]
         c_ptrs = c_base + om.to(tl.int64)[:, None] * stride_cm + on[None, :]
+    return c_ptrs, mask
+
+
+@triton.jit
+def _store_tile(acc, c_base, om, on, M, N, stride_cm, SWAP_AB: tl.constexpr):
+    c_ptrs, mask = _tile_ptrs(c_base, om, on, M, N, stride_cm, SWAP_AB)
     tl.store(c_ptrs, acc.to(c_base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _finish_tile(
+    acc, c_ptr, stride_cs, part, parts, counter_ptr, y_ptr, stride_ym, om, on, M, N, stride_cm,
+    SWAP_AB: tl.constexpr, FOLD: tl.constexpr,
+):  # fmt: skip
+    """Store acc as part `part` of the tile's `parts` (at c_ptr + part * stride_cs: y itself when parts
+    is 1). FOLD: the tile's last program to arrive (its counter) sums the fp32 partials in part order,
+    the sum launch's order, so the same bits whichever program finishes last, into y (rows stride_ym),
+    and sets the counter back to 0 for the next launch. The partials are read past L1, which the
+    other SMs' writes do not reach."""
+    _store_tile(acc, c_ptr + part.to(tl.int64) * stride_cs, om, on, M, N, stride_cm, SWAP_AB)
+    if FOLD:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if parts > 1:
+            tl.debug_barrier()  # every thread's partial is stored before thread 0 counts the arrival
+            arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+            if arrived == parts - 1:
+                total = tl.zeros_like(acc)
+                offset = tl.zeros([], dtype=tl.int64)  # of part p
+                for _ in range(parts):
+                    p_ptrs, mask = _tile_ptrs(c_ptr + offset, om, on, M, N, stride_cm, SWAP_AB)
+                    total += tl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                    offset += stride_cs
+                _store_tile(total, y_ptr, om, on, M, N, stride_ym, SWAP_AB)
+                tl.store(counter_ptr, 0)
 
 
 @triton.jit
