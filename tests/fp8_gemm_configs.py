@@ -19,4 +19,6 @@ CONFIGS = {
     # TMA tiles where the rows' strides allow it (K a multiple of 16 here), the pointer kernel elsewhere
     "tma-decode": dataclasses.replace(T.DECODE, tma=True),
     "tma-wide-noswap": T.GemmConfig(block_m=16, block_n=256, num_warps=4, num_stages=2, tma=True),
+    # the warp-specialised K loop, a sweep candidate (bench/fp8_gemm_gpu.py --sweep-tma), served nowhere
+    "tma-ws": dataclasses.replace(T.DECODE, warp_specialize=True),
 }

@@ -107,6 +107,7 @@ class GemmConfig:
     group_m: int = 8  # M tiles swept together per N tile (L2 reuse of the weight)
     programs_per_sm: int = 2  # split K until the grid holds this many programs per SM
     tma: bool = False  # load the e4m3 tiles by Hopper's TMA (tensor descriptors) where the operands allow it
+    warp_specialize: bool = False  # TMA tiles: Triton's warp specialisation of the K loop (a sweep candidate)
 
 
 # From H200 sweeps (bench/fp8_gemm_gpu.py --sweep) at the Qwen3.6-27B shapes, bf16 x:
@@ -283,7 +284,7 @@ def _linear(
             M * N if split > 1 else 0, *extra_args,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
             ONE_B_SCALE=bn % cfg.block_n == 0, WEIGHT_ONLY=weight_only, HAS_EXTRA=E > 0, PRECISION=precision,
-            FOLD=fold, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            FOLD=fold, WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
         _gemm_kernel[grid](
@@ -555,7 +556,7 @@ def _gemm_tma_kernel(
     extra_programs, extra_per_split, extra_chunk, y_ptr, stride_ym, cnt_ptr,  # FOLD: `_finish_tile`
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP_AB: tl.constexpr, ONE_B_SCALE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, HAS_EXTRA: tl.constexpr,
-    PRECISION: tl.constexpr, FOLD: tl.constexpr,
+    PRECISION: tl.constexpr, FOLD: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     """`_gemm_kernel` with both tiles loaded by TMA (x's e4m3 tile, or with WEIGHT_ONLY x's 16-bit
     tile itself): no address arithmetic or vector loads in the loop, and the zero fill past K and N
@@ -578,7 +579,7 @@ def _gemm_tma_kernel(
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(kb0, kb1):
+        for kb in tl.range(kb0, kb1, warp_specialize=WARP_SPECIALIZE):
             a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
             b = b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K])
             acc = _accumulate(acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, False, WEIGHT_ONLY, ONE_B_SCALE, "tf32")
