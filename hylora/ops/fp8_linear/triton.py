@@ -687,7 +687,7 @@ def _finish_tile(
             arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
             if arrived == parts - 1:
                 total = tl.zeros_like(acc)
-                offset = tl.zeros([], dtype=tl.int64)  # of part p
+                offset = tl.zeros([], dtype=tl.int64)  # of the part read next
                 for _ in range(parts):
                     p_ptrs, mask = _tile_ptrs(c_ptr + offset, om, on, M, N, stride_cm, SWAP_AB)
                     total += tl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
