@@ -353,10 +353,7 @@ def _run_workload(engine: LLMEngine, label: str, adapter_of, warm: int) -> dict:
         "prefill_s": first_token_at,
         "decode_step_ms": 1e3 * decode_time / max(decode_steps, 1),
         "no_errors": finite,
-        "prefill_steps": [
-            {"sequences": n, "tokens": t, "host_ms": round(host, 2), "device_ms": round(a.elapsed_time(b), 2)}
-            for n, t, host, a, b in timer.steps
-        ],
+        "prefill_steps": timer.table(),
     }
 
 
@@ -377,6 +374,19 @@ class StepTimer(StepObserver):
         end.record()
         host_ms = 1e3 * (time.perf_counter() - self._t0)
         self.steps.append((len(chunks), sum(c.num_tokens for c in chunks), host_ms, self._start, end))
+
+    def table(self) -> list[dict]:
+        """Each step's sequences, tokens, host and device ms, and `gap_ms`: device time from the end of
+        the step before's forward to this forward's start (its sampler, and the device idling while the
+        host reads that step and plans this one). Call after a device sync."""
+        rows, prev_end = [], None
+        for n, t, host, a, b in self.steps:
+            row = {"sequences": n, "tokens": t, "host_ms": round(host, 2), "device_ms": round(a.elapsed_time(b), 2)}
+            if prev_end is not None:
+                row["gap_ms"] = round(prev_end.elapsed_time(a), 2)
+            rows.append(row)
+            prev_end = b
+        return rows
 
 
 def transformers_throughput(shape: dict, n_adapters: int) -> list[dict]:

@@ -21,6 +21,7 @@ from typing import Any
 DELAY_STEPS = 4  # engine steps skipped after the profile starts: the prefill (two 8192-token steps) and two more
 PROFILE_STEPS = 20  # decode steps profiled (the workload has 63)
 TOP = 30  # kernels kept in the record
+DECODE_STEP = f"decode step ({PROFILE_STEPS} steps profiled)"
 
 
 def vllm_profiler_config(trace_dir: Path) -> dict[str, Any]:
@@ -80,6 +81,52 @@ def hylora_decode_profile(
     return kernel_summary(trace_path, max(steps, 1))
 
 
+def hylora_prefill_profile(
+    engine: Any, prompts: list[list[int]], adapter_of: Callable[[int], str | None], trace_path: Path, tag: str
+) -> dict[str, Any]:
+    """The workload's steps until every request has its first token under torch.profiler (its Chrome
+    trace to `trace_path`), then the rest unprofiled: the kernels (µs over the whole phase, calls) and
+    how busy the device was (`device_busy`)."""
+    import torch
+
+    from hylora.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
+    steps = started = 0
+    with torch.profiler.profile(activities=activities) as prof:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"prefill-profile-{tag}-{i}", prompt, params, adapter_of(i))
+        while engine.has_unfinished() and started < len(prompts):
+            started = sum(1 for o in engine.step() if o.num_output_tokens)
+            steps += 1
+        if cuda:
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace_path))
+    while engine.has_unfinished():
+        engine.step()
+    return {"steps": steps, "kernels": kernel_summary(trace_path, 1), **device_busy(trace_path)}
+
+
+def device_busy(trace: Path) -> dict[str, float]:
+    """From a Chrome trace's GPU kernels: the span from the first kernel's start to the last one's
+    end, the time inside it that some kernel ran (their union), and the idle rest (ms)."""
+    opener = gzip.open if trace.suffix == ".gz" else open
+    with opener(trace, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if e.get("cat") == "kernel")
+    if not spans:
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0}
+    busy, end = 0.0, spans[0][0]
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    span = max(e for _, e in spans) - spans[0][0]
+    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3}
+
+
 def kernel_summary(trace: Path, steps: int) -> list[dict[str, Any]]:
     """A Chrome trace's GPU kernels (CPU ops when it has none) by name: µs and calls per step, most
     time first, the TOP first and one row for the rest."""
@@ -109,11 +156,11 @@ def kernel_summary(trace: Path, steps: int) -> list[dict[str, Any]]:
     return rows
 
 
-def summary_md(engine: str, rows: list[dict[str, Any]]) -> str:
-    """The kernel table as markdown, with the total per step."""
+def summary_md(engine: str, rows: list[dict[str, Any]], per: str = DECODE_STEP) -> str:
+    """The kernel table as markdown, with the total per step (`per`: what one row's µs cover)."""
     total = sum(r["us_per_step"] for r in rows)
     lines = [
-        f"{engine}: {total:.0f} µs of kernels per decode step ({PROFILE_STEPS} steps profiled)",
+        f"{engine}: {total:.0f} µs of kernels per {per}",
         "",
         "| kernel | µs / step | calls / step |",
         "| --- | --- | --- |",

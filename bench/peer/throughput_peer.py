@@ -582,6 +582,15 @@ def phase_hylora(args: argparse.Namespace) -> None:
                     tag = f"{mnbt}-{label}"
                     rows = decode_profile.hylora_decode_profile(engine, prompts, adapter_of, trace, tag)
                     save_decode_profile(records[mnbt], label, rows, profiles)
+            if args.profile_prefill:
+                profiles = args.out / "profiles"
+                profiles.mkdir(parents=True, exist_ok=True)
+                for label, adapter_of in (("base", lambda i: None), ("mixed8", mixed_adapter)):
+                    trace = profiles / f"hylora-{weights}-{mnbt}-{label}-prefill.trace.json.gz"
+                    got = decode_profile.hylora_prefill_profile(
+                        engine, workload_prompts(), adapter_of, trace, f"{mnbt}-{label}"
+                    )
+                    save_prefill_profile(records[mnbt], label, got, profiles)
             records[mnbt].update(complete=True)
     except BaseException as e:
         for record in records.values():
@@ -645,10 +654,21 @@ def run_hylora(engine: Any, device: str, repeats: int, record: Record) -> None:
             run = f"{label_of[label]}, {record.data['mnbt']} tokens per step, #{r + 1}"  # its request ids too
             with cpu_stand_ins(device):
                 own = eg._run_workload(engine, run, adapter_of, warm)
-            own.pop("prefill_steps")
+            steps = own.pop("prefill_steps")
+            log(f"{run}: until every first token " + step_line(steps))
             prefill = hylora_prefill(engine, adapter_of, device)
             row = workload_row(own["wall_s"], N_REQUESTS * NEW_TOKENS, prefill)
-            record.add_run(label, row | {f"hylora_{k}": v for k, v in own.items()})
+            record.add_run(label, row | {f"hylora_{k}": v for k, v in own.items()} | {"hylora_steps": steps})
+
+
+def step_line(steps: list[dict[str, Any]]) -> str:
+    """The steps until every request's first token, one `sequences/tokens device_ms (+gap_ms)` each."""
+    total = sum(s["device_ms"] + s.get("gap_ms", 0.0) for s in steps)
+    parts = [
+        f"{s['sequences']}/{s['tokens']} {s['device_ms']:.1f}" + (f" (+{s['gap_ms']:.1f})" if "gap_ms" in s else "")
+        for s in steps
+    ]
+    return f"{len(steps)} steps, {total:.1f} ms: " + ", ".join(parts)
 
 
 def save_decode_profile(record: Record, label: str, rows: list[dict[str, Any]], folder: Path) -> None:
@@ -659,6 +679,21 @@ def save_decode_profile(record: Record, label: str, rows: list[dict[str, Any]], 
     text = decode_profile.summary_md(f"{name}, {label}, batch {N_REQUESTS}", rows)
     (folder / f"{name}-{label}-decode.md").write_text(text)
     record.update(**{f"decode_profile_{label}": rows})
+    log(text)
+
+
+def save_prefill_profile(record: Record, label: str, got: dict[str, Any], folder: Path) -> None:
+    """The kernels of workload `label`'s steps until every first token, and the device's idle time in
+    them: in the record and as `<engine>-<weights>-<mnbt>-<label>-prefill.md`."""
+    d = record.data
+    name = f"{d['engine']}-{d['weights']}-{d['mnbt']}"
+    head = (
+        f"{name}, {label}: {got['steps']} steps until every first token; device span {got['span_ms']:.1f} ms, "
+        f"kernels {got['busy_ms']:.1f} ms, idle {got['idle_ms']:.1f} ms"
+    )
+    text = head + "\n\n" + decode_profile.summary_md(name + ", " + label, got["kernels"], "phase")
+    (folder / f"{name}-{label}-prefill.md").write_text(text)
+    record.update(**{f"prefill_profile_{label}": got})
     log(text)
 
 
@@ -700,7 +735,7 @@ def cpu_stand_ins(device: str) -> contextlib.AbstractContextManager[Any]:
 
     from bench import engine_gpu as eg
 
-    class CpuStepTimer(eg.StepObserver):
+    class CpuStepTimer(eg.StepTimer):
         def __init__(self) -> None:
             self.steps: list[tuple[Any, ...]] = []
 
@@ -936,6 +971,7 @@ def phase_run(args: argparse.Namespace) -> None:
     common += ["--tiny"] * args.tiny + ["--reuse"] * args.reuse + ["--dry-run"] * args.dry_run
     common += ["--attention-backend", args.attention_backend] if args.attention_backend else []
     common += ["--profile-decode"] * args.profile_decode
+    common += ["--profile-prefill"] * args.profile_prefill
     common += ["--kernels", ",".join(f"{k}={int(v)}" for k, v in args.kernels.items())] if args.kernels else []
     log(f"work {args.work}, out {args.out}, budget {args.budget:.0f}s, device {args.device}: "
         + "; ".join(f"{p} {' '.join(a)}" for p, a in commands))  # fmt: skip
@@ -997,6 +1033,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="after the timed runs, the base and the 8-mixed workload with decode steps under torch.profiler: "
         "a per-kernel table each into --out/profiles (bench/peer/decode_profile.py)",
+    )
+    ap.add_argument(
+        "--profile-prefill",
+        action="store_true",
+        help="hylora: after the timed runs, the base and the 8-mixed workload's steps until every first token "
+        "under torch.profiler: the kernels and the device's idle time into --out/profiles",
     )
     ap.add_argument(
         "--kernels",
