@@ -66,3 +66,37 @@ def test_varlen_mixes_decode_and_prefill(group):
         torch.testing.assert_close(o[start : start + n], o_ref[0], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(s[i], s_ref[0], atol=1e-5, rtol=1e-4)
         start += n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's kernels need a CUDA device")
+@pytest.mark.parametrize("lens", [[512, 512, 1, 1, 1], [2048], [63, 1, 65, 128, 1, 7], [1, 1, 2]])
+def test_fla_without_its_wrappers_gives_the_public_calls_bits(lens):
+    """A prefill step calls fla's forward functions directly (`_chunk_forward`): the same kernels and
+    arguments as `chunk_gated_delta_rule`, so the same bits, at lengths straddling fla's 64-token chunks
+    and decode rows beside prompt chunks."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as public
+
+    from hylora.ops.gated_delta_rule import fla
+
+    forward = fla._chunk_forward()
+    assert forward is not None, "this fla-core lacks the functions hylora calls directly"
+    g = torch.Generator(device="cuda").manual_seed(len(lens))
+    T, N, hk, hv, dk, dv = sum(lens), len(lens), 4, 8, 128, 128
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device="cuda")
+
+    q, k, v = rand(T, hk, dk).bfloat16(), rand(T, hk, dk).bfloat16(), rand(T, hv, dv).bfloat16()
+    decay, beta = -F.softplus(rand(T, hv)) * 0.5, torch.sigmoid(rand(T, hv)).bfloat16()
+    states = rand(N, hv, dk, dv) * 0.1
+    cu_seqlens, chunk_indices = fla._varlen_meta(tuple(lens), q.device)
+    o_pub, s_pub = public(
+        q=q[None], k=k[None], v=v[None], g=decay[None], beta=beta[None], scale=dk**-0.5,
+        initial_state=states.clone(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+    )  # fmt: skip
+    o, s = forward(q, k, v, decay, beta, states.clone(), dk**-0.5, cu_seqlens, chunk_indices)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert torch.equal(o, o_pub[0]) and torch.equal(s, s_pub.float())
+    o2, s2 = fla.varlen_gated_delta_rule(q, k, v, decay, beta, states.clone(), lens, dk**-0.5)
+    assert torch.equal(o2, o) and torch.equal(s2, s)

@@ -14,6 +14,7 @@ import torch
 
 from hylora.engine.host_copy import HostCopy
 from hylora.engine.request import Request, TokenLogprob
+from hylora.ops.host_to_device import host_to_device
 from hylora.ops.logits_scan import HAS_FINITE, HAS_NAN, scan_logits
 
 Scan = Callable[[torch.Tensor], torch.Tensor]  # logits [N, V] fp32 → [2, N] int64 (greedy tokens, flags)
@@ -268,5 +269,4 @@ def _generator(req: Request, device: torch.device) -> torch.Generator:
 def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A small host list as a tensor on `device`. On CUDA through page-locked memory, so the copy
     is queued behind the model's step instead of waiting for it (a plain copy would)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    return host_to_device(torch.tensor(values, dtype=dtype), device)

@@ -13,7 +13,10 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+
+from hylora.ops.host_to_device import host_to_device
 
 
 @dataclass
@@ -69,18 +72,19 @@ class LoRABatch:
 
     @classmethod
     def build(cls, seq_slots: list[int], seq_lens: list[int], device: torch.device | str) -> LoRABatch:
-        per_token = torch.repeat_interleave(torch.tensor(seq_slots), torch.tensor(seq_lens))
+        # numpy on the host (a torch CPU op costs several times more), copies queued behind the device
+        per_token = np.repeat(np.asarray(seq_slots, dtype=np.int64), seq_lens)
         groups: list[tuple[int, slice | torch.Tensor]] = []
         for slot in sorted(set(seq_slots) - {-1}):
-            rows = torch.nonzero(per_token == slot).flatten()
-            if rows.numel() == 0:
+            rows = np.flatnonzero(per_token == slot)
+            if rows.size == 0:
                 continue
             first, last = int(rows[0]), int(rows[-1])
-            if last - first + 1 == rows.numel():
+            if last - first + 1 == rows.size:
                 groups.append((slot, slice(first, last + 1)))
             else:
-                groups.append((slot, rows.to(device)))
-        return cls(token_slots=per_token.to(device), groups=groups)
+                groups.append((slot, host_to_device(rows.astype(np.int64), device)))
+        return cls(token_slots=host_to_device(per_token, device), groups=groups)
 
 
 @dataclass

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hylora.lora import LoRABatch
+from hylora.ops.host_to_device import host_to_device
 
 
 @dataclass
@@ -82,9 +84,13 @@ class ForwardBatch:
     def build(cls, chunks: list[SequenceChunk], page_size: int, device: torch.device | str) -> ForwardBatch:
         if not chunks:
             raise ValueError("empty batch")
-        ids, positions, slot_mapping, embed_rows, embed_values = [], [], [], [], []
+        device = torch.device(device)
+        ids: list[int] = []
+        positions, slot_mapping, embed_rows, embed_values = [], [], [], []
         max_pages = max(1, max(len(c.pages) for c in chunks))
-        table = torch.zeros(len(chunks), max_pages, dtype=torch.int32)
+        # numpy, not torch, for the host arithmetic: a torch CPU op costs several times a numpy one,
+        # and a prefill step's host time is its step time at 2048 tokens (run 41)
+        table = np.zeros((len(chunks), max_pages), dtype=np.int32)
         for i, c in enumerate(chunks):
             n = len(c.token_ids)
             if n == 0:
@@ -101,11 +107,11 @@ class ForwardBatch:
                 embed_rows.append(offsets.to(device=device, dtype=torch.long) + len(ids))
                 embed_values.append(values.to(device))
             ids.extend(c.token_ids)
-            pos = torch.arange(c.context_len, end)
-            positions.append(pos.expand(3, n) if c.positions is None else c.positions)
-            pages = torch.tensor(c.pages, dtype=torch.int64)
+            pos = np.arange(c.context_len, end)
+            positions.append(np.broadcast_to(pos, (3, n)) if c.positions is None else c.positions.cpu().numpy())
+            pages = np.asarray(c.pages, dtype=np.int64)
             slot_mapping.append(pages[pos // page_size] * page_size + pos % page_size)
-            table[i, : len(c.pages)] = pages.to(torch.int32)
+            table[i, : len(c.pages)] = pages
         spec_slots = None
         if any(c.spec_slots for c in chunks):
             width = max(1, max(len(c.token_ids) for c in chunks) - 1)
@@ -116,20 +122,20 @@ class ForwardBatch:
                         raise ValueError(f"sequence {i}: {len(c.spec_slots)} spec slots for {len(c.token_ids)} tokens")
                     spec_slots[i, : len(c.token_ids) - 1] = torch.tensor(c.spec_slots[: len(c.token_ids) - 1])
         decode = all(len(c.token_ids) == 1 for c in chunks)
-        decode_lens = torch.tensor([c.context_len + 1 for c in chunks], dtype=torch.int32) if decode else None
+        decode_lens = np.array([c.context_len + 1 for c in chunks], dtype=np.int32) if decode else None
         return cls(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            positions=torch.cat(positions, dim=1).to(device),
+            input_ids=host_to_device(np.asarray(ids, dtype=np.int64), device),
+            positions=host_to_device(np.concatenate(positions, axis=1).astype(np.int64, copy=False), device),
             seq_lens=[len(c.token_ids) for c in chunks],
             context_lens=[c.context_len for c in chunks],
-            state_slots=torch.tensor([c.state_slot for c in chunks], dtype=torch.long, device=device),
-            block_table=table.to(device),
-            kv_slot_mapping=torch.cat(slot_mapping).to(device),
+            state_slots=host_to_device(np.array([c.state_slot for c in chunks], dtype=np.int64), device),
+            block_table=host_to_device(table, device),
+            kv_slot_mapping=host_to_device(np.concatenate(slot_mapping), device),
             page_size=page_size,
             lora=_lora_batch(chunks, device),
             embed_rows=torch.cat(embed_rows) if embed_rows else None,
             embed_values=torch.cat(embed_values) if embed_values else None,
-            decode_lens=decode_lens.to(device) if decode_lens is not None else None,
+            decode_lens=host_to_device(decode_lens, device) if decode_lens is not None else None,
             max_decode_len=int(decode_lens.max()) if decode_lens is not None else 0,
             spec_slots=spec_slots.to(device) if spec_slots is not None else None,
             # a verify chunk's drafts: the columns that may hold a slot (a prefill chunk beside it is longer)

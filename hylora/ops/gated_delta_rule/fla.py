@@ -7,6 +7,15 @@ fla handles grouped value heads (value head i reads key head i // (Hv / Hk)) and
 fla computes its chunk indices from `cu_seqlens` with a device→host copy, which would stall the GPU
 queue once per layer; every GDN layer of a step has the same lengths, so the indices are built here,
 on the host, once per step and reused (`_varlen_meta`).
+
+A prefill step calls fla's forward functions directly (`_chunk_forward`): the public entry wraps them
+in an autograd Function, a backend dispatch, torch.compile's disable guard, an autocast decorator and
+an input guard (contiguity and device context for every argument), which cost the host ~0.2 ms a
+layer and run nothing on the device that matters here (no gradients; the inputs are contiguous on one
+device). Same kernels, same arguments: the same bits as the public call (a GPU test). At 2048 tokens a
+step the 16-layer cut's host queues its forward in about the time the device runs it (run 41), so
+host time is step time there. fla-core is pinned (pyproject's gpu extra); a version without these
+functions falls back to the public call.
 """
 
 from __future__ import annotations
@@ -55,6 +64,9 @@ def varlen_gated_delta_rule(
         )
         return o[:, 0], final.float()
     cu_seqlens, chunk_indices = _varlen_meta(tuple(seq_lens), v.device)
+    forward = _chunk_forward()
+    if forward is not None:
+        return forward(q, k, v, g, beta, initial_states, scale, cu_seqlens, chunk_indices)
     o, final = chunk_gated_delta_rule(
         q=q[None],
         k=k[None],
@@ -72,6 +84,51 @@ def varlen_gated_delta_rule(
 
 
 FLA_CHUNK = 64  # chunk_gated_delta_rule's default chunk size
+
+
+@functools.cache
+def _chunk_forward():
+    """What `chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True, output_final_state=True)` runs
+    in its forward, without its wrappers; None where this fla lacks the functions."""
+    try:
+        from fla.modules.norm.l2norm import l2norm_fwd
+        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+    except ImportError:
+        return None
+
+    def forward(
+        q: torch.Tensor,  # [T, Hk, dk] raw
+        k: torch.Tensor,
+        v: torch.Tensor,  # [T, Hv, dv]
+        g: torch.Tensor,  # [T, Hv] log decay
+        beta: torch.Tensor,  # [T, Hv]
+        initial_states: torch.Tensor,  # [N, Hv, dk, dv]
+        scale: float,
+        cu_seqlens: torch.Tensor,
+        chunk_indices: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # the public call's input guard makes every tensor contiguous; these are unless a caller slices
+        if v.device.index != torch.cuda.current_device():  # fla's guard: Triton launches on the current device
+            with torch.cuda.device(v.device):
+                return forward(q, k, v, g, beta, initial_states, scale, cu_seqlens, chunk_indices)
+        q, k, v, beta = (x[None].contiguous() for x in (q, k, v, beta))
+        q, _ = l2norm_fwd(q)
+        k, _ = l2norm_fwd(k)
+        _, o, _, final, _, _ = chunk_gated_delta_rule_fwd(
+            q=q,
+            k=k,
+            v=v,
+            g=g[None].float().contiguous(),
+            beta=beta,
+            scale=scale,
+            initial_state=initial_states.float().contiguous(),
+            output_final_state=True,
+            cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices,
+        )
+        return o[0].to(q.dtype), final.float()
+
+    return forward
 
 
 @functools.lru_cache(maxsize=1)  # every GDN layer of a step asks with the same lengths
