@@ -10,7 +10,7 @@ queue the forward (`model.forward`) is its own cost. Printed:
 - the fifth step's forward by part (inclusive host ms; `--ab-fla`: again with fla's public entry);
 - one step under cProfile; and each step until every first token, awake and with the device asleep.
 
-    python bench/host_step_gpu.py [--layers 16] [--max-num-batched-tokens 2048] [--rows 35] [--ab-fla]
+    python bench/host_step_gpu.py [--layers 16] [--max-num-batched-tokens 2048] [--rows 35] [--ab-fla] [--quick]
 """
 
 from __future__ import annotations
@@ -218,6 +218,7 @@ def main() -> None:
     ap.add_argument("--profile-step", type=int, default=4)
     ap.add_argument("--tiny", action="store_true", help="the small shape (a CPU dry run)")
     ap.add_argument("--ab-fla", action="store_true", help="also the base parts through fla's public entry")
+    ap.add_argument("--quick", action="store_true", help="only each workload's step walls until every first token")
     ARGS = ap.parse_args()
     cfg = ModelConfig.from_hf(dict(SMALL if ARGS.tiny else QWEN36_27B, num_hidden_layers=ARGS.layers))
     work = Path(tempfile.mkdtemp())
@@ -237,6 +238,13 @@ def main() -> None:
     engine.add_request("warm-base", list(range(1, 600)), SamplingParams(max_tokens=3))
     while engine.has_unfinished():
         engine.step()
+    if ARGS.quick:  # each workload's steps until every first token, awake only
+        for label, adapter_of in (("base", lambda i: None), ("mixed8", lambda i: f"a{i % 8}")):
+            run_prefill(engine, f"warm-{label}-", adapter_of, sleep=False, profile_step=None)
+            rows = run_prefill(engine, f"{label}-awake-", adapter_of, sleep=False, profile_step=None)
+            steps = ", ".join(f"{r['wall_ms']:.1f}" for r in rows)
+            print(f"=== {label}: step walls until every first token (ms): {steps}", flush=True)
+        return
     print("\n=== host time per launch, device asleep", flush=True)
     launch_costs()
     host_components(engine, lambda i: None, "parts-base-")

@@ -174,9 +174,9 @@ def test_eager_decode_forward_makes_no_host_sync(causal_ckpt, adapter_root):
     assert finite.all()
 
 
-def _short_step_seqs(engine, verify: bool) -> list[SequenceChunk]:
+def _short_step_seqs(engine, verify: bool, new_len: int = 16) -> list[SequenceChunk]:
     """The next step's decode rows as 3-token verify chunks (spec slots and a spare page each), or
-    with a new 16-token prompt beside them."""
+    with a new prompt of `new_len` tokens beside them."""
     kv, states = engine.kv, engine.states
     seqs = []
     for c in engine.scheduler.schedule().chunks:
@@ -192,18 +192,22 @@ def _short_step_seqs(engine, verify: bool) -> list[SequenceChunk]:
     if not verify:
         slot = states.allocate()
         states.reset(slot)
-        seqs.append(SequenceChunk(random_ids(16, 320, seed=5), 0, slot, kv.allocate(1), lora_slot=seqs[1].lora_slot))
+        pages = kv.allocate(kv.pages_needed(new_len))
+        seqs.append(SequenceChunk(random_ids(new_len, 320, seed=5), 0, slot, pages, lora_slot=seqs[1].lora_slot))
     return seqs
 
 
-@pytest.mark.parametrize("shape", ["mixed", "verify"])
+@pytest.mark.parametrize("shape", ["mixed", "verify", "long-tail"])
 def test_short_step_graph_replay_equals_the_eager_padded_step_bit_for_bit(causal_ckpt, adapter_root, shape):
+    """long-tail: a prompt's 100-token tail beside the decode rows (a prefill burst's last step), its
+    GDN layers token by token."""
     engine = cuda_engine(causal_ckpt, adapter_root, max_num_seqs=16)  # state slots for the spec slots too
     prefilled(engine, ADAPTER_OF[:5])
     kv, states = engine.kv, engine.states
-    seqs = _short_step_seqs(engine, verify=shape == "verify")
-    args = (engine.model, kv, states, 32, 2, 600)
-    graphs = CudaGraphShortStep(*args)  # buckets 16, 24, 32; its own graphs with spec slots (k = 2)
+    seqs = _short_step_seqs(engine, verify=shape == "verify", new_len=100 if shape == "long-tail" else 16)
+    # buckets 16, 24, 32 (or on to 128); its own graphs with spec slots (k = 2)
+    args = (engine.model, kv, states, 128 if shape == "long-tail" else 32, 2, 600)
+    graphs = CudaGraphShortStep(*args)
     caches = (kv.k, kv.v, states.conv, states.recurrent)
     before = [t.clone() for t in caches]
 
@@ -215,7 +219,7 @@ def test_short_step_graph_replay_equals_the_eager_padded_step_bit_for_bit(causal
     eager = PaddedShortStep(*args).run(seqs)
 
     tokens = sum(len(s.token_ids) for s in seqs)
-    assert tokens == (15 if shape == "verify" else 21)  # bucket 16 or 24: padding tokens ran
+    assert tokens == {"verify": 15, "mixed": 21, "long-tail": 105}[shape]  # bucket 16, 24, 128: padding ran
     for g, e in zip(graphed, (eager.hidden, eager.logits, eager.finite), strict=True):
         assert torch.equal(g, e)
     assert graphed[2].all()

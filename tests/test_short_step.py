@@ -64,11 +64,14 @@ def test_short_buckets(max_tokens, expected):
 
 
 def test_which_steps_fit():
-    def seq(n, embeds=None):
-        return SequenceChunk(list(range(n)), 0, 0, [0] * 8, embeds=embeds)
+    def seq(n, embeds=None, spec_slots=None):
+        return SequenceChunk(list(range(n)), 0, 0, [0] * 8, embeds=embeds, spec_slots=spec_slots)
 
     assert fits_short_step([seq(1), seq(64)], 128)
-    assert not fits_short_step([seq(65)], 128)  # longer than the token-by-token GDN kernel takes
+    # a prefill burst's last step: decode rows and one prompt's long tail (token by token in the graph)
+    assert fits_short_step([seq(1)] * 31 + [seq(97)], 128)
+    assert not fits_short_step([seq(65, spec_slots=list(range(64)))], 128)  # a verify chunk past the spec columns
+    assert fits_short_step([seq(64, spec_slots=list(range(63)))], 128)
     assert not fits_short_step([seq(60), seq(60), seq(9)], 128)  # more tokens than the largest bucket
     assert not fits_short_step([seq(4, embeds=(torch.tensor([0]), torch.zeros(1, 8)))], 128)  # media rows
     assert not fits_short_step([], 128)
@@ -123,10 +126,13 @@ ADAPTER_OF = [None, "gdn_attn", "all_linear", None]
 PROMPT_LENS = [13, 16, 31, 20]
 
 
-def _mixed_plan(causal_ckpt, adapter_root, fast: bool):
-    """An engine whose next step mixes three decode rows with a new prompt of 16 tokens (with an
+def _mixed_plan(causal_ckpt, adapter_root, fast: bool, new_len: int = 16):
+    """An engine whose next step mixes three decode rows with a new prompt of `new_len` tokens (with an
     adapter, and prompt logprobs: every position's logits, so attention must be causal in the chunk)."""
-    engine = make_engine(causal_ckpt[0], adapter_root, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=512)
+    engine = make_engine(
+        causal_ckpt[0], adapter_root, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=512,
+        enable_prefix_caching=False,  # (its snapshot points would end the prompt's chunk at 64 tokens)
+    )  # fmt: skip
     if fast:
         from hylora.kernels import model_kernels
         from hylora.kernels.select import fast_verdicts
@@ -136,43 +142,47 @@ def _mixed_plan(causal_ckpt, adapter_root, fast: bool):
     for i, (n, adapter) in enumerate(zip(PROMPT_LENS[:3], ADAPTER_OF[:3], strict=True)):
         engine.add_request(f"r{i}", random_ids(n, 320, seed=80 + i), greedy(8), adapter)
     engine.step()  # every prompt prefilled, one token sampled each
-    engine.add_request("new", random_ids(16, 320, seed=90), greedy(8, prompt_logprobs=1), "rs_mlp")
+    engine.add_request("new", random_ids(new_len, 320, seed=90), greedy(8, prompt_logprobs=1), "rs_mlp")
     return engine
 
 
 @pytest.mark.parametrize(
-    "bucket, fast",
+    "bucket, fast, new_len",
     [
-        pytest.param(None, False, id="smallest-bucket-references"),
-        pytest.param(64, False, id="bucket-64-references"),
-        pytest.param(32, True, id="bucket-32-triton-interpreter"),
+        pytest.param(None, False, 16, id="smallest-bucket-references"),
+        pytest.param(64, False, 16, id="bucket-64-references"),
+        pytest.param(32, True, 16, id="bucket-32-triton-interpreter"),
+        # a chunk longer than an eager step runs token by token (the eager twin goes chunked)
+        pytest.param(None, False, 90, id="long-tail-references"),
+        pytest.param(None, True, 90, id="long-tail-triton-interpreter"),
     ],
 )
-def test_padded_short_step_equals_eager_and_writes_nowhere_else(causal_ckpt, adapter_root, bucket, fast):
+def test_padded_short_step_equals_eager_and_writes_nowhere_else(causal_ckpt, adapter_root, bucket, fast, new_len):
     if fast:
         pytest.importorskip("triton")
-    engine = _mixed_plan(causal_ckpt, adapter_root, fast)
+    engine = _mixed_plan(causal_ckpt, adapter_root, fast, new_len)
     chunks = engine.scheduler.schedule().chunks
-    assert sorted(c.num_tokens for c in chunks) == [1, 1, 1, 16]
+    assert sorted(c.num_tokens for c in chunks) == [1, 1, 1, new_len]
     nan_fill_unowned(engine)
 
     eager, eager_kv, eager_states, before, runner = eager_step_on_copies(engine, chunks)
     kv, states = engine.kv, engine.states
-    runner.short = PaddedShortStep(engine.model, kv, states, max_tokens=64, max_drafts=0, max_model_len=96)
+    runner.short = PaddedShortStep(engine.model, kv, states, max_tokens=128, max_drafts=0, max_model_len=128)
     if bucket is not None:
         runner.short.buckets = [bucket]  # force padding tokens
     calls = []
     step = runner.short.step
     runner.short.step = lambda *key: calls.append(key) or step(*key)
     padded = runner.execute(chunks)
-    assert calls == [(bucket or 24, True, False)]  # 19 tokens: the 24 bucket unless forced
+    # 19 tokens: the 24 bucket unless forced; 93: the 96 bucket
+    assert calls == [(bucket or ss.bucket_for(3 + new_len, short_buckets(128)), True, False)]
 
     tol = dict(rtol=2e-5, atol=2e-5) if fast else dict(rtol=1e-5, atol=1e-5)
     for c, a, b in zip(chunks, padded, eager, strict=True):
         assert a.is_finite() and b.is_finite(), c.request.request_id
         torch.testing.assert_close(a.sample_logits, b.sample_logits, **tol)
         torch.testing.assert_close(a.prompt_logits, b.prompt_logits, **tol)
-    assert padded[-1].prompt_logits.shape[0] == 15
+    assert padded[-1].prompt_logits.shape[0] == new_len - 1
     assert_step_wrote_only_its_own(kv, states, chunks, eager_kv, eager_states, before, **tol)
 
 
@@ -273,10 +283,10 @@ def test_the_token_limit_is_a_flag_on_by_default_and_zero_turns_short_steps_off(
 
     p = argparse.ArgumentParser()
     add_serve_args(p)
-    assert p.parse_args(["m"]).max_short_step_tokens == EngineConfig().max_short_step_tokens == 128
+    assert p.parse_args(["m"]).max_short_step_tokens == EngineConfig().max_short_step_tokens == 256
     assert p.parse_args(["m", "--max-short-step-tokens", "0"]).max_short_step_tokens == 0
     with pytest.raises(ValueError, match="max_short_step_tokens"):
         EngineConfig(max_short_step_tokens=-1)
-    assert make_engine(causal_ckpt[0], padded_decode=True).runner.short.buckets[-1] == 128  # on by default
+    assert make_engine(causal_ckpt[0], padded_decode=True).runner.short.buckets[-1] == 256  # on by default
     assert make_engine(causal_ckpt[0], padded_decode=True, max_short_step_tokens=0).runner.short is None
     assert make_engine(causal_ckpt[0]).runner.short is None  # the CPU runs eagerly unless padded on purpose

@@ -182,7 +182,7 @@ def test_gdn_recurrent_refuses_a_strided_state_pool():
 
 
 def test_gdn_recurrent_start_up_check():
-    batches = ((1,), (3, 0, 64, 1))
+    batches = ((1,), (3, 0, 64, 1), (1, 1, 106, 1))  # the last: a prefill burst's tail in a short step
     assert check.gdn_recurrent_error(2, 4, 16, 16, torch.float32, "cpu", batches=batches, block_v=8) < 1e-5
 
 

@@ -42,10 +42,11 @@ class EngineConfig:
     async_scheduling: bool = True
     seed: int | None = None  # seeds requests that bring none, in arrival order (vLLM's --seed); None = random
     kernels: KernelsConfig = field(default_factory=KernelsConfig)  # which fast kernels may serve
-    # steps whose chunks are all short (decode rows with a prompt's last few tokens, speculative verify
-    # steps) and of at most this many tokens replay CUDA graphs per token bucket (engine/short_step.py);
-    # 0: they run eagerly. On the CPU only with padded_decode (the graphs' eager twin)
-    max_short_step_tokens: int = 128
+    # steps of at most this many tokens (decode rows with a prompt's last tokens, speculative verify
+    # steps) replay CUDA graphs per token bucket (engine/short_step.py); 0: they run eagerly. 256 takes
+    # the last step of a prefill burst at 2048 tokens a step (31 decode rows + a 106-token tail in
+    # DESIGN.md's workload, run 41). On the CPU only with padded_decode (the graphs' eager twin)
+    max_short_step_tokens: int = 256
     # decode and short steps padded as CUDA graphs pad them, run eagerly (the CPU tests drive decode ahead this way)
     padded_decode: bool = False
     # prefix caching (engine/prefix_cache.py): reuse the KV pages and GDN states of cached prompt prefixes

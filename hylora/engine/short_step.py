@@ -2,10 +2,15 @@
 persistent buffers (what a CUDA graph reads; engine/cuda_graphs.py captures it).
 
 Short steps are the ones a decode graph cannot take and that launch-bound eager code would run:
-decode rows mixed with the last few tokens of a prompt (every arrival during decoding makes one),
-and speculative verify steps (k+1 tokens per sequence). Every chunk must be at most
-`RECURRENT_MAX_TOKENS` long (the GDN layers then run token by token, in one launch per layer),
-hold no media embedding, and the step at most the largest bucket's tokens.
+decode rows mixed with the last tokens of a prompt (every arrival during decoding makes one; so does
+a burst of prompts chunked at 2048 tokens a step, whose last step holds the decode rows and one
+prompt's tail: 31 rows + 106 tokens in DESIGN.md's workload, run 41), and speculative verify steps
+(k+1 tokens per sequence). The GDN layers run token by token in one launch per layer, a program per
+(sequence, value head, dv block) carrying its state over the chunk's tokens, which holds for a chunk
+as long as the bucket (the step's token limit bounds it; an eager step sends chunks over
+`RECURRENT_MAX_TOKENS` to fla's chunked kernels instead); a verify step's chunks stay within
+`RECURRENT_MAX_TOKENS` (the spec-slot columns). No chunk may hold a media embedding, and the step
+holds at most the largest bucket's tokens.
 
 Layout of a step of T real tokens in a bucket of B tokens (B rows of every per-token field, B
 sequences of every per-sequence one):
@@ -65,11 +70,13 @@ def kv_rows(pages: torch.Tensor, position: torch.Tensor, page_size: int) -> torc
 
 
 def fits_short_step(seqs: list[SequenceChunk], max_tokens: int) -> bool:
-    """Whether a step of `seqs` can run as a padded short step of at most `max_tokens` tokens."""
+    """Whether a step of `seqs` can run as a padded short step of at most `max_tokens` tokens (a
+    verify chunk, one with spec slots, of at most `RECURRENT_MAX_TOKENS`)."""
     return (
         bool(seqs)
         and sum(len(s.token_ids) for s in seqs) <= max_tokens
-        and all(len(s.token_ids) <= RECURRENT_MAX_TOKENS and s.embeds is None for s in seqs)
+        and all(s.embeds is None for s in seqs)
+        and all(len(s.token_ids) <= RECURRENT_MAX_TOKENS for s in seqs if s.spec_slots)
     )
 
 

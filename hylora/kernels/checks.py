@@ -41,8 +41,9 @@ DELTA_FIRST_TOKENS = (1, 129, 2048)  # long prefill steps (the layer takes it fr
 NORM_TOKENS = (1, 3, 64, 129, 2048)
 SCAN_ROWS = (1, 3, 32, 33, 64)  # decode batches of the logits scan
 # sequence lengths of short prefill steps (the token-by-token GDN form): decode rows, a prompt's last
-# tokens, empty chunks, up to the 64-token limit
-RECURRENT_BATCHES = ((1,), (64,), (1, 1, 16, 1), (3, 0, 64, 1, 17, 2, 63))
+# tokens, empty chunks, up to an eager step's 64-token limit, and a prefill burst's long tail beside
+# decode rows (a short step's chunk may be as long as its bucket)
+RECURRENT_BATCHES = ((1,), (64,), (1, 1, 16, 1), (3, 0, 64, 1, 17, 2, 63), (1, 1, 106, 1))
 # speculative verify steps (1 + k tokens a sequence, states after every token kept in spare slots)
 SPEC_BATCHES = ((3, 1, 5, 2),)
 # verify steps' conv states: chunks shorter and longer than the conv window, an empty one; the last row pads

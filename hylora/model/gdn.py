@@ -78,9 +78,11 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(T, self.hv, self.dv)
 
         # token by token (keeping the state after each token for a verify step) when every chunk is short
+        # (a padded step's chunk may be as long as its bucket: the kernel has no length limit, a verify
+        # step's chunks are bounded by the spec-slot columns the short step keeps)
         if batch.spec_slots is not None or layout is not None:
-            if self.short_prefill is not None and max(batch.seq_lens) > RECURRENT_MAX_TOKENS:
-                raise ValueError(f"a verify or padded step's chunks must be at most {RECURRENT_MAX_TOKENS} tokens")
+            if batch.spec_slots is not None and max(batch.seq_lens) > RECURRENT_MAX_TOKENS:
+                raise ValueError(f"a verify step's chunks must be at most {RECURRENT_MAX_TOKENS} tokens")
             recurrent = self.short_prefill or recurrent_by_slot_reference
             o = recurrent(
                 q, k, v, b, a, self.A_log, self.dt_bias, states.recurrent[layer], slots, batch.seq_lens,

@@ -199,9 +199,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--max-short-step-tokens",
         type=int,
         default=d["max_short_step_tokens"].default,
-        help="steps whose chunks are all short (decode rows with a prompt's last few tokens, speculative verify "
-        "steps) and of at most this many tokens replay CUDA graphs per token bucket; 0: they run eagerly "
-        "(default: %(default)s)",
+        help="steps of at most this many tokens (decode rows with a prompt's last tokens, speculative verify "
+        "steps) replay CUDA graphs per token bucket; 0: they run eagerly (default: %(default)s)",
     )
     p.add_argument(
         "--async-scheduling",
