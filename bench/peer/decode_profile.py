@@ -11,10 +11,11 @@ kernels by name (CPU ops on a CPU dry run), microseconds and calls per profiled 
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,6 @@ def hylora_decode_profile(
 ) -> list[dict[str, Any]]:
     """The workload's requests; after the prefill and DELAY_STEPS more steps, PROFILE_STEPS steps under
     torch.profiler (its Chrome trace to `trace_path`); then the rest. The kernels of that trace."""
-    import torch
 
     from hylora.engine import SamplingParams
 
@@ -66,16 +66,11 @@ def hylora_decode_profile(
         started = sum(1 for o in engine.step() if o.num_output_tokens)
     for _ in range(DELAY_STEPS - 2):
         engine.step()
-    cuda = torch.cuda.is_available()
-    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
     steps = 0
-    with torch.profiler.profile(activities=activities) as prof:
+    with _profiling(trace_path):
         while engine.has_unfinished() and steps < PROFILE_STEPS:
             engine.step()
             steps += 1
-        if cuda:
-            torch.cuda.synchronize()
-    prof.export_chrome_trace(str(trace_path))
     while engine.has_unfinished():
         engine.step()
     return kernel_summary(trace_path, max(steps, 1))
@@ -87,34 +82,47 @@ def hylora_prefill_profile(
     """The workload's steps until every request has its first token under torch.profiler (its Chrome
     trace to `trace_path`), then the rest unprofiled: the kernels (µs over the whole phase, calls) and
     how busy the device was (`device_busy`)."""
-    import torch
 
     from hylora.engine import SamplingParams
 
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    cuda = torch.cuda.is_available()
-    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
     steps = started = 0
-    with torch.profiler.profile(activities=activities) as prof:
+    with _profiling(trace_path):
         for i, prompt in enumerate(prompts):
             engine.add_request(f"prefill-profile-{tag}-{i}", prompt, params, adapter_of(i))
         while engine.has_unfinished() and started < len(prompts):
             started = sum(1 for o in engine.step() if o.num_output_tokens)
             steps += 1
-        if cuda:
-            torch.cuda.synchronize()
-    prof.export_chrome_trace(str(trace_path))
     while engine.has_unfinished():
         engine.step()
     return {"steps": steps, "kernels": kernel_summary(trace_path, 1), **device_busy(trace_path)}
 
 
+@contextlib.contextmanager
+def _profiling(trace_path: Path) -> Iterator[None]:
+    """torch.profiler (the CPU, and CUDA where there is one) around the block; the device synced at
+    its end and the Chrome trace written to `trace_path`."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace_path))
+
+
+def _trace_events(trace: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if trace.suffix == ".gz" else open
+    with opener(trace, "rt") as f:
+        return json.load(f).get("traceEvents", [])
+
+
 def device_busy(trace: Path) -> dict[str, float]:
     """From a Chrome trace's GPU kernels: the span from the first kernel's start to the last one's
     end, the time inside it that some kernel ran (their union), and the idle rest (ms)."""
-    opener = gzip.open if trace.suffix == ".gz" else open
-    with opener(trace, "rt") as f:
-        events = json.load(f).get("traceEvents", [])
+    events = _trace_events(trace)
     spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if e.get("cat") == "kernel")
     if not spans:
         return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0}
@@ -130,9 +138,7 @@ def device_busy(trace: Path) -> dict[str, float]:
 def kernel_summary(trace: Path, steps: int) -> list[dict[str, Any]]:
     """A Chrome trace's GPU kernels (CPU ops when it has none) by name: µs and calls per step, most
     time first, the TOP first and one row for the rest."""
-    opener = gzip.open if trace.suffix == ".gz" else open
-    with opener(trace, "rt") as f:
-        events = json.load(f).get("traceEvents", [])
+    events = _trace_events(trace)
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     if not kernels:
         kernels = [e for e in events if e.get("cat") == "cpu_op" and "dur" in e]
