@@ -72,6 +72,7 @@ def test_which_steps_fit():
     assert fits_short_step([seq(1)] * 31 + [seq(97)], 128)
     assert not fits_short_step([seq(65, spec_slots=list(range(64)))], 128)  # a verify chunk past the spec columns
     assert fits_short_step([seq(64, spec_slots=list(range(63)))], 128)
+    assert not fits_short_step([seq(3, spec_slots=[1, 2]), seq(65)], 128)  # spec columns for every chunk's tokens
     assert not fits_short_step([seq(60), seq(60), seq(9)], 128)  # more tokens than the largest bucket
     assert not fits_short_step([seq(4, embeds=(torch.tensor([0]), torch.zeros(1, 8)))], 128)  # media rows
     assert not fits_short_step([], 128)

@@ -70,13 +70,15 @@ def kv_rows(pages: torch.Tensor, position: torch.Tensor, page_size: int) -> torc
 
 
 def fits_short_step(seqs: list[SequenceChunk], max_tokens: int) -> bool:
-    """Whether a step of `seqs` can run as a padded short step of at most `max_tokens` tokens (a
-    verify chunk, one with spec slots, of at most `RECURRENT_MAX_TOKENS`)."""
+    """Whether a step of `seqs` can run as a padded short step of at most `max_tokens` tokens. A step
+    that verifies drafts keeps every chunk within `RECURRENT_MAX_TOKENS`: its GDN kernels read a
+    spec-slot column for each token of every chunk, and the buffers hold that many."""
+    verifies = any(s.spec_slots for s in seqs)
     return (
         bool(seqs)
         and sum(len(s.token_ids) for s in seqs) <= max_tokens
         and all(s.embeds is None for s in seqs)
-        and all(len(s.token_ids) <= RECURRENT_MAX_TOKENS for s in seqs if s.spec_slots)
+        and (not verifies or all(len(s.token_ids) <= RECURRENT_MAX_TOKENS for s in seqs))
     )
 
 
