@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_gpu import QWEN36_27B, random_adapters, random_model  # noqa: E402
+from bench.peer.throughput_peer import workload_prompts  # noqa: E402
 from bench.shapes import SMALL  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import write_tokenizer  # noqa: E402
@@ -45,14 +46,9 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 1000, (512,), generator=g).tolist() for _ in range(32)]
-
-
 def run_prefill(engine: LLMEngine, tag: str, adapter_of, sleep: bool, profile_step: int | None) -> list[dict]:
     """The workload's steps until every first token (then the rest, untimed): per step the host's
-    ms to queue the forward and to reach the step's result wait, and the wall ms of the step."""
+    ms to queue the forward and the wall ms of the step."""
     forward = engine.model.forward
     queued: list[float] = []
 
@@ -64,7 +60,7 @@ def run_prefill(engine: LLMEngine, tag: str, adapter_of, sleep: bool, profile_st
 
     engine.model.forward = timed
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    for i, p in enumerate(prompts()):
+    for i, p in enumerate(workload_prompts()):
         engine.add_request(f"{tag}{i}", p, params, adapter_of(i))
     rows, started, step = [], 0, 0
     try:
@@ -103,7 +99,6 @@ class HostClock:
 
     def __init__(self) -> None:
         self.ms: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
         self._undo: list[tuple[object, str, object]] = []
 
     def wrap(self, label: str, obj: object, attr: str) -> None:
@@ -116,7 +111,6 @@ class HostClock:
                 return inner(*args, **kwargs)
             finally:
                 self.ms[label] = self.ms.get(label, 0.0) + 1e3 * (time.perf_counter() - t0)
-                self.calls[label] = self.calls.get(label, 0) + 1
 
         setattr(obj, attr, timed)
         self._undo.append((obj, attr, own))
@@ -156,7 +150,7 @@ def host_components(engine: LLMEngine, adapter_of, tag: str) -> None:
     clock.wrap("forward", engine.model, "forward")
     clock.wrap("ForwardBatch.build", ForwardBatchBuild, "build")
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    for i, p in enumerate(prompts()):
+    for i, p in enumerate(workload_prompts()):
         engine.add_request(f"{tag}{i}", p, params, adapter_of(i))
     step = 0
     try:
