@@ -94,9 +94,9 @@ def test_engine_with_graphs_equals_enforce_eager(causal_ckpt, adapter_root, dtyp
         if not eager:  # the late arrival's prompt joins decode rows: a short step
             replay = engine.runner.short.run
 
-            def counted(seqs, *args, replay=replay, calls=short_steps):
+            def counted(seqs, *args, replay=replay, calls=short_steps, **kwargs):
                 calls.append(len(seqs))
-                return replay(seqs, *args)
+                return replay(seqs, *args, **kwargs)
 
             engine.runner.short.run = counted
         outputs[eager] = run(engine, arrivals)

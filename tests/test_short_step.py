@@ -196,10 +196,10 @@ def _record_short_steps(engine) -> list[tuple[int, int, bool]]:
     assert short is not None
     calls, run_short = [], short.run
 
-    def run_recorded(seqs, ahead=None):
+    def run_recorded(seqs, *args, **kwargs):
         n = sum(len(s.token_ids) for s in seqs)
         calls.append((n, ss.bucket_for(n, short.buckets), any(s.spec_slots for s in seqs)))
-        return run_short(seqs, ahead)
+        return run_short(seqs, *args, **kwargs)
 
     short.run = run_recorded
     return calls

@@ -572,7 +572,7 @@ def phase_hylora(args: argparse.Namespace) -> None:
             engine.config.max_num_batched_tokens = mnbt  # the scheduler reads it at every step
             assert engine.scheduler.config is engine.config
             records[mnbt].update(**setup, built_with_mnbt=mnbts[0])
-            run_hylora(engine, args.device, args.repeats, records[mnbt])
+            run_hylora(engine, args.device, args.repeats, records[mnbt], args.ab_plan_ahead)
             if args.profile_decode:
                 profiles = args.out / "profiles"
                 profiles.mkdir(parents=True, exist_ok=True)
@@ -645,13 +645,23 @@ def hylora_engine(
     return engine, setup
 
 
-def run_hylora(engine: Any, device: str, repeats: int, record: Record) -> None:
+def run_hylora(engine: Any, device: str, repeats: int, record: Record, ab_plan_ahead: bool = False) -> None:
+    """`ab_plan_ahead`: before each timed run, the same workload with the prefill steps planned once the
+    step before is read (EngineConfig.plan_prefill_ahead off), logged beside it (not recorded)."""
     from bench import engine_gpu as eg
 
     label_of = {"base": "base", "mixed8": "8 adapters mixed"}
     for label, adapter_of, warm in (("base", lambda i: None, 1), ("mixed8", mixed_adapter, N_ADAPTERS)):
         for r in range(repeats):
             run = f"{label_of[label]}, {record.data['mnbt']} tokens per step, #{r + 1}"  # its request ids too
+            if ab_plan_ahead:
+                engine.config.plan_prefill_ahead = False
+                with cpu_stand_ins(device):
+                    off = eg._run_workload(engine, run + ", planned after the read", adapter_of, warm)
+                engine.config.plan_prefill_ahead = True
+                rate = N_REQUESTS * NEW_TOKENS / off["wall_s"]
+                steps_off = step_line(off["prefill_steps"])
+                log(f"{run}, plan ahead off: {rate:.0f} tok/s; until every first token {steps_off}")
             with cpu_stand_ins(device):
                 own = eg._run_workload(engine, run, adapter_of, warm)
             steps = own.pop("prefill_steps")
@@ -972,6 +982,7 @@ def phase_run(args: argparse.Namespace) -> None:
     common += ["--attention-backend", args.attention_backend] if args.attention_backend else []
     common += ["--profile-decode"] * args.profile_decode
     common += ["--profile-prefill"] * args.profile_prefill
+    common += ["--ab-plan-ahead"] * args.ab_plan_ahead
     common += ["--kernels", ",".join(f"{k}={int(v)}" for k, v in args.kernels.items())] if args.kernels else []
     log(f"work {args.work}, out {args.out}, budget {args.budget:.0f}s, device {args.device}: "
         + "; ".join(f"{p} {' '.join(a)}" for p, a in commands))  # fmt: skip
@@ -1039,6 +1050,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="hylora: after the timed runs, the base and the 8-mixed workload's steps until every first token "
         "under torch.profiler: the kernels and the device's idle time into --out/profiles",
+    )
+    ap.add_argument(
+        "--ab-plan-ahead",
+        action="store_true",
+        help="hylora: each timed run also with plan_prefill_ahead off, logged beside it (engine/plan_ahead.py)",
     )
     ap.add_argument(
         "--kernels",

@@ -40,6 +40,9 @@ class EngineConfig:
     # decode ahead: queue the next decode step before reading this one's tokens, so the host's work
     # overlaps the device's (vLLM's --async-scheduling); needs the padded decode step (CUDA)
     async_scheduling: bool = True
+    # with async_scheduling, also the steps after steps with prompt chunks, or that admit waiting
+    # requests: the scheduler plans them before the step in flight is read (engine/plan_ahead.py)
+    plan_prefill_ahead: bool = True
     seed: int | None = None  # seeds requests that bring none, in arrival order (vLLM's --seed); None = random
     kernels: KernelsConfig = field(default_factory=KernelsConfig)  # which fast kernels may serve
     # steps of at most this many tokens (decode rows with a prompt's last tokens, speculative verify

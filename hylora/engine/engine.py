@@ -1,5 +1,6 @@
-"""The engine loop: schedule → run → check → sample → stream, on one thread. A decode step may be
-queued on the device before the one before it is read (decode ahead, `LLMEngine.step`)."""
+"""The engine loop: schedule → run → check → sample → stream, on one thread. A step may be queued
+on the device before the one before it is read (decode ahead, `LLMEngine.step`; for steps with
+prompt chunks, engine/plan_ahead.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from hylora.engine.memory import plan_caches
 from hylora.engine.multimodal import MultimodalPrompt
 from hylora.engine.observer import StepObserver
 from hylora.engine.outputs import OutputProcessor, RequestOutput
+from hylora.engine.plan_ahead import AheadLaunchFailed, drawn_rows, mark_ahead, projected
 from hylora.engine.prefix_cache import PendingSnapshot, PrefixCache
 from hylora.engine.request import FailureKind, Request, SamplingParams
 from hylora.engine.runner import ChunkResult, ModelRunner
@@ -161,8 +163,9 @@ class LLMEngine:
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self.step_count = 0
-        self._inflight: LaunchedStep | None = None  # a decode step queued ahead, not read yet
-        self.steps_ahead = 0  # decode steps queued before the step before them was read
+        self._inflight: LaunchedStep | None = None  # a step queued ahead, not read yet
+        self.steps_ahead = 0  # decode / verify steps queued before the step before them was read
+        self.prefill_steps_ahead = 0  # steps the scheduler planned before the step before them was read
 
     # --- requests --------------------------------------------------------------------------
     def add_request(
@@ -284,6 +287,7 @@ class LLMEngine:
             encoder_entries=len(self.encoder_cache),
             engine_steps=self.step_count,
             steps_ahead=self.steps_ahead,
+            prefill_steps_ahead=self.prefill_steps_ahead,
             preemptions=sched.num_preemptions,
             **self._prefix_stats(),
             spec_drafts=self.spec_stats.drafts,
@@ -320,8 +324,9 @@ class LLMEngine:
         request of a decode step, that step is queued on the device behind the current one, its
         input tokens read there from the current step's draw, before the host waits for the
         current step's tokens. Detokenising, stop checks and scheduling then overlap the device's
-        work; a request that stopped meanwhile has its extra token dropped. The outputs of the step
-        in flight come with the next call."""
+        work; a request that stopped meanwhile has its extra token dropped. Any other step is planned
+        ahead by the scheduler where the requests allow (engine/plan_ahead.py). The outputs of the
+        step in flight come with the next call."""
         outputs, self._pending = self._pending, []
         if self._inflight is not None:
             step, self._inflight = self._inflight, None
@@ -347,19 +352,21 @@ class LLMEngine:
         """Queue the step after `step` if it can be planned ahead (it becomes `_inflight`), then
         wait for `step`'s results and hand them out."""
         ahead_error: Exception | None = None
+        outputs: list[RequestOutput] = []
         try:
-            self._inflight = self._launch_ahead(step)
+            self._inflight = self._launch_ahead(step, outputs)
         except DeviceFault:
             raise
         except Exception as e:  # queued nothing usable: its requests recompute, as after any failed step
             ahead_error = e
-        outputs = self._finish_step(step)
-        if self._inflight is not None:  # where the chunks planned ahead start is known now
+        outputs.extend(self._finish_step(step))
+        if self._inflight is not None:  # where the decode rows planned ahead start is known now
             for c in self._inflight.chunks:
-                if not c.request.finished:
+                if c.ahead and not c.request.finished:
                     c.start = c.request.num_computed
         if ahead_error is not None:
-            live = [c for c in step.chunks if not c.request.finished]
+            chunks = step.chunks + (ahead_error.chunks if isinstance(ahead_error, AheadLaunchFailed) else [])
+            live = list({id(c.request): c for c in chunks if not c.request.finished}.values())
             outputs.extend(self._quarantine(live, ahead_error) if live else [])
         return outputs
 
@@ -369,10 +376,12 @@ class LLMEngine:
         outputs: list[RequestOutput],
         input_ids: torch.Tensor | None = None,
         verify_ahead: tuple[VerifyAhead, torch.Tensor] | None = None,
+        planned_ahead: bool = False,
     ) -> LaunchedStep | None:
         """Queue the forward and the sampler of `chunks` on the device (nothing waits for it). None:
         the forward raised, and its requests were failed or requeued into `outputs`. A step planned
-        ahead gives its decode inputs (`input_ids`) or its verify inputs and drafts [R] on the device."""
+        ahead (its forward raises instead) gives the inputs of its chunks `ahead` (`input_ids`, in
+        order) or its verify inputs and drafts [R] on the device."""
         self.step_count += 1
         ahead, device_drafts = verify_ahead if verify_ahead is not None else (None, None)
         try:
@@ -380,7 +389,7 @@ class LLMEngine:
         except Exception as e:
             if is_device_error(e):
                 raise DeviceFault(f"device fault at engine step {self.step_count}: {e}") from e
-            if input_ids is not None or ahead is not None:
+            if planned_ahead or input_ids is not None or ahead is not None:
                 raise  # a step planned ahead: the caller requeues its requests after the step before
             outputs.extend(self._quarantine(chunks, e))
             return None
@@ -452,21 +461,31 @@ class LLMEngine:
                     taken.append(pending)
         return taken
 
-    def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
+    def _launch_ahead(self, step: LaunchedStep, outputs: list[RequestOutput]) -> LaunchedStep | None:
+        """Queue the step after `step` before `step` is read: decode ahead when it can only be one
+        more token for each of `step`'s requests, else the scheduler's plan (`_plan_ahead`). Requests
+        that fail while it is planned or queued go to `outputs`."""
+        if not self.config.async_scheduling:
+            return None
+        if self.drafter is not None:
+            return None if self.scheduler.can_admit() else self._verify_ahead(step)
+        if not self.scheduler.can_admit() and all(c.num_tokens == 1 for c in step.chunks):
+            launched = self._decode_ahead(step)
+            if launched is not None:
+                return launched
+        if self.model.device.type != "cuda" and not self.config.padded_decode:
+            return None  # nothing overlaps on the CPU (padded_decode: the tests drive these paths)
+        return self._plan_ahead(step, outputs)
+
+    def _decode_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
         """Queue the decode step that follows `step` — one more token for each of its requests — if
         nothing but its draw decides that step: no waiting request could start (none waits, or
         every running place or state slot is taken), every running request is in `step` and
         samples, its rows need nothing that only the host knows (grammar, penalties, min_tokens),
         and pages are free. A request that ends by length in `step` is left out; one that stops
         on a token is found when `step` is read and its draw dropped."""
-        if not self.config.async_scheduling or self.scheduler.can_admit():
-            return None
-        if self.drafter is not None:
-            return self._verify_ahead(step)
         decode = self.runner.decode
-        if decode is None or step.sample is None:
-            return None  # (the CPU runs no padded decode step: it never plans ahead)
-        if len(step.chunks) > decode.max_batch or any(c.num_tokens != 1 for c in step.chunks):
+        if decode is None or step.sample is None or len(step.chunks) > decode.max_batch:
             return None
         drawn = {id(r): i for i, r in enumerate(step.sample.requests)}
         chunks, rows = [], []
@@ -490,6 +509,35 @@ class LLMEngine:
         input_ids = step.sample.tokens[to_device(rows, step.sample.tokens.device)]
         launched = self._launch(chunks, [], input_ids)
         self.steps_ahead += 1
+        return launched
+
+    def _plan_ahead(self, step: LaunchedStep, outputs: list[RequestOutput]) -> LaunchedStep | None:
+        """Queue the step the scheduler plans after `step`, on the requests as they will be once `step`
+        is read (engine/plan_ahead.py); None where it must wait for the read."""
+        if not self.config.plan_prefill_ahead:
+            return None
+        drawn = drawn_rows(step.chunks, step.sample)
+        if drawn is None:
+            return None
+        with projected(step.chunks, drawn, self.config.max_model_len):
+            plan = self.scheduler.schedule(preempt=False)
+            rows = mark_ahead(plan.chunks, drawn)
+        for req in plan.failed:
+            self._finish(req, "error", error=req.error, failure=req.failure)
+            outputs.append(self._output(req))
+        if plan.blocked or not plan.chunks or any(c.media for c in plan.chunks):
+            return None  # admitted requests keep their place: the plan made once `step` is read runs them
+        input_ids = None
+        if rows:
+            assert step.sample is not None
+            input_ids = step.sample.tokens[to_device(rows, step.sample.tokens.device)]
+        try:
+            launched = self._launch(plan.chunks, outputs, input_ids, planned_ahead=True)
+        except Exception as e:
+            if isinstance(e, DeviceFault):
+                raise
+            raise AheadLaunchFailed(plan.chunks, e) from e
+        self.prefill_steps_ahead += 1
         return launched
 
     def _verify_ahead(self, step: LaunchedStep) -> LaunchedStep | None:

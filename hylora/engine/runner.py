@@ -55,14 +55,20 @@ class ModelRunner:
     def execute(
         self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None = None, verify: VerifyAhead | None = None
     ) -> list[ChunkResult]:
-        """`input_ids` [len(chunks)] on the device: the input tokens of a decode step planned ahead
-        (every chunk `ahead`), which only the padded decode step can take; `verify`: what the device
-        holds of a verify step planned ahead, which only the padded short step can take."""
+        """`input_ids` [chunks `ahead`] on the device: the input tokens of the chunks planned ahead (one
+        token each, drawn by the step still in flight), in order; `verify`: what the device holds of a
+        verify step planned ahead, which only the padded short step can take."""
+        ahead = [i for i, c in enumerate(chunks) if c.ahead] if verify is None else []  # (verify: ids in it)
+        if _count(input_ids) != len(ahead):
+            raise ValueError(f"{len(ahead)} chunks planned ahead, input ids for {_count(input_ids)}")
+        if input_ids is not None:
+            input_ids = input_ids.long()
         decode_rows = _decode_rows(chunks, self.decode.max_batch) if self.decode is not None else None
         if decode_rows is not None:
+            if input_ids is not None and len(ahead) < len(chunks):
+                known = to_device([r.token_id for r in decode_rows], self.model.device, torch.long)
+                input_ids = known.index_copy(0, to_device(ahead, self.model.device, torch.long), input_ids)
             return self._execute_decode(chunks, decode_rows, input_ids)
-        if input_ids is not None:
-            raise ValueError("a decode step planned ahead needs the padded decode step")
         seqs = [_sequence_chunk(c) for c in chunks]
         seq_lens = [len(s.token_ids) for s in seqs]
         keep_hidden = self.model.mtp is not None
@@ -70,15 +76,21 @@ class ModelRunner:
         # the rows as a device index copied behind the step (indexing with a host list would copy it
         # synchronously, and the host would wait for the whole forward here)
         index = to_device(rows, self.model.device, torch.long)
+        starts = [0, *itertools.accumulate(seq_lens)][:-1]
+        given = None  # (flat rows, tokens) of the chunks planned ahead
+        if input_ids is not None:
+            given = (to_device([starts[i] for i in ahead], self.model.device, torch.long), input_ids)
         if verify is not None and (self.short is None or not self.short.fits(seqs)):
             raise ValueError("a verify step planned ahead needs the padded short step")
         if self.short is not None and self.short.fits(seqs):
-            out = self.short.run(seqs, verify)  # views of the step's buffers: copy what must outlive it
+            out = self.short.run(seqs, verify, given=given)  # views of the step's buffers: copy what must outlive it
             hidden = out.hidden.clone() if keep_hidden else out.hidden
             logits = out.logits[index] if rows else hidden.new_zeros(0, 0)
             finite_rows, finite_logits = out.finite[0], out.finite[1][index]
         else:
             batch = ForwardBatch.build(seqs, self.kv.page_size, self.model.device)
+            if given is not None:
+                batch.input_ids.index_copy_(0, *given)
             hidden = self.model(batch, self.kv, self.states)  # [T, hidden]
             finite_rows = torch.isfinite(hidden).all(dim=-1)
             logits = self.model.logits(hidden[index]) if rows else hidden.new_zeros(0, 0)
@@ -86,7 +98,6 @@ class ModelRunner:
         # read when the host checks the step, so the sampler and the acceptance queue behind the forward
         flags = HostCopy(finite_rows, finite_logits)
 
-        starts = [0, *itertools.accumulate(seq_lens)][:-1]
         results = []
         for c, (sample_row, positions, first_prompt_row), start, n in zip(
             chunks, wanted, starts, seq_lens, strict=True
@@ -128,6 +139,10 @@ class ModelRunner:
                 )
             )
         return results
+
+
+def _count(input_ids: torch.Tensor | None) -> int:
+    return 0 if input_ids is None else int(input_ids.shape[0])
 
 
 def _sequence_chunk(c: ScheduledChunk) -> SequenceChunk:

@@ -92,6 +92,8 @@ class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)  # could not start (adapter gone or broken); error set
+    # planned with preempt=False, a running request found no free KV page: the plan is not to be run
+    blocked: bool = False
 
 
 class Scheduler:
@@ -141,12 +143,18 @@ class Scheduler:
             and self.states.num_free >= self.slots_per_request
         )
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, preempt: bool = True) -> StepPlan:
+        """The next step's chunks. `preempt` False (a step planned while the one before it is still on
+        the device, engine/plan_ahead.py): nobody is preempted, and a running request that finds no
+        free page marks the plan `blocked` instead; no suspect is planned."""
         plan = StepPlan()
         self._encoder_budget = self.config.max_num_encoder_tokens
         self._step_media = set()
         suspect = self.waiting[0] if self.waiting and self.waiting[0].suspect_count else None
         room = len(self.running) < self.config.max_num_seqs
+        if suspect is not None and not preempt:
+            plan.blocked = True  # a suspect runs alone, planned once every step before it is read
+            return plan
         if suspect is not None and room and self._admit(suspect, plan) in (Admission.STARTED, Admission.FAILED):
             return plan  # a suspect runs alone
         budget = self.config.max_num_batched_tokens
@@ -161,6 +169,9 @@ class Scheduler:
             if drafts and not self.ensure_pages(req, req.num_computed + n + len(drafts)):
                 drafts = []  # no one is preempted for drafts
             while not self.ensure_pages(req, req.num_computed + n):
+                if not preempt:
+                    plan.blocked = True
+                    return plan
                 victim = self.running[-1]
                 self._preempt(victim)
                 plan.preempted.append(victim)

@@ -292,8 +292,15 @@ class PaddedShortStep:
         drafts_fit = all(not s.spec_slots or len(s.token_ids) - 1 <= self.max_drafts for s in seqs)
         return drafts_fit and fits_short_step(seqs, self.max_tokens)
 
-    def run(self, seqs: list[SequenceChunk], ahead: VerifyAhead | None = None) -> ShortStepOutput:
-        """`ahead`: a verify step planned before the step before it was read (`ShortStepBuffers.move_on`)."""
+    def run(
+        self,
+        seqs: list[SequenceChunk],
+        ahead: VerifyAhead | None = None,
+        given: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> ShortStepOutput:
+        """`ahead`: a verify step planned before the step before it was read (`ShortStepBuffers.move_on`);
+        `given`: (token rows [n], their input ids [n]) on the device, the inputs of chunks planned
+        ahead (drawn by the step still in flight)."""
         T = sum(len(s.token_ids) for s in seqs)
         bucket = bucket_for(T, self.buckets)
         lora = any(s.lora_slot >= 0 for s in seqs)
@@ -305,6 +312,8 @@ class PaddedShortStep:
         self.buffers.fill(seqs, bucket)
         if ahead is not None:
             self.buffers.move_on(bucket, ahead.shift, ahead.ids, ahead.drafted)
+        if given is not None:
+            self.buffers.token_ids(bucket).index_copy_(0, *given)
         hidden, logits, finite = self._forward(bucket, lora, spec)
         return ShortStepOutput(hidden[:T], logits[:T], finite[:, :T])
 

@@ -24,6 +24,7 @@ class EngineStats:
     encoder_entries: int
     engine_steps: int  # cumulative
     steps_ahead: int  # decode steps queued before the step before them was read (cumulative)
+    prefill_steps_ahead: int  # other steps the scheduler planned before the step before them was read
     preemptions: int  # requests sent back to the queue to free KV pages (cumulative)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int = 0  # prompt tokens served from it (cumulative)

@@ -63,6 +63,10 @@ class ServerMetrics:
                 "hylora_decode_steps_ahead",
                 "Decode steps queued before the step before them was read (async scheduling; cumulative)",
             ),
+            "prefill_steps_ahead": (
+                "hylora_prefill_steps_ahead",
+                "Steps with prompt chunks or admissions planned before the step before them was read (cumulative)",
+            ),
         }
         self.gauges = {key: Gauge(name, doc, registry=r) for key, (name, doc) in g.items()}
         media = {

@@ -1,0 +1,156 @@
+"""Plan ahead (engine/plan_ahead.py): a step with prompt chunks, or one that admits waiting requests,
+is planned and queued before the step in flight is read.
+
+On the CPU `padded_decode` drives the paths the GPU takes (padded decode and short steps run eagerly,
+and steps are planned ahead). Against the same engine without async scheduling: the same tokens and
+logprobs, whether the planned steps run as padded short steps or eagerly; the prefix cache still
+keeps its snapshots; a fault, a stop or an abort while a planned step is in flight ends that request
+alone and leaks nothing; a plan that would preempt is not queued ahead.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hylora.engine import SamplingParams
+from tests.engine_helpers import free_pages, greedy, make_engine, max_logprob_diff, run
+from tests.helpers import random_ids
+
+CONFIG = dict(max_model_len=160, max_num_seqs=4, max_num_batched_tokens=24, padded_decode=True)
+PATHS = {"short-steps": {}, "eager": {"max_short_step_tokens": 0}}
+
+
+def engine(causal_ckpt, adapter_root, ahead: bool, **config):
+    return make_engine(causal_ckpt[0], adapter_root, **dict(CONFIG, async_scheduling=ahead, **config))
+
+
+def assert_all_freed(e) -> None:
+    assert not e.has_unfinished() and e._inflight is None
+    assert free_pages(e) == e.kv.num_pages and e.states.num_free == e.states.num_slots
+
+
+def arrivals() -> dict[int, list[tuple]]:
+    seeded = SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=5, logprobs=2, ignore_eos=True)
+    return {
+        0: [
+            ("a", random_ids(50, 320, seed=1), greedy(10), None),
+            ("b", random_ids(37, 320, seed=2), seeded, "gdn_attn"),
+            ("c", random_ids(9, 320, seed=3), greedy(7, logit_bias={7: 3.0}), "rs_mlp"),
+        ],
+        4: [("late", random_ids(41, 320, seed=4), greedy(8), "all_linear")],  # its prompt joins decode rows
+        5: [("short", random_ids(3, 320, seed=6), greedy(1), None)],  # samples its only token in its first step
+    }
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_plan_ahead_gives_the_same_tokens_and_logprobs(causal_ckpt, engine_adapter_root, path):
+    outs, engines = {}, {}
+    for ahead in (False, True):
+        e = engines[ahead] = engine(causal_ckpt, engine_adapter_root, ahead, **PATHS[path])
+        outs[ahead] = run(e, arrivals())
+        assert_all_freed(e)
+    assert engines[False].prefill_steps_ahead == 0
+    assert engines[True].prefill_steps_ahead >= 8  # the prompts' chunks, the admissions
+    for rid, plain in outs[False].items():
+        fast = outs[True][rid]
+        assert fast.error is None and fast.token_ids == plain.token_ids, rid
+        assert len(fast.token_ids) == {"a": 10, "b": 9, "c": 7, "late": 8, "short": 1}[rid]
+        assert max_logprob_diff(fast, plain) <= 1e-5, rid
+        assert fast.text == plain.text
+
+
+def test_the_prefix_cache_keeps_its_snapshots(causal_ckpt, engine_adapter_root):
+    prompt = random_ids(150, 320, seed=11)  # cached at 128 (a multiple of 64), chunked at 24 a step
+    outs, hits = {}, {}
+    for ahead in (False, True):
+        e = engine(causal_ckpt, engine_adapter_root, ahead)
+        other = ("other", random_ids(30, 320, seed=12), greedy(6), None)
+        first = run(e, {0: [("first", prompt, greedy(4), None), other]})
+        again = run(e, {0: [("again", prompt + [5, 6], greedy(4), None)]})
+        outs[ahead], hits[ahead] = first | again, e.stats().prefix_cache_hits
+        assert_all_freed(e)
+        if ahead:
+            assert e.prefill_steps_ahead > 4
+    assert hits[True] == hits[False] >= 128
+    for rid, plain in outs[False].items():
+        assert outs[True][rid].token_ids == plain.token_ids, rid
+
+
+@pytest.mark.parametrize("kind", ["nan", "raise"])
+def test_a_fault_in_a_step_planned_ahead_fails_that_request_alone(causal_ckpt, engine_adapter_root, kind):
+    faulty = ("faulty", random_ids(60, 320, seed=31), greedy(6), "all_linear")
+    healthy = ("healthy", random_ids(45, 320, seed=32), greedy(6), None)
+    reference = run(engine(causal_ckpt, engine_adapter_root, True), {0: [healthy]})["healthy"]
+    e = engine(causal_ckpt, engine_adapter_root, True)
+    e.add_request(*faulty)
+    e.add_request(*healthy)
+    e.step()
+    assert e._inflight is not None and any(c.num_tokens > 1 for c in e._inflight.chunks)  # a prefill step
+    e.inject_fault("faulty", kind)  # hits the next step queued: one planned ahead
+    out = run(e, {})
+    assert out["faulty"].finish_reason == "error"
+    assert ("numerical fault" if kind == "nan" else "injected fault") in out["faulty"].error
+    assert out["healthy"].error is None and out["healthy"].token_ids == reference.token_ids
+    assert_all_freed(e)
+
+
+def test_a_stop_or_an_abort_while_a_planned_step_is_in_flight(causal_ckpt, engine_adapter_root):
+    prompt = random_ids(30, 320, seed=41)
+    probe = run(engine(causal_ckpt, engine_adapter_root, False), {0: [("p", prompt, greedy(6), None)]})["p"]
+    stops = ("s", prompt, greedy(6, stop_token_ids=[probe.token_ids[0]]), None)  # stops on its first token
+    keep = ("keep", random_ids(52, 320, seed=42), greedy(8), "gdn_attn")
+    gone = ("gone", random_ids(70, 320, seed=43), greedy(8), None)
+    alone = run(engine(causal_ckpt, engine_adapter_root, True), {0: [keep]})["keep"]
+    e = engine(causal_ckpt, engine_adapter_root, True)
+    for r in (stops, keep, gone):
+        e.add_request(*r)
+    done = {}
+    for _ in range(3):
+        done |= {o.request_id: o for o in e.step() if o.finished}
+    assert e._inflight is not None and any(c.request.request_id == "gone" for c in e._inflight.chunks)
+    assert e.abort("gone")
+    done |= run(e, {})
+    assert done["s"].finish_reason == "stop" and done["s"].token_ids == probe.token_ids[:1]
+    assert done["gone"].finish_reason == "abort"
+    assert done["keep"].error is None and done["keep"].token_ids == alone.token_ids
+    assert e.prefill_steps_ahead >= 2
+    assert_all_freed(e)
+
+
+def test_a_plan_that_would_preempt_waits_for_the_read(causal_ckpt, engine_adapter_root):
+    # 12 pages of 16 tokens cannot hold three 60 + 40 token requests at once
+    config = dict(max_model_len=128, num_pages=12, max_num_batched_tokens=32)
+    requests = [
+        (f"p{i}", random_ids(60, 320, seed=70 + i), greedy(40), a)
+        for i, a in enumerate([None, "gdn_attn", "all_linear"])
+    ]
+    outs = {ahead: run(engine(causal_ckpt, engine_adapter_root, ahead, **config), {0: requests}) for ahead in (0, 1)}
+    assert sum(o.num_preemptions for o in outs[1].values()) > 0
+    for rid, plain in outs[0].items():
+        assert outs[1][rid].error is None and outs[1][rid].token_ids == plain.token_ids, rid
+
+
+@pytest.mark.parametrize(
+    "params",
+    [greedy(6, repetition_penalty=1.3), SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)],
+    ids=["repetition-penalty", "min-tokens"],
+)
+def test_a_draw_that_needs_the_host_is_not_planned_past(causal_ckpt, engine_adapter_root, params):
+    prompt, other = random_ids(26, 320, seed=51), ("y", random_ids(40, 320, seed=52), greedy(6), None)
+    outs = {}
+    for ahead in (False, True):
+        e = engine(causal_ckpt, engine_adapter_root, ahead)
+        outs[ahead] = run(e, {0: [("x", prompt, params, None), other]})
+        assert_all_freed(e)
+    assert outs[True]["x"].token_ids == outs[False]["x"].token_ids
+    assert outs[True]["y"].token_ids == outs[False]["y"].token_ids
+
+
+def test_prompt_logprobs_are_the_same(causal_ckpt, engine_adapter_root):
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
+    reqs = [("x", random_ids(55, 320, seed=61), params, "rs_mlp"), ("y", random_ids(33, 320, seed=62), greedy(5), None)]
+    outs = {ahead: run(engine(causal_ckpt, engine_adapter_root, ahead), {0: reqs}) for ahead in (False, True)}
+    plain, fast = outs[False]["x"], outs[True]["x"]
+    assert fast.token_ids == plain.token_ids and len(fast.prompt_logprobs) == 55
+    for a, b in zip(fast.prompt_logprobs[1:], plain.prompt_logprobs[1:], strict=True):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= 1e-5
