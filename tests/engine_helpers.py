@@ -56,3 +56,35 @@ def max_logprob_diff(a: RequestOutput, b: RequestOutput) -> float:
 def free_pages(engine: LLMEngine) -> int:
     """KV pages no request holds: pages only the prefix cache keeps are evictable, so free."""
     return engine.kv.num_pages - engine.stats().kv_used
+
+
+def assert_all_freed(engine: LLMEngine) -> None:
+    """Every request done, nothing in flight, every KV page and state slot back."""
+    assert not engine.has_unfinished() and engine._inflight is None
+    assert free_pages(engine) == engine.kv.num_pages and engine.states.num_free == engine.states.num_slots
+
+
+def assert_a_fault_ahead_fails_alone(
+    new_engine: Callable[[], LLMEngine],
+    kind: str,
+    faulty: tuple,
+    healthy: tuple,
+    steps: int,
+    in_flight: Callable[[list], bool] = lambda chunks: True,
+) -> LLMEngine:
+    """After `steps` steps of requests "faulty" and "healthy" (a step planned ahead then in flight, whose
+    chunks pass `in_flight`), "faulty" is made to fault ("nan" or "raise") in the next step queued: it
+    fails with that error, and "healthy" gives the tokens it gives alone. Returns the engine."""
+    reference = run(new_engine(), {0: [healthy]})["healthy"]
+    engine = new_engine()
+    engine.add_request(*faulty)
+    engine.add_request(*healthy)
+    for _ in range(steps):
+        engine.step()
+    assert engine._inflight is not None and in_flight(engine._inflight.chunks)
+    engine.inject_fault("faulty", kind)  # hits the next step queued: one planned ahead
+    out = run(engine, {})
+    assert out["faulty"].finish_reason == "error"
+    assert ("numerical fault" if kind == "nan" else "injected fault") in out["faulty"].error
+    assert out["healthy"].error is None and out["healthy"].token_ids == reference.token_ids
+    return engine

@@ -389,13 +389,17 @@ def test_failed_stream_ends_with_error_event_and_finish_reason(server):
 def test_decode_ahead_ran_on_the_padded_server(server, decode_mode):
     # last in this module: the offenders above ran beside neighbours whose decode steps were planned ahead
     metrics = httpx.get(f"{server}/metrics", timeout=30).text
-    ahead = next(
-        float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("hylora_decode_steps_ahead ")
-    )
+
+    def gauge(name: str) -> float:
+        return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " "))
+
+    ahead, planned = gauge("hylora_decode_steps_ahead"), gauge("hylora_prefill_steps_ahead")
     if decode_mode in ("padded-decode-ahead", "padded-speculating"):
         assert ahead > 50  # speculating: verify steps planned ahead
     else:
         assert ahead == 0  # eager decode: nothing to queue ahead
+    # the offenders' prompts and admissions were planned ahead beside the neighbours' steps (not while speculating)
+    assert (planned > 10) == (decode_mode == "padded-decode-ahead")
     drafts = sum(
         float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total")
     )

@@ -15,7 +15,14 @@ import pytest
 
 from hylora.engine import SamplingParams
 from tests.decode_helpers import padded
-from tests.engine_helpers import free_pages, greedy, make_engine, max_logprob_diff, run
+from tests.engine_helpers import (
+    assert_a_fault_ahead_fails_alone,
+    assert_all_freed,
+    greedy,
+    make_engine,
+    max_logprob_diff,
+    run,
+)
 from tests.helpers import random_ids
 
 CONFIG = dict(max_model_len=160, max_num_seqs=4, max_num_batched_tokens=256)
@@ -23,11 +30,6 @@ CONFIG = dict(max_model_len=160, max_num_seqs=4, max_num_batched_tokens=256)
 
 def engine(causal_ckpt, adapter_root, ahead: bool, **config):
     return padded(make_engine(causal_ckpt[0], adapter_root, **dict(CONFIG, async_scheduling=ahead, **config)))
-
-
-def assert_all_freed(e) -> None:
-    assert not e.has_unfinished()
-    assert free_pages(e) == e.kv.num_pages and e.states.num_free == e.states.num_slots
 
 
 def test_decode_ahead_gives_the_same_tokens_and_logprobs(causal_ckpt, engine_adapter_root):
@@ -117,18 +119,9 @@ def test_abort_while_a_step_is_in_flight(causal_ckpt, engine_adapter_root):
 def test_a_fault_in_a_step_planned_ahead_fails_that_request_alone(causal_ckpt, engine_adapter_root, kind):
     faulty = ("faulty", random_ids(33, 320, seed=31), greedy(12), "all_linear")
     healthy = ("healthy", random_ids(45, 320, seed=32), greedy(12), None)
-    reference = run(engine(causal_ckpt, engine_adapter_root, True), {0: [healthy]})["healthy"]
-    e = engine(causal_ckpt, engine_adapter_root, True)
-    e.add_request(*faulty)
-    e.add_request(*healthy)
-    for _ in range(3):
-        e.step()
-    assert e._inflight is not None
-    e.inject_fault("faulty", kind)  # hits the next step queued: one planned ahead
-    out = run(e, {})
-    assert out["faulty"].finish_reason == "error"
-    assert ("numerical fault" if kind == "nan" else "injected fault") in out["faulty"].error
-    assert out["healthy"].error is None and out["healthy"].token_ids == reference.token_ids
+    e = assert_a_fault_ahead_fails_alone(
+        lambda: engine(causal_ckpt, engine_adapter_root, True), kind, faulty, healthy, 3
+    )
     assert_all_freed(e)
 
 

@@ -13,7 +13,14 @@ from __future__ import annotations
 import pytest
 
 from hylora.engine import SamplingParams
-from tests.engine_helpers import free_pages, greedy, make_engine, max_logprob_diff, run
+from tests.engine_helpers import (
+    assert_a_fault_ahead_fails_alone,
+    assert_all_freed,
+    greedy,
+    make_engine,
+    max_logprob_diff,
+    run,
+)
 from tests.helpers import random_ids
 
 CONFIG = dict(max_model_len=160, max_num_seqs=4, max_num_batched_tokens=24, padded_decode=True)
@@ -22,11 +29,6 @@ PATHS = {"short-steps": {}, "eager": {"max_short_step_tokens": 0}}
 
 def engine(causal_ckpt, adapter_root, ahead: bool, **config):
     return make_engine(causal_ckpt[0], adapter_root, **dict(CONFIG, async_scheduling=ahead, **config))
-
-
-def assert_all_freed(e) -> None:
-    assert not e.has_unfinished() and e._inflight is None
-    assert free_pages(e) == e.kv.num_pages and e.states.num_free == e.states.num_slots
 
 
 def arrivals() -> dict[int, list[tuple]]:
@@ -80,17 +82,14 @@ def test_the_prefix_cache_keeps_its_snapshots(causal_ckpt, engine_adapter_root):
 def test_a_fault_in_a_step_planned_ahead_fails_that_request_alone(causal_ckpt, engine_adapter_root, kind):
     faulty = ("faulty", random_ids(60, 320, seed=31), greedy(6), "all_linear")
     healthy = ("healthy", random_ids(45, 320, seed=32), greedy(6), None)
-    reference = run(engine(causal_ckpt, engine_adapter_root, True), {0: [healthy]})["healthy"]
-    e = engine(causal_ckpt, engine_adapter_root, True)
-    e.add_request(*faulty)
-    e.add_request(*healthy)
-    e.step()
-    assert e._inflight is not None and any(c.num_tokens > 1 for c in e._inflight.chunks)  # a prefill step
-    e.inject_fault("faulty", kind)  # hits the next step queued: one planned ahead
-    out = run(e, {})
-    assert out["faulty"].finish_reason == "error"
-    assert ("numerical fault" if kind == "nan" else "injected fault") in out["faulty"].error
-    assert out["healthy"].error is None and out["healthy"].token_ids == reference.token_ids
+    e = assert_a_fault_ahead_fails_alone(
+        lambda: engine(causal_ckpt, engine_adapter_root, True),
+        kind,
+        faulty,
+        healthy,
+        steps=1,
+        in_flight=lambda chunks: any(c.num_tokens > 1 for c in chunks),  # a prefill step planned ahead
+    )
     assert_all_freed(e)
 
 
@@ -154,3 +153,60 @@ def test_prompt_logprobs_are_the_same(causal_ckpt, engine_adapter_root):
     assert fast.token_ids == plain.token_ids and len(fast.prompt_logprobs) == 55
     for a, b in zip(fast.prompt_logprobs[1:], plain.prompt_logprobs[1:], strict=True):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= 1e-5
+
+
+def test_media_requests_beside_text_are_the_same(vl_media_ckpt):
+    """Images and videos (their chunks wait for the encoder budget: those plans wait for the read) with
+    text requests: the decode rows of media requests planned ahead keep their M-RoPE positions."""
+    from hylora.engine import EngineConfig, LLMEngine
+    from hylora.engine.multimodal import build_multimodal_prompt
+    from tests.test_engine_media import PROMPTS, media_items
+    from tests.vl_helpers import build_prompt
+
+    prompts = {name: build_prompt(parts, seed=10 + i) for i, (name, parts) in enumerate(PROMPTS.items())}
+    text = build_prompt([("text", 30)], seed=99)
+    outs, engines = {}, {}
+    for ahead in (False, True):
+        config = EngineConfig(
+            device="cpu", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=16, max_num_encoder_tokens=12,
+            padded_decode=True, async_scheduling=ahead,
+        )  # fmt: skip
+        e = engines[ahead] = LLMEngine(vl_media_ckpt[0], config, progress=False)
+        for name, p in [*prompts.items(), ("text", text)]:
+            mm = build_multimodal_prompt(p.ids, media_items(p, name), e.model.config.vision) if name != "text" else None
+            e.add_request(name, p.ids, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0), mm=mm)
+        outs[ahead] = run(e, {})
+        assert_all_freed(e)
+    assert engines[True].prefill_steps_ahead >= 3 and engines[True].steps_ahead >= 2
+    for rid, plain in outs[False].items():
+        assert outs[True][rid].token_ids == plain.token_ids, rid
+        assert max_logprob_diff(outs[True][rid], plain) <= 1e-5, rid
+
+
+def test_lora_slot_waits_and_a_grammar_are_the_same(causal_ckpt, engine_adapter_root):
+    """One LoRA slot for three adapters (requests wait for it; admissions planned ahead take it as
+    it frees), and a request under a grammar admitted into a planned step (its first mask is the
+    grammar's start; the steps after its draws are planned once they are read)."""
+    from hylora.structured import StructuredSpec
+
+    requests = [
+        (f"r{i}", random_ids(20 + 9 * i, 320, seed=70 + i), greedy(5 + i), a)
+        for i, a in enumerate(["gdn_attn", "rs_mlp", None, "all_linear", "gdn_attn"])
+    ]
+    outs, engines = {}, {}
+    for ahead in (False, True):
+        e = engines[ahead] = engine(causal_ckpt, engine_adapter_root, ahead, max_loras=1)
+        grammar = e.grammar_compiler().compile_blocking(StructuredSpec("regex", "[a-z ]{1,40}"))
+        prompt = random_ids(25, 320, seed=80)
+
+        def arrive(step, e=e, grammar=grammar, prompt=prompt):
+            if step == 3:
+                e.add_request("g", prompt, greedy(12), None, grammar=grammar)
+
+        outs[ahead] = run(e, {0: requests}, before_step=arrive)
+        assert_all_freed(e)
+    assert engines[True].prefill_steps_ahead >= 5
+    assert set(outs[True]) == {"g", *(r[0] for r in requests)}
+    for rid, plain in outs[False].items():
+        assert outs[True][rid].error is None and outs[True][rid].token_ids == plain.token_ids, rid
+    assert all(c.isalpha() or c == " " for c in outs[True]["g"].text)

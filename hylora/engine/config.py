@@ -38,7 +38,7 @@ class EngineConfig:
     encoder_cache_gb: float = 1.0  # tower outputs kept by media content (the same video for several adapters)
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's name); the CPU always runs eagerly
     # decode ahead: queue the next decode step before reading this one's tokens, so the host's work
-    # overlaps the device's (vLLM's --async-scheduling); needs the padded decode step (CUDA)
+    # overlaps the device's (vLLM's --async-scheduling); decode steps need the padded decode step (CUDA)
     async_scheduling: bool = True
     # with async_scheduling, also the steps after steps with prompt chunks, or that admit waiting
     # requests: the scheduler plans them before the step in flight is read (engine/plan_ahead.py)

@@ -206,7 +206,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=d["async_scheduling"].default,
-        help="queue the next decode step before reading this one's tokens (CUDA graphs only)",
+        help="queue the next step before reading this one's tokens (CUDA): decode steps, and steps with prompt "
+        "chunks or new requests where nothing but this step's draw decides them",
     )
     p.add_argument(
         "--queue-drafts",
