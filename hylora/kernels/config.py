@@ -62,6 +62,11 @@ class KernelsConfig:
     # at 2048 the op alone also won (8-43 %), but the 2048-token workload's mixed prefill ran erratic
     # (0.42-0.54 s) with it, not compared against the path without it (bench/lora_prefill_gpu.py does)
     lora_delta_first_from: int = 4096
+    # an eager prefill step's leading one-token sequences (the decode rows riding along with prompt
+    # chunks) through the token-by-token GDN kernel, in place by state slot, the rest through the chunked
+    # kernel: fla pads each one-token sequence to a 64-token chunk and gathers and scatters its fp32
+    # state (3 MB a sequence at the 27B shape). Off until measured on a GPU (BASELINE run 42)
+    gdn_single_tokens_recurrent: bool = False
 
     def __post_init__(self) -> None:
         launch = self.gdn_decode_launch

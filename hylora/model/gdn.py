@@ -50,6 +50,7 @@ class GatedDeltaNet(nn.Module):
         self.conv = ops.causal_conv1d_by_slot  # the prefill conv, conv state in place by slot
         # the delta rule token by token, states in place by slot, for steps whose chunks are all short
         self.short_prefill: Callable[..., torch.Tensor] | None = None
+        self.split_single_tokens = False  # leading one-token sequences of an eager step token by token
         self.save_conv_states: Callable[..., None] = save_conv_states  # a verify step's per-token conv states
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states: StatePool) -> torch.Tensor:
@@ -93,12 +94,39 @@ class GatedDeltaNet(nn.Module):
                 q, k, v, b, a, self.A_log, self.dt_bias, states.recurrent[layer], slots, batch.seq_lens, self.dk**-0.5
             )
         else:
-            g, beta = gating(b, a, self.A_log, self.dt_bias)  # [T, Hv] each
-            initial = states.recurrent[layer, slots]
-            o, recurrent = self.delta_rule(q, k, v, g, beta, initial, batch.seq_lens, self.dk**-0.5)
-            # index_copy_ on the layer's view: 41 against 59 µs for 16 states (run 39 a)
-            states.recurrent[layer].index_copy_(0, slots, recurrent.to(states.recurrent.dtype))
+            n = leading_single_tokens(batch.seq_lens) if self.split_single_tokens else 0
+            if n:  # (decode rows with prompt chunks: the scheduler puts running requests first)
+                recurrent = self.short_prefill or recurrent_by_slot_reference
+                single = recurrent(
+                    q[:n], k[:n], v[:n], b[:n], a[:n], self.A_log, self.dt_bias, states.recurrent[layer], slots[:n],
+                    batch.seq_lens[:n], self.dk**-0.5,
+                )  # fmt: skip
+                chunked = self._chunked(q[n:], k[n:], v[n:], b[n:], a[n:], states, layer, slots[n:], batch.seq_lens[n:])
+                o = torch.cat([single, chunked])
+            else:
+                o = self._chunked(q, k, v, b, a, states, layer, slots, batch.seq_lens)
         return self.output(o, z, batch)
+
+    def _chunked(
+        self,
+        q: torch.Tensor,  # [T, Hk, dk]
+        k: torch.Tensor,
+        v: torch.Tensor,  # [T, Hv, dv]
+        b: torch.Tensor,  # [T, Hv]
+        a: torch.Tensor,
+        states: StatePool,
+        layer: int,
+        slots: torch.Tensor,  # [N]
+        seq_lens: list[int],
+    ) -> torch.Tensor:
+        """The chunked delta rule over whole sequences, each starting from its slot's state, which it
+        then holds the sequence's final state. o [T, Hv, dv]."""
+        g, beta = gating(b, a, self.A_log, self.dt_bias)  # [T, Hv] each
+        initial = states.recurrent[layer, slots]
+        o, recurrent = self.delta_rule(q, k, v, g, beta, initial, seq_lens, self.dk**-0.5)
+        # index_copy_ on the layer's view: 41 against 59 µs for 16 states (run 39 a)
+        states.recurrent[layer].index_copy_(0, slots, recurrent.to(states.recurrent.dtype))
+        return o
 
     def output(self, o: torch.Tensor, z: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """out_proj(gated norm of the heads o [T, Hv, dv] by z), the norm quantised for an FP8 out_proj."""
@@ -107,3 +135,11 @@ class GatedDeltaNet(nn.Module):
         if isinstance(normed, QuantizedActivation):  # already [T, value_dim] rows
             return self.out_proj(normed, batch.lora)
         return self.out_proj(normed.reshape(T, self.value_dim), batch.lora)
+
+
+def leading_single_tokens(seq_lens: list[int]) -> int:
+    """How many sequences of one token lead the step, when longer ones follow (0 otherwise)."""
+    n = 0
+    while n < len(seq_lens) and seq_lens[n] == 1:
+        n += 1
+    return n if n < len(seq_lens) else 0

@@ -34,6 +34,8 @@ class ModelKernels:
     conv: Kernel = ops.causal_conv1d_by_slot  # the prefill conv, conv state in place by slot
     gdn_decode: Kernel | None = None  # a fused decode step by state slot (None: the reference, when padded)
     gdn_recurrent: Kernel | None = None  # the delta rule token by token, for steps of short chunks only
+    # an eager prefill step's leading one-token sequences token by token (KernelsConfig.gdn_single_tokens_recurrent)
+    gdn_split_single_tokens: bool = False
     save_conv_states: Callable[..., None] = save_conv_states  # a verify step's conv state after each token
     # attention layers
     decode_attention: Kernel | None = None  # over the block table (None: the reference, when padded)
@@ -72,6 +74,7 @@ def install(model: HybridDecoder, kernels: ModelKernels) -> None:
             gdn = layer.linear_attn
             gdn.delta_rule, gdn.conv = kernels.delta_rule, kernels.conv
             gdn.decode_step, gdn.short_prefill = kernels.gdn_decode, kernels.gdn_recurrent
+            gdn.split_single_tokens = kernels.gdn_split_single_tokens
             gdn.save_conv_states = kernels.save_conv_states
         else:
             layer.self_attn.decode_attention = kernels.decode_attention
