@@ -18,8 +18,8 @@ fault) behind N+1 on the device.
 Not planned ahead, so the step after N is planned once N is read:
 - a request of N that samples and whose next draw needs the host's view of its tokens (grammar,
   penalties, min_tokens: `draws_without_host`), or that asks for prompt logprobs (N appends them);
-- speculative decoding (its own verify ahead), or no padded decode step (the CPU without
-  padded_decode: nothing there overlaps);
+- speculative decoding (its own verify ahead), or the CPU without `padded_decode` (nothing overlaps
+  there; padded_decode is how the tests drive this path);
 - a plan that would preempt someone, or runs a suspect (`Scheduler.schedule(preempt=False)`), or
   encodes media first.
 """
