@@ -29,7 +29,7 @@ from hylora.engine.memory import plan_caches
 from hylora.engine.multimodal import MultimodalPrompt
 from hylora.engine.observer import StepObserver
 from hylora.engine.outputs import OutputProcessor, RequestOutput
-from hylora.engine.plan_ahead import AheadLaunchFailed, drawn_rows, mark_ahead, projected
+from hylora.engine.plan_ahead import AheadLaunchFailed, drawn_rows, ends_by_length, mark_ahead, projected
 from hylora.engine.prefix_cache import PendingSnapshot, PrefixCache
 from hylora.engine.request import FailureKind, Request, SamplingParams
 from hylora.engine.runner import ChunkResult, ModelRunner
@@ -495,8 +495,7 @@ class LLMEngine:
                 continue
             if id(req) not in drawn or not draws_without_host(req):
                 return None
-            after = len(req.output_ids) + 1  # generated tokens once `step`'s draw is appended
-            if after >= req.params.max_tokens or req.num_tokens + 1 >= self.config.max_model_len:
+            if ends_by_length(req, self.config.max_model_len):
                 continue  # ends by length in `step`
             chunks.append(ScheduledChunk(req, c.start + 1, 1, ahead=True))
             rows.append(drawn[id(req)])

@@ -40,8 +40,8 @@ class AheadLaunchFailed(Exception):
     """Queueing a step planned ahead raised: its requests recompute once the step before is read."""
 
     def __init__(self, chunks: list[ScheduledChunk], cause: Exception) -> None:
-        super().__init__(repr(cause))
-        self.chunks, self.cause = chunks, cause
+        super().__init__(repr(cause))  # (raised `from` the cause)
+        self.chunks = chunks
 
 
 def drawn_rows(chunks: list[ScheduledChunk], sample: PendingSample | None) -> dict[int, int] | None:
