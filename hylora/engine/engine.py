@@ -327,6 +327,14 @@ class LLMEngine:
         work; a request that stopped meanwhile has its extra token dropped. Any other step is planned
         ahead by the scheduler where the requests allow (engine/plan_ahead.py). The outputs of the
         step in flight come with the next call."""
+        outputs = self._step()
+        if self._inflight is not None and not self.has_unfinished():
+            # the last requests stopped while it ran: read it now rather than at the next arrival
+            step, self._inflight = self._inflight, None
+            outputs.extend(self._finish_step(step))
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         if self._inflight is not None:
             step, self._inflight = self._inflight, None
