@@ -1,14 +1,15 @@
 """Random workloads through the engine's scheduling paths: whatever the mix, every request gets what it
 gets alone.
 
-Each seed draws a workload (prompts of 1-90 tokens arriving over the first steps, the three test
-adapters and the base model, greedy and seeded sampling with penalties, logit bias, `min_tokens` and
-stop tokens, one request aborted and one made to fault at a random step) and runs it through one
-engine configuration: synchronous, planned ahead through padded short steps, planned ahead through
-eager steps, and a tight one (planned ahead, 7 KV pages for 4 sequences so requests are preempted,
-2 LoRA slots for 4 adapters, the prefix cache on), and MTP speculation (2 drafts, verify steps
-planned ahead; on a checkpoint with an MTP layer). Against each request run alone on a plain
-synchronous engine of the same checkpoint:
+Each seed draws a workload (prompts of 1-90 tokens arriving over the first steps, some continuing an
+earlier prompt, the three test adapters and the base model, greedy and seeded sampling with
+penalties, logit bias, `min_tokens` and stop tokens, one request aborted and one made to fault at a
+random step) and runs it through one engine configuration: synchronous; planned ahead through
+padded short steps (the prefix cache on); planned ahead through eager steps; a tight one (planned
+ahead, 7 KV pages for 4 sequences so requests are preempted, 2 LoRA slots for 4 adapters, the
+prefix cache on); and MTP speculation (2 drafts, verify steps planned ahead, the prefix cache on; on
+a checkpoint with an MTP layer). Against each request run alone on a plain synchronous engine of the
+same checkpoint:
 
 - every request that was neither aborted nor faulted gives the same tokens, logprobs within 1e-4
   (under speculation, greedy ones: a seed draws differently there, docs/SERVING.md);
@@ -26,6 +27,7 @@ import random
 import pytest
 
 from hylora.engine import LLMEngine, RequestOutput, SamplingParams
+from hylora.engine.prefix_cache import RAW_BOUNDARY
 from tests.engine_helpers import ADAPTERS, assert_all_freed, make_engine, max_logprob_diff, run
 from tests.helpers import random_ids
 
@@ -34,10 +36,12 @@ SEEDS = range(int(os.environ.get("HYLORA_SCHEDULE_FUZZ_SEEDS", "4")))
 BASE = dict(max_model_len=160, max_num_seqs=4, max_num_batched_tokens=24, enable_prefix_caching=False)
 CONFIGS = {
     "sync": dict(async_scheduling=False),
-    "ahead-short-steps": dict(async_scheduling=True, padded_decode=True),
+    "ahead-short-steps": dict(async_scheduling=True, padded_decode=True, enable_prefix_caching=True),
     "ahead-eager": dict(async_scheduling=True, padded_decode=True, max_short_step_tokens=0),
     "tight": dict(async_scheduling=True, padded_decode=True, num_pages=7, max_loras=2, enable_prefix_caching=True),
-    "speculating": dict(async_scheduling=True, padded_decode=True, num_speculative_tokens=2, mtp="attending"),
+    "speculating": dict(
+        async_scheduling=True, padded_decode=True, num_speculative_tokens=2, mtp="attending", enable_prefix_caching=True
+    ),
 }
 
 
@@ -62,13 +66,23 @@ def draw_params(rng: random.Random) -> SamplingParams:
 
 
 def draw_workload(seed: int) -> tuple[dict[int, list[tuple]], tuple[str, int], tuple[str, int]]:
-    """(arrivals by step, (request aborted, step), (request faulted, step))."""
+    """(arrivals by step, (request aborted, step), (request faulted, step)). Some prompts continue an
+    earlier one past its first prefix-cache point, arriving after it: hits where the cache is on."""
     rng = random.Random(seed)
     arrivals: dict[int, list[tuple]] = {}
+    drawn: list[tuple[int, list[int], str | None]] = []  # (arrival, prompt, adapter)
     for i in range(rng.randint(5, 8)):
-        prompt = random_ids(rng.choice([1, 2, rng.randint(3, 30), rng.randint(30, 90)]), VOCAB, seed=1000 * seed + i)
-        adapter = rng.choice([None, *ADAPTERS])
-        arrivals.setdefault(rng.choice([0, 0, 1, 2, 3, 5, 8]), []).append((f"r{i}", prompt, draw_params(rng), adapter))
+        earlier = [d for d in drawn if RAW_BOUNDARY < len(d[1]) < 100]  # (the tight config holds 112 tokens)
+        if earlier and rng.random() < 0.4:  # a follow-up: an earlier prompt and more, the same adapter
+            start, prompt, adapter = rng.choice(earlier)
+            prompt = prompt + random_ids(rng.randint(1, min(40, 100 - len(prompt))), VOCAB, seed=1000 * seed + i)
+            step = start + rng.choice([2, 4, 8])
+        else:
+            n = rng.choice([1, 2, rng.randint(3, 30), rng.randint(30, 90)])
+            prompt, adapter = random_ids(n, VOCAB, seed=1000 * seed + i), rng.choice([None, *ADAPTERS])
+            step = rng.choice([0, 0, 1, 2, 3, 5, 8])
+        drawn.append((step, prompt, adapter))
+        arrivals.setdefault(step, []).append((f"r{i}", prompt, draw_params(rng), adapter))
     ids = sorted(r[0] for reqs in arrivals.values() for r in reqs)
     aborted, faulted = rng.sample(ids, 2)
     return arrivals, (aborted, rng.randint(1, 12)), (faulted, rng.randint(0, 10))
