@@ -76,3 +76,17 @@ def test_a_waiting_request_whose_adapter_was_unloaded_still_fails_alone(
         outs |= {o.request_id: o for o in engine.step() if o.finished}
     assert outs["b1"].finish_reason == "error" and "unloaded" in outs["b1"].error
     assert outs["a1"].error is None and (not lookahead_hit or outs["a2"].error is None)
+
+
+def test_a_plan_made_ahead_then_again_counts_one_lora_wait(causal_ckpt, engine_adapter_root):
+    """Plan ahead (engine/plan_ahead.py) may plan a step, drop the plan and plan it again once the step
+    before is read: the wait that bounds how long a request yields its turn counts steps, not plans."""
+    engine = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=96, max_num_seqs=4, max_loras=1)
+    engine.add_request("a1", random_ids(8, 320, seed=3), greedy(20), "gdn_attn")
+    engine.step()
+    engine.add_request("b1", random_ids(8, 320, seed=4), greedy(3), "rs_mlp")
+    b1 = engine.requests["b1"]
+    for step, plans in ((7, 2), (8, 1), (9, 3)):
+        for i in range(plans):
+            engine.scheduler.schedule(preempt=i > 0, step=step)
+    assert b1.lora_wait_steps == 3 and running_ids(engine) == {"a1"}

@@ -112,7 +112,13 @@ def test_a_random_mix_gives_each_request_what_it_gets_alone(
     mtp = config.pop("mtp", None)
     engine = make_engine(mtp_ckpts[mtp] if mtp else causal_ckpt[0], engine_adapter_root, **config)
 
+    arrived: dict[str, int] = {}  # request → the engine step it could first be planned in
+
     def before_step(step: int) -> None:
+        for req in engine.scheduler.waiting:
+            arrived.setdefault(req.request_id, engine.step_count + 1)
+            # a LoRA wait counts once per step, however many plans (made ahead, dropped) it saw
+            assert req.lora_wait_steps <= engine.step_count + 1 - arrived[req.request_id], req.request_id
         if step == fault_step and faulted in engine.requests:
             engine.inject_fault(faulted, "nan")
         if step == abort_step:

@@ -341,7 +341,7 @@ class LLMEngine:
             outputs.extend(self._decode_ahead_and_finish(step))
             if self._inflight is not None:
                 return outputs
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(step=self.step_count + 1)
         for req in plan.failed:
             self._finish(req, "error", error=req.error, failure=req.failure)
             outputs.append(self._output(req))
@@ -527,7 +527,7 @@ class LLMEngine:
         if drawn is None:
             return None
         with projected(step.chunks, drawn, self.config.max_model_len):
-            plan = self.scheduler.schedule(preempt=False)
+            plan = self.scheduler.schedule(preempt=False, step=self.step_count + 1)
             rows = mark_ahead(plan.chunks, drawn)
         for req in plan.failed:
             self._finish(req, "error", error=req.error, failure=req.failure)

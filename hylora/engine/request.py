@@ -184,6 +184,7 @@ class Request:
     # set after a step whose forward raised with this request in it: it runs alone until it passes
     suspect_count: int = 0
     lora_wait_steps: int = 0  # steps spent at the head of the queue waiting for a LoRA slot
+    lora_waited_at: int | None = None  # the step last counted in lora_wait_steps
     # the client request it belongs to (a chat with n > 1, a completion's prompt list: one Request per
     # sequence); None: its own. The scheduler shares admission fairly between groups
     group: str | None = None

@@ -143,10 +143,11 @@ class Scheduler:
             and self.states.num_free >= self.slots_per_request
         )
 
-    def schedule(self, preempt: bool = True) -> StepPlan:
+    def schedule(self, preempt: bool = True, step: int | None = None) -> StepPlan:
         """The next step's chunks. `preempt` False (a step planned while the one before it is still on
         the device, engine/plan_ahead.py): nobody is preempted, and a running request that finds no
-        free page marks the plan `blocked` instead; no suspect is planned."""
+        free page marks the plan `blocked` instead; no suspect is planned. `step`: the engine step
+        planned, so that a plan made ahead and dropped, then made again, counts one LoRA wait."""
         plan = StepPlan()
         self._encoder_budget = self.config.max_num_encoder_tokens
         self._step_media = set()
@@ -192,7 +193,9 @@ class Scheduler:
             if admission is Admission.STARTED:
                 budget -= plan.chunks[-1].num_tokens
             elif admission is Admission.NO_LORA_SLOT:
-                head.lora_wait_steps += 1
+                if step is None or head.lora_waited_at != step:
+                    head.lora_wait_steps += 1
+                    head.lora_waited_at = step
                 self._admit_past(head, plan, budget)
                 break
             elif admission is Admission.NO_ROOM:
