@@ -24,13 +24,16 @@ def run(
     max_steps: int = 100_000,
     before_step: Callable[[int], None] = lambda step: None,
 ) -> dict[str, RequestOutput]:
-    """arrivals: step → [(request_id, prompt ids, SamplingParams, adapter[, media])]. Returns final outputs.
-    `before_step(step)` runs before each engine step (e.g. to make a request fault there)."""
+    """arrivals: step → [(request_id, prompt ids, SamplingParams, adapter[, media[, StructuredSpec]])]
+    (a spec is compiled by the engine's grammar compiler). Returns final outputs. `before_step(step)`
+    runs before each engine step (e.g. to make a request fault there)."""
     done: dict[str, RequestOutput] = {}
     expected = sum(len(v) for v in arrivals.values())
     for step in range(max_steps):
-        for rid, prompt, params, adapter, *media in arrivals.get(step, []):
-            engine.add_request(rid, prompt, params, adapter, mm=media[0] if media else None)
+        for rid, prompt, params, adapter, *extra in arrivals.get(step, []):
+            mm, spec = (extra + [None, None])[:2]
+            grammar = engine.grammar_compiler().compile_blocking(spec) if spec is not None else None
+            engine.add_request(rid, prompt, params, adapter, mm=mm, grammar=grammar)
         before_step(step)
         for out in engine.step():
             if out.finished:
