@@ -109,6 +109,36 @@ def test_engine_lora_delta_first_equals_reference(causal_ckpt, engine_adapter_ro
         assert diff <= 1e-4, (rid, diff)
 
 
+def test_engine_lora_stacked_in_prefill_steps_equals_reference(causal_ckpt, engine_adapter_root, monkeypatch):
+    """`KernelsConfig.lora_stacked_below` above the step: prefill steps of up to 128 tokens take the shrink
+    inside the base GEMM (every slot's h rounded to the model dtype, here fp32), as decode steps do,
+    with one adapter alone in its step and two mixed. Tokens and logprobs equal the torch LoRA path,
+    and the steps of 128 tokens or more did take the stacked GEMM."""
+    from hylora.kernels.config import KernelsConfig
+    from hylora.model.layers import STACKED_LORA_BELOW, Linear
+
+    requests = [
+        (f"r{i}", random_ids(n, 320, seed=90 + i), SamplingParams(max_tokens=3, temperature=0, logprobs=1), adapter)
+        for i, (n, adapter) in enumerate([(150, "gdn_attn"), (140, "rs_mlp"), (30, "all_linear")])
+    ]
+    stacked_tokens: list[int] = []
+    real = Linear._stacked
+    monkeypatch.setattr(Linear, "_stacked", lambda self, x, v: stacked_tokens.append(v.shape[0]) or real(self, x, v))
+    outputs = []
+    for stacked_below in (None, 4096):
+        engine = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=256, page_size=16)
+        if stacked_below is not None:
+            config = KernelsConfig(lora_backend="triton", lora_stacked_below=stacked_below, lora_delta_first_from=0)
+            engine.model.use_kernels(model_kernels(fast_verdicts([]), config))
+            assert all(m.stacked_below == stacked_below for m in engine.model.modules() if isinstance(m, Linear))
+        alone = run(engine, {0: requests[:1]})
+        together = run(engine, {0: requests})
+        outputs.append({**{f"{rid}-alone": out for rid, out in alone.items()}, **together})
+    assert max(stacked_tokens) >= STACKED_LORA_BELOW  # prefill steps the default would not stack
+    reference, stacked = outputs
+    assert_same_outputs(stacked, reference)
+
+
 def triton_lora(engine, fused_activation: bool = False, **config) -> None:
     """The engine's own kernels (for an FP8 model: the norms and the activation quantising the FP8
     inputs) with hylora's Triton LoRA, and with or without the activation applying gate_up's expand."""
@@ -167,6 +197,37 @@ def test_fp8_decode_lora_takes_every_slots_h_from_the_fp8_gemm(causal_ckpt, engi
     assert_same_outputs(outputs[1], outputs[0])
 
 
+def as_the_expand_then_the_activation(calls: list):
+    """silu_mul_lora, checked on every call against lora_expand then silu_mul (silu_mul_quantized where it
+    quantises) on the same inputs; `calls` gets each call's (h.ndim, group). Quantised, the two may round
+    an element to neighbouring e4m3 values: their fp32 sums differ in order, by an ulp, and the engine's
+    logprobs then by ~1e-2 on the tiny model (an AMD EPYC's BLAS, 2026-12-04), so the check allows that
+    for a few elements rather than comparing the engines' logprobs to 1e-4."""
+    from hylora.ops.lora.triton import lora_expand
+    from hylora.ops.silu_mul import triton as silu_triton
+
+    def fused(gate_up, h, b, meta, group, keep):
+        calls.append((h.ndim, group))
+        got = silu_triton.silu_mul_lora(gate_up, h, b, meta, group, keep)
+        inner = b[0].shape[2]
+        expanded = lora_expand(h, b, [(0, inner), (inner, inner)], gate_up.clone(), meta)
+        if group is None:
+            want = silu_triton.silu_mul(expanded)
+            assert (got - want).abs().max().item() <= 1e-5
+            return got
+        want = silu_triton.silu_mul_quantized(expanded, group, keep)
+        assert (got.scale - want.scale).abs().max().item() <= 1e-6 * want.scale.abs().max().item()
+        if keep:
+            assert (got.x - want.x).abs().max().item() <= 1e-5
+        a, c = (v.q.float() * v.scale.repeat_interleave(group, dim=1)[:, :inner] for v in (got, want))
+        differ = a != c
+        assert differ.float().mean().item() <= 0.01, differ.sum().item()
+        assert ((a - c).abs() <= c.abs() / 8 + 1e-6)[differ].all()  # one e4m3 step (3 mantissa bits) at most
+        return got
+
+    return fused
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"], ids=["unquantised", "fp8"])
 def test_the_activation_applies_gate_ups_lora_expand_as_the_expand_kernel_does(
     causal_ckpt, engine_adapter_root, quantization
@@ -174,20 +235,14 @@ def test_the_activation_applies_gate_ups_lora_expand_as_the_expand_kernel_does(
     """silu_mul_lora in the engine: a 340-token prompt step (the shrink's fp32 partials; the delta
     first off) and decode steps (every slot's h), adapters that target the MLP and one that does not
     (a zero delta over both slices), base requests beside them; with FP8 the activation quantises
-    for the down projection too. Tokens and logprobs equal the expand kernel then the activation, and
-    both forms of h reached the fused activation (with FP8 asked for by fused_lora_expand_quantized)."""
-    from hylora.ops.silu_mul import triton as silu_triton
-
+    for the down projection too (fused_lora_expand_quantized), every call checked against the expand
+    then the activation on its inputs. Unquantised, the engine's tokens and logprobs equal those of
+    the expand kernel then the activation; both forms of h reached the fused activation."""
     requests = [
         (f"r{i}", random_ids(n, 320, seed=110 + i), SamplingParams(max_tokens=4, temperature=0, logprobs=1), adapter)
         for i, (n, adapter) in enumerate([(150, "gdn_attn"), (140, "rs_mlp"), (30, None), (20, "all_linear")])
     ]
-    forms = []
-
-    def fused(gate_up, h, *args):
-        forms.append(h.ndim)
-        return silu_triton.silu_mul_lora(gate_up, h, *args)
-
+    calls: list = []
     outputs = []
     for fused_activation in (False, True):
         engine = make_engine(
@@ -197,39 +252,35 @@ def test_the_activation_applies_gate_ups_lora_expand_as_the_expand_kernel_does(
         mlps = [layer.mlp for layer in engine.model.layers]
         assert all((m.act_lora is not None) == fused_activation for m in mlps)
         for mlp in mlps if fused_activation else ():
-            mlp.act_lora = fused
+            mlp.act_lora = as_the_expand_then_the_activation(calls)
         outputs.append(run(engine, {0: requests}))
-    assert set(forms) == {4, 5}  # the prompt step's shrink partials, the decode steps' stacked h
-    assert_same_outputs(outputs[1], outputs[0])
+    assert {ndim for ndim, _ in calls} == {4, 5}  # the prompt step's shrink partials, the decode steps' stacked h
+    assert {group for _, group in calls} == {None if quantization is None else 128}
+    if quantization is None:
+        assert_same_outputs(outputs[1], outputs[0])
 
 
 def test_an_fp8_down_projection_keeps_the_expand_kernel_unless_asked(causal_ckpt, engine_adapter_root):
     """Where the activation quantises for an FP8 down projection, the MLP runs the expand kernel then
     silu_mul_quantized (H200, run 34: the fused quantising variant was the slower one) unless
-    KernelsConfig.fused_lora_expand_quantized asks for silu_mul_lora; both serve the same tokens."""
-    from hylora.ops.silu_mul import triton as silu_triton
-
+    KernelsConfig.fused_lora_expand_quantized asks for silu_mul_lora, which then quantises as they do
+    (checked on every call)."""
     requests = [
         (f"r{i}", random_ids(n, 320, seed=130 + i), SamplingParams(max_tokens=3, temperature=0, logprobs=1), adapter)
         for i, (n, adapter) in enumerate([(40, "rs_mlp"), (20, "all_linear"), (10, None)])
     ]
     engine = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=128, page_size=16, quantization="fp8")
     mlps = [layer.mlp for layer in engine.model.layers]
-    calls, outputs = [], []
-
-    def fused(*args):
-        calls.append(args[4])  # the quantisation group
-        return silu_triton.silu_mul_lora(*args)
-
+    calls: list = []
     for quantized in (False, True):
         calls.clear()
         triton_lora(engine, True, fused_lora_expand_quantized=quantized)
         assert all(m.act_lora is not None and m.act_quantized is not None for m in mlps)
         for mlp in mlps:
-            mlp.act_lora = fused
-        outputs.append(run(engine, {0: requests}))
-        assert bool(calls) == quantized and all(group == 128 for group in calls)
-    assert_same_outputs(outputs[1], outputs[0])
+            mlp.act_lora = as_the_expand_then_the_activation(calls)
+        outs = run(engine, {0: requests})
+        assert all(out.error is None and len(out.token_ids) == 3 for out in outs.values())
+        assert bool(calls) == quantized and all(group == 128 for _, group in calls)
 
 
 def test_the_fused_activation_serves_only_the_triton_lora(causal_ckpt, engine_adapter_root):
@@ -259,6 +310,7 @@ def test_a_fault_beside_an_adapter_neighbour_stays_in_its_rows_through_the_fused
     shares its adapter, and so the fused activation's token tiles, with a healthy one; the faulty
     request fails alone and the healthy one's tokens and logprobs are those of a run without the
     fault (bit for bit: same steps, same batch shapes)."""
+
     def greedy(n: int) -> SamplingParams:
         return SamplingParams(max_tokens=n, temperature=0, logprobs=1)
 

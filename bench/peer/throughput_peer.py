@@ -600,7 +600,7 @@ def phase_hylora(args: argparse.Namespace) -> None:
 
 
 def hylora_engine(
-    work: Work, weights: str, mnbt: int, device: str, kernels: dict[str, bool] | None = None
+    work: Work, weights: str, mnbt: int, device: str, kernels: dict[str, int] | None = None
 ) -> tuple[Any, dict[str, Any]]:
     """`LLMEngine` on the checkpoint, given its decoder loaded as the engine would load it (FP8 GEMMs
     where the device has them), without the vision tower (the checkpoint carries only a stub).
@@ -1014,19 +1014,20 @@ def add_shared_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dry-run", action="store_true", help="vllm: check the engine arguments, build nothing")
 
 
-def kernel_overrides(text: str) -> dict[str, bool]:
-    """`name=0|1,...` for KernelsConfig's boolean fields."""
+def kernel_overrides(text: str) -> dict[str, int]:
+    """`name=value,...` for KernelsConfig's boolean (0 or 1) and integer fields."""
     from dataclasses import fields
 
     from hylora.kernels.config import KernelsConfig
 
-    switches = {f.name for f in fields(KernelsConfig) if f.type in (bool, "bool")}
-    out: dict[str, bool] = {}
+    kinds = {f.name: f.type for f in fields(KernelsConfig) if f.type in (bool, "bool", int, "int")}
+    out: dict[str, int] = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
-        if name not in switches or value not in ("0", "1"):
-            raise argparse.ArgumentTypeError(f"{item!r}: want name=0 or name=1, name one of {sorted(switches)}")
-        out[name] = value == "1"
+        boolean = kinds.get(name) in (bool, "bool")
+        if name not in kinds or not value.isdigit() or (boolean and value not in ("0", "1")):
+            raise argparse.ArgumentTypeError(f"{item!r}: want name=0|1 or name=N, name one of {sorted(kinds)}")
+        out[name] = (value == "1") if boolean else int(value)
     return out
 
 
@@ -1060,7 +1061,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kernels",
         type=kernel_overrides,
         default={},
-        help="hylora: KernelsConfig switches, e.g. fp8_fused_norm_quant=1,fused_lora_expand_quantized=0",
+        help="hylora: KernelsConfig switches and sizes, e.g. fp8_fused_norm_quant=1,lora_stacked_below=4096",
     )
     add_shared_args(ap)
     args = ap.parse_args(argv)

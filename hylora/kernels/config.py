@@ -62,6 +62,14 @@ class KernelsConfig:
     # at 2048 the op alone also won (8-43 %), but the 2048-token workload's mixed prefill ran erratic
     # (0.42-0.54 s) with it, not compared against the path without it (bench/lora_prefill_gpu.py does)
     lora_delta_first_from: int = 4096
+    # hylora's Triton LoRA in eager steps of fewer tokens than this: the shrink rides in the base GEMM over
+    # [W; A of every slot] (Linear.stack_lora_a; h rounded once to the model dtype), one launch less per
+    # linear for ~1-3 % more GEMM columns (8 rank-16 slots, the 27B's linears); from it, the shrink kernel
+    # (fp32 h). CUDA-graphed steps always stack; below lora_delta_first_from this takes precedence.
+    # 128: run 12's decode-size sweep (at 64 tokens the GDN in_proj was slower stacked, 12.9 vs 10.3 us,
+    # gate_up and down faster); larger steps, where a slow host's LoRA launches cost 11-16 ms a
+    # 2048-token step (run 41), not measured yet
+    lora_stacked_below: int = 128
     # an eager prefill step's leading one-token sequences (the decode rows riding along with prompt
     # chunks) through the token-by-token GDN kernel, in place by state slot, the rest through the chunked
     # kernel: fla pads each one-token sequence to a 64-token chunk and gathers and scatters its fp32
@@ -74,10 +82,12 @@ class KernelsConfig:
             len(launch) != 3 or any(not isinstance(v, int) or v < low for v, low in zip(launch, (1, 1, 0), strict=True))
         ):
             raise ValueError(f"gdn_decode_launch must be block_v, num_warps >= 1 and v_blocks >= 0, got {launch!r}")
-        if isinstance(self.lora_delta_first_from, bool) or not isinstance(self.lora_delta_first_from, int):
-            raise ValueError(f"lora_delta_first_from must be an integer, got {self.lora_delta_first_from!r}")
-        if self.lora_delta_first_from < 0:
-            raise ValueError(f"lora_delta_first_from must be >= 0 (0: never), got {self.lora_delta_first_from}")
+        for name in ("lora_delta_first_from", "lora_stacked_below"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 (0: never), got {value}")
         for name, allowed in (
             ("fast_kernels", FAST_KERNEL_CHOICES),
             ("gdn_backend", GDN_BACKENDS),

@@ -143,6 +143,7 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
         chosen["lora_backend"] = "triton"
     if chosen.get("lora_backend") == "triton":  # the lora verdict checked the delta-first op too
         chosen["lora_delta_first_from"] = config.lora_delta_first_from
+        chosen["lora_stacked_below"] = config.lora_stacked_below
     chosen["gdn_split_single_tokens"] = config.gdn_single_tokens_recurrent
     return ModelKernels(**chosen)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hylora import ops
+from hylora.model.layers import STACKED_LORA_BELOW
 from hylora.ops.causal_conv1d.reference import save_conv_states
 from hylora.ops.fp8_linear.reference import fp8_linear
 from hylora.ops.logits_scan.reference import scan_logits
@@ -58,6 +59,7 @@ class ModelKernels:
     lora_backend: str | None = None  # model.layers.LORA_BACKENDS; None: masked on CUDA, grouped on the CPU
     tower_lora_backend: str | None = None  # the vision tower's linears
     lora_delta_first_from: int = 0  # triton LoRA: host steps of this many tokens write the delta first; 0: never
+    lora_stacked_below: int = STACKED_LORA_BELOW  # triton LoRA: eager steps below this shrink inside the base GEMM
     tower_rotary: Kernel = rotate_half  # the vision tower's rotary on q and k, in place
     # the logits: each row's greedy token and NaN / inf flags (the decode step's guard, the sampler)
     logits_scan: Kernel = scan_logits
@@ -93,6 +95,7 @@ def install(model: HybridDecoder, kernels: ModelKernels) -> None:
         if isinstance(module, Linear):
             module.lora_backend, module.fp8_kernel = kernels.lora_backend, kernels.fp8_linear
             module.delta_first_from = kernels.lora_delta_first_from
+            module.stacked_below = kernels.lora_stacked_below
         elif isinstance(module, VisionLinear):
             module.lora_backend = kernels.tower_lora_backend
         elif isinstance(module, VisionAttention):

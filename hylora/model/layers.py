@@ -19,9 +19,10 @@ from hylora.ops.silu_mul.reference import silu_mul
 if TYPE_CHECKING:  # (the Triton LoRA is imported where it runs: the package is optional)
     from hylora.ops.lora.triton import KernelConfig, LoRAKernelMeta
 
-# Steps of fewer tokens run the LoRA shrink inside the base GEMM when the triton backend is installed
-# (Linear.stack_lora_a): h is then rounded to the model dtype once. Longer steps (prefill) keep the
-# shrink kernel and its fp32 h up to DELTA_FIRST_FROM tokens.
+# Eager steps of fewer tokens (`Linear.stacked_below`, the kernel floor's lora_stacked_below) run the
+# LoRA shrink inside the base GEMM when the triton backend is installed (Linear.stack_lora_a): h is then
+# rounded to the model dtype once. Longer steps (prefill) keep the shrink kernel and its fp32 h up to
+# `Linear.delta_first_from` tokens.
 STACKED_LORA_BELOW = 128
 # Steps of at least `Linear.delta_first_from` tokens (the kernel floor's lora_delta_first_from) write
 # the LoRA delta first and let the base GEMM accumulate onto it (`lora_apply_delta_first`), while the
@@ -80,6 +81,7 @@ class Linear(nn.Module):
         self.lora: LoRAStack | None = None  # set by the adapter registry
         self.lora_backend: str | None = None  # set by the kernel floor (one of LORA_BACKENDS); None: by device
         self.delta_first_from = 0  # set by the kernel floor: steps of this many tokens take the delta first; 0: never
+        self.stacked_below = STACKED_LORA_BELOW  # ... and eager steps of fewer tokens shrink in the base GEMM
         # [W; every slice's A] ([tail_weight; A] for FP8): those and the LoRA stack's A are views of it (stack_lora_a)
         self.stacked_weight: torch.Tensor | None = None
         self.compute_dtype = torch.float32
@@ -209,7 +211,7 @@ class Linear(nn.Module):
 
         meta = triton_meta(lora, self.lora.num_slots)
         on_device, T = isinstance(lora, DeviceLoRABatch), values.shape[0]
-        if self.stacked_weight is not None and (on_device or T < STACKED_LORA_BELOW):
+        if self.stacked_weight is not None and (on_device or self.stacked_below > T):
             # a decode step (its CUDA graph, or run eagerly with the graph's arithmetic): shrink in a base GEMM
             y, h = self._stacked(x, values)
             return y, PendingExpand(h, self.lora.b, self.lora.offsets, meta)
