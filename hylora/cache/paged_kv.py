@@ -6,6 +6,7 @@ import torch
 
 from hylora.cache.allocator import IndexAllocator
 from hylora.config import ModelConfig
+from hylora.ops.host_to_device import host_to_device
 
 
 class OutOfPages(RuntimeError):
@@ -110,7 +111,7 @@ class PagedKVCache:
                 self.k[:, p * ps : (p + 1) * ps].zero_()
                 self.v[:, p * ps : (p + 1) * ps].zero_()
             return
-        index = torch.tensor(pages, dtype=torch.long).to(self.k.device, non_blocking=True)
+        index = host_to_device(torch.tensor(pages, dtype=torch.long), self.k.device)
         for cache in (self.k, self.v):
             layers, _, heads, dim = cache.shape
             cache.view(layers, -1, self.page_size, heads, dim).index_fill_(1, index, 0)

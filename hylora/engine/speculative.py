@@ -55,6 +55,7 @@ from hylora.engine.scheduler import ScheduledChunk
 from hylora.engine.short_step import VerifyAhead
 from hylora.model.decoder import HybridDecoder
 from hylora.model.forward_batch import ForwardBatch, SequenceChunk
+from hylora.ops.host_to_device import host_to_device
 from hylora.structured.mask import allocate_bitmask, apply_bitmask
 
 METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")  # vLLM's `method`s for MTP; the last two its older names
@@ -399,7 +400,7 @@ class Drafter:
         finite = torch.zeros(tokens.shape, dtype=torch.bool, device=device)
         for step in range(tokens.shape[0]):
             rows = [i for i, j in enumerate(jobs) if j.drafts > step]
-            index = torch.tensor(rows, device=device)
+            index = host_to_device(torch.tensor(rows), device)
             if step > 0:  # the draft before is the input token: set on the device (no host read)
                 batch = ForwardBatch.build([jobs[i].later[step - 1] for i in rows], self.kv.page_size, device)
                 batch.input_ids = tokens[step - 1, index]

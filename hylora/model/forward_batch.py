@@ -104,7 +104,7 @@ class ForwardBatch:
                 offsets, values = c.embeds
                 if offsets.ndim != 1 or len(offsets) != len(values) or offsets.min() < 0 or offsets.max() >= n:
                     raise ValueError(f"sequence {i}: embedding overrides do not fit its {n} new tokens")
-                embed_rows.append(offsets.to(device=device, dtype=torch.long) + len(ids))
+                embed_rows.append(host_to_device(offsets.to(dtype=torch.long) + len(ids), device))
                 embed_values.append(values.to(device))
             ids.extend(c.token_ids)
             pos = np.arange(c.context_len, end)
@@ -137,7 +137,7 @@ class ForwardBatch:
             embed_values=torch.cat(embed_values) if embed_values else None,
             decode_lens=host_to_device(decode_lens, device) if decode_lens is not None else None,
             max_decode_len=int(decode_lens.max()) if decode_lens is not None else 0,
-            spec_slots=spec_slots.to(device) if spec_slots is not None else None,
+            spec_slots=host_to_device(spec_slots, device) if spec_slots is not None else None,
             # a verify chunk's drafts: the columns that may hold a slot (a prefill chunk beside it is longer)
             spec_columns=max((len(c.token_ids) - 1 for c in chunks if c.spec_slots), default=None),
         )

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
+
+from hylora.ops.host_to_device import host_to_device
 
 # the longest chunk a step may hold for the GDN layers to run it token by token
 # (ops.gated_delta_rule.triton, fla's chunk size) instead of through fla's chunked kernels
@@ -27,7 +30,7 @@ def single_token_seqs(seq_lens: list[int]) -> list[int]:
 @functools.lru_cache(maxsize=1)  # every layer of a step asks with the same lengths
 def device_seq_starts(seq_lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """`seq_starts` as an int64 tensor on `device` (cu_seqlens), built once per step."""
-    return torch.tensor(seq_starts(list(seq_lens)), dtype=torch.int64).to(device, non_blocking=True)
+    return host_to_device(np.asarray(seq_starts(list(seq_lens)), dtype=np.int64), device)
 
 
 def live_sequences(slots: torch.Tensor, seq_lens: list[int]) -> tuple[list[int], torch.Tensor] | None:
@@ -40,4 +43,4 @@ def live_sequences(slots: torch.Tensor, seq_lens: list[int]) -> tuple[list[int],
     starts = seq_starts(seq_lens)
     keep = [i for i, ok in enumerate(live) if ok]
     rows = [t for i in keep for t in range(starts[i], starts[i + 1])]
-    return keep, torch.tensor(rows, dtype=torch.long, device=slots.device)
+    return keep, host_to_device(np.asarray(rows, dtype=np.int64), slots.device)

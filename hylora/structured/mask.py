@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from hylora.ops.host_to_device import host_to_device
 from hylora.structured.matcher import GrammarError, GrammarMatcher, bitmask_words, fill_masks
 
 
@@ -70,7 +71,7 @@ def _banned(words: torch.Tensor, vocab: int, device: torch.device) -> torch.Tens
     if device.type == "cpu" and sys.byteorder == "little":  # numpy unpacks ~50x faster than torch shifts on CPU
         bits = np.unpackbits((~words.numpy()).view(np.uint8), axis=1, bitorder="little")[:, :vocab]
         return torch.from_numpy(np.ascontiguousarray(bits).view(np.bool_))
-    return banned_by_shifts(words.to(device, non_blocking=True), vocab)
+    return banned_by_shifts(host_to_device(words, device), vocab)
 
 
 def banned_by_shifts(words: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hylora.ops.host_to_device import host_to_device
 from hylora.ops.varlen import seq_starts
 
 
@@ -67,10 +68,10 @@ def _meta(context_lens: tuple[int, ...], seq_lens: tuple[int, ...], device: torc
     key_seq = np.repeat(np.arange(len(totals)), totals)
     key_pos = np.arange(cu_k[-1]) - np.asarray(cu_k[:-1])[key_seq]
     return (
-        torch.tensor(seq_starts(list(seq_lens)), dtype=torch.int32).to(device, non_blocking=True),
-        torch.tensor(cu_k, dtype=torch.int32).to(device, non_blocking=True),
-        torch.from_numpy(key_seq).to(device, non_blocking=True),
-        torch.from_numpy(key_pos).to(device, non_blocking=True),
+        host_to_device(np.asarray(seq_starts(list(seq_lens)), dtype=np.int32), device),
+        host_to_device(np.asarray(cu_k, dtype=np.int32), device),
+        host_to_device(key_seq, device),
+        host_to_device(key_pos, device),
         max(seq_lens),
         max(totals),
     )

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from hylora.ops.causal_conv1d.reference import check_splits, spec_columns
+from hylora.ops.host_to_device import host_to_device
 from hylora.ops.varlen import device_seq_starts
 
 BLOCK_T, BLOCK_C = 16, 256
@@ -80,7 +81,7 @@ def _token_meta(seq_lens: tuple[int, ...], device: torch.device) -> tuple[torch.
     """(sequence of each token [T] int32, first token of each sequence [N + 1] int64), on `device`."""
     # numpy, not torch: torch's CPU ops wake its thread pool (~2 ms a call on a busy host)
     token_seq = torch.from_numpy(np.repeat(np.arange(len(seq_lens), dtype=np.int32), seq_lens))
-    return token_seq.to(device, non_blocking=True), device_seq_starts(seq_lens, device)
+    return host_to_device(token_seq, device), device_seq_starts(seq_lens, device)
 
 
 @triton.jit

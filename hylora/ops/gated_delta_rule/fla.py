@@ -25,6 +25,7 @@ import functools
 
 import torch
 
+from hylora.ops.host_to_device import host_to_device
 from hylora.ops.varlen import device_seq_starts
 
 
@@ -137,5 +138,5 @@ def _varlen_meta(seq_lens: tuple[int, ...], device: torch.device) -> tuple[torch
     """(cu_seqlens [N + 1], chunk_indices [chunks, 2]: (sequence, chunk within it)) on `device`."""
     pairs = [(i, j) for i, n in enumerate(seq_lens) for j in range(-(-n // FLA_CHUNK))]
     cu_seqlens = device_seq_starts(seq_lens, device)
-    chunk_indices = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).to(device, non_blocking=True)
+    chunk_indices = host_to_device(torch.tensor(pairs, dtype=torch.long).reshape(-1, 2), device)
     return cu_seqlens, chunk_indices
