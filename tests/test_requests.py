@@ -228,7 +228,7 @@ def test_bug_outside_any_request_ends_those_in_flight_and_engine_keeps_serving(c
         aengine = AsyncEngine(engine).start()
         real_schedule = engine.scheduler.schedule
 
-        def broken():
+        def broken(*args, **kwargs):
             engine.scheduler.schedule = real_schedule  # fail once
             raise RuntimeError("simulated bug")
 

@@ -73,10 +73,9 @@ def test_silu_mul_lora_is_the_expand_then_the_activation(case, form, group, dtyp
     else:  # bf16: rounding flips in gate + delta (0.4 % of norm here) grow through silu·up, in both paths
         assert norm_error(values, want) < 3e-2
         unfused = unfused_path(gate_up, h, b, meta, group)  # the expand kernel, then the activation's
-        if DEVICE == "cpu":
-            assert torch.equal(values, unfused)
-        else:  # the expand's dot tiles differ from the fused kernel's
-            assert norm_error(values, unfused) < 2e-3
+        # the expand's dot tiles differ from the fused kernel's: so does the order of their sums, on a GPU
+        # and in the interpreter's BLAS alike (equal bits on some CPUs, not on an AMD EPYC's)
+        assert norm_error(values, unfused) < 2e-3
     base = slots < 0
     assert torch.equal(values[base], plain[base])
     assert not torch.allclose(values[~base].float(), plain[~base].float())
