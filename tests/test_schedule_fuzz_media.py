@@ -23,7 +23,7 @@ import pytest
 
 from hylora.engine import EngineConfig, LLMEngine, RequestOutput
 from hylora.engine.multimodal import build_multimodal_prompt
-from tests.engine_helpers import assert_all_freed, max_logprob_diff, run
+from tests.engine_helpers import assert_all_freed, assert_each_as_alone, run
 from tests.lora_helpers import peft_adapter
 from tests.test_engine_media import LANGUAGE_TARGETS, media_items
 from tests.test_schedule_fuzz import draw_params
@@ -116,19 +116,5 @@ def test_a_random_media_mix_gives_each_request_what_it_gets_alone(
         done |= {o.request_id: o for o in engine.step() if o.finished}
         if len(done) == len(requests) and not engine.has_unfinished():
             break
-    expected = references[seed]
-    assert done.keys() == expected.keys()
-    for rid, out in done.items():
-        want = expected[rid]
-        if rid == aborted and out.finish_reason == "abort":
-            assert want.token_ids[: len(out.token_ids)] == out.token_ids, rid
-            continue
-        if rid == faulted and out.finish_reason == "error" and out.error != want.error:
-            assert "numerical fault" in out.error
-            continue
-        assert want.error is None or "every token is forbidden" in want.error, (rid, want.error)
-        assert out.error == want.error, rid  # None, or as alone: a grammar and stop tokens leave nothing
-        assert out.token_ids == want.token_ids, rid
-        if want.logprobs:
-            assert max_logprob_diff(out, want) <= 1e-4, rid
+    assert_each_as_alone(done, references[seed], aborted, faulted)
     assert_all_freed(engine)
