@@ -77,31 +77,38 @@ def test_the_default_kernels_are_the_references(causal_ckpt, engine_adapter_root
     assert all(getattr(m, "lora_backend", None) is None for m in model.modules())
 
 
-def test_engine_lora_delta_first_equals_reference(causal_ckpt, engine_adapter_root):
-    """The Triton LoRA with the delta first from 128 tokens (shorter steps shrink inside the base
-    GEMM): every prompt step here takes it. gdn_attn
+def test_engine_lora_delta_first_equals_reference(causal_ckpt, engine_adapter_root, monkeypatch):
+    """The Triton LoRA with the delta first from 128 tokens: every prompt step here takes it, although
+    the steps are shorter than `lora_stacked_below` (the delta first, when asked for, wins). gdn_attn
     targets the GDN and attention projections of layers 0, 2 and 3 only, so alone in a step it leaves
     the MLPs and layer 1 with no slice to apply (on the H200 that failed every such step with an
     IndexError, found by `hylora doctor --lora-delta-first-from 4096`); mixed with rs_mlp, each
     linear applies the slices of one adapter. Tokens and logprobs equal the torch LoRA path."""
     from hylora.kernels.config import KernelsConfig
-    from hylora.model.layers import STACKED_LORA_BELOW
+    from hylora.ops.lora import triton as lora_triton
 
+    calls: list[int] = []
+    real = lora_triton.lora_apply_delta_first
+    monkeypatch.setattr(
+        lora_triton, "lora_apply_delta_first", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k)
+    )
     requests = [
         (f"r{i}", random_ids(n, 320, seed=70 + i), SamplingParams(max_tokens=3, temperature=0, logprobs=1), adapter)
         for i, (n, adapter) in enumerate([(150, "gdn_attn"), (140, "rs_mlp"), (30, None)])
     ]
     outputs = []
-    for delta_first_from in (None, STACKED_LORA_BELOW):
+    for delta_first_from in (None, 128):
         engine = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=256, page_size=16)
         if delta_first_from is not None:
             config = KernelsConfig(lora_backend="triton", lora_delta_first_from=delta_first_from)
+            assert config.lora_stacked_below > 150 + 140 + 30  # every step here is below it
             engine.model.use_kernels(model_kernels(fast_verdicts([]), config))
             linears = [m for m in engine.model.modules() if getattr(m, "delta_first_from", 0) == delta_first_from]
             assert linears and all(m.lora_backend == "triton" for m in linears)
         alone = run(engine, {0: requests[:1]})  # gdn_attn alone in its step
         together = run(engine, {0: requests})
         outputs.append({**{f"{rid}-alone": out for rid, out in alone.items()}, **together})
+    assert calls and min(calls) >= 128  # the prompt steps took the delta first, no shorter step did
     reference, delta_first = outputs
     for rid, out in reference.items():
         assert delta_first[rid].token_ids == out.token_ids, rid
@@ -110,12 +117,12 @@ def test_engine_lora_delta_first_equals_reference(causal_ckpt, engine_adapter_ro
 
 
 def test_engine_lora_stacked_in_prefill_steps_equals_reference(causal_ckpt, engine_adapter_root, monkeypatch):
-    """`KernelsConfig.lora_stacked_below` above the step: prefill steps of up to 128 tokens take the shrink
+    """`KernelsConfig.lora_stacked_below` above the step: prefill steps of 128 tokens and more take the shrink
     inside the base GEMM (every slot's h rounded to the model dtype, here fp32), as decode steps do,
     with one adapter alone in its step and two mixed. Tokens and logprobs equal the torch LoRA path,
     and the steps of 128 tokens or more did take the stacked GEMM."""
     from hylora.kernels.config import KernelsConfig
-    from hylora.model.layers import STACKED_LORA_BELOW, Linear
+    from hylora.model.layers import Linear
 
     requests = [
         (f"r{i}", random_ids(n, 320, seed=90 + i), SamplingParams(max_tokens=3, temperature=0, logprobs=1), adapter)
@@ -134,7 +141,7 @@ def test_engine_lora_stacked_in_prefill_steps_equals_reference(causal_ckpt, engi
         alone = run(engine, {0: requests[:1]})
         together = run(engine, {0: requests})
         outputs.append({**{f"{rid}-alone": out for rid, out in alone.items()}, **together})
-    assert max(stacked_tokens) >= STACKED_LORA_BELOW  # prefill steps the default would not stack
+    assert max(stacked_tokens) >= 128  # prefill steps that run 12's decode-size threshold (128) did not stack
     reference, stacked = outputs
     assert_same_outputs(stacked, reference)
 
@@ -233,11 +240,12 @@ def test_the_activation_applies_gate_ups_lora_expand_as_the_expand_kernel_does(
     causal_ckpt, engine_adapter_root, quantization
 ):
     """silu_mul_lora in the engine: a 340-token prompt step (the shrink's fp32 partials; the delta
-    first off) and decode steps (every slot's h), adapters that target the MLP and one that does not
-    (a zero delta over both slices), base requests beside them; with FP8 the activation quantises
-    for the down projection too (fused_lora_expand_quantized), every call checked against the expand
-    then the activation on its inputs. Unquantised, the engine's tokens and logprobs equal those of
-    the expand kernel then the activation; both forms of h reached the fused activation."""
+    first off, the stacked shrink below 128 tokens) and decode steps (every slot's h), adapters that
+    target the MLP and one that does not (a zero delta over both slices), base requests beside them;
+    with FP8 the activation quantises for the down projection too (fused_lora_expand_quantized), every
+    call checked against the expand then the activation on its inputs. Unquantised, the engine's
+    tokens and logprobs equal those of the expand kernel then the activation; both forms of h reached
+    the fused activation."""
     requests = [
         (f"r{i}", random_ids(n, 320, seed=110 + i), SamplingParams(max_tokens=4, temperature=0, logprobs=1), adapter)
         for i, (n, adapter) in enumerate([(150, "gdn_attn"), (140, "rs_mlp"), (30, None), (20, "all_linear")])
@@ -248,7 +256,9 @@ def test_the_activation_applies_gate_ups_lora_expand_as_the_expand_kernel_does(
         engine = make_engine(
             causal_ckpt[0], engine_adapter_root, max_model_len=256, page_size=16, quantization=quantization
         )
-        triton_lora(engine, fused_activation, lora_delta_first_from=0, fused_lora_expand_quantized=True)
+        triton_lora(
+            engine, fused_activation, lora_delta_first_from=0, lora_stacked_below=128, fused_lora_expand_quantized=True
+        )
         mlps = [layer.mlp for layer in engine.model.layers]
         assert all((m.act_lora is not None) == fused_activation for m in mlps)
         for mlp in mlps if fused_activation else ():

@@ -493,7 +493,7 @@ def stacked_linear(T: int, seed: int) -> tuple[Linear, torch.Tensor, torch.Tenso
 @pytest.mark.parametrize("T", [1, 17, 65, 127, 128, 129], ids=lambda t: f"T{t}")
 def test_lora_shrink_inside_the_base_gemm_equals_grouped(T):
     """Decode steps' LoRA: one GEMM over [W; A] gives y and every slot's h, the expand reads each
-    token's own slot. Eager steps below 128 tokens and every padded (graph) step take it; an unused
+    token's own slot. Eager steps below `lora_stacked_below` and every padded (graph) step take it; an unused
     NaN slot's h is computed for every token and must never be read."""
     linear, x, ref, batch = stacked_linear(T, seed=T)
     device_batch = DeviceLoRABatch(token_slots=batch.token_slots)

@@ -1,18 +1,28 @@
 #!/bin/bash
-# hylora's FP8 workload with a kernel switch off and on, in one device call (BASELINE run 35), from the
-# repo root with .vllm and .peerwhl carried (bench/peer/build_bundle.sh; the install is the peer's):
-#   bash bench/peer/kernel_ab_gpu.sh
-# The 16-layer cut, 8192 batched tokens, throughput_peer.py's workload (median of 5): FP8 with the
-# defaults, with both FP8 fusions on (AB_KERNELS), with the fused norms only, then bf16; one table row
-# each into $OUT/ab.md, every record in $OUT/ab.tgz; then the FP8 GPU tests in what is left of ~590 s.
+# hylora's throughput workload with kernel switches A/B'd on one warm machine, in one device call, from
+# the repo root with .vllm and .peerwhl carried (bench/peer/build_bundle.sh; the install is the peer's):
+#   AB_VARIANTS="- gdn_single_tokens_recurrent=1 lora_stacked_below=4096 -" bash bench/peer/kernel_ab_gpu.sh
+# The 16-layer cut, throughput_peer.py's workload. AB_WEIGHTS (bf16 or fp8, default bf16), AB_MNBT
+# (default 2048), AB_REPEATS (default 3) and AB_VARIANTS: one engine each, in order, `-` for the
+# defaults, else KernelsConfig fields (`a=1,b=4096`); a variant given twice shows the drift between
+# engines. AB_AFTER: throughput_peer.py steps and flags run last on the same checkpoint (e.g.
+# "hylora:bf16:8192 --profile-prefill"). One table row per engine into $OUT/ab.md, every record in
+# $OUT/ab.tgz, the log in $OUT/ab.log. Run 35 (FP8 fusions): AB_WEIGHTS=fp8 AB_MNBT=8192
+# AB_VARIANTS="- fp8_fused_norm_quant=1,fused_lora_expand_quantized=1 fp8_fused_norm_quant=1".
 t0=$(date +%s); . bench/peer/install.sh >/dev/null; P="python3 bench/peer/throughput_peer.py run"; A=/tmp/ab
-$P ckpt:bf16,fp8 hylora:fp8:8192 --out $A/off --budget 240 > $OUT/ab.log 2>&1
-K=${AB_KERNELS:-fp8_fused_norm_quant=1,fused_lora_expand_quantized=1}
-$P hylora:fp8:8192 --reuse --out $A/on --kernels "$K" --budget 200 >> $OUT/ab.log 2>&1
-$P hylora:fp8:8192 --reuse --out $A/norm --kernels fp8_fused_norm_quant=1 --budget 200 >> $OUT/ab.log 2>&1
-$P hylora:bf16:8192 --reuse --out $A/bf16 --budget 200 >> $OUT/ab.log 2>&1
-for d in off on norm bf16; do echo "== $d"; grep -E "^\| (bf16|fp8) \| 8192|^\| hylora" $A/$d/throughput_peer.md; done | tee $OUT/ab.md
-tar czf $OUT/ab.tgz -C $A . ; el=$(( $(date +%s)-t0 )); echo "T $el"
-timeout $(( 590-el )) python3 -m pytest -q -rfE -p no:cacheprovider --timeout=150 tests/test_silu_mul_lora.py tests/test_fp8_linear.py \
-  -k "silu_mul_lora or cuda_ or start_up or weight_only_linear_equals_reference or weight_only_ignores" > $OUT/tests.log 2>&1
-echo "tests rc $?"; tail -4 $OUT/tests.log
+W=${AB_WEIGHTS:-bf16}; M=${AB_MNBT:-2048}; R=${AB_REPEATS:-3}; i=0; reuse=""
+for v in ${AB_VARIANTS:--}; do
+  i=$((i + 1)); k=(); [ "$v" = "-" ] || k=(--kernels "$v")
+  steps="hylora:$W:$M"; [ -n "$reuse" ] || steps="ckpt:$W $steps"
+  echo "== $i: ${v}" >> "$OUT/ab.log"
+  # shellcheck disable=SC2086  # the steps are words
+  $P $steps $reuse --repeats "$R" --out "$A/$i" "${k[@]}" --budget 300 >> "$OUT/ab.log" 2>&1
+  reuse=--reuse
+done
+# shellcheck disable=SC2086
+[ -z "${AB_AFTER:-}" ] || $P $AB_AFTER --reuse --out "$A/after" --budget 300 >> "$OUT/ab.log" 2>&1
+i=0
+for v in ${AB_VARIANTS:--}; do
+  i=$((i + 1)); echo "== $i: $v"; grep -E "^\| $W \| $M|^\| hylora" "$A/$i/throughput_peer.md"
+done | tee "$OUT/ab.md"
+tar czf "$OUT/ab.tgz" -C $A . ; echo "T $(( $(date +%s) - t0 ))"

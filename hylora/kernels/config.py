@@ -9,7 +9,7 @@ import torch
 
 from hylora.config import ModelConfig
 from hylora.env import triton_interpreter
-from hylora.model.layers import LORA_BACKENDS
+from hylora.model.layers import LORA_BACKENDS, STACKED_LORA_BELOW
 
 log = logging.getLogger(__name__)
 FAST_KERNEL_CHOICES = ("auto", "off")
@@ -65,16 +65,18 @@ class KernelsConfig:
     # hylora's Triton LoRA in eager steps of fewer tokens than this: the shrink rides in the base GEMM over
     # [W; A of every slot] (Linear.stack_lora_a; h rounded once to the model dtype), one launch less per
     # linear for ~1-3 % more GEMM columns (8 rank-16 slots, the 27B's linears); from it, the shrink kernel
-    # (fp32 h). CUDA-graphed steps always stack; below lora_delta_first_from this takes precedence.
-    # 128: run 12's decode-size sweep (at 64 tokens the GDN in_proj was slower stacked, 12.9 vs 10.3 us,
-    # gate_up and down faster); larger steps, where a slow host's LoRA launches cost 11-16 ms a
-    # 2048-token step (run 41), not measured yet
-    lora_stacked_below: int = 128
+    # (fp32 h). CUDA-graphed steps always stack; an eager step that takes the delta first
+    # (lora_delta_first_from) does so whatever this says.
+    # 4096 (BASELINE run 43 a, one H200, same warm machine, 16-layer cut, 2048 batched tokens): the 8-mixed
+    # workload 2692-2720 -> 2750-2755 tok/s, its prefill 0.371-0.376 -> 0.360-0.362 s, base unchanged,
+    # against 128 (run 12's decode-size sweep, where at 64 tokens the GDN in_proj alone ran slower stacked)
+    lora_stacked_below: int = STACKED_LORA_BELOW
     # an eager prefill step's leading one-token sequences (the decode rows riding along with prompt
     # chunks) through the token-by-token GDN kernel, in place by state slot, the rest through the chunked
     # kernel: fla pads each one-token sequence to a 64-token chunk and gathers and scatters its fp32
-    # state (3 MB a sequence at the 27B shape). Off until measured on a GPU (BASELINE run 42)
-    gdn_single_tokens_recurrent: bool = False
+    # state (3 MB a sequence at the 27B shape). BASELINE run 43 a (as above): base 2959-2973 -> 2987-3013
+    # tok/s, 8 mixed 2692-2720 -> 2728-2750; its steps with 28-32 decode rows 1-3 ms shorter
+    gdn_single_tokens_recurrent: bool = True
 
     def __post_init__(self) -> None:
         launch = self.gdn_decode_launch

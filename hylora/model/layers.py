@@ -21,9 +21,9 @@ if TYPE_CHECKING:  # (the Triton LoRA is imported where it runs: the package is 
 
 # Eager steps of fewer tokens (`Linear.stacked_below`, the kernel floor's lora_stacked_below) run the
 # LoRA shrink inside the base GEMM when the triton backend is installed (Linear.stack_lora_a): h is then
-# rounded to the model dtype once. Longer steps (prefill) keep the shrink kernel and its fp32 h up to
-# `Linear.delta_first_from` tokens.
-STACKED_LORA_BELOW = 128
+# rounded to the model dtype once. Steps that take the delta first (below) do so at any size; the rest
+# keep the shrink kernel and its fp32 h. 4096: BASELINE run 43 a (KernelsConfig.lora_stacked_below).
+STACKED_LORA_BELOW = 4096
 # Steps of at least `Linear.delta_first_from` tokens (the kernel floor's lora_delta_first_from) write
 # the LoRA delta first and let the base GEMM accumulate onto it (`lora_apply_delta_first`), while the
 # step's adapters need at most DELTA_FIRST_MAX_K extra GEMM inputs (slots x rank).
@@ -211,17 +211,19 @@ class Linear(nn.Module):
 
         meta = triton_meta(lora, self.lora.num_slots)
         on_device, T = isinstance(lora, DeviceLoRABatch), values.shape[0]
-        if self.stacked_weight is not None and (on_device or self.stacked_below > T):
-            # a decode step (its CUDA graph, or run eagerly with the graph's arithmetic): shrink in a base GEMM
-            y, h = self._stacked(x, values)
-            return y, PendingExpand(h, self.lora.b, self.lora.offsets, meta)
-        if (
+        delta_first = (
             not self.is_fp8
             and not on_device
             and values.ndim == 2
             and 0 < self.delta_first_from <= T
             and len(lora.slots) * self.lora.a[0].shape[1] <= DELTA_FIRST_MAX_K
-        ):  # a long prefill step: the delta first, the base GEMM accumulating onto it
+        )  # a long prefill step: the delta first, the base GEMM accumulating onto it
+        if self.stacked_weight is not None and (on_device or (self.stacked_below > T and not delta_first)):
+            # a decode step (its CUDA graph, or run eagerly with the graph's arithmetic), or a short prefill
+            # step: shrink in a base GEMM
+            y, h = self._stacked(x, values)
+            return y, PendingExpand(h, self.lora.b, self.lora.offsets, meta)
+        if delta_first:
             a, b, offsets = self.lora.pick(self.lora.slices_used_by(lora.slots))
             return lora_apply_delta_first(values, self.weight, a, b, offsets, meta, len(lora.slots)), None
         y = self.base(x)
