@@ -11,6 +11,7 @@ alone and leaks nothing; a plan that would preempt is not queued ahead.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hylora.engine import SamplingParams
 from tests.engine_helpers import (
@@ -155,9 +156,11 @@ def test_prompt_logprobs_are_the_same(causal_ckpt, engine_adapter_root):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= 1e-5
 
 
-def test_media_requests_beside_text_are_the_same(vl_media_ckpt):
-    """Images and videos (their chunks wait for the encoder budget: those plans wait for the read) with
-    text requests: the decode rows of media requests planned ahead keep their M-RoPE positions."""
+def media_engines(vl_media_ckpt, poison: str | None = None, kind: str = "raise") -> tuple[dict, dict, dict]:
+    """Images and videos (their chunks wait for the encoder budget) with a text request, on an engine
+    without and one with async scheduling: (outputs, engines, which of each engine's encodes ran while a
+    step was planned ahead). `poison`: the tower raises on that request's media (`kind` "raise") or
+    gives non-finite rows for them ("nan")."""
     from hylora.engine import EngineConfig, LLMEngine
     from hylora.engine.multimodal import build_multimodal_prompt
     from tests.test_engine_media import PROMPTS, media_items
@@ -165,22 +168,87 @@ def test_media_requests_beside_text_are_the_same(vl_media_ckpt):
 
     prompts = {name: build_prompt(parts, seed=10 + i) for i, (name, parts) in enumerate(PROMPTS.items())}
     text = build_prompt([("text", 30)], seed=99)
-    outs, engines = {}, {}
+    outs, engines, encodes = {}, {}, {}
     for ahead in (False, True):
         config = EngineConfig(
             device="cpu", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=16, max_num_encoder_tokens=12,
             padded_decode=True, async_scheduling=ahead,
         )  # fmt: skip
         e = engines[ahead] = LLMEngine(vl_media_ckpt[0], config, progress=False)
+        planning, encodes[ahead] = [], []
+        real_plan, real_prepare, real_tower = e._plan_ahead, e.media.prepare, e.model.visual.forward
+
+        def plan(*args, real_plan=real_plan, planning=planning):
+            planning.append(True)
+            try:
+                return real_plan(*args)
+            finally:
+                planning.pop()
+
+        def prepare(chunks, step, real_prepare=real_prepare, planning=planning, encodes=encodes[ahead]):
+            encodes.extend((c.request.request_id, bool(planning)) for c in chunks if c.media)
+            return real_prepare(chunks, step)
+
+        e._plan_ahead, e.media.prepare = plan, prepare
         for name, p in [*prompts.items(), ("text", text)]:
             mm = build_multimodal_prompt(p.ids, media_items(p, name), e.model.config.vision) if name != "text" else None
+            if name == poison:
+                assert mm is not None
+                _, h, w = mm.items[0].grid_thw
+                bad = mm.items[0].rows(0, h * w)  # its first segment's rows, as the tower gets them
+
+                def tower(pixels, grids, slots, real_tower=real_tower, bad=bad):
+                    sizes = [int(g.prod()) for g in grids]  # each segment's pixel rows, in order
+                    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+                    hit = [
+                        i
+                        for i, (a, n) in enumerate(zip(starts, sizes, strict=True))
+                        if torch.equal(pixels[a : a + n], bad)
+                    ]
+                    if hit and kind == "raise":
+                        raise RuntimeError("the tower breaks on this video")
+                    out = real_tower(pixels, grids, slots)
+                    unit = pixels.shape[0] // out.shape[0]
+                    for i in hit:
+                        out[starts[i] // unit : (starts[i] + sizes[i]) // unit] = float("nan")
+                    return out
+
+                e.model.visual.forward = tower
             e.add_request(name, p.ids, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0), mm=mm)
         outs[ahead] = run(e, {})
         assert_all_freed(e)
+    return outs, engines, encodes
+
+
+def test_media_requests_beside_text_are_the_same(vl_media_ckpt):
+    """Images and videos with text requests: media encoded while their step is planned ahead (the tower
+    queued behind the step in flight), and the decode rows of media requests planned ahead keep their
+    M-RoPE positions. The same tokens and logprobs as without async scheduling."""
+    outs, engines, encodes = media_engines(vl_media_ckpt)
     assert engines[True].prefill_steps_ahead >= 3 and engines[True].steps_ahead >= 2
+    assert not any(ahead for _, ahead in encodes[False])
+    assert any(ahead for _, ahead in encodes[True])  # some media encoded for a step planned ahead
     for rid, plain in outs[False].items():
         assert outs[True][rid].token_ids == plain.token_ids, rid
         assert max_logprob_diff(outs[True][rid], plain) <= 1e-5, rid
+
+
+@pytest.mark.parametrize("kind", ["raise", "nan"])
+def test_media_that_fail_to_encode_ahead_fail_their_request_alone(vl_media_ckpt, kind):
+    """The tower raises on one request's video, or gives non-finite rows for it, while its step is
+    planned ahead: that request ends with the error it gets without async scheduling, every other
+    request gives the same tokens and logprobs, and nothing stays held."""
+    poison = "video_odd_t"
+    outs, _, encodes = media_engines(vl_media_ckpt, poison, kind)
+    assert (poison, True) in encodes[True]  # its media were encoded for a step planned ahead
+    want = "encoding its media failed" if kind == "raise" else "non-finite values (NaN/Inf) in the vision tower"
+    for ahead in (False, True):
+        bad = outs[ahead][poison]
+        assert bad.finish_reason == "error" and want in bad.error, (ahead, bad.error)
+    for rid, plain in outs[False].items():
+        if rid != poison:
+            assert plain.error is None and outs[True][rid].token_ids == plain.token_ids, rid
+            assert max_logprob_diff(outs[True][rid], plain) <= 1e-5, rid
 
 
 def test_lora_slot_waits_and_a_grammar_are_the_same(causal_ckpt, engine_adapter_root):

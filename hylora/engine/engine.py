@@ -347,7 +347,7 @@ class LLMEngine:
             outputs.append(self._output(req))
         chunks = plan.chunks
         if any(c.media for c in chunks):
-            chunks, failed = self.media.prepare(chunks, self.step_count)
+            chunks, failed = self.media.prepare(chunks, self.step_count + 1)
             outputs.extend(failed)
         if not chunks:
             return outputs
@@ -532,18 +532,27 @@ class LLMEngine:
         for req in plan.failed:
             self._finish(req, "error", error=req.error, failure=req.failure)
             outputs.append(self._output(req))
-        if plan.blocked or not plan.chunks or any(c.media for c in plan.chunks):
+        if plan.blocked or not plan.chunks:
             return None  # admitted requests keep their place: the plan made once `step` is read runs them
+        chunks = plan.chunks
+        if any(c.media for c in chunks):
+            # the tower queued behind `step`; a request whose media fail ends here, as in a step of its own
+            row_of = dict(zip((id(c) for c in chunks if c.ahead), rows, strict=True))
+            chunks, failed = self.media.prepare(chunks, self.step_count + 1)
+            outputs.extend(failed)
+            if not chunks:
+                return None
+            rows = [row_of[id(c)] for c in chunks if c.ahead]
         input_ids = None
         if rows:
             assert step.sample is not None
             input_ids = step.sample.tokens[to_device(rows, step.sample.tokens.device)]
         try:
-            launched = self._launch(plan.chunks, outputs, input_ids, planned_ahead=True)
+            launched = self._launch(chunks, outputs, input_ids, planned_ahead=True)
         except Exception as e:
             if isinstance(e, DeviceFault):
                 raise
-            raise AheadLaunchFailed(plan.chunks, e) from e
+            raise AheadLaunchFailed(chunks, e) from e
         self.prefill_steps_ahead += 1
         return launched
 

@@ -20,8 +20,13 @@ Not planned ahead, so the step after N is planned once N is read:
   penalties, min_tokens: `draws_without_host`), or that asks for prompt logprobs (N appends them);
 - speculative decoding (its own verify ahead), or the CPU without `padded_decode` (nothing overlaps
   there; padded_decode is how the tests drive this path);
-- a plan that would preempt someone, or runs a suspect (`Scheduler.schedule(preempt=False)`), or
-  encodes media first.
+- a plan that would preempt someone, or runs a suspect (`Scheduler.schedule(preempt=False)`).
+
+A plan whose chunks need media encodes them while it is planned (engine/media_encoding.py), the tower
+queued behind the step in flight; the host then waits for the tower's output to check it is finite
+before it is cached and used, so such a step overlaps its planning and the tower's launches with the
+step in flight, not the host's building of its own forward. A request whose media fail to encode
+ends there, as in a step of its own (its rows in the step in flight are dropped when that is read).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from hylora.media.cache import ProcessedCache
 from hylora.media.config import MediaConfig, MediaLimits, VisionParams, apply_overrides
 from hylora.media.errors import MediaError
 from hylora.media.pools import available_cpus
+from hylora.ops.host_to_device import host_to_device
 
 Kind = Literal["image", "video"]
 DEFAULT_FRAME_LIST_FPS = 1.0  # vLLM's frame rate of a data:video/jpeg frame list without an fps
@@ -43,8 +44,9 @@ class ProcessedMedia:
         return self.rows(0, len(self.pixels))
 
     def rows(self, start: int, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """float32 rows [start, end) on `device`; uint8 rows travel as bytes and are normalised there."""
-        part = self.pixels[start:end].to(device)
+        """float32 rows [start, end) on `device`; uint8 rows travel as bytes and are normalised there. The
+        copy goes through page-locked memory: it does not wait for the step in flight."""
+        part = host_to_device(self.pixels[start:end], device)
         return part if self.table is None else pixels.normalise_rows(part, self.table)
 
     @property
