@@ -175,6 +175,10 @@ class StepMix(StepObserver):
         """Stop watching; the mix and the device times (waits for the device)."""
         self.engine.remove_observer(self)
         self.engine.model.visual.forward = self._real
+        return self.totals()
+
+    def totals(self) -> dict:
+        """The mix and the device times so far (waits for the device)."""
         if self.clock.cuda:
             torch.cuda.synchronize()
         seconds = [self.clock.seconds(a, b) for _, _, a, b in self.forwards]

@@ -296,6 +296,11 @@ def run_patterns(work: Path, data: dict[str, Any], side: Side, videos: Videos) -
         e2e = row["e2e_s"]
         log(f"{data['engine']} {p}: {row['out_tok_s']:.0f} out tok/s, E2E p50 {e2e.get('p50', 0):.2f}s "
             f"p99 {e2e.get('p99', 0):.2f}s, {row['failed']} failed, prompts {row['prompt_tokens']}")  # fmt: skip
+        c = row["counters"]
+        if "tower_device_s" in c:  # hylora: where the device's time went, against the wall
+            log(f"{data['engine']} {p}: device s in {c['forwards']} forwards with prefill "
+                f"{c['with_prefill_device_s']:.2f}, decode only {c['decode_only_device_s']:.2f}, tower "
+                f"{c['tower_device_s']:.2f}; wall {wall:.2f}")  # fmt: skip
         save(work, data)
     data["complete"] = True
     save(work, data)
@@ -477,6 +482,7 @@ def run_vllm(work: Path, ckpt: Path, kwargs: dict[str, Any], data: dict[str, Any
 def phase_hylora(args: argparse.Namespace) -> None:
     import torch
 
+    from bench.video_workload_gpu import StepMix
     from hylora.engine import EngineConfig, LLMEngine, SamplingParams
     from hylora.engine.multimodal import build_multimodal_prompt
     from hylora.kernels import as_text
@@ -547,10 +553,14 @@ def phase_hylora(args: argparse.Namespace) -> None:
             for o in engine.step()
         ]
 
+    mix = StepMix(engine)  # each forward's and tower call's device time (CUDA events), to set against the wall
+
     def stats() -> dict[str, Any]:
-        s = engine.stats()
+        s, m = engine.stats(), mix.totals()
+        device = {k: m[k] for k in ("forwards", "with_prefill_device_s", "decode_only_device_s", "tower_device_s")}
         return {
-            "encoder_hits": s.encoder_hits, "encoder_misses": s.encoder_misses, "preemptions": s.preemptions, **host
+            "encoder_hits": s.encoder_hits, "encoder_misses": s.encoder_misses, "preemptions": s.preemptions,
+            **host, **device,
         }  # fmt: skip
 
     def busy() -> bool:
