@@ -519,13 +519,13 @@ def phase_hylora(args: argparse.Namespace) -> None:
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="video-prep")
     processed: dict[int, Future] = {}
     waiting: collections.deque[Job] = collections.deque()
+    counted: set[int] = set()  # the videos whose worker seconds are in host["prepare_s"]
     host = {"prepare_s": 0.0, "engine_add_s": 0.0}  # worker seconds (overlapped); seconds the steps waited
 
-    def prepare(video: int) -> Any:
+    def prepare(video: int) -> tuple[Any, float]:
+        """(the video's tower input, the worker's seconds on it)."""
         t = time.perf_counter()
-        item = process_frames(videos.frames[video], videos.fps, media, limits)
-        host["prepare_s"] += time.perf_counter() - t
-        return item
+        return process_frames(videos.frames[video], videos.fps, media, limits), time.perf_counter() - t
 
     def submit(job: Job) -> None:
         if job.video not in processed:
@@ -536,7 +536,10 @@ def phase_hylora(args: argparse.Namespace) -> None:
         """Add the waiting requests whose video is ready, in order; `block`: wait for the first."""
         while waiting and (block or processed[waiting[0].video].done()):
             job = waiting.popleft()
-            item = processed[job.video].result()
+            item, seconds = processed[job.video].result()
+            if job.video not in counted:  # a video's preprocessing, once
+                counted.add(job.video)
+                host["prepare_s"] += seconds
             t = time.perf_counter()
             ids = expand_prompt_ids(prompt_ids(ckpt, job.video), [item], tokenizer, tokens)
             max_tokens = videos.max_tokens if not job.request_id.startswith("warm") else 4
