@@ -75,8 +75,9 @@ class MediaEncoder:
                 if req.request_id not in failed:
                     failed[req.request_id] = self.fail(req, f"encoding its media failed: {e!r}", FailureKind.INTERNAL)
             return
-        for (key, uses), rows in zip(todo, out, strict=True):
-            finite = bool(torch.isfinite(rows).all())
+        # one host sync for every segment's check, not one each
+        all_finite = torch.stack([torch.isfinite(rows).all() for rows in out]).tolist()
+        for (key, uses), rows, finite in zip(todo, out, all_finite, strict=True):
             for req, seg in uses:
                 if req.request_id in failed:
                     continue
