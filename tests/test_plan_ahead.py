@@ -160,7 +160,8 @@ def media_engines(vl_media_ckpt, poison: str | None = None, kind: str = "raise")
     """Images and videos (their chunks wait for the encoder budget) with a text request, on an engine
     without and one with async scheduling: (outputs, engines, which of each engine's encodes ran while a
     step was planned ahead). `poison`: the tower raises on that request's media (`kind` "raise") or
-    gives non-finite rows for them ("nan")."""
+    gives non-finite rows for them ("nan"). Each engine's `launched` lists the request ids of each step
+    it queued."""
     from hylora.engine import EngineConfig, LLMEngine
     from hylora.engine.multimodal import build_multimodal_prompt
     from tests.test_engine_media import PROMPTS, media_items
@@ -189,7 +190,13 @@ def media_engines(vl_media_ckpt, poison: str | None = None, kind: str = "raise")
             encodes.extend((c.request.request_id, bool(planning)) for c in chunks if c.media)
             return real_prepare(chunks, step)
 
-        e._plan_ahead, e.media.prepare = plan, prepare
+        e.launched = []
+
+        def launch(chunks, *args, real_launch=e._launch, launched=e.launched, **kw):
+            launched.append([c.request.request_id for c in chunks])
+            return real_launch(chunks, *args, **kw)
+
+        e._plan_ahead, e.media.prepare, e._launch = plan, prepare, launch
         for name, p in [*prompts.items(), ("text", text)]:
             mm = build_multimodal_prompt(p.ids, media_items(p, name), e.model.config.vision) if name != "text" else None
             if name == poison:
@@ -239,12 +246,16 @@ def test_media_that_fail_to_encode_ahead_fail_their_request_alone(vl_media_ckpt,
     planned ahead: that request ends with the error it gets without async scheduling, every other
     request gives the same tokens and logprobs, and nothing stays held."""
     poison = "video_odd_t"
-    outs, _, encodes = media_engines(vl_media_ckpt, poison, kind)
+    outs, engines, encodes = media_engines(vl_media_ckpt, poison, kind)
     assert (poison, True) in encodes[True]  # its media were encoded for a step planned ahead
     want = "encoding its media failed" if kind == "raise" else "non-finite values (NaN/Inf) in the vision tower"
     for ahead in (False, True):
         bad = outs[ahead][poison]
         assert bad.finish_reason == "error" and want in bad.error, (ahead, bad.error)
+        if kind == "nan":  # checked once its step is queued (the tower overlaps the host's building)
+            assert any(poison in ids for ids in engines[ahead].launched), ahead
+            # no non-finite rows enter the encoder cache
+            assert all(bool(torch.isfinite(v).all()) for v in engines[ahead].encoder_cache._entries.values())
     for rid, plain in outs[False].items():
         if rid != poison:
             assert plain.error is None and outs[True][rid].token_ids == plain.token_ids, rid

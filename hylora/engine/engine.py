@@ -345,13 +345,14 @@ class LLMEngine:
         for req in plan.failed:
             self._finish(req, "error", error=req.error, failure=req.failure)
             outputs.append(self._output(req))
-        chunks = plan.chunks
+        chunks, encoded = plan.chunks, None
         if any(c.media for c in chunks):
-            chunks, failed = self.media.prepare(chunks, self.step_count + 1)
+            chunks, failed, encoded = self.media.prepare(chunks, self.step_count + 1)
             outputs.extend(failed)
         if not chunks:
-            return outputs
+            return outputs + self.media.settle(encoded)
         step = self._launch(chunks, outputs)
+        outputs.extend(self.media.settle(encoded))
         if step is not None:
             outputs.extend(self._decode_ahead_and_finish(step))
         return outputs
@@ -534,13 +535,14 @@ class LLMEngine:
             outputs.append(self._output(req))
         if plan.blocked or not plan.chunks:
             return None  # admitted requests keep their place: the plan made once `step` is read runs them
-        chunks = plan.chunks
+        chunks, encoded = plan.chunks, None
         if any(c.media for c in chunks):
             # the tower queued behind `step`; a request whose media fail ends here, as in a step of its own
             row_of = dict(zip((id(c) for c in chunks if c.ahead), rows, strict=True))
-            chunks, failed = self.media.prepare(chunks, self.step_count + 1)
+            chunks, failed, encoded = self.media.prepare(chunks, self.step_count + 1)
             outputs.extend(failed)
             if not chunks:
+                outputs.extend(self.media.settle(encoded))
                 return None
             rows = [row_of[id(c)] for c in chunks if c.ahead]
         input_ids = None
@@ -552,7 +554,9 @@ class LLMEngine:
         except Exception as e:
             if isinstance(e, DeviceFault):
                 raise
+            outputs.extend(self.media.settle(encoded))
             raise AheadLaunchFailed(chunks, e) from e
+        outputs.extend(self.media.settle(encoded))
         self.prefill_steps_ahead += 1
         return launched
 
