@@ -266,4 +266,3 @@ def _media_before(req: Request, length: int) -> tuple:
     for seg in mm.segments:
         starts[seg.item] = min(starts.get(seg.item, seg.start), seg.start)
     return tuple(mm.items[i].key for i, start in sorted(starts.items(), key=lambda kv: kv[1]) if start < length)
-
