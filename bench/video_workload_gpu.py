@@ -150,14 +150,14 @@ class StepMix(StepObserver):
     def __init__(self, engine: LLMEngine) -> None:
         self.engine, self.clock = engine, Clock(engine.model.device.type == "cuda")
         self.forwards: list[tuple[int, int, Any, Any]] = []  # prefill tokens, decode tokens, start, end
-        self.tower: list[tuple[int, Any, Any]] = []  # output rows, start, end
+        self.tower: list[tuple[int, Any, Any, float]] = []  # output rows, start, end, host seconds
         visual = engine.model.visual
         self._real = visual.forward
 
         def timed(*args: Any, **kwargs: Any) -> torch.Tensor:
-            start = self.clock.mark()
+            host, start = time.perf_counter(), self.clock.mark()
             out = self._real(*args, **kwargs)
-            self.tower.append((out.shape[0], start, self.clock.mark()))
+            self.tower.append((out.shape[0], start, self.clock.mark(), time.perf_counter() - host))
             return out
 
         visual.forward = timed
@@ -194,8 +194,13 @@ class StepMix(StepObserver):
             "decode_only_device_s": sum(decode_only),
             "decode_step_ms": 1e3 * sum(decode_only) / max(len(decode_only), 1),
             "tower_calls": len(self.tower),
-            "tower_tokens": sum(rows for rows, _, _ in self.tower),
-            "tower_device_s": sum(self.clock.seconds(a, b) for _, a, b in self.tower),
+            "tower_tokens": sum(rows for rows, _, _, _ in self.tower),
+            "tower_device_s": sum(self.clock.seconds(a, b) for _, a, b, _ in self.tower),
+            "tower_host_s": sum(h for _, _, _, h in self.tower),
+            # per call: (output rows, device ms, host ms), to see small calls and host-bound ones
+            "tower_per_call": [
+                (rows, round(1e3 * self.clock.seconds(a, b), 2), round(1e3 * h, 2)) for rows, a, b, h in self.tower
+            ],
         }
 
 

@@ -291,7 +291,10 @@ def run_patterns(work: Path, data: dict[str, Any], side: Side, videos: Videos) -
         before = side.stats()
         records, wall = drive(side, videos.jobs[p])
         after = side.stats()
-        row = summary(p, records, wall, counters={k: after[k] - before.get(k, 0) for k in after})
+        counters = {
+            k: v[len(before.get(k, [])) :] if isinstance(v, list) else v - before.get(k, 0) for k, v in after.items()
+        }
+        row = summary(p, records, wall, counters=counters)
         data["runs"].append(row)
         e2e = row["e2e_s"]
         log(f"{data['engine']} {p}: {row['out_tok_s']:.0f} out tok/s, E2E p50 {e2e.get('p50', 0):.2f}s "
@@ -301,6 +304,8 @@ def run_patterns(work: Path, data: dict[str, Any], side: Side, videos: Videos) -
             log(f"{data['engine']} {p}: device s in {c['forwards']} forwards with prefill "
                 f"{c['with_prefill_device_s']:.2f}, decode only {c['decode_only_device_s']:.2f}, tower "
                 f"{c['tower_device_s']:.2f}; wall {wall:.2f}")  # fmt: skip
+            log(f"{data['engine']} {p}: {c['tower_calls']} tower calls, {c['tower_tokens']} rows, host s "
+                f"{c['tower_host_s']:.2f}; per call (rows, device ms, host ms): {c['tower_per_call']}")  # fmt: skip
         save(work, data)
     data["complete"] = True
     save(work, data)
@@ -560,7 +565,8 @@ def phase_hylora(args: argparse.Namespace) -> None:
 
     def stats() -> dict[str, Any]:
         s, m = engine.stats(), mix.totals()
-        device = {k: m[k] for k in ("forwards", "with_prefill_device_s", "decode_only_device_s", "tower_device_s")}
+        keys = ("forwards", "with_prefill_device_s", "decode_only_device_s", "tower_device_s", "tower_host_s")
+        device = {k: m[k] for k in (*keys, "tower_calls", "tower_tokens", "tower_per_call")}
         return {
             "encoder_hits": s.encoder_hits, "encoder_misses": s.encoder_misses, "preemptions": s.preemptions,
             **host, **device,

@@ -179,8 +179,7 @@ class VisionTower(nn.Module):
         stack = self.patch_embed.proj.lora
         num_slots = 0 if stack is None else len(stack.present)
         patch_lora, merged_lora = _lora_batches(item_lora_slots, grids, c.merge_unit, num_slots, device)
-        rows, cols = _patch_coordinates(grids, c.spatial_merge_size)  # [N] each, merge-block order
-        rows, cols = rows.to(device), cols.to(device)
+        rows, cols = _patch_coordinates(grids, c.spatial_merge_size, device)  # [N] each, merge-block order
 
         x = self.patch_embed(pixel_values.to(self.dtype), patch_lora)
         x = x + self._interpolated_positions(rows, cols, grids).to(x.dtype)
@@ -197,8 +196,9 @@ class VisionTower(nn.Module):
     def _interpolated_positions(self, rows: torch.Tensor, cols: torch.Tensor, grids: list) -> torch.Tensor:
         """The learned side x side table bilinearly resampled (align_corners=True) to each grid: [N, hidden]."""
         side = self.config.position_grid_side
-        heights = torch.cat([torch.full((t * h * w,), h) for t, h, w in grids]).to(rows.device)
-        widths = torch.cat([torch.full((t * h * w,), w) for t, h, w in grids]).to(rows.device)
+        # built on the device: a pageable copy would make the host wait for the step in flight
+        heights = torch.cat([torch.full((t * h * w,), h, device=rows.device) for t, h, w in grids])
+        widths = torch.cat([torch.full((t * h * w,), w, device=rows.device) for t, h, w in grids])
         h_taps, h_weights = _bilinear_taps(rows, heights, side)
         w_taps, w_weights = _bilinear_taps(cols, widths, side)
         index = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
@@ -249,12 +249,15 @@ def _bilinear_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[
     return taps.clamp(max=side - 1), weights
 
 
-def _patch_coordinates(grids: list[tuple[int, int, int]], merge: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, col) in its frame of every patch row, in merge-block order, repeated over t."""
+def _patch_coordinates(
+    grids: list[tuple[int, int, int]], merge: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) in its frame of every patch row, in merge-block order, repeated over t; made on
+    `device` (no host-to-device copy)."""
     rows, cols = [], []
     for t, h, w in grids:
-        r = torch.arange(h)[:, None].expand(h, w)
-        c = torch.arange(w)[None, :].expand(h, w)
+        r = torch.arange(h, device=device)[:, None].expand(h, w)
+        c = torch.arange(w, device=device)[None, :].expand(h, w)
         blocks = (h // merge, merge, w // merge, merge)
         rows.append(r.reshape(blocks).transpose(1, 2).flatten().repeat(t))
         cols.append(c.reshape(blocks).transpose(1, 2).flatten().repeat(t))
