@@ -45,9 +45,9 @@ class ProcessedMedia:
 
     def rows(self, start: int, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """float32 rows [start, end) on `device`; uint8 rows travel as bytes and are normalised there. The
-        copy goes through page-locked memory: it does not wait for the step in flight."""
+        copies (rows and byte table) go through page-locked memory: they do not wait for the step in flight."""
         part = host_to_device(self.pixels[start:end], device)
-        return part if self.table is None else pixels.normalise_rows(part, self.table)
+        return part if self.table is None else pixels.normalise_rows(part, host_to_device(self.table, device))
 
     @property
     def num_tokens(self) -> int:
