@@ -99,12 +99,14 @@ def assert_each_as_alone(
     aborted: str,
     faulted: str,
     inexact: dict[str, int] | None = None,
+    poisoned: set[str] | frozenset[str] = frozenset(),
 ) -> None:
     """Each request of a mixed run against itself run alone: the same tokens, finish reason and
     logprobs (within 1e-4). `aborted` may end "abort" with a prefix of its tokens alone, `faulted`
     with a numerical fault; a request that failed alone (a grammar and stop tokens that leave nothing
     to sample) fails the same way. `inexact`: request → max_tokens, checked for their length only (a
-    seed under speculation draws differently, docs/SERVING.md)."""
+    seed under speculation draws differently, docs/SERVING.md). `poisoned`: requests whose media the
+    tower fails on, which fail the same way alone."""
     inexact = inexact or {}
     assert outs.keys() == alone.keys()
     for rid, out in outs.items():
@@ -115,7 +117,7 @@ def assert_each_as_alone(
         if rid == faulted and out.finish_reason == "error" and out.error != want.error:
             assert "numerical fault" in out.error
             continue
-        assert want.error is None or "every token is forbidden" in want.error, (rid, want.error)
+        assert want.error is None or "every token is forbidden" in want.error or rid in poisoned, (rid, want.error)
         assert out.error == want.error, rid
         if rid in inexact:
             assert (out.error is None) <= len(out.token_ids) <= inexact[rid], rid

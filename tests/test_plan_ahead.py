@@ -165,7 +165,7 @@ def media_engines(vl_media_ckpt, poison: str | None = None, kind: str = "raise")
     from hylora.engine import EngineConfig, LLMEngine
     from hylora.engine.multimodal import build_multimodal_prompt
     from tests.test_engine_media import PROMPTS, media_items
-    from tests.vl_helpers import build_prompt
+    from tests.vl_helpers import build_prompt, poison_tower
 
     prompts = {name: build_prompt(parts, seed=10 + i) for i, (name, parts) in enumerate(PROMPTS.items())}
     text = build_prompt([("text", 30)], seed=99)
@@ -177,7 +177,7 @@ def media_engines(vl_media_ckpt, poison: str | None = None, kind: str = "raise")
         )  # fmt: skip
         e = engines[ahead] = LLMEngine(vl_media_ckpt[0], config, progress=False)
         planning, encodes[ahead] = [], []
-        real_plan, real_prepare, real_tower = e._plan_ahead, e.media.prepare, e.model.visual.forward
+        real_plan, real_prepare = e._plan_ahead, e.media.prepare
 
         def plan(*args, real_plan=real_plan, planning=planning):
             planning.append(True)
@@ -202,25 +202,7 @@ def media_engines(vl_media_ckpt, poison: str | None = None, kind: str = "raise")
             if name == poison:
                 assert mm is not None
                 _, h, w = mm.items[0].grid_thw
-                bad = mm.items[0].rows(0, h * w)  # its first segment's rows, as the tower gets them
-
-                def tower(pixels, grids, slots, real_tower=real_tower, bad=bad):
-                    sizes = [int(g.prod()) for g in grids]  # each segment's pixel rows, in order
-                    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-                    hit = [
-                        i
-                        for i, (a, n) in enumerate(zip(starts, sizes, strict=True))
-                        if torch.equal(pixels[a : a + n], bad)
-                    ]
-                    if hit and kind == "raise":
-                        raise RuntimeError("the tower breaks on this video")
-                    out = real_tower(pixels, grids, slots)
-                    unit = pixels.shape[0] // out.shape[0]
-                    for i in hit:
-                        out[starts[i] // unit : (starts[i] + sizes[i]) // unit] = float("nan")
-                    return out
-
-                e.model.visual.forward = tower
+                poison_tower(e, mm.items[0].rows(0, h * w), kind)  # its first segment's rows
             e.add_request(name, p.ids, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0), mm=mm)
         outs[ahead] = run(e, {})
         assert_all_freed(e)

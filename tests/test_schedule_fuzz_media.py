@@ -2,14 +2,15 @@
 several task adapters, beside images and text): whatever the mix, every request gets what it gets
 alone.
 
-Each seed draws requests from a few prompts (a video, an image, both, text) sent to the base model
-or a task adapter, with the same video often going to several adapters (one content key: the encoder
-cache and shared encodes), arriving over the first steps, one aborted and one made to fault at a
-random step; and a step size and encoder budget (from one image or temporal patch per step up). It runs
-synchronously, planned ahead (padded short steps; the prefix cache on), and planned ahead with the
-encoder cache off. Against each request run alone on a synchronous engine: the same tokens,
-logprobs within 1e-4; the aborted one a prefix of its tokens alone, the faulted one an error; every
-KV page and state slot back.
+Each seed draws requests from a few prompts (a video, an image, both, text, and a video the tower
+gives NaN for) sent to the base model or a task adapter, with the same video often going to several
+adapters (one content key: the encoder cache and shared encodes), arriving over the first steps, one
+aborted and one made to fault at a random step; and a step size and encoder budget (from one image or
+temporal patch per step up). It runs synchronously, planned ahead (padded short steps; the prefix
+cache on), and planned ahead with the encoder cache off. Against each request run alone on a
+synchronous engine: the same tokens, logprobs within 1e-4; the aborted one a prefix of its tokens
+alone, the faulted one an error, the poisoned video's requests the tower's numerical fault; every KV
+page and state slot back.
 
 `HYLORA_SCHEDULE_FUZZ_SEEDS=N` draws N workloads per configuration (default 4).
 """
@@ -27,7 +28,7 @@ from tests.engine_helpers import assert_all_freed, assert_each_as_alone, run
 from tests.lora_helpers import peft_adapter
 from tests.test_engine_media import LANGUAGE_TARGETS, media_items
 from tests.test_schedule_fuzz import draw_params
-from tests.vl_helpers import build_prompt
+from tests.vl_helpers import build_prompt, poison_tower
 
 SEEDS = range(int(os.environ.get("HYLORA_SCHEDULE_FUZZ_SEEDS", "4")))
 PROMPTS = {
@@ -35,6 +36,7 @@ PROMPTS = {
     "image": [("text", 5), ("image", (1, 4, 6)), ("text", 7)],
     "both": [("text", 4), ("image", (1, 6, 4)), ("text", 9), ("video", (2, 4, 6)), ("text", 5)],
     "text": [("text", 30)],
+    "poisoned": [("text", 4), ("video", (2, 4, 4)), ("text", 5)],  # the tower gives NaN for its 2nd patch
 }
 BASE = dict(device="cpu", max_model_len=256, max_num_seqs=4, max_lora_rank=8, fault_injection=True)
 CONFIGS = {
@@ -57,8 +59,13 @@ def adapters(vl_media_ckpt, tmp_path_factory) -> dict[str, object]:
     return {name: root / name for name in ("relic", "tomb")}
 
 
-def new_engine(ckpt, adapters, **config) -> LLMEngine:
-    return LLMEngine(ckpt, EngineConfig(**(BASE | config)), lora_modules=adapters, progress=False)
+def new_engine(ckpt, adapters, prompts, **config) -> LLMEngine:
+    """An engine whose tower gives non-finite rows for the poisoned video's second temporal patch."""
+    engine = LLMEngine(ckpt, EngineConfig(**(BASE | config)), lora_modules=adapters, progress=False)
+    (item,) = media_items(prompts["poisoned"], "poisoned")
+    _, h, w = item.grid_thw
+    poison_tower(engine, item.rows(h * w, 2 * h * w))
+    return engine
 
 
 def draw_workload(seed: int) -> tuple[list[tuple], dict, tuple[str, int], tuple[str, int]]:
@@ -67,7 +74,7 @@ def draw_workload(seed: int) -> tuple[list[tuple], dict, tuple[str, int], tuple[
     rng = random.Random(seed)
     requests = []
     for i in range(rng.randint(4, 6)):
-        name = rng.choice(["video", "video", "image", "both", "text"])
+        name = rng.choice(["video", "video", "image", "both", "text", "poisoned"])
         adapter = rng.choice([None, "relic", "tomb"])
         requests.append((rng.choice([0, 0, 1, 3, 6]), f"r{i}", name, draw_params(rng), adapter))
     sizes = dict(max_num_batched_tokens=rng.choice([9, 24, 64]), max_num_encoder_tokens=rng.choice([6, 12, 16384]))
@@ -87,7 +94,7 @@ def references(vl_media_ckpt, adapters, prompts) -> dict[int, dict[str, RequestO
     outs = {}
     for seed in SEEDS:
         requests, sizes, *_ = draw_workload(seed)
-        reference = new_engine(vl_media_ckpt[0], adapters, **CONFIGS["sync"], **sizes)
+        reference = new_engine(vl_media_ckpt[0], adapters, prompts, **CONFIGS["sync"], **sizes)
         outs[seed] = {}
         for _, rid, name, params, adapter in requests:
             add(reference, prompts, rid, name, params, adapter)
@@ -101,7 +108,7 @@ def test_a_random_media_mix_gives_each_request_what_it_gets_alone(
     vl_media_ckpt, adapters, prompts, references, config, seed
 ):
     requests, sizes, (aborted, abort_step), (faulted, fault_step) = draw_workload(seed)
-    engine = new_engine(vl_media_ckpt[0], adapters, **CONFIGS[config], **sizes)
+    engine = new_engine(vl_media_ckpt[0], adapters, prompts, **CONFIGS[config], **sizes)
     arrivals: dict[int, list[tuple]] = {}
     for step, *request in requests:
         arrivals.setdefault(step, []).append(request)
@@ -116,5 +123,8 @@ def test_a_random_media_mix_gives_each_request_what_it_gets_alone(
         done |= {o.request_id: o for o in engine.step() if o.finished}
         if len(done) == len(requests) and not engine.has_unfinished():
             break
-    assert_each_as_alone(done, references[seed], aborted, faulted)
+    poisoned = {rid for _, rid, name, _, _ in requests if name == "poisoned"}
+    for rid in poisoned - {aborted, faulted}:  # fails as alone, whatever shares its tower calls and steps
+        assert "non-finite values (NaN/Inf) in the vision tower" in done[rid].error, rid
+    assert_each_as_alone(done, references[seed], aborted, faulted, poisoned=poisoned)
     assert_all_freed(engine)

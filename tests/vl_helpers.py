@@ -120,3 +120,24 @@ def hf_vl_logits(ref, prompt: Prompt, extra: list[int] = ()) -> torch.Tensor:
         mm_token_type_ids=token_types(ids),
     )
     return out.logits[0].float()
+
+
+def poison_tower(engine, bad: torch.Tensor, kind: str = "nan") -> None:
+    """Make `engine`'s vision tower fail on the segment whose pixel rows equal `bad` (as the tower gets
+    them, whichever other segments share the call): it raises (`kind` "raise") or gives non-finite rows
+    for that segment ("nan"). Every other segment's rows are the tower's own."""
+    real = engine.model.visual.forward
+
+    def tower(pixels, grids, slots):
+        sizes = [int(g.prod()) for g in grids]  # each segment's pixel rows, in order
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        hit = [i for i, (a, n) in enumerate(zip(starts, sizes, strict=True)) if torch.equal(pixels[a : a + n], bad)]
+        if hit and kind == "raise":
+            raise RuntimeError("the tower breaks on this video")
+        out = real(pixels, grids, slots)
+        unit = pixels.shape[0] // out.shape[0]
+        for i in hit:
+            out[starts[i] // unit : (starts[i] + sizes[i]) // unit] = float("nan")
+        return out
+
+    engine.model.visual.forward = tower
