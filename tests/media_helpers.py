@@ -191,7 +191,6 @@ def ico_wrapping(png: bytes) -> bytes:
 
 
 @functools.cache
-@functools.cache
 def gzip_layers(size: int, layers: int) -> bytes:
     """`size` zero bytes gzipped `layers` times (streamed: the zeros never sit in memory). Made once a
     process (over a second each): a fetch's time limit in a test must not include making its body."""
