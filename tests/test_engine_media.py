@@ -124,6 +124,32 @@ def test_prefill_stops_before_media_the_encoder_budget_cannot_pay_for(vl_media_c
     assert reached[:3] == [segments[1].start, segments[2].start, len(prompts["video_odd_t"].ids)]
 
 
+@pytest.mark.parametrize("encoder_budget, ahead_calls", [(16384, [3]), (8, [2, 1])])
+def test_a_video_reached_by_small_chunks_is_encoded_ahead_in_few_tower_calls(
+    vl_media_ckpt, prompts, encoder_budget, ahead_calls
+):
+    """Chunks of 5 tokens over a video of three 4-token temporal patches: the chunk that reaches the
+    video encodes its later patches too, as far as the encoder budget goes (two patches, then the
+    third, with a budget of 8); without encode_media_ahead each chunk encodes the patch it reaches.
+    Tokens and logprobs are the same either way."""
+    p = prompts["video_odd_t"]
+    outs, calls = {}, {}
+    for ahead in (True, False):
+        e = engine(
+            vl_media_ckpt[0], max_num_batched_tokens=5, max_num_encoder_tokens=encoder_budget,
+            encode_media_ahead=ahead,
+        )  # fmt: skip
+        calls[ahead] = []
+        real = e.model.visual.forward
+        e.model.visual.forward = lambda *a, _c=calls[ahead], _r=real, **k: _c.append(len(a[1])) or _r(*a, **k)
+        request(e, "r", p, "ahead")
+        outs[ahead] = run(e, {})["r"]
+    assert calls[True] == ahead_calls
+    assert calls[False] == [1, 1, 1]
+    assert outs[True].token_ids == outs[False].token_ids
+    assert max_logprob_diff(outs[True], outs[False]) < 1e-5
+
+
 def test_task_adapter_with_media_equals_peft_merged(vl_media_ckpt, prompts, adapter_dir):
     path, merged = adapter_dir
     e = engine(vl_media_ckpt[0], path, max_num_batched_tokens=11)

@@ -45,22 +45,24 @@ def old_formula(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 @pytest.mark.parametrize("head_dim", [72, 64, 8, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_kernel_equals_reference_bit_for_bit(gpu_bf16, dtype, head_dim, heads):
-    """Token counts straddle a program's rows (with 2H heads a token); the q/k heads are the strided
-    [:, :2H] view of the fused qkv."""
-    per_program = kernel.block_rows_for(head_dim) // (2 * heads)
-    for tokens in sorted({1, per_program - 1, per_program, per_program + 1, 300} - {0}):
+    """Launches of 64 (row, d) pairs a program split heads and tokens between programs, and the
+    default launch; the q/k heads are the strided [:, :2H] view of the fused qkv."""
+    pairs = 64  # a program's (row, d) pairs: small, so that programs split rows and tokens
+    per_token = 2 * heads * head_dim // 2
+    edges = {pairs // per_token, pairs // per_token + 1, 2 * pairs // per_token + 1, 300}
+    for tokens in sorted(t for t in edges if t > 0):
         qkv, cos, sin = inputs(tokens, heads, head_dim, dtype, seed=tokens + head_dim)
         x = qkv[:, : 2 * heads]
         want = reference.rotate_half(x, cos, sin)
 
         out = torch.full_like(want, NAN)
-        got = kernel.rotate_half(x, cos, sin, out=out)
+        got = kernel.rotate_half(x, cos, sin, out=out, pairs=pairs)
         assert got is out and same_bits(got, want), tokens
-        assert same_bits(kernel.rotate_half(x, cos, sin), want), tokens  # a buffer of its own
+        assert same_bits(kernel.rotate_half(x, cos, sin), want), tokens  # a buffer of its own, default launch
 
         ref_qkv, got_qkv = qkv.clone(), qkv.clone()
         reference.rotate_half(ref_qkv[:, : 2 * heads], cos, sin, out=ref_qkv[:, : 2 * heads])
-        kernel.rotate_half(got_qkv[:, : 2 * heads], cos, sin, out=got_qkv[:, : 2 * heads])
+        kernel.rotate_half(got_qkv[:, : 2 * heads], cos, sin, out=got_qkv[:, : 2 * heads], pairs=pairs)
         assert same_bits(got_qkv[:, : 2 * heads], want), tokens
         assert same_bits(ref_qkv, got_qkv), tokens
         assert same_bits(got_qkv[:, 2 * heads :], qkv[:, 2 * heads :]), tokens  # the v heads untouched

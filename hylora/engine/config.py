@@ -36,6 +36,10 @@ class EngineConfig:
     # vision: tower output tokens encoded per step (an image, or one temporal patch of a video, must fit)
     max_num_encoder_tokens: int = 16384
     encoder_cache_gb: float = 1.0  # tower outputs kept by media content (the same video for several adapters)
+    # a chunk that encodes part of a video also encodes that video's later temporal patches, as far as
+    # the step's encoder budget goes: fewer, larger tower calls (vLLM encodes each item whole). One video
+    # of 20 720p frames on an H200 (BASELINE run 25 d): 119 ms in one call, 165 ms in ten
+    encode_media_ahead: bool = True
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's name); the CPU always runs eagerly
     # decode ahead: queue the next decode step before reading this one's tokens, so the host's work
     # overlaps the device's (vLLM's --async-scheduling); decode steps need the padded decode step (CUDA)

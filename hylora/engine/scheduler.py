@@ -31,7 +31,10 @@ the state there. Cached pages nobody uses are evicted (LRU) before anyone is pre
 Media: a prefill chunk may only cover visual tokens whose tower output is ready, cached, or encoded in
 this step; encoding is limited to `max_num_encoder_tokens` per step, so a chunk that reaches a
 segment (an image, or one temporal patch of a video) the budget cannot pay for stops just before
-it and the prefill continues next step — no step stalls to encode a whole long video.
+it and the prefill continues next step — no step stalls to encode a whole long video. A chunk that
+encodes part of a video also encodes the video's later temporal patches the budget left can pay for
+(`encode_media_ahead`): they reach the request's ready rows and the encoder cache in the same tower
+call, so a video is encoded in one or two calls rather than one per step it spans.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ class ScheduledChunk:
     request: Request
     start: int
     num_tokens: int
-    media: list[Segment] = field(default_factory=list)  # segments to take from the cache or encode first
+    # segments to take from the cache or encode first (encode_media_ahead: with later ones of the last one's item)
+    media: list[Segment] = field(default_factory=list)
     # a decode token planned ahead: its input is the token the step in flight is still sampling
     # (engine.py's decode ahead), so it lies one past the request's tokens known on the host
     ahead: bool = False
@@ -291,7 +295,27 @@ class Scheduler:
                 return max(0, seg.start - start), needed
             needed.append(seg)
             cost += price
+        if needed and self.config.encode_media_ahead:
+            needed += self._ahead(req, needed[-1], start + n, self._encoder_budget - cost)
         return n, needed
+
+    def _ahead(self, req: Request, last: Segment, end: int, budget: int) -> list[Segment]:
+        """The segments of `last`'s item after the chunk (which ends before `end`) that the request does
+        not hold, in order, while `budget` pays for them: encoded in the same tower call as the chunk's."""
+        mm = req.mm
+        assert mm is not None
+        ahead = []
+        for seg in mm.segments:
+            if seg.item != last.item or seg.start < end or seg.id in mm.ready:
+                continue
+            price = self._encoder_cost(req, seg)
+            if price == 0:  # cached, or another chunk of this step encodes it
+                continue
+            if price > budget:
+                break
+            ahead.append(seg)
+            budget -= price
+        return ahead
 
     def _encoder_cost(self, req: Request, seg: Segment) -> int:
         """Nothing for a segment the encoder cache holds or this step encodes for another chunk

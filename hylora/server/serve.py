@@ -164,6 +164,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig.__dataclass_fields__
     m.add_argument("--max-num-encoder-tokens", type=int, default=d["max_num_encoder_tokens"].default)
     m.add_argument("--encoder-cache-gb", type=float, default=d["encoder_cache_gb"].default)
+    m.add_argument(
+        "--encode-media-ahead",
+        action=argparse.BooleanOptionalAction,
+        default=d["encode_media_ahead"].default,
+        help="a prompt chunk that reaches a video encodes the video's later temporal patches too, as far as the "
+        "step's encoder budget goes (fewer, larger vision-tower calls)",
+    )
     unset = {  # what a default of None means
         "max_num_batched_tokens": "8192 on CUDA, 2048 on CPU",
         "max_cpu_loras": "2 x max_loras",
@@ -381,6 +388,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         device=args.device,
         max_num_encoder_tokens=args.max_num_encoder_tokens,
         encoder_cache_gb=args.encoder_cache_gb,
+        encode_media_ahead=args.encode_media_ahead,
         enforce_eager=args.enforce_eager,
         max_short_step_tokens=args.max_short_step_tokens,
         async_scheduling=args.async_scheduling,
