@@ -20,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.video_workload_gpu import ADAPTERS, FULL, StepMix, drive, synthetic_video, video_jobs  # noqa: E402
