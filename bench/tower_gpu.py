@@ -6,7 +6,10 @@ merger to 5120), random bf16 weights, on the users' video: 20 frames of 1280x720
 events:
 - the whole video in one call (10 attention segments of 3,520 rows);
 - one temporal patch per call, as a prefill that reaches the video's segments one at a time calls it;
-- attention alone (SDPA on [10, 16, 3520, 72]), and the linear layers alone (their GEMMs on 35,200 rows).
+- attention alone (SDPA on [10, 16, 3520, 72]), and the linear layers alone (their GEMMs on 35,200 rows);
+- the rotary alone (the q and k heads of a [35200, 48, 72] qkv, in place, every block);
+- on CUDA, SDPA on the tower's strided q/k/v views and the whole video's call under each of torch's
+  fused backends (flash, cuDNN, memory-efficient), to see whether another than torch's pick is faster.
 The FLOP floor counts the GEMMs (patch embedding, qkv, proj, the MLP, the merger) and attention's two
 matmuls at `--peak-tflops` (dense bf16). `--profile` prints torch.profiler's top kernels of one
 whole-video call.
@@ -90,6 +93,27 @@ def median_of(fn, repeats: int, time_it) -> float:
     return statistics.median(time_it(fn) for _ in range(repeats))
 
 
+def sdpa_backends(tower, pixels, whole, qkv_views, depth: int, args, time_it) -> dict[str, float]:
+    """SDPA on the tower's strided q/k/v views (all blocks), then the whole video's call, under each of
+    torch's fused backends (CUDA; one that refuses the shape is reported and skipped)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if not args.device.startswith("cuda"):
+        return {}
+    found = {}
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        name = backend.name.lower()
+        try:
+            with sdpa_kernel(backend):
+                found[f"attention alone, strided views, {name}"] = median_of(
+                    lambda: [F.scaled_dot_product_attention(*qkv_views) for _ in range(depth)], args.repeats, time_it
+                )
+                found[f"whole video, one call, {name}"] = median_of(lambda: tower(pixels, whole), args.repeats, time_it)
+        except RuntimeError as e:
+            print(f"SDPA backend {name}: {str(e).splitlines()[0][:200]}", flush=True)
+    return found
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -127,6 +151,14 @@ def main() -> None:
             block.attn.proj(block.attn.qkv(x)[:, : c.hidden_size])
             block.mlp.linear_fc2(block.mlp.linear_fc1(x))
 
+    qkv = torch.randn(t * seg, 3 * heads, hd, device=args.device, dtype=dtype)  # [n, 3H, d] as the tower's
+    angles = torch.rand(t * seg, hd, device=args.device)
+    cos, sin = angles.cos(), angles.sin()
+    rotary = tower.blocks[0].attn.rotary
+
+    def strided(i: int) -> torch.Tensor:  # q, k or v of the fused qkv: the [t, H, seg, d] views SDPA gets
+        return qkv.view(t, seg, 3, heads, hd)[:, :, i].transpose(1, 2)
+
     results = {
         "whole video, one call": median_of(lambda: tower(pixels, whole), args.repeats, time_it),
         f"{t} calls of one temporal patch": median_of(
@@ -136,7 +168,13 @@ def main() -> None:
             lambda: [F.scaled_dot_product_attention(q, q, q) for _ in range(c.depth)], args.repeats, time_it
         ),
         "qkv, proj and MLP GEMMs alone (all blocks)": median_of(linears, args.repeats, time_it),
+        "rotary alone, q and k in place (all blocks)": median_of(
+            lambda: [rotary(qkv[:, : 2 * heads], cos, sin, out=qkv[:, : 2 * heads]) for _ in range(c.depth)],
+            args.repeats,
+            time_it,
+        ),
     }
+    results |= sdpa_backends(tower, pixels, whole, [strided(i) for i in range(3)], c.depth, args, time_it)
     f = flops(c, item.grid_thw)
     floor = (f["gemm"] + f["attention"]) / (args.peak_tflops * 1e12)
     card = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
