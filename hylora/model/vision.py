@@ -179,31 +179,41 @@ class VisionTower(nn.Module):
         stack = self.patch_embed.proj.lora
         num_slots = 0 if stack is None else len(stack.present)
         patch_lora, merged_lora = _lora_batches(item_lora_slots, grids, c.merge_unit, num_slots, device)
-        rows, cols = _patch_coordinates(grids, c.spatial_merge_size, device)  # [N] each, merge-block order
-
         x = self.patch_embed(pixel_values.to(self.dtype), patch_lora)
-        x = x + self._interpolated_positions(rows, cols, grids).to(x.dtype)
-        d = c.head_dim // 2  # rotary dims per axis
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
-        freqs = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], dim=-1)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [N, head_dim] fp32: cos/sin laid out [h, w, h, w]
-        cos, sin = emb.cos(), emb.sin()
+        # positions and rotary angles depend on a frame's (h, w) only: made once per frame size, added and
+        # repeated over each item's t temporal patches
+        frames = {hw: self._frame_tables(*hw, device) for hw in dict.fromkeys((h, w) for _, h, w in grids)}
+        offset, cos, sin = 0, [], []
+        for t, h, w in grids:
+            positions, frame_cos, frame_sin = frames[(h, w)]
+            x[offset : offset + t * h * w].view(t, h * w, -1).add_(positions)
+            cos.append(frame_cos.repeat(t, 1))
+            sin.append(frame_sin.repeat(t, 1))
+            offset += t * h * w
+        cos, sin = torch.cat(cos), torch.cat(sin)  # [N, head_dim] fp32
         runs = _segment_runs(grids)
         for block in self.blocks:
             x = block(x, cos, sin, runs, patch_lora)
         return self.merger(x, merged_lora)
 
-    def _interpolated_positions(self, rows: torch.Tensor, cols: torch.Tensor, grids: list) -> torch.Tensor:
-        """The learned side x side table bilinearly resampled (align_corners=True) to each grid: [N, hidden]."""
-        side = self.config.position_grid_side
-        # built on the device: a pageable copy would make the host wait for the step in flight
-        heights = torch.cat([torch.full((t * h * w,), h, device=rows.device) for t, h, w in grids])
-        widths = torch.cat([torch.full((t * h * w,), w, device=rows.device) for t, h, w in grids])
-        h_taps, h_weights = _bilinear_taps(rows, heights, side)
-        w_taps, w_weights = _bilinear_taps(cols, widths, side)
+    def _frame_tables(self, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One h x w frame's rows, in merge-block order: the learned side x side position table bilinearly
+        resampled to the frame (align_corners=True) [h*w, hidden] in the tower's dtype, and the rotary's
+        cos and sin [h*w, head_dim] fp32 (laid out [h, w, h, w]). Built on the device: a pageable copy
+        would make the host wait for the step in flight."""
+        c = self.config
+        side = c.position_grid_side
+        rows, cols = _frame_coordinates(h, w, c.spatial_merge_size, device)  # [h*w] each
+        h_taps, h_weights = _bilinear_taps(rows, torch.full((h * w,), h, device=device), side)
+        w_taps, w_weights = _bilinear_taps(cols, torch.full((h * w,), w, device=device), side)
         index = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
         weight = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4)
-        return (F.embedding(index, self.pos_embed.weight) * weight[:, :, None]).sum(1)
+        positions = (F.embedding(index, self.pos_embed.weight) * weight[:, :, None]).sum(1).to(self.dtype)
+        d = c.head_dim // 2  # rotary dims per axis
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+        freqs = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], dim=-1)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return positions, emb.cos(), emb.sin()
 
 
 def _lora_batches(
@@ -249,19 +259,12 @@ def _bilinear_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[
     return taps.clamp(max=side - 1), weights
 
 
-def _patch_coordinates(
-    grids: list[tuple[int, int, int]], merge: int, device: torch.device | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, col) in its frame of every patch row, in merge-block order, repeated over t; made on
-    `device` (no host-to-device copy)."""
-    rows, cols = [], []
-    for t, h, w in grids:
-        r = torch.arange(h, device=device)[:, None].expand(h, w)
-        c = torch.arange(w, device=device)[None, :].expand(h, w)
-        blocks = (h // merge, merge, w // merge, merge)
-        rows.append(r.reshape(blocks).transpose(1, 2).flatten().repeat(t))
-        cols.append(c.reshape(blocks).transpose(1, 2).flatten().repeat(t))
-    return torch.cat(rows), torch.cat(cols)
+def _frame_coordinates(h: int, w: int, merge: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) of every patch of an h x w frame, in merge-block order; made on `device`."""
+    r = torch.arange(h, device=device)[:, None].expand(h, w)
+    c = torch.arange(w, device=device)[None, :].expand(h, w)
+    blocks = (h // merge, merge, w // merge, merge)
+    return r.reshape(blocks).transpose(1, 2).flatten(), c.reshape(blocks).transpose(1, 2).flatten()
 
 
 def _segment_runs(grids: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
