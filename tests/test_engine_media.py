@@ -289,3 +289,27 @@ def test_media_requests_survive_preemption_and_a_faulting_neighbour(vl_media_ckp
     assert sum(o.num_preemptions for o in out.values()) > 0
     for name in PROMPTS:
         assert out[name].token_ids == alone[name].token_ids, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the memory plan is measured on a CUDA device")
+def test_memory_plan_reserves_a_tower_call_at_the_whole_encoder_budget(vl_media_ckpt):
+    """The KV cache is sized after a tower call at the step's encoder budget: a real call of that size,
+    with frames of another shape, needs no more than the plan's profile of it."""
+    from hylora.engine.memory import _profile_tower
+
+    config = dict(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, max_num_encoder_tokens=4096)
+    e = engine(vl_media_ckpt[0], **config)
+    profiled = _profile_tower(e.model, e.config)
+    assert profiled > 0
+    visual = e.model.visual
+    frames = 4096 * visual.config.merge_unit // (16 * 24)  # frames of 16 x 24 patches
+    with torch.inference_mode():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        pixels = torch.randn(frames * 16 * 24, visual.config.patch_dim, device="cuda")
+        out = visual(pixels, torch.tensor([(frames, 16, 24)]))
+        assert torch.isfinite(out).all()
+        used = torch.cuda.max_memory_allocated() - base
+    assert used <= 1.05 * profiled, (used, profiled)

@@ -55,26 +55,33 @@ def plan_caches(model: HybridDecoder, config: EngineConfig) -> CachePlan:
     free, total = torch.cuda.mem_get_info(dev)
     used_before = total - free
     activation_peak = _profile_step(model, config)
-    budget = total * config.gpu_memory_utilization - used_before - activation_peak
+    # the tower runs before a step's forward (their activations do not coexist); its outputs stay in the
+    # encoder cache, on the device
+    tower_peak = _profile_tower(model, config)
+    encoder_cache = int(config.encoder_cache_gb * GiB) if model.visual is not None else 0
+    budget = total * config.gpu_memory_utilization - used_before - max(activation_peak, tower_peak) - encoder_cache
     state_bytes = _state_bytes_per_slot(model)
     page_bytes = _page_bytes(model, config.page_size)
     if budget < (slots + snapshots) * state_bytes + per_seq_pages * page_bytes:
         raise MemoryError(
-            f"after weights ({used_before / GiB:.1f} GiB in use) and activations ({activation_peak / GiB:.1f} "
-            f"GiB) the budget ({config.gpu_memory_utilization:.0%} of {total / GiB:.1f} GiB) leaves no room for "
+            f"after weights ({used_before / GiB:.1f} GiB in use), activations ({activation_peak / GiB:.1f} GiB; "
+            f"vision tower {tower_peak / GiB:.1f}) and the encoder cache ({encoder_cache / GiB:.1f} GiB) the "
+            f"budget ({config.gpu_memory_utilization:.0%} of {total / GiB:.1f} GiB) leaves no room for "
             f"{slots} GDN state slots, {snapshots} prefix-cache states and one {config.max_model_len}-token "
-            "sequence; lower --max-num-seqs, --prefix-cache-states, --max-model-len or --max-num-batched-tokens, "
-            "or raise --gpu-memory-utilization"
+            "sequence; lower --max-num-seqs, --prefix-cache-states, --max-model-len, --max-num-batched-tokens, "
+            "--max-num-encoder-tokens or --encoder-cache-gb, or raise --gpu-memory-utilization"
         )
     if page_bytes == 0:  # no attention layer (a model cut to its first GDN layers): pages hold nothing
         num_pages = config.max_num_seqs * per_seq_pages
     else:
         num_pages = int((budget - (slots + snapshots) * state_bytes) // page_bytes)
     log.info(
-        "memory: %.1f GiB in use before caches, %.2f GiB activations, GDN state %d slots + %d prefix-cache "
-        "snapshots x %.1f MiB = %.2f GiB, KV %d pages x %d tokens = %.2f GiB",
+        "memory: %.1f GiB in use before caches, %.2f GiB activations (vision tower %.2f), encoder cache %.2f GiB, "
+        "GDN state %d slots + %d prefix-cache snapshots x %.1f MiB = %.2f GiB, KV %d pages x %d tokens = %.2f GiB",
         used_before / GiB,
         activation_peak / GiB,
+        tower_peak / GiB,
+        encoder_cache / GiB,
         slots,
         snapshots,
         state_bytes / 2**20,
@@ -115,5 +122,29 @@ def _profile_step(model: HybridDecoder, config: EngineConfig) -> int:
     model.logits(model(batch, kv, states)[-1:])
     peak = torch.cuda.max_memory_allocated(model.device) - base
     del kv, states, batch
+    torch.cuda.empty_cache()
+    return int(peak)
+
+
+PROFILE_FRAME = 32  # patches a side of the tower profile's frames: 1024 rows, short attention segments
+
+
+@torch.inference_mode()
+def _profile_tower(model: HybridDecoder, config: EngineConfig) -> int:
+    """Peak extra memory of a vision-tower call at a step's whole encoder budget, its float32 pixel rows
+    included as the engine hands them over (0 without a tower). Frames of 32 x 32 patches: the
+    activations grow with the rows, not with how they split into frames (attention is fused)."""
+    tower = model.visual
+    if tower is None:
+        return 0
+    c = tower.config
+    rows_per_frame = PROFILE_FRAME * PROFILE_FRAME
+    frames = -(-config.max_num_encoder_tokens * c.merge_unit // rows_per_frame)
+    torch.cuda.reset_peak_memory_stats(model.device)
+    base = torch.cuda.memory_allocated(model.device)
+    pixels = torch.zeros(frames * rows_per_frame, c.patch_dim, device=model.device)
+    tower(pixels, torch.tensor([(frames, PROFILE_FRAME, PROFILE_FRAME)]))
+    peak = torch.cuda.max_memory_allocated(model.device) - base
+    del pixels
     torch.cuda.empty_cache()
     return int(peak)
