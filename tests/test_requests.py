@@ -93,8 +93,9 @@ def test_bad_requests_get_clear_errors_and_change_nothing(engine):
         engine.add_request("long", random_ids(250, 320, seed=1), SamplingParams())
     with pytest.raises(RequestError, match="prompt is empty"):
         engine.add_request("empty", [], SamplingParams())
-    with pytest.raises(RequestError, match=r"token ids must be in \[0, 320\)"):
-        engine.add_request("oov", [5, 999], SamplingParams())
+    for bad in ([5, 999], [3, -1], [2.0], ["7"], [2**70], [1, True], [[4]]):
+        with pytest.raises(RequestError, match=r"token ids must be in \[0, 320\)"):
+            engine.add_request("oov", bad, SamplingParams())
     with pytest.raises(UnknownAdapter, match="no adapter named 'nope'"):
         engine.add_request("x", [1, 2], SamplingParams(), adapter="nope")
     engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))

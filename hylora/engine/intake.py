@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
+
 from hylora.cache import PagedKVCache
 from hylora.engine.config import EngineConfig
 from hylora.engine.errors import RequestError
@@ -65,7 +67,7 @@ class RequestIntake:
             ids = list(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
-        if any(not (isinstance(t, int) and 0 <= t < self.vocab_size) for t in ids):
+        if not _token_ids_in(ids, self.vocab_size):
             raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})")
         return ids
 
@@ -81,3 +83,15 @@ class RequestIntake:
                 f"one image or video frame of this request is {largest} visual tokens, more than the "
                 f"{budget} the server encodes per step (--max-num-encoder-tokens); send it smaller"
             )
+
+
+def _token_ids_in(ids: list, vocab_size: int) -> bool:
+    """Every element a Python int (not a float, string or bool) in [0, vocab_size). In numpy once the
+    types are known: a Python loop over a video prompt's ~9k ids cost milliseconds a request."""
+    if not set(map(type, ids)) <= {int}:
+        return False
+    try:
+        values = np.asarray(ids, dtype=np.int64)
+    except OverflowError:
+        return False
+    return bool(values.min() >= 0 and values.max() < vocab_size)

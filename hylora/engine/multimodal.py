@@ -15,7 +15,7 @@ import torch
 
 from hylora.config import VisionConfig
 from hylora.media.processor import ProcessedMedia
-from hylora.model.mrope import MRopePositions, mrope_positions
+from hylora.model.mrope import MRopePositions, mrope_positions, token_runs
 
 SegmentId = tuple[int, int]  # (item index in the prompt, temporal patch)
 
@@ -94,15 +94,9 @@ def build_multimodal_prompt(
     }
     queues = {token: iter(runs) for token, runs in expected.items()}
     segments: list[Segment] = []
-    pos = 0
-    while pos < len(ids):
-        token = ids[pos]
-        if token not in queues:
-            pos += 1
+    for token, pos, run_end in token_runs(ids, queues):
+        if token == -1:
             continue
-        run_end = pos
-        while run_end < len(ids) and ids[run_end] == token:
-            run_end += 1
         left = run_end - pos
         while left > 0:  # adjacent runs of the same kind (two images back to back) split by their sizes
             item, t, n = next(queues[token], (None, 0, 0))
@@ -110,7 +104,6 @@ def build_multimodal_prompt(
                 raise ValueError("the prompt's image / video placeholder tokens do not fit its media")
             segments.append(Segment(item, t, pos + (run_end - pos - left), n))
             left -= n
-        pos = run_end
     if any(next(q, None) is not None for q in queues.values()):
         raise ValueError("some images / videos have no placeholder tokens in the prompt")
     positions = mrope_positions(ids, vision, [items[i].grid_thw for i in images], [items[i].grid_thw for i in videos])

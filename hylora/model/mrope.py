@@ -9,10 +9,10 @@ token i (i >= prompt length) sits at i + delta on all three axes, delta = max(pr
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hylora.config import VisionConfig
@@ -58,8 +58,8 @@ def mrope_positions(
         vision.video_token_id: iter(g for t, h, w in _as_grids(video_grids) for g in [(1, h, w)] * t),
     }
     pieces, cur = [], 0
-    for token, run in itertools.groupby(token_ids, key=lambda tok: tok if tok in grids else -1):
-        n = sum(1 for _ in run)
+    for token, start, end in token_runs(token_ids, grids):
+        n = end - start
         if token == -1:  # text
             pieces.append((torch.arange(n) + cur).expand(3, n))
             cur += n
@@ -82,6 +82,19 @@ def mrope_positions(
             raise ValueError(f"{left} {kind} grid(s) have no placeholder run in the prompt")
     prompt = torch.cat(pieces, dim=1)
     return MRopePositions(prompt, int(prompt.max()) + 1 - len(token_ids))
+
+
+def token_runs(token_ids: Sequence[int], placeholders: Iterable[int]) -> list[tuple[int, int, int]]:
+    """The prompt as maximal runs (token, start, end): a run of one placeholder id (`placeholders`), or
+    of text (token -1). In numpy: a Python loop over a video prompt's ~9k ids cost milliseconds a request."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.size == 0:
+        return []
+    key = np.where(np.isin(ids, np.fromiter(placeholders, dtype=np.int64)), ids, -1)
+    bounds = np.flatnonzero(key[1:] != key[:-1]) + 1
+    starts = [0, *bounds.tolist()]
+    ends = [*bounds.tolist(), len(ids)]
+    return [(int(key[a]), a, b) for a, b in zip(starts, ends, strict=True)]
 
 
 def _as_grids(grids: Sequence[Grid] | torch.Tensor) -> list[Grid]:
