@@ -8,7 +8,10 @@ One synthetic clip (default: 10 s of 1280x720 at 30 fps, H.264, made once before
 - `process_frames`: the decoded frames (what `bench/peer/video_peer.py` hands the engine);
 - `process_frame_list`: the sampled frames as JPEGs (vLLM's `data:video/jpeg;base64` frame list);
 - the preprocessed-media cache's hit for the same bytes (the second adapter's request);
-- normalising one temporal patch's rows on the host (`ProcessedMedia.rows`; on a GPU it runs there).
+- normalising one temporal patch's rows on the host (`ProcessedMedia.rows`; on a GPU it runs there);
+- admitting its prompt (~8.9k ids, the video expanded as transformers' processor does): its segments
+  and M-RoPE positions (`build_multimodal_prompt`, on the request's thread), and the engine's check of
+  its token ids (on the engine thread, between steps).
 
 Median of `--repeats` runs after one untimed. Qwen3.5's video processor config (fps 2, 720p keeps its
 size). Prints a table; `--out FILE` writes the numbers as JSON.
@@ -33,7 +36,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.vision_gpu import synthetic_video  # noqa: E402
+from bench.vision_gpu import VISION_27B, prompt_for, synthetic_video  # noqa: E402
+from hylora.config import VisionConfig  # noqa: E402
+from hylora.engine.intake import _token_ids_in  # noqa: E402
+from hylora.engine.multimodal import build_multimodal_prompt  # noqa: E402
 from hylora.media import MediaConfig, MediaLimits, ProcessedCache, process_video  # noqa: E402
 from hylora.media.config import VideoConfig  # noqa: E402
 from hylora.media.processor import process_frame_list, process_frames  # noqa: E402
@@ -104,6 +110,8 @@ def main() -> None:
     cache = ProcessedCache(1 << 30)
     process_video(mp4, cfg, limits, cache=cache)
     _, h, w = item.grid_thw
+    vision = VisionConfig.from_hf({"vision_config": VISION_27B})
+    ids = prompt_for(item, vision)
     rows = {
         "process_video (mp4 bytes: decode, sample, resize, rows)": lambda: process_video(mp4, cfg, limits),
         "process_frames (decoded frames)": lambda: process_frames(all_frames, args.fps, cfg, limits),
@@ -112,14 +120,16 @@ def main() -> None:
         ),
         "media cache hit (the same mp4 again)": lambda: process_video(mp4, cfg, limits, cache=cache),
         "one temporal patch's rows normalised on the host": lambda: item.rows(0, h * w),
+        f"its prompt's segments and positions ({len(ids)} ids)": lambda: build_multimodal_prompt(ids, [item], vision),
+        "the engine's check of its prompt ids": lambda: _token_ids_in(ids, 248_320),
     }
     results = {name: timed(fn, args.repeats) for name, fn in rows.items()}
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     header = (f"{platform.processor() or platform.machine()}, {cpus} cores available; grid {item.grid_thw}, "
               f"{item.num_tokens} visual tokens; median of {args.repeats}, {time.strftime('%Y-%m-%d')}")  # fmt: skip
-    print(f"\n{header}\n\n| step | host s |\n| --- | --- |")
+    print(f"\n{header}\n\n| step | host ms |\n| --- | --- |")
     for name, seconds in results.items():
-        print(f"| {name} | {seconds:.3f} |")
+        print(f"| {name} | {1e3 * seconds:.2f} |")
     if args.out:
         settings = vars(args) | {"out": str(args.out)}
         args.out.write_text(json.dumps({"host": header, "seconds": results, "args": settings}, indent=1))
