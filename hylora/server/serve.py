@@ -164,11 +164,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig.__dataclass_fields__
     m.add_argument("--max-num-encoder-tokens", type=int, default=d["max_num_encoder_tokens"].default)
     m.add_argument("--encoder-cache-gb", type=float, default=d["encoder_cache_gb"].default)
-    m.add_argument(
-        "--encode-media-ahead",
-        action=argparse.BooleanOptionalAction,
-        default=d["encode_media_ahead"].default,
-        help="a prompt chunk that reaches a video encodes the video's later temporal patches too, as far as the "
+    add_switch(
+        m,
+        "encode_media_ahead",
+        "a prompt chunk that reaches a video encodes the video's later temporal patches too, as far as the "
         "step's encoder budget goes (fewer, larger vision-tower calls)",
     )
     unset = {  # what a default of None means
@@ -209,18 +208,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="steps of at most this many tokens (decode rows with a prompt's last tokens, speculative verify "
         "steps) replay CUDA graphs per token bucket; 0: they run eagerly (default: %(default)s)",
     )
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=d["async_scheduling"].default,
-        help="queue the next step before reading this one's tokens (CUDA): decode steps, and steps with prompt "
+    add_switch(
+        p,
+        "async_scheduling",
+        "queue the next step before reading this one's tokens (CUDA): decode steps, and steps with prompt "
         "chunks or new requests where nothing but this step's draw decides them",
     )
-    p.add_argument(
-        "--queue-drafts",
-        action=argparse.BooleanOptionalAction,
-        default=d["queue_drafts"].default,
-        help="when speculating, queue the next drafts behind the verify step's acceptance on the device, so the "
+    add_switch(
+        p,
+        "queue_drafts",
+        "when speculating, queue the next drafts behind the verify step's acceptance on the device, so the "
         "GPU drafts while the host reads the step (needs the short-step graphs)",
     )
     add_kernel_args(p)
@@ -234,6 +231,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--enable-fault-injection",
         action="store_true",
         help="a request's body field hylora_inject_fault (nan, raise, device) makes it fault in its next step",
+    )
+
+
+def add_switch(group: argparse._ActionsContainer, field: str, help_: str) -> None:
+    """A `--name` / `--no-name` flag for a boolean EngineConfig field, defaulting as the field does."""
+    default = EngineConfig.__dataclass_fields__[field].default
+    group.add_argument(
+        f"--{field.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=default, help=help_
     )
 
 
