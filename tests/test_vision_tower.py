@@ -189,3 +189,57 @@ def test_bad_grids_are_refused(towers):
         ours(pixels([(1, 3, 4)], seed=0), torch.tensor([[1, 3, 4]]))
     with pytest.raises(ValueError, match=r"expected \[16, 1536\]"):
         ours(pixels([(1, 4, 2)], seed=0), torch.tensor([[1, 4, 4]]))
+
+
+def test_tower_attention_backend_serves_after_its_check(vl_media_ckpt):
+    """`tower_attention` names torch's SDPA backend for every tower attention once its start-up check on
+    the tower's strided views passed; the tower's output stays transformers' (math and CPU flash here)."""
+    from hylora.kernels import KernelsConfig
+    from hylora.kernels.select import select_kernels
+
+    path, ref = vl_media_ckpt
+    grids = [GRIDS["vid3x4x10_odd"], GRIDS["img8x12_wide"], GRIDS["vid2x6x8_even"]]  # several runs
+    px = pixels(grids, seed=5)
+    want = run(ref.model.visual, grids, px)
+    for backend in ("math", "flash"):
+        model = load_model(path, progress=False, vision=True)
+        verdicts = select_kernels(model, 16, KernelsConfig(tower_attention=backend))
+        assert verdicts["tower_attention"].implementation == backend
+        assert all(m.sdpa_backend == backend for m in model.visual.modules() if isinstance(m, VisionAttention))
+        torch.testing.assert_close(run(model.visual, grids, px), want, atol=ATOL, rtol=0)
+    model = load_model(path, progress=False, vision=True)
+    assert "tower_attention" not in select_kernels(model, 16, KernelsConfig())  # auto: torch's pick, no check
+    assert all(m.sdpa_backend is None for m in model.visual.modules() if isinstance(m, VisionAttention))
+
+
+def test_tower_attention_backend_that_cannot_serve_stops_startup(vl_media_ckpt):
+    from hylora.kernels import KernelsConfig
+    from hylora.kernels.select import select_kernels
+
+    model = load_model(vl_media_ckpt[0], progress=False, vision=True)
+    with pytest.raises(RuntimeError, match="tower_attention cudnn: torch's SDPA cannot run the vision tower's"):
+        select_kernels(model, 16, KernelsConfig(tower_attention="cudnn"))
+    with pytest.raises(ValueError, match="tower_attention must be one of auto, flash, cudnn, efficient, math"):
+        KernelsConfig(tower_attention="fa3")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused SDPA backends need a CUDA device")
+@pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient"])
+def test_tower_attention_backends_on_the_gpu_follow_fp32(towers, vl_media_ckpt, backend):
+    """Each fused backend that passes its check keeps the bf16 tower within bf16's distance of the fp32
+    tower; one that cannot run the tower's views stops start-up (skipped here)."""
+    from hylora.kernels import KernelsConfig
+    from hylora.kernels.select import select_kernels
+
+    ours_fp32, _ = towers
+    model = load_model(vl_media_ckpt[0], dtype=torch.bfloat16, device="cuda", progress=False, vision=True)
+    try:
+        select_kernels(model, 16, KernelsConfig(tower_attention=backend))
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    grids = [(1, 8, 12), (3, 4, 10), (2, 6, 8)]
+    px = pixels(grids, seed=5)
+    got, full = run(model.visual, grids, px.cuda()).float().cpu(), run(ours_fp32, grids, px)
+    assert torch.isfinite(got).all()
+    assert ((got - full).norm() / full.norm()).item() < 3e-2

@@ -551,6 +551,32 @@ def tower_rotary_error(
 
 
 @torch.inference_mode()
+def tower_attention_error(
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    backend: str,
+    segments: Sequence[tuple[int, int]] = ((2, 64), (1, 100), (3, 33)),
+) -> float:
+    """The vision tower's attention under one SDPA backend against fp32 math: B segments of L rows of
+    each, on [B, H, L, d] views of a fused qkv [B*L, 3H, d] as the tower passes them (strided)."""
+    from hylora.model.vision import sdpa_backend
+
+    worst = 0.0
+    for B, L in segments:
+        g = _generator(device, B * L)
+        qkv = torch.randn(B * L, 3 * heads, head_dim, generator=g, device=device).to(dtype)
+        views = [t.view(B, L, heads, head_dim).transpose(1, 2) for t in qkv.view(B * L, 3, heads, head_dim).unbind(1)]
+        with sdpa_backend(backend):
+            got = F.scaled_dot_product_attention(*views)
+        with sdpa_backend("math"):
+            ref = F.scaled_dot_product_attention(*(t.float() for t in views))
+        worst = max(worst, _rel_error(got, ref))
+    return worst
+
+
+@torch.inference_mode()
 def causal_conv1d_error(
     channels: int,
     conv_kernel: int,

@@ -15,6 +15,7 @@ log = logging.getLogger(__name__)
 FAST_KERNEL_CHOICES = ("auto", "off")
 GDN_BACKENDS = ("auto", "reference", "fla")
 FP8_ACTIVATIONS = ("dynamic", "none")
+TOWER_ATTENTION = ("auto", "flash", "cudnn", "efficient", "math")
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,11 @@ class KernelsConfig:
     # state (3 MB a sequence at the 27B shape). BASELINE run 43 a (as above): base 2959-2973 -> 2987-3013
     # tok/s, 8 mixed 2692-2720 -> 2728-2750; its steps with 28-32 decode rows 1-3 ms shorter
     gdn_single_tokens_recurrent: bool = True
+    # the vision tower's attention: one of torch's SDPA backends (flash, cudnn, efficient, math), checked
+    # at start-up against fp32 math on the tower's strided q/k/v views (start-up fails if it cannot run
+    # them); auto: torch's own pick. Attention was 47.5 of the 119 ms of a 720p video's tower call on an
+    # H200 (BASELINE run 25 d), ~3x its FLOP floor; bench/tower_gpu.py times each backend
+    tower_attention: str = "auto"
 
     def __post_init__(self) -> None:
         launch = self.gdn_decode_launch
@@ -95,6 +101,7 @@ class KernelsConfig:
             ("gdn_backend", GDN_BACKENDS),
             ("lora_backend", ("auto", *LORA_BACKENDS)),
             ("fp8_activations", FP8_ACTIVATIONS),
+            ("tower_attention", TOWER_ATTENTION),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")

@@ -59,6 +59,8 @@ def select_kernels(
         verdicts["silu_mul_lora"] = select_silu_mul_lora(
             model, config.fast_kernels, quantized=config.fused_lora_expand_quantized
         )
+    if config.tower_attention != "auto" and model.visual is not None:
+        verdicts["tower_attention"] = select_tower_attention(model, config.tower_attention)
     model.use_kernels(model_kernels(verdicts, config))
     return verdicts
 
@@ -115,6 +117,8 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
         from hylora.ops.rotary.triton import rotate_half
 
         chosen["tower_rotary"] = rotate_half
+    if "tower_attention" in fast:
+        chosen["tower_attention"] = verdicts["tower_attention"].implementation
     if "silu_mul_quantized" in verdicts:  # FP8 down projections: their input quantised by the activation
         module = "triton" if "silu_mul_quantized" in fast else "reference"
         chosen["silu_mul_quantized"] = importlib.import_module(f"hylora.ops.silu_mul.{module}").silu_mul_quantized
@@ -152,6 +156,27 @@ def fast_verdicts(names: list[str]) -> dict[str, KernelVerdict]:
     """Verdicts that pass `names` without checking them (tests and benchmarks that install kernels
     by hand; the engine never does)."""
     return {name: passed(name, IMPLEMENTATION.get(name, "triton"), 0.0, 0.0) for name in names}
+
+
+def select_tower_attention(model: HybridDecoder, backend: str) -> KernelVerdict:
+    """The SDPA backend asked for the vision tower's attention, once it ran the tower's views and agreed
+    with fp32 math; an explicit choice that cannot serve stops start-up."""
+    assert model.visual is not None
+    v, dtype = model.visual.config, model.visual.dtype
+    tolerance = TOLERANCE[dtype]
+    try:
+        error = checks.tower_attention_error(v.num_heads, v.head_dim, dtype, model.device, backend)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"tower_attention {backend}: torch's SDPA cannot run the vision tower's attention here "
+            f"({str(e).splitlines()[0]}); choose another backend, or auto"
+        ) from e
+    if not error <= tolerance:  # also catches NaN
+        raise RuntimeError(
+            f"tower_attention {backend} disagrees with fp32 math on the vision tower's attention (rel. error "
+            f"{error:.2e} > {tolerance:.0e}); choose another backend, or auto"
+        )
+    return passed("tower_attention", backend, error, tolerance)
 
 
 def select_gdn_kernel(model: HybridDecoder, backend: str = "auto") -> KernelVerdict:

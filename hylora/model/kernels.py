@@ -61,6 +61,7 @@ class ModelKernels:
     lora_delta_first_from: int = 0  # triton LoRA: host steps of this many tokens write the delta first; 0: never
     lora_stacked_below: int = STACKED_LORA_BELOW  # triton LoRA: eager steps below this shrink inside the base GEMM
     tower_rotary: Kernel = rotate_half  # the vision tower's rotary on q and k, in place
+    tower_attention: str | None = None  # the tower's SDPA backend (KernelsConfig.tower_attention); None: torch's pick
     # the logits: each row's greedy token and NaN / inf flags (the decode step's guard, the sampler)
     logits_scan: Kernel = scan_logits
 
@@ -99,4 +100,4 @@ def install(model: HybridDecoder, kernels: ModelKernels) -> None:
         elif isinstance(module, VisionLinear):
             module.lora_backend = kernels.tower_lora_backend
         elif isinstance(module, VisionAttention):
-            module.rotary = kernels.tower_rotary
+            module.rotary, module.sdpa_backend = kernels.tower_rotary, kernels.tower_attention

@@ -12,6 +12,7 @@ patch rows → one) carries it through the merger; with no adapter in the call n
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -81,6 +82,7 @@ class VisionAttention(nn.Module):
         self.qkv = VisionLinear(c.hidden_size, 3 * c.hidden_size)
         self.proj = VisionLinear(c.hidden_size, c.hidden_size)
         self.rotary = rotate_half  # ops.rotary (set by the kernel floor): q and k rotated in place
+        self.sdpa_backend: str | None = None  # torch's SDPA backend (set by the kernel floor); None: torch's pick
 
     def forward(
         self,
@@ -94,14 +96,15 @@ class VisionAttention(nn.Module):
         qkv = self.qkv(x, lora).reshape(n, 3 * H, d)  # [n, 3H, d]: q, k, v heads
         self.rotary(qkv[:, : 2 * H], cos, sin, out=qkv[:, : 2 * H])
         q, k, v = qkv.view(n, 3, H, d).unbind(1)  # [n, H, d] views each
-        if len(runs) == 1 and runs[0][1] * runs[0][2] == n:
-            _, B, L = runs[0]
-            o = F.scaled_dot_product_attention(*(_run_view(t, 0, B, L) for t in (q, k, v)))  # [B, H, L, d]
-            return self.proj(o.transpose(1, 2).reshape(n, H * d), lora)
-        out = torch.empty(n, H, d, dtype=qkv.dtype, device=qkv.device)
-        for start, B, L in runs:  # B consecutive segments of length L, attended in one batched call
-            o = F.scaled_dot_product_attention(*(_run_view(t, start, B, L) for t in (q, k, v)))
-            out[start : start + B * L].view(B, L, H, d).copy_(o.transpose(1, 2))
+        with sdpa_backend(self.sdpa_backend):
+            if len(runs) == 1 and runs[0][1] * runs[0][2] == n:
+                _, B, L = runs[0]
+                o = F.scaled_dot_product_attention(*(_run_view(t, 0, B, L) for t in (q, k, v)))  # [B, H, L, d]
+                return self.proj(o.transpose(1, 2).reshape(n, H * d), lora)
+            out = torch.empty(n, H, d, dtype=qkv.dtype, device=qkv.device)
+            for start, B, L in runs:  # B consecutive segments of length L, attended in one batched call
+                o = F.scaled_dot_product_attention(*(_run_view(t, start, B, L) for t in (q, k, v)))
+                out[start : start + B * L].view(B, L, H, d).copy_(o.transpose(1, 2))
         return self.proj(out.view(n, H * d), lora)
 
 
@@ -242,6 +245,17 @@ def _lora_batches(
         LoRABatch.build(slots, patches, device),
         LoRABatch.build(slots, [n // merge_unit for n in patches], device),
     )
+
+
+def sdpa_backend(name: str | None) -> contextlib.AbstractContextManager:
+    """torch's SDPA restricted to one backend by name (flash, cudnn, efficient, math); None: torch's pick."""
+    if name is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    backends |= {"efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    return sdpa_kernel(backends[name])
 
 
 def _run_view(t: torch.Tensor, start: int, B: int, L: int) -> torch.Tensor:

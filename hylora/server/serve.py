@@ -18,7 +18,7 @@ from hylora.engine.chat_input import MediaSettings
 from hylora.engine.config import EngineConfig
 from hylora.engine.engine import LLMEngine
 from hylora.kernels import KernelsConfig
-from hylora.kernels.config import FAST_KERNEL_CHOICES, FP8_ACTIVATIONS, GDN_BACKENDS, parse_launch
+from hylora.kernels.config import FAST_KERNEL_CHOICES, FP8_ACTIVATIONS, GDN_BACKENDS, TOWER_ATTENTION, parse_launch
 from hylora.media import FetchPolicy, MediaError, MediaLimits, MediaPools, ProcessedCache
 from hylora.media.cache import DEFAULT_CAPACITY_GB
 from hylora.media.config import apply_overrides, merge_overrides
@@ -278,6 +278,13 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         help="hylora's Triton LoRA in prefill steps of at least TOKENS tokens: the adapter delta written first, "
         "the base GEMM accumulating onto it (docs/LORA.md); 0: never (default: %(default)s)",
     )
+    k.add_argument(
+        "--tower-attention",
+        default="auto",
+        choices=TOWER_ATTENTION,
+        help="the vision tower's attention: one of torch's SDPA backends, checked at start-up against fp32 math "
+        "(start-up fails if it cannot serve); auto: torch's pick (bench/tower_gpu.py times each)",
+    )
 
 
 def kernels_config(args: argparse.Namespace) -> KernelsConfig:
@@ -288,6 +295,7 @@ def kernels_config(args: argparse.Namespace) -> KernelsConfig:
         gdn_decode_launch=args.gdn_decode_launch,
         fp8_activations=args.fp8_activations,
         lora_delta_first_from=args.lora_delta_first_from,
+        tower_attention=args.tower_attention,
     )
 
 
