@@ -600,7 +600,7 @@ def phase_hylora(args: argparse.Namespace) -> None:
 
 
 def hylora_engine(
-    work: Work, weights: str, mnbt: int, device: str, kernels: dict[str, int] | None = None
+    work: Work, weights: str, mnbt: int, device: str, kernels: dict[str, int | str] | None = None
 ) -> tuple[Any, dict[str, Any]]:
     """`LLMEngine` on the checkpoint, given its decoder loaded as the engine would load it (FP8 GEMMs
     where the device has them), without the vision tower (the checkpoint carries only a stub).
@@ -894,7 +894,7 @@ def engine_note(r: dict[str, Any]) -> str:
     """hylora: what its weights were served as (its GDN state is always fp32) and the kernel switches
     set by --kernels; vLLM: its attention backend, whether FA3 loaded, and its GDN state dtype."""
     if r["engine"] == "hylora":
-        switches = "".join(f", {k}={int(v)}" for k, v in (r.get("kernels_config") or {}).items())
+        switches = "".join(f", {item}" for item in kernel_switches(r.get("kernels_config") or {}).split(",") if item)
         return f"served as {r.get('served_as', '?')}, GDN state float32{switches}"
     fa3 = {True: "loadable", False: "not loadable"}.get(r.get("fa3_available"), "?")
     state = r.get("gdn_state_dtype") or (r.get("checkpoint") or {}).get("mamba_ssm_dtype")
@@ -983,7 +983,7 @@ def phase_run(args: argparse.Namespace) -> None:
     common += ["--profile-decode"] * args.profile_decode
     common += ["--profile-prefill"] * args.profile_prefill
     common += ["--ab-plan-ahead"] * args.ab_plan_ahead
-    common += ["--kernels", ",".join(f"{k}={int(v)}" for k, v in args.kernels.items())] if args.kernels else []
+    common += ["--kernels", kernel_switches(args.kernels)] if args.kernels else []
     log(f"work {args.work}, out {args.out}, budget {args.budget:.0f}s, device {args.device}: "
         + "; ".join(f"{p} {' '.join(a)}" for p, a in commands))  # fmt: skip
     env = child_env()
@@ -1014,21 +1014,35 @@ def add_shared_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dry-run", action="store_true", help="vllm: check the engine arguments, build nothing")
 
 
-def kernel_overrides(text: str) -> dict[str, int]:
-    """`name=value,...` for KernelsConfig's boolean (0 or 1) and integer fields."""
+def kernel_overrides(text: str) -> dict[str, int | str]:
+    """`name=value,...` for KernelsConfig's boolean (0 or 1), integer and string fields (a string is
+    checked by KernelsConfig itself)."""
     from dataclasses import fields
 
     from hylora.kernels.config import KernelsConfig
 
-    kinds = {f.name: f.type for f in fields(KernelsConfig) if f.type in (bool, "bool", int, "int")}
-    out: dict[str, int] = {}
+    kinds = {f.name: f.type for f in fields(KernelsConfig) if f.type in (bool, "bool", int, "int", str, "str")}
+    out: dict[str, int | str] = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
-        boolean = kinds.get(name) in (bool, "bool")
-        if name not in kinds or not value.isdigit() or (boolean and value not in ("0", "1")):
-            raise argparse.ArgumentTypeError(f"{item!r}: want name=0|1 or name=N, name one of {sorted(kinds)}")
-        out[name] = (value == "1") if boolean else int(value)
+        kind = {bool: "bool", int: "int", str: "str"}.get(kinds.get(name), kinds.get(name))  # type: ignore[arg-type]
+        if kind == "str" and value:
+            out[name] = value
+            continue
+        if name not in kinds or not value.isdigit() or (kind == "bool" and value not in ("0", "1")):
+            want = f"want name=0|1, name=N or name=text, name one of {sorted(kinds)}"
+            raise argparse.ArgumentTypeError(f"{item!r}: {want}")
+        out[name] = (value == "1") if kind == "bool" else int(value)
+    try:
+        KernelsConfig(**out)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return out
+
+
+def kernel_switches(kernels: dict[str, int | str]) -> str:
+    """`kernel_overrides`' input for these values (booleans as 0 / 1)."""
+    return ",".join(f"{k}={v if isinstance(v, str) else int(v)}" for k, v in kernels.items())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

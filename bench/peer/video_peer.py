@@ -490,7 +490,7 @@ def phase_hylora(args: argparse.Namespace) -> None:
     from bench.video_workload_gpu import StepMix
     from hylora.engine import EngineConfig, LLMEngine, SamplingParams
     from hylora.engine.multimodal import build_multimodal_prompt
-    from hylora.kernels import as_text
+    from hylora.kernels import KernelsConfig, as_text
     from hylora.media import MediaConfig, MediaLimits
     from hylora.media.processor import process_frames
     from hylora.media.prompt import VisionTokens, expand_prompt_ids
@@ -506,8 +506,10 @@ def phase_hylora(args: argparse.Namespace) -> None:
     config = EngineConfig(
         max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MNBT,
         max_loras=len(ADAPTERS), max_lora_rank=RANK, enable_prefix_caching=False, device=device,
-        dtype="bfloat16" if device.startswith("cuda") else "float32",
+        dtype="bfloat16" if device.startswith("cuda") else "float32", kernels=KernelsConfig(**args.kernels),
+        encode_media_ahead=args.encode_media_ahead,
     )  # fmt: skip
+    data["settings_asked"] = {"kernels": args.kernels, "encode_media_ahead": args.encode_media_ahead}
     t0 = time.perf_counter()
     engine = LLMEngine(ckpt, config, {a: adapters_dir(work) / a for a in ADAPTERS}, progress=False)
     tp.sync(device)
@@ -654,6 +656,8 @@ def phase_table(args: argparse.Namespace) -> None:
 
 def phase_run(args: argparse.Namespace) -> None:
     extra = ["--layers", str(args.layers)] + (["--rate", str(args.rate)] if args.rate else [])
+    extra += ["--kernels", tp.kernel_switches(args.kernels)] if args.kernels else []
+    extra += [] if args.encode_media_ahead else ["--no-encode-media-ahead"]
     ep.phase_run(args, Path(__file__).resolve(), MIN_LEFT_S, extra)
     phase_table(args)
 
@@ -671,6 +675,18 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     """This bench's own flags (video_server_peer.py takes them too)."""
     ap.add_argument("--rate", type=float, default=None, help="poisson arrivals, requests/s (default 0.5; tiny 4)")
     ap.add_argument("--layers", type=int, default=tp.N_LAYERS, help="decoder layers of the 27B shape (ckpt)")
+    ap.add_argument(
+        "--kernels",
+        type=tp.kernel_overrides,
+        default={},
+        help="hylora: KernelsConfig fields, e.g. tower_attention=cudnn (a same-machine comparison)",
+    )
+    ap.add_argument(
+        "--encode-media-ahead",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="hylora: EngineConfig.encode_media_ahead (a video's later temporal patches with its first)",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -82,7 +82,11 @@ def server_args(engine: str, args: argparse.Namespace, videos: vp.Videos) -> lis
         own += ["--gpu-memory-utilization", str(tp.GPU_MEMORY_UTILIZATION)]
         own += ["--attention-backend", args.attention_backend] if args.attention_backend else []
         return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *shared, *own]
-    return [sys.executable, "-m", "hylora", "serve", *shared, "--device", args.device, "--disable-log-requests"]
+    own = ["--device", args.device, "--disable-log-requests"]
+    own += [] if args.encode_media_ahead else ["--no-encode-media-ahead"]
+    for name, value in args.kernels.items():  # serve's kernel flags (one without a flag fails the launch)
+        own += [f"--{name.replace('_', '-')}", str(value)]
+    return [sys.executable, "-m", "hylora", "serve", *shared, *own]
 
 
 # --------------------------------------------------------------------------------------------
