@@ -7,7 +7,8 @@ gives NaN for) sent to the base model or a task adapter, with the same video oft
 adapters (one content key: the encoder cache and shared encodes), arriving over the first steps, one
 aborted and one made to fault at a random step; and a step size and encoder budget (from one image or
 temporal patch per step up). It runs synchronously, planned ahead (padded short steps; the prefix
-cache on), and planned ahead with the encoder cache off. Against each request run alone on a
+cache on), planned ahead with the encoder cache off, and synchronously with each temporal patch
+encoded only as the prefill reaches it (no encode ahead). Against each request run alone on a
 synchronous engine: the same tokens, logprobs within 1e-4; the aborted one a prefix of its tokens
 alone, the faulted one an error, the poisoned video's requests the tower's numerical fault; every KV
 page and state slot back.
@@ -43,6 +44,7 @@ CONFIGS = {
     "sync": dict(async_scheduling=False, enable_prefix_caching=False),
     "ahead": dict(async_scheduling=True, padded_decode=True),
     "ahead-no-encoder-cache": dict(async_scheduling=True, padded_decode=True, encoder_cache_gb=0),
+    "sync-segment-by-segment": dict(async_scheduling=False, encode_media_ahead=False),  # each patch as reached
 }
 
 

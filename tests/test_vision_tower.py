@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import shutil
 
 import pytest
@@ -212,7 +213,7 @@ def test_tower_attention_backend_serves_after_its_check(vl_media_ckpt):
     assert all(m.sdpa_backend is None for m in model.visual.modules() if isinstance(m, VisionAttention))
 
 
-def test_tower_attention_backend_that_cannot_serve_stops_startup(vl_media_ckpt):
+def test_tower_attention_backend_that_cannot_serve_stops_startup(vl_media_ckpt, causal_ckpt, caplog):
     from hylora.kernels import KernelsConfig
     from hylora.kernels.select import select_kernels
 
@@ -221,6 +222,10 @@ def test_tower_attention_backend_that_cannot_serve_stops_startup(vl_media_ckpt):
         select_kernels(model, 16, KernelsConfig(tower_attention="cudnn"))
     with pytest.raises(ValueError, match="tower_attention must be one of auto, flash, cudnn, efficient, math"):
         KernelsConfig(tower_attention="fa3")
+    text_only = load_model(causal_ckpt[0], progress=False)
+    with caplog.at_level(logging.WARNING, logger="hylora.kernels.select"):
+        assert "tower_attention" not in select_kernels(text_only, 16, KernelsConfig(tower_attention="cudnn"))
+    assert "tower_attention 'cudnn': no effect, no vision tower is loaded" in caplog.text
 
 
 @pytest.mark.gpu

@@ -59,8 +59,11 @@ def select_kernels(
         verdicts["silu_mul_lora"] = select_silu_mul_lora(
             model, config.fast_kernels, quantized=config.fused_lora_expand_quantized
         )
-    if config.tower_attention != "auto" and model.visual is not None:
-        verdicts["tower_attention"] = select_tower_attention(model, config.tower_attention)
+    if config.tower_attention != "auto":
+        if model.visual is not None:
+            verdicts["tower_attention"] = select_tower_attention(model, config.tower_attention)
+        else:
+            log.warning("tower_attention %r: no effect, no vision tower is loaded", config.tower_attention)
     model.use_kernels(model_kernels(verdicts, config))
     return verdicts
 
