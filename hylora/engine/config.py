@@ -88,6 +88,10 @@ class EngineConfig:
             if not ok:
                 raise ValueError(message)
 
+    @property
+    def encoder_cache_bytes(self) -> int:
+        return int(self.encoder_cache_gb * (1 << 30))
+
     def for_device(self, device: str) -> EngineConfig:
         """This config with the device-dependent defaults filled in."""
         if self.max_num_batched_tokens is not None:

@@ -137,7 +137,7 @@ class LLMEngine:
             self.model.kv_layers,
         )
         self.states = StatePool(self.model.config, plan.num_slots, self.model.dtype, self.model.device)
-        self.encoder_cache = EncoderCache(int(config.encoder_cache_gb * (1 << 30)))
+        self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
         self.tokenizer = load_tokenizer(model_dir)
         self.prefix_cache = self._prefix_cache(plan.num_snapshots)
         self.scheduler = Scheduler(

@@ -58,7 +58,7 @@ def plan_caches(model: HybridDecoder, config: EngineConfig) -> CachePlan:
     # the tower runs before a step's forward (their activations do not coexist); its outputs stay in the
     # encoder cache, on the device
     tower_peak = _profile_tower(model, config)
-    encoder_cache = int(config.encoder_cache_gb * GiB) if model.visual is not None else 0
+    encoder_cache = config.encoder_cache_bytes if model.visual is not None else 0
     budget = total * config.gpu_memory_utilization - used_before - max(activation_peak, tower_peak) - encoder_cache
     state_bytes = _state_bytes_per_slot(model)
     page_bytes = _page_bytes(model, config.page_size)

@@ -13,6 +13,7 @@ patch rows → one) carries it through the merger; with no adapter in the call n
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -251,11 +252,17 @@ def sdpa_backend(name: str | None) -> contextlib.AbstractContextManager:
     """torch's SDPA restricted to one backend by name (flash, cudnn, efficient, math); None: torch's pick."""
     if name is None:
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(_sdpa_backends()[name])
+
+
+@functools.cache
+def _sdpa_backends() -> dict:
+    from torch.nn.attention import SDPBackend
 
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-    backends |= {"efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-    return sdpa_kernel(backends[name])
+    return backends | {"efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
 def _run_view(t: torch.Tensor, start: int, B: int, L: int) -> torch.Tensor:
