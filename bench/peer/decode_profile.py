@@ -67,7 +67,7 @@ def hylora_decode_profile(
     for _ in range(DELAY_STEPS - 2):
         engine.step()
     steps = 0
-    with _profiling(trace_path):
+    with profiling(trace_path):
         while engine.has_unfinished() and steps < PROFILE_STEPS:
             engine.step()
             steps += 1
@@ -87,7 +87,7 @@ def hylora_prefill_profile(
 
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     steps = started = 0
-    with _profiling(trace_path):
+    with profiling(trace_path):
         for i, prompt in enumerate(prompts):
             engine.add_request(f"prefill-profile-{tag}-{i}", prompt, params, adapter_of(i))
         while engine.has_unfinished() and started < len(prompts):
@@ -99,7 +99,7 @@ def hylora_prefill_profile(
 
 
 @contextlib.contextmanager
-def _profiling(trace_path: Path) -> Iterator[None]:
+def profiling(trace_path: Path) -> Iterator[None]:
     """torch.profiler (the CPU, and CUDA where there is one) around the block; the device synced at
     its end and the Chrome trace written to `trace_path`."""
     import torch

@@ -105,7 +105,7 @@ def phase_run(args: argparse.Namespace, script: Path, min_left_s: dict[str, int]
     """Each step in its own process group under what is left of --budget (a GPU step starts only with
     its `min_left_s`), then the table."""
     deadline = time.monotonic() + args.budget - tp.TABLE_RESERVE_S
-    common = ["--work", str(args.work), "--device", args.device, *extra]
+    common = ["--work", str(args.work), "--out", str(args.out), "--device", args.device, *extra]
     common += ["--tiny"] * args.tiny + ["--reuse"] * args.reuse + ["--dry-run"] * args.dry_run
     common += ["--attention-backend", args.attention_backend] if args.attention_backend else []
     env = child_env()

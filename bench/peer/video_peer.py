@@ -32,6 +32,7 @@ Phases (each writes WORK/results/video-<engine>.json, rewritten after every patt
     vllm / hylora             one engine, every pattern; --dry-run (vllm): vLLM's checks of its arguments
     table [--results DIR ...] the markdown table from every result found
     run STEP ...              steps in their own process groups under --budget, then the table
+    --profile (hylora)        then `all` once more on new videos under torch.profiler: OUT/profiles/video-hylora.md
 
     bash bench/peer/video_gpu.sh       # H200, .vllm and .peerwhl carried: run ckpt vllm hylora
     python bench/peer/video_peer.py run ckpt hylora --tiny --device cpu --out /tmp/videopeer   # CPU dry run
@@ -67,6 +68,7 @@ MNBT = 8192
 MAX_NUM_SEQS = 24  # every request of a pattern (8 videos x 3 adapters) may run at once
 MAX_MODEL_LEN = 10240
 PATTERNS = ("all", "poisson")
+PROFILED = "all-profiled"  # --profile: the all-at-once pattern once more, on new videos, under torch.profiler
 SEED = 0
 MIN_LEFT_S = {"ckpt": 60, "vllm": 280, "hylora": 120}
 # Qwen3.5's released processor configs (docs: VISION.md): patch 16, temporal 2, merge 2, mean = std = 0.5
@@ -149,8 +151,9 @@ class Videos:
     max_tokens: int
 
 
-def make_videos(tiny: bool, rate: float | None = None) -> Videos:
-    """`bench/video_workload_gpu.py`'s videos: new ones for each pattern, a short one for the warm-up."""
+def make_videos(tiny: bool, rate: float | None = None, profile: bool = False) -> Videos:
+    """`bench/video_workload_gpu.py`'s videos: new ones for each pattern, a short one for the warm-up;
+    `profile`: also PROFILED's jobs, all at once on new videos of their own (after the timed patterns)."""
     from bench import video_workload_gpu as vw
     from bench.vision_gpu import synthetic_video
 
@@ -164,6 +167,10 @@ def make_videos(tiny: bool, rate: float | None = None) -> Videos:
         for k, p in enumerate(PATTERNS)
     }
     jobs["warm"] = [Job(f"warm-{a}", count - 1, a) for a in ADAPTERS]
+    if profile:  # indices after the warm-up's, so the timed patterns' videos stay as they were
+        extra = range(count, count + n)
+        frames |= {v: vw.video_frames(base, v, count + n, w.frames) for v in extra}
+        jobs[PROFILED] = [Job(f"{PROFILED}-v{v}-{a}", v, a) for v in extra for a in ADAPTERS]
     for job, at in zip(jobs["poisson"], vw.poisson_arrivals(len(jobs["poisson"]), rate or w.rate, SEED), strict=True):
         job.arrival = at
     return Videos(frames, jobs, vw.FPS, w.max_tokens)
@@ -502,7 +509,7 @@ def phase_hylora(args: argparse.Namespace) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     data = new_result("hylora", ("torch", "triton", "transformers", "fla-core"), args)
     save(work, data)
-    videos = make_videos(args.tiny, args.rate)
+    videos = make_videos(args.tiny, args.rate, profile=args.profile)
     config = EngineConfig(
         max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MNBT,
         max_loras=len(ADAPTERS), max_lora_rank=RANK, enable_prefix_caching=False, device=device,
@@ -577,10 +584,39 @@ def phase_hylora(args: argparse.Namespace) -> None:
     def busy() -> bool:
         return bool(waiting) or engine.has_unfinished()
 
+    side = Side(submit, step, busy, stats)
     try:
-        run_patterns(work, data, Side(submit, step, busy, stats), videos)
+        run_patterns(work, data, side, videos)
+        if args.profile:
+            profile_pattern(args.out, data, side, videos.jobs[PROFILED])
+            save(work, data)
     finally:
         pool.shutdown(cancel_futures=True)
+
+
+def profile_pattern(out: Path, data: dict[str, Any], side: Side, jobs: list[Job]) -> None:
+    """The jobs (the all-at-once pattern on new videos: the tower runs) under torch.profiler: the kernels
+    by name over the whole pattern and how busy the device was, into the result and
+    OUT/profiles/video-hylora.md, the Chrome trace beside it. The profiler slows the host: its wall is
+    not the timed pattern's."""
+    from bench.peer import decode_profile
+
+    folder = out / "profiles"
+    folder.mkdir(parents=True, exist_ok=True)
+    trace = folder / f"video-{data['engine']}.trace.json.gz"
+    with decode_profile.profiling(trace):
+        records, wall = drive(side, jobs)
+    rows = decode_profile.kernel_summary(trace, 1)
+    busy = decode_profile.device_busy(trace)
+    failed = sum(r["error"] is not None for r in records)
+    data["profile"] = {"pattern": PROFILED, "wall_s": wall, "failed": failed, "kernels": rows, **busy}
+    title = (
+        f"{data['engine']}, {len(jobs)} requests at once on new videos, under the profiler (wall {wall:.2f} s; "
+        f"device busy {busy['busy_ms']:.0f} of {busy['span_ms']:.0f} ms)"
+    )
+    (folder / f"video-{data['engine']}.md").write_text(decode_profile.summary_md(title, rows, "pattern"))
+    top = ", ".join(f"{r['kernel'][:40]} {r['us_per_step'] / 1e3:.0f} ms" for r in rows[:6])
+    log(f"{data['engine']} profiled: device busy {busy['busy_ms']:.0f} of {busy['span_ms']:.0f} ms; top: {top}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -658,6 +694,7 @@ def phase_run(args: argparse.Namespace) -> None:
     extra = ["--layers", str(args.layers)] + (["--rate", str(args.rate)] if args.rate else [])
     extra += ["--kernels", tp.kernel_switches(args.kernels)] if args.kernels else []
     extra += [] if args.encode_media_ahead else ["--no-encode-media-ahead"]
+    extra += ["--profile"] * args.profile
     ep.phase_run(args, Path(__file__).resolve(), MIN_LEFT_S, extra)
     phase_table(args)
 
@@ -689,8 +726,19 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def add_own_args(ap: argparse.ArgumentParser) -> None:
+    """add_args and the flags of this bench alone."""
+    add_args(ap)
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="hylora: after the timed patterns, the all-at-once pattern on new videos under torch.profiler "
+        "(kernels by name into OUT/profiles/video-hylora.md)",
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return ep.parse_args(__doc__, list(PHASES), "/tmp/videopeer_out", add_args, argv)
+    return ep.parse_args(__doc__, list(PHASES), "/tmp/videopeer_out", add_own_args, argv)
 
 
 def main() -> None:
