@@ -288,13 +288,13 @@ def summary(pattern: str, records: list[dict[str, Any]], wall: float, **extra: A
     }
 
 
-def run_patterns(work: Path, data: dict[str, Any], side: Side, videos: Videos) -> None:
-    """The warm-up (its numbers kept apart), then each pattern; the result saved after each."""
+def run_patterns(work: Path, data: dict[str, Any], side: Side, videos: Videos, patterns: list[str]) -> None:
+    """The warm-up (its numbers kept apart), then each of `patterns`; the result saved after each."""
     t0 = time.perf_counter()
     drive(side, videos.jobs["warm"])
     data["warm_up_s"] = time.perf_counter() - t0
     log(f"{data['engine']} warm-up: {len(videos.jobs['warm'])} requests in {data['warm_up_s']:.1f}s")
-    for p in PATTERNS:
+    for p in patterns:
         before = side.stats()
         records, wall = drive(side, videos.jobs[p])
         after = side.stats()
@@ -428,14 +428,16 @@ def phase_vllm(args: argparse.Namespace) -> None:
         raise SystemExit("torchvision is not importable: vLLM's Qwen3-VL video processor needs it")
     save(work, data)
     try:
-        run_vllm(work, ckpt, kwargs, data, make_videos(args.tiny, args.rate))
+        run_vllm(work, ckpt, kwargs, data, make_videos(args.tiny, args.rate), args.patterns)
     except BaseException as e:
         data["error"] = f"{type(e).__name__}: {e}"[:2000]
         save(work, data)
         raise
 
 
-def run_vllm(work: Path, ckpt: Path, kwargs: dict[str, Any], data: dict[str, Any], videos: Videos) -> None:
+def run_vllm(
+    work: Path, ckpt: Path, kwargs: dict[str, Any], data: dict[str, Any], videos: Videos, patterns: list[str]
+) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
@@ -482,7 +484,7 @@ def run_vllm(work: Path, ckpt: Path, kwargs: dict[str, Any], data: dict[str, Any
                     found[m.name] = found.get(m.name, 0.0) + float(m.value)
         return found
 
-    run_patterns(work, data, Side(submit, step, engine.has_unfinished_requests, stats), videos)
+    run_patterns(work, data, Side(submit, step, engine.has_unfinished_requests, stats), videos, patterns)
     with contextlib.suppress(Exception):
         engine.engine_core.shutdown()
 
@@ -586,7 +588,7 @@ def phase_hylora(args: argparse.Namespace) -> None:
 
     side = Side(submit, step, busy, stats)
     try:
-        run_patterns(work, data, side, videos)
+        run_patterns(work, data, side, videos, args.patterns)
         if args.profile:
             profile_pattern(args.out, data, side, videos.jobs[PROFILED])
             save(work, data)
@@ -690,12 +692,16 @@ def phase_table(args: argparse.Namespace) -> None:
     ep.phase_table(args, PREFIX, table_md, "video_peer.md")
 
 
-def phase_run(args: argparse.Namespace) -> None:
-    extra = ["--layers", str(args.layers)] + (["--rate", str(args.rate)] if args.rate else [])
+def child_flags(args: argparse.Namespace) -> list[str]:
+    """add_args' flags as the run phase hands them to its steps."""
+    extra = ["--layers", str(args.layers), "--patterns", ",".join(args.patterns)]
+    extra += ["--rate", str(args.rate)] if args.rate else []
     extra += ["--kernels", tp.kernel_switches(args.kernels)] if args.kernels else []
-    extra += [] if args.encode_media_ahead else ["--no-encode-media-ahead"]
-    extra += ["--profile"] * args.profile
-    ep.phase_run(args, Path(__file__).resolve(), MIN_LEFT_S, extra)
+    return extra + ([] if args.encode_media_ahead else ["--no-encode-media-ahead"])
+
+
+def phase_run(args: argparse.Namespace) -> None:
+    ep.phase_run(args, Path(__file__).resolve(), MIN_LEFT_S, child_flags(args) + ["--profile"] * args.profile)
     phase_table(args)
 
 
@@ -708,8 +714,22 @@ PHASES = {
 }
 
 
+def patterns(text: str) -> list[str]:
+    """--patterns: a comma-separated subset of PATTERNS, in the order given."""
+    names = [p for p in text.split(",") if p]
+    if not names or any(p not in PATTERNS for p in names):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated, each one of {', '.join(PATTERNS)}")
+    return names
+
+
 def add_args(ap: argparse.ArgumentParser) -> None:
     """This bench's own flags (video_server_peer.py takes them too)."""
+    ap.add_argument(
+        "--patterns",
+        type=patterns,
+        default=list(PATTERNS),
+        help=f"the arrival patterns to run, comma-separated (default {','.join(PATTERNS)})",
+    )
     ap.add_argument("--rate", type=float, default=None, help="poisson arrivals, requests/s (default 0.5; tiny 4)")
     ap.add_argument("--layers", type=int, default=tp.N_LAYERS, help="decoder layers of the 27B shape (ckpt)")
     ap.add_argument(

@@ -191,7 +191,7 @@ def phase_engine(engine: str, args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         asyncio.run(drive(server.url, videos.jobs["warm"], urls, videos.max_tokens))
         data["warm_up_s"] = time.perf_counter() - t0
-        for pattern in vp.PATTERNS:
+        for pattern in args.patterns:
             before = counters(server.url)
             records, wall = asyncio.run(drive(server.url, videos.jobs[pattern], urls, videos.max_tokens))
             after = counters(server.url)
@@ -226,8 +226,7 @@ def phase_table(args: argparse.Namespace) -> None:
 
 
 def phase_run(args: argparse.Namespace) -> None:
-    extra = ["--layers", str(args.layers)] + (["--rate", str(args.rate)] if args.rate else [])
-    ep.phase_run(args, Path(__file__).resolve(), MIN_LEFT_S, extra)
+    ep.phase_run(args, Path(__file__).resolve(), MIN_LEFT_S, vp.child_flags(args))
     phase_table(args)
 
 
