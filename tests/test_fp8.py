@@ -72,6 +72,26 @@ def test_quantize_writes_the_qwen_fp8_layout(fp8_ckpts):
     assert ModelConfig.from_dir(dst).quantization.weight_block_size == (128, 128)
 
 
+def test_quantize_names_every_tower_linear_it_keeps(vl_media_ckpt, tmp_path):
+    """A VL checkpoint's FP8 copy keeps the vision tower in bf16 and names each of its linears in full in
+    modules_to_not_convert. vLLM builds the tower with the model's quantisation config and skips a
+    layer only when its full name is listed (after mapping `model.visual.` to `visual.`): with the
+    short name "visual" alone it made every tower linear FP8 and cast the bf16 weights into it."""
+    fp8 = quantize_checkpoint(vl_media_ckpt[0], tmp_path / "fp8", progress=False)
+    listed = json.loads((fp8 / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    tensors = load_file(fp8 / "model.safetensors")
+    tower = {k.removesuffix(".weight") for k, t in tensors.items() if k.startswith("model.visual.") and t.ndim >= 2}
+    linears = {m for m in tower if m.rsplit(".", 1)[-1] in ("qkv", "proj", "linear_fc1", "linear_fc2")}
+    assert {m.rsplit(".", 1)[-1] for m in linears} == {"qkv", "proj", "linear_fc1", "linear_fc2"}
+    assert any(".merger." in m for m in linears) and any(".patch_embed." in m for m in linears)
+    vllm_skips = {name.replace("model.visual.", "visual.", 1) for name in listed}
+    for module in linears:
+        assert module.replace("model.visual.", "visual.", 1) in vllm_skips, module
+        assert tensors[module + ".weight"].dtype != torch.float8_e4m3fn and module + ".weight_scale_inv" not in tensors
+    assert not tower - linears - {"model.visual.pos_embed"}, tower - linears  # no tower linear missed
+    assert not any(n.startswith(("model.visual.", "visual.")) and n.rsplit(".", 1)[-1] == "norm1" for n in listed)
+
+
 def test_transformers_reads_the_fp8_checkpoint_as_hylora_does(fp8_ckpts):
     """An independent reader: transformers' FineGrainedFP8 loader, dequantising, gives hylora's logits
     (on block-aligned shapes: it derives the block size from the scale grid)."""

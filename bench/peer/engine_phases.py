@@ -45,17 +45,21 @@ def save(work: Path, prefix: str, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=1, default=str))
 
 
-def guarded(phase: Callable[[argparse.Namespace], None], prefix: str, rows: str) -> Callable[..., None]:
-    """`phase` (the hylora one) with its error written into its result before it is raised again."""
+def guarded(
+    phase: Callable[[argparse.Namespace], None], prefix: str | Callable[[argparse.Namespace], str], rows: str
+) -> Callable[..., None]:
+    """`phase` (the hylora one) with its error written into its result before it is raised again;
+    `prefix`: the result's, or how to find it from the phase's arguments."""
 
     def run(args: argparse.Namespace) -> None:
         try:
             phase(args)
         except BaseException as e:
-            path = result_path(args.work, prefix, "hylora")
+            name = prefix(args) if callable(prefix) else prefix
+            path = result_path(args.work, name, "hylora")
             data = json.loads(path.read_text()) if path.is_file() else {"engine": "hylora", rows: []}
             data["error"] = f"{type(e).__name__}: {e}"[:2000]
-            save(args.work, prefix, data)
+            save(args.work, name, data)
             raise
 
     return run

@@ -264,7 +264,7 @@ def phase_ckpt(args: argparse.Namespace) -> None:
         if args.reuse and work.is_complete("fp8", stamp):
             log(f"reusing {work.ckpt('fp8')}")
         else:
-            write_fp8(work, args.device)
+            quantize_copy(work.ckpt("bf16"), work.ckpt("fp8"), args.device)
             work.mark("fp8", stamp)
 
 
@@ -344,13 +344,12 @@ def to_vl_keys(src: Path, dst: Path) -> None:
     (dst / "adapter_config.json").write_text(json.dumps(config))
 
 
-def write_fp8(work: Work, device: str) -> None:
-    """`quantize_checkpoint` of the bf16 checkpoint (its blocks computed on `device`: the same
-    function, tensors moved there and back), then every linear it leaves in bf16 named in full."""
+def quantize_copy(src: Path, dst: Path, device: str) -> None:
+    """`quantize_checkpoint` of the bf16 checkpoint `src` into `dst` (its blocks computed on `device`:
+    the same function, tensors moved there and back); it names every linear it leaves in bf16 in full."""
     from hylora.model import fp8
 
     t0 = time.perf_counter()
-    src, dst = work.ckpt("bf16"), work.ckpt("fp8")
     shutil.rmtree(dst, ignore_errors=True)
     quantize = fp8.quantize_weight
 

@@ -68,6 +68,7 @@ MNBT = 8192
 MAX_NUM_SEQS = 24  # every request of a pattern (8 videos x 3 adapters) may run at once
 MAX_MODEL_LEN = 10240
 PATTERNS = ("all", "poisson")
+WEIGHTS = ("bf16", "fp8")
 PROFILED = "all-profiled"  # --profile: the all-at-once pattern once more, on new videos, under torch.profiler
 SEED = 0
 MIN_LEFT_S = {"ckpt": 60, "vllm": 280, "hylora": 120}
@@ -110,8 +111,13 @@ def workload(tiny: bool) -> Any:
     return vw.TINY if tiny else vw.FULL
 
 
-def ckpt_dir(work: Path) -> Path:
-    return work / "ckpt-video"
+def ckpt_dir(work: Path, weights: str = "bf16") -> Path:
+    """The checkpoint of `weights`: bf16, or its block-FP8 copy (`hylora.model.fp8.quantize_checkpoint`)."""
+    return work / ("ckpt-video" if weights == "bf16" else f"ckpt-video-{weights}")
+
+
+def complete_marker(work: Path, weights: str) -> Path:
+    return work / f"{ckpt_dir(work, weights).name}.complete"
 
 
 def adapters_dir(work: Path) -> Path:
@@ -122,11 +128,16 @@ def stamp(args: argparse.Namespace) -> str:
     return f"{VERSION} {'tiny' if args.tiny else f'27b-{args.layers}'}"
 
 
-PREFIX = "video"  # results: WORK/results/video-<engine>.json
+PREFIX = "video"  # results: WORK/results/video-<engine>.json (bf16), video_fp8-<engine>.json
+
+
+def result_prefix(base: str, weights: str) -> str:
+    """The results' file prefix of a run on `weights` (`base` for bf16)."""
+    return base if weights == "bf16" else f"{base}_{weights}"
 
 
 def save(work: Path, data: dict[str, Any]) -> None:
-    ep.save(work, PREFIX, data)
+    ep.save(work, result_prefix(PREFIX, data["weights"]), data)
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,8 +332,8 @@ def run_patterns(work: Path, data: dict[str, Any], side: Side, videos: Videos, p
 def new_result(engine: str, packages: tuple[str, ...], args: argparse.Namespace) -> dict[str, Any]:
     date = time.strftime("%Y-%m-%d %H:%M")
     layers = 4 if args.tiny else args.layers
-    return {"engine": engine, "date": date, "tiny": args.tiny, "layers": layers, "versions": tp.versions(packages),
-            "runs": []}  # fmt: skip
+    return {"engine": engine, "date": date, "tiny": args.tiny, "layers": layers, "weights": args.weights,
+            "versions": tp.versions(packages), "runs": []}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,6 +341,30 @@ def new_result(engine: str, packages: tuple[str, ...], args: argparse.Namespace)
 
 
 def phase_ckpt(args: argparse.Namespace) -> None:
+    """The bf16 checkpoint and the adapters, and with --weights fp8 the FP8 copy made from it; with
+    --reuse, what an earlier call completed here is kept."""
+    work = args.work
+    if args.reuse and is_complete(work, "bf16", args):
+        log(f"reusing {ckpt_dir(work)}")
+    else:
+        complete_marker(work, "fp8").unlink(missing_ok=True)  # made from the bf16 one
+        write_bf16(args)
+    if args.weights == "fp8":
+        done = complete_marker(work, "fp8")
+        if args.reuse and is_complete(work, "fp8", args):
+            log(f"reusing {ckpt_dir(work, 'fp8')}")
+        else:
+            done.unlink(missing_ok=True)
+            tp.quantize_copy(ckpt_dir(work), ckpt_dir(work, "fp8"), args.device)
+            done.write_text(stamp(args) + "\n")
+
+
+def is_complete(work: Path, weights: str, args: argparse.Namespace) -> bool:
+    done = complete_marker(work, weights)
+    return done.is_file() and done.read_text().strip() == stamp(args)
+
+
+def write_bf16(args: argparse.Namespace) -> None:
     import torch
 
     from bench import engine_gpu as eg
@@ -338,10 +373,7 @@ def phase_ckpt(args: argparse.Namespace) -> None:
     from hylora.demo import write_tokenizer
 
     work, ckpt = args.work, ckpt_dir(args.work)
-    done = work / "ckpt-video.complete"
-    if args.reuse and done.is_file() and done.read_text().strip() == stamp(args):
-        log(f"reusing {ckpt}")
-        return
+    done = complete_marker(work, "bf16")
     done.unlink(missing_ok=True)
     t0 = time.perf_counter()
     text, vision = shapes(args.tiny, args.layers)
@@ -375,11 +407,13 @@ def phase_ckpt(args: argparse.Namespace) -> None:
 
 
 def require_ckpt(args: argparse.Namespace) -> Path:
-    work = args.work
-    done = work / "ckpt-video.complete"
-    if not done.is_file() or done.read_text().strip() != stamp(args):
-        raise SystemExit(f"no complete checkpoint for this run in {work}: run the ckpt step first")
-    return ckpt_dir(work)
+    """The checkpoint of --weights, complete for this run's shape."""
+    if not is_complete(args.work, args.weights, args):
+        raise SystemExit(
+            f"no complete {args.weights} checkpoint for this run in {args.work}: run the ckpt step first "
+            f"(with --weights {args.weights})"
+        )
+    return ckpt_dir(args.work, args.weights)
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,6 +557,7 @@ def phase_hylora(args: argparse.Namespace) -> None:
     engine = LLMEngine(ckpt, config, {a: adapters_dir(work) / a for a in ADAPTERS}, progress=False)
     tp.sync(device)
     data.update(startup_s=time.perf_counter() - t0, card=tp.card(device), kernels=as_text(engine.kernels))
+    data["served_as"] = engine.quantization or config.dtype
     data["settings"] = {"max_num_batched_tokens": engine.config.max_num_batched_tokens, "kv_pages": engine.kv.num_pages}
     save(work, data)
     media, limits = MediaConfig.from_model_dir(ckpt), MediaLimits()
@@ -637,10 +672,16 @@ def table_md(found: dict[str, dict[str, Any]], through: str | None = None) -> st
     cards = sorted({d["card"] for d in found.values() if d.get("card")})
     tiny = any(d.get("tiny") for d in found.values())
     layers = "/".join(str(n) for n in sorted({d.get("layers", tp.N_LAYERS) for d in found.values()}))
+    weights = "/".join(sorted({d.get("weights", "bf16") for d in found.values()}))
     model = (
         "the bench's small shape, 4 layers, 2-block tower (CPU dry run)"
         if tiny
         else (f"random bf16 weights of the Qwen3.6-27B text shape cut to {layers} layers, the real-size tower")
+    ) + (
+        ""
+        if weights == "bf16"
+        else f"; served from its {weights} copy (hylora's `quantize_checkpoint`: e4m3 decoder projections with "
+        "128 x 128 block scales; the tower, embeddings, LM head and GDN a / b rows in bf16), the same for both"
     )
     lines = [
         "# vLLM 0.20.2 beside hylora: the video workload" + (f", through {through}" if through else ""),
@@ -689,12 +730,13 @@ def table_md(found: dict[str, dict[str, Any]], through: str | None = None) -> st
 
 
 def phase_table(args: argparse.Namespace) -> None:
-    ep.phase_table(args, PREFIX, table_md, "video_peer.md")
+    prefix = result_prefix(PREFIX, args.weights)
+    ep.phase_table(args, prefix, table_md, f"{prefix}_peer.md")
 
 
 def child_flags(args: argparse.Namespace) -> list[str]:
     """add_args' flags as the run phase hands them to its steps."""
-    extra = ["--layers", str(args.layers), "--patterns", ",".join(args.patterns)]
+    extra = ["--layers", str(args.layers), "--patterns", ",".join(args.patterns), "--weights", args.weights]
     extra += ["--rate", str(args.rate)] if args.rate else []
     extra += ["--kernels", tp.kernel_switches(args.kernels)] if args.kernels else []
     return extra + ([] if args.encode_media_ahead else ["--no-encode-media-ahead"])
@@ -708,7 +750,7 @@ def phase_run(args: argparse.Namespace) -> None:
 PHASES = {
     "ckpt": phase_ckpt,
     "vllm": phase_vllm,
-    "hylora": ep.guarded(phase_hylora, PREFIX, "runs"),
+    "hylora": ep.guarded(phase_hylora, lambda args: result_prefix(PREFIX, args.weights), "runs"),
     "table": phase_table,
     "run": phase_run,
 }
@@ -732,6 +774,13 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--rate", type=float, default=None, help="poisson arrivals, requests/s (default 0.5; tiny 4)")
     ap.add_argument("--layers", type=int, default=tp.N_LAYERS, help="decoder layers of the 27B shape (ckpt)")
+    ap.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        default="bf16",
+        help="the checkpoint both engines serve: bf16, or its block-FP8 copy (ckpt: written from the bf16 one; "
+        "results video_fp8-<engine>.json, table video_fp8_peer.md)",
+    )
     ap.add_argument(
         "--kernels",
         type=tp.kernel_overrides,

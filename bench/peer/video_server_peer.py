@@ -40,7 +40,7 @@ from bench.peer import throughput_peer as tp  # noqa: E402
 from bench.peer import video_peer as vp  # noqa: E402
 from bench.peer.child_env import child_env  # noqa: E402
 
-PREFIX = "video_server"  # results: WORK/results/video_server-<engine>.json
+PREFIX = "video_server"  # results: WORK/results/video_server-<engine>.json (bf16), video_server_fp8-<engine>.json
 MIN_LEFT_S = {"ckpt": 60, "vllm": 330, "hylora": 200}
 READY_S = 480  # the most a server may take to start
 COUNTERS = ("mm_cache", "media_cache", "encoder_cache", "preemptions")  # /metrics samples kept per pattern
@@ -70,7 +70,7 @@ def server_args(engine: str, args: argparse.Namespace, videos: vp.Videos) -> lis
     work, cpu = args.work, args.device == "cpu"
     adapters = [f"{a}={vp.adapters_dir(work) / a}" for a in vp.ADAPTERS]
     shared = [
-        str(vp.ckpt_dir(work)), "--served-model-name", "base", "--host", "127.0.0.1",
+        str(vp.ckpt_dir(work, args.weights)), "--served-model-name", "base", "--host", "127.0.0.1",
         "--dtype", "float32" if cpu else "bfloat16", "--max-model-len", str(vp.MAX_MODEL_LEN),
         "--max-num-seqs", str(vp.MAX_NUM_SEQS), "--max-num-batched-tokens", str(vp.MNBT), "--seed", "0",
         "--no-enable-prefix-caching", "--max-loras", str(len(vp.ADAPTERS)), "--max-lora-rank", str(vp.RANK),
@@ -171,7 +171,7 @@ def phase_engine(engine: str, args: argparse.Namespace) -> None:
 
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise SystemExit("vLLM is not importable here (bench/peer/video_server_gpu.sh installs the carried one)")
-    work = args.work
+    work, prefix = args.work, vp.result_prefix(PREFIX, args.weights)
     vp.require_ckpt(args)
     packages = ("vllm", "torch", "transformers") if engine == "vllm" else ("torch", "triton", "transformers")
     data = vp.new_result(engine, packages, args)
@@ -181,7 +181,7 @@ def phase_engine(engine: str, args: argparse.Namespace) -> None:
     port = dp.free_port()
     server = dp.Server(engine, [*cmd, "--port", str(port)], port, work / "logs" / f"video-server-{engine}.log")
     data["settings"] = {"command": " ".join(cmd[2:]).replace(str(work), "WORK")}
-    ep.save(work, PREFIX, data)
+    ep.save(work, prefix, data)
     server.start(child_env())
     try:
         why = server.wait_ready(time.monotonic() + READY_S)
@@ -200,13 +200,13 @@ def phase_engine(engine: str, args: argparse.Namespace) -> None:
             e2e = row["e2e_s"]
             log(f"{engine} server {pattern}: {row['out_tok_s']:.0f} out tok/s, E2E p50 {e2e.get('p50', 0):.2f}s "
                 f"p99 {e2e.get('p99', 0):.2f}s, {row['failed']} failed {row['errors'][:2]}")  # fmt: skip
-            ep.save(work, PREFIX, data)
+            ep.save(work, prefix, data)
         data["complete"] = True
     except BaseException as e:
         data["error"] = f"{type(e).__name__}: {e}"[:2000]
         raise
     finally:
-        ep.save(work, PREFIX, data)
+        ep.save(work, prefix, data)
         server.stop()
         args.out.mkdir(parents=True, exist_ok=True)
         if server.log_path.is_file():
@@ -222,7 +222,8 @@ def table_md(found: dict[str, dict[str, Any]]) -> str:
 
 
 def phase_table(args: argparse.Namespace) -> None:
-    ep.phase_table(args, PREFIX, table_md, "video_server_peer.md")
+    prefix = vp.result_prefix(PREFIX, args.weights)
+    ep.phase_table(args, prefix, table_md, f"{prefix}_peer.md")
 
 
 def phase_run(args: argparse.Namespace) -> None:

@@ -36,9 +36,14 @@ QUANTISED = re.compile(  # their checkpoint keys, text prefix included
     + r")\.weight$"
 )
 NOT_CONVERTED = ("lm_head", "embed_tokens", "visual", "mtp")
-# decoder projections that stay unquantised; modules_to_not_convert names each in full, as Qwen's
-# releases do (vLLM matches full module names: a short name would leave its fused in_proj_ba FP8)
-KEPT = re.compile(r"^(model\.(?:language_model\.)?layers\.\d+\.linear_attn\.in_proj_[ab])\.weight$")
+# linears that stay unquantised: the GDN in_proj_a / in_proj_b rows and the vision tower's linears
+# (patch embedding, attention, MLP, merger). modules_to_not_convert names each in full, as Qwen's
+# releases do: vLLM matches full module names, so a short name would leave its fused in_proj_ba, and
+# every tower linear (built with the model's quantisation config), FP8 with bf16 weights cast into it.
+KEPT = re.compile(
+    r"^(model\.(?:language_model\.)?layers\.\d+\.linear_attn\.in_proj_[ab]"
+    r"|(?:model\.)?visual\.(?:.+\.)?(?:qkv|proj|linear_fc\d))\.weight$"
+)
 
 
 def quantize_checkpoint(
