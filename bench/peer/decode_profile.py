@@ -165,10 +165,11 @@ def kernel_summary(trace: Path, steps: int) -> list[dict[str, Any]]:
 def summary_md(engine: str, rows: list[dict[str, Any]], per: str = DECODE_STEP) -> str:
     """The kernel table as markdown, with the total per step (`per`: what one row's µs cover)."""
     total = sum(r["us_per_step"] for r in rows)
+    unit = per.split(" (")[0]  # the column heads: "decode step", "phase", "pattern"
     lines = [
         f"{engine}: {total:.0f} µs of kernels per {per}",
         "",
-        "| kernel | µs / step | calls / step |",
+        f"| kernel | µs / {unit} | calls / {unit} |",
         "| --- | --- | --- |",
     ]
     lines += [f"| {r['kernel'][:90]} | {r['us_per_step']:.1f} | {r['calls_per_step']:.1f} |" for r in rows]

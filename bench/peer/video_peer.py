@@ -653,7 +653,8 @@ def profile_pattern(out: Path, data: dict[str, Any], side: Side, jobs: list[Job]
     )
     (folder / f"video-{data['engine']}.md").write_text(decode_profile.summary_md(title, rows, "pattern"))
     top = ", ".join(f"{r['kernel'][:40]} {r['us_per_step'] / 1e3:.0f} ms" for r in rows[:6])
-    log(f"{data['engine']} profiled: device busy {busy['busy_ms']:.0f} of {busy['span_ms']:.0f} ms; top: {top}")
+    log(f"{data['engine']} profiled: device busy {busy['busy_ms']:.0f} of {busy['span_ms']:.0f} ms, {failed} of "
+        f"{len(records)} requests failed; top: {top}")  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
