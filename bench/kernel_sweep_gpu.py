@@ -7,8 +7,9 @@ candidate that is not exact to bf16 rounding is marked, never picked). The defau
 
 - GDN decode step in place by slot: batch 32 and 64, each spill-free (BLOCK_V, num_warps, dv blocks
   a program).
-- Paged decode attention: batch 32 and 64 at context 576 (bound 1024) and batch 8 at 8k (bound
-  32k), partition x BLOCK_T x num_warps.
+- Paged decode attention: batch 32 and 64 at context 576 (bound 1024), batch 8 at 8k (bound 32k) and
+  the video workload's batch 24 at ~9k (bound 10240); partition, BLOCK_T, num_warps, P @ V in 16 bits
+  or tf32x3, software-pipelining stages (`--attention-configs`, `--attention-shapes`).
 - LoRA shrink + expand, 8 rank-16 adapters mixed, on the 27B's linears (GDN in_proj, gate_up,
   down): decode (32, 64 tokens) and prefill (2048, 8192 tokens in 512-token sequences), each config
   of `hylora.ops.lora.triton.SWEEP_CONFIGS` beside the base GEMM of the same linear.
@@ -233,14 +234,24 @@ GDN_CONFIGS = [
 GDN_BEST: list[tuple] = []
 
 
+# 'partition,block_t,warps,pv16,stages' (stages 0: Triton's default); the first is the shipped default
+ATTN_CONFIGS = (
+    "128,16,4,0,0 128,16,4,1,0 128,32,4,0,0 128,32,4,1,0 128,64,4,1,0 128,64,8,1,0 256,32,4,1,0 256,64,4,1,0 "
+    "256,64,8,1,0 512,64,8,1,0 128,32,4,1,2 128,32,4,1,4 128,64,4,1,2 128,64,4,1,4"
+)
+# 'batch:context:bound': the throughput workload's decode (576 tokens), one 8k prompt, the video workload's
+# 24 requests of ~9k tokens (max model length 10240)
+ATTN_SHAPES = "32:576:1024 64:576:1024 8:8192:32768 24:9000:10240"
+
+
 @torch.inference_mode()
-def attention_sweep(cfg: ModelConfig) -> list[dict]:
+def attention_sweep(cfg: ModelConfig, configs: str = ATTN_CONFIGS, shapes: str = ATTN_SHAPES) -> list[dict]:
     from hylora.ops.paged_decode_attention.reference import paged_decode_attention as reference
     from hylora.ops.paged_decode_attention.triton import paged_decode_attention
 
     H, Hkv, D, page = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 16
     rows = []
-    for N, ctx, bound in ((32, 576, 1024), (64, 576, 1024), (8, 8192, 32768)):
+    for N, ctx, bound in (tuple(int(k) for k in shape.split(":")) for shape in shapes.split()):
         pages = bound // page
         g = torch.Generator(DEV).manual_seed(N)
         table = torch.randperm(N * pages, device=DEV, generator=g).to(torch.int32).reshape(N, pages)
@@ -253,22 +264,24 @@ def attention_sweep(cfg: ModelConfig) -> list[dict]:
         roofline = 1e3 * 2 * N * ctx * Hkv * D * 2 / BW
         print(f"paged_decode_attention, batch {N}, context {ctx}, bound {bound} (roofline {1e3 * roofline:.1f} us)")
         batch_rows = []
-        for partition, block_t, warps in itertools.product((64, 128, 256, 512), (16, 32), (4, 8)):
+        for config in configs.split():
+            partition, block_t, warps, pv16, stages = (int(k) for k in config.split(","))
             if bound // partition > 512:
                 continue
-
+            label = f"partition {partition}, block_t {block_t}, {warps} warps{', pv16' * pv16}"
+            label += f", {stages} stages" if stages else ""
             call = partial(
-                paged_decode_attention, *args, max_seq_len=bound, partition=partition, block_t=block_t, num_warps=warps
-            )
+                paged_decode_attention, *args, max_seq_len=bound, partition=partition, block_t=block_t,
+                num_warps=warps, pv_16bit=bool(pv16), num_stages=stages or None,
+            )  # fmt: skip
             try:
                 err = rel_error(call(), ref)
                 ms = bench(call)
             except Exception as e:  # e.g. out of shared memory for this tile
-                print(f"  partition {partition}, block_t {block_t}, {warps} warps: {type(e).__name__}: {e}"[:200])
+                print(f"  {label}: {type(e).__name__}: {e}"[:200])
                 continue
             batch_rows.append(dict(kernel="paged_decode_attention", batch=N, context=ctx, bound=bound,
-                                   config=f"partition {partition}, block_t {block_t}, {warps} warps",
-                                   ms=ms, roofline_ms=roofline, err=err, ok=err < 1e-2))  # fmt: skip
+                                   config=label, ms=ms, roofline_ms=roofline, err=err, ok=err < 1e-2))  # fmt: skip
         show(batch_rows, "config", f"attention batch {N} ctx {ctx} bound {bound}")
         rows += batch_rows
     return rows
@@ -514,6 +527,8 @@ def main() -> None:
     ap.add_argument("--gdn-configs", help="GDN candidates as 'block_v,warps,v_blocks ...' (default: GDN_CONFIGS)")
     ap.add_argument("--lora-tokens", default="32,64,2048,8192", help="token counts of the LoRA sweep")
     ap.add_argument("--expand-configs", default=EXPAND_CONFIGS, help="'block_n,n_per_program,warps ...'")
+    ap.add_argument("--attention-configs", default=ATTN_CONFIGS, help="'partition,block_t,warps,pv16,stages ...'")
+    ap.add_argument("--attention-shapes", default=ATTN_SHAPES, help="'batch:context:bound ...'")
     args = ap.parse_args()
     cfg = ModelConfig.from_hf(QWEN36_27B)
     result = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
@@ -523,7 +538,7 @@ def main() -> None:
         "gdn": partial(gdn_sweep, configs=gdn_configs),
         "logits": logits_sweep,
         "recurrent": recurrent_sweep,
-        "attention": attention_sweep,
+        "attention": partial(attention_sweep, configs=args.attention_configs, shapes=args.attention_shapes),
         "lora": partial(lora_sweep, token_counts=tokens),
         "epilogue": epilogue_sweep,
         "expand": partial(expand_sweep, configs=args.expand_configs),

@@ -288,6 +288,14 @@ def test_paged_decode_attention_bits_do_not_depend_on_the_length_bound():
     torch.testing.assert_close(outs[0], ref, atol=1e-6, rtol=1e-5)
 
 
+def test_paged_decode_attention_fp32_ignores_the_16bit_pv_switch():
+    """fp32 caches keep their exact P @ V whatever `pv_16bit` says (it rounds only 16-bit caches)."""
+    q, k_cache, v_cache, table, seq_lens = paged_case(4, [65, 3, 0, 40], 4, 2, 32, 4)
+    args = (q, k_cache, v_cache, table, seq_lens, 4, 0.2)
+    plain = attn_triton.paged_decode_attention(*args, partition=32, block_t=16)
+    assert torch.equal(attn_triton.paged_decode_attention(*args, partition=32, block_t=16, pv_16bit=True), plain)
+
+
 def test_paged_decode_attention_start_up_check():
     error = check.paged_decode_attention_error(
         4, 2, 32, 16, torch.float32, "cpu", batches=(1, 3), lengths=(1, 31, 32, 33), partition=32, block_t=16
@@ -625,6 +633,12 @@ def test_bf16_start_up_checks(gpu_bf16):
         4, 2, 32, 16, bf16, "cpu", batches=(3,), lengths=(1, 31, 33), partition=32, block_t=16
     )
     assert attention < 1e-3
+    for block_t in (16, 32):  # P @ V as one 16-bit MMA (p rounded to bf16): within the start-up tolerance
+        attention_pv16 = check.paged_decode_attention_error(
+            4, 2, 32, 16, bf16, "cpu", batches=(3,), lengths=(1, 31, 33, 70), partition=64, block_t=block_t,
+            pv_16bit=True,
+        )  # fmt: skip
+        assert 0 < attention_pv16 < 1e-2
     assert check.lora_error(64, [48, 16], 16, bf16, "cpu", tokens=(1, 128)) < 1e-3
     assert check.lora_error(64, [48, 16], 16, bf16, "cpu", tokens=(1, 65), kernel=check.stacked_lora_apply) < 1e-2
     assert check.lora_error(64, [48, 16], 16, bf16, "cpu", tokens=(1, 129), kernel=check.delta_first_lora_apply) < 1e-2

@@ -28,6 +28,9 @@ PARTITION = 128
 BLOCK_T = 16  # tokens per inner step: K and V tiles of 16 × 256 bf16 = 8 KiB each
 NUM_WARPS = 4
 MERGE_CHUNK = 16  # partitions merged per step of the merge kernel's loop
+# 16-bit caches: P @ V with p in fp32 and V upcast (tf32x3: three MMAs a step, exact to fp32 products), or
+# with p cast to the cache dtype (one 16-bit MMA, as FlashAttention does: p in [0, 1] rounded to 8 bits).
+PV_16BIT = False
 LOG2E = 1.4426950408889634
 
 
@@ -44,6 +47,8 @@ def paged_decode_attention(
     partition: int = PARTITION,
     block_t: int = BLOCK_T,
     num_warps: int = NUM_WARPS,
+    pv_16bit: bool = PV_16BIT,
+    num_stages: int | None = None,  # the partition kernel's software pipelining (None: Triton's default)
 ) -> torch.Tensor:
     N, H, D = q.shape
     hkv = k_cache.shape[1]
@@ -73,7 +78,9 @@ def paged_decode_attention(
         DIRECT=num_parts == 1,
         QK_PRECISION="ieee" if fp32 else "tf32",  # 16-bit inputs: exact products, fp32 accumulation
         PV_PRECISION="ieee" if fp32 else "tf32x3",  # p stays fp32, v upcast (no cast down before a dot)
+        PV_16BIT=pv_16bit and not fp32,
     )
+    stages = {} if num_stages is None else {"num_stages": num_stages}
     if num_parts == 1:
         part_o = part_ml = out  # unused
     else:
@@ -84,7 +91,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1),
         scale * LOG2E, num_parts,
-        PAGE_SIZE=page_size, num_warps=num_warps, **meta,
+        PAGE_SIZE=page_size, num_warps=num_warps, **stages, **meta,
     )  # fmt: skip
     if num_parts > 1:
         _merge_kernel[(N, H)](
@@ -102,7 +109,7 @@ def _partition_kernel(
     scale_log2, num_parts,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr, PARTITION: tl.constexpr, DIRECT: tl.constexpr,
-    QK_PRECISION: tl.constexpr, PV_PRECISION: tl.constexpr,
+    QK_PRECISION: tl.constexpr, PV_PRECISION: tl.constexpr, PV_16BIT: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -140,7 +147,10 @@ def _partition_kernel(
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + rows[:, None] * s_vt + kvh * s_vh + dd[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PV_PRECISION)
+        if PV_16BIT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PV_PRECISION)
         m = m_new
 
     if DIRECT:
