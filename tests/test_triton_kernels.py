@@ -767,6 +767,27 @@ def test_causal_conv1d_by_slot_long_chunks_and_a_padded_layout(blocks, monkeypat
     assert torch.isnan(pool[unowned]).all()
 
 
+def test_decode_attention_switches_reach_the_kernel(gpu_bf16):
+    """KernelsConfig's decode attention switches (P @ V in 16 bits, BLOCK_T) are what the model's decode
+    attention runs: its bf16 output is the kernel's with them, bit for bit, and differs from the
+    default's; an unknown BLOCK_T is refused."""
+    from hylora.kernels import KernelsConfig, model_kernels
+    from hylora.kernels.select import fast_verdicts
+
+    q, k_cache, v_cache, table, seq_lens = paged_case(5, [70, 0, 129, 33], 6, 2, 64, 16, dtype=torch.bfloat16)
+    q = q.to(torch.bfloat16)
+    args = (q, k_cache, v_cache, table, seq_lens, 16, 0.125)
+    config = KernelsConfig(decode_attention_pv_16bit=True, decode_attention_block_t=32)
+    served = model_kernels(fast_verdicts(["paged_decode_attention"]), config).decode_attention(*args)
+    assert torch.equal(served, attn_triton.paged_decode_attention(*args, pv_16bit=True, block_t=32))
+    default = model_kernels(fast_verdicts(["paged_decode_attention"])).decode_attention
+    assert default is attn_triton.paged_decode_attention and not torch.equal(default(*args), served)
+    ref = attn_reference.paged_decode_attention(*args)
+    torch.testing.assert_close(served.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="decode_attention_block_t"):
+        KernelsConfig(decode_attention_block_t=8)
+
+
 @pytest.mark.parametrize(("value", "config"), [("32,8", (32, 8, 1)), ("16,2,4", (16, 2, 4)), ("32,1,0", (32, 1, 0))])
 def test_gdn_decode_launch_flag(value, config):
     """--gdn-decode-launch (what bench/kernel_sweep_gpu.py --gdn-best-out writes) reaches every call."""

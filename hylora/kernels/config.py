@@ -83,6 +83,21 @@ class KernelsConfig:
     # them); auto: torch's own pick. Attention was 47.5 of the 119 ms of a 720p video's tower call on an
     # H200 (BASELINE run 25 d), ~3x its FLOP floor; bench/tower_gpu.py times each backend
     tower_attention: str = "auto"
+    # decode attention over the paged KV cache (ops.paged_decode_attention) with a 16-bit cache: P @ V with
+    # p rounded to the cache's dtype (one 16-bit MMA, as FlashAttention does; 90 registers a thread at
+    # sm_90 against 184) rather than p in fp32 against V upcast (tf32x3, exact products); and the tokens
+    # each step of a program's loop reads (BLOCK_T: 16, 32 or 64). bench/kernel_sweep_gpu.py --only attention
+    decode_attention_pv_16bit: bool = False
+    decode_attention_block_t: int = 16
+
+    def decode_attention_args(self) -> dict[str, int | bool]:
+        """The decode attention kernel's arguments these switches set (empty: its defaults)."""
+        args: dict[str, int | bool] = {}
+        if self.decode_attention_pv_16bit:
+            args["pv_16bit"] = True
+        if self.decode_attention_block_t != 16:
+            args["block_t"] = self.decode_attention_block_t
+        return args
 
     def __post_init__(self) -> None:
         launch = self.gdn_decode_launch
@@ -90,6 +105,8 @@ class KernelsConfig:
             len(launch) != 3 or any(not isinstance(v, int) or v < low for v, low in zip(launch, (1, 1, 0), strict=True))
         ):
             raise ValueError(f"gdn_decode_launch must be block_v, num_warps >= 1 and v_blocks >= 0, got {launch!r}")
+        if self.decode_attention_block_t not in (16, 32, 64):
+            raise ValueError(f"decode_attention_block_t must be 16, 32 or 64, got {self.decode_attention_block_t!r}")
         for name in ("lora_delta_first_from", "lora_stacked_below"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):

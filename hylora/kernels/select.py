@@ -87,7 +87,10 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
     if "paged_decode_attention" in fast:
         from hylora.ops.paged_decode_attention.triton import paged_decode_attention
 
-        chosen["decode_attention"] = paged_decode_attention
+        attention_args = config.decode_attention_args()
+        chosen["decode_attention"] = (
+            functools.partial(paged_decode_attention, **attention_args) if attention_args else paged_decode_attention
+        )
     if "causal_conv1d" in fast:
         from hylora.ops.causal_conv1d.triton import causal_conv1d_by_slot
 
@@ -309,7 +312,8 @@ def select_fast_kernels(
             c.linear_conv_kernel_dim, dtype, dev, **gdn_launch,
         ),
         "paged_decode_attention": lambda: checks.paged_decode_attention_error(
-            c.num_attention_heads, c.num_key_value_heads, c.head_dim, page_size, dtype, dev
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim, page_size, dtype, dev,
+            **(config or KernelsConfig()).decode_attention_args(),
         ),
         "lora": lambda: max(
             error
