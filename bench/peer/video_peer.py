@@ -634,13 +634,14 @@ def phase_hylora(args: argparse.Namespace) -> None:
 def profile_pattern(out: Path, data: dict[str, Any], side: Side, jobs: list[Job]) -> None:
     """The jobs (the all-at-once pattern on new videos: the tower runs) under torch.profiler: the kernels
     by name over the whole pattern and how busy the device was, into the result and
-    OUT/profiles/video-hylora.md, the Chrome trace beside it. The profiler slows the host: its wall is
-    not the timed pattern's."""
+    OUT/profiles/video-hylora.md (video_fp8-hylora.md with --weights fp8), the Chrome trace beside it.
+    The profiler slows the host: its wall is not the timed pattern's."""
     from bench.peer import decode_profile
 
     folder = out / "profiles"
     folder.mkdir(parents=True, exist_ok=True)
-    trace = folder / f"video-{data['engine']}.trace.json.gz"
+    name = f"{result_prefix(PREFIX, data['weights'])}-{data['engine']}"  # video-hylora, video_fp8-hylora
+    trace = folder / f"{name}.trace.json.gz"
     with decode_profile.profiling(trace):
         records, wall = drive(side, jobs)
     rows = decode_profile.kernel_summary(trace, 1)
@@ -651,7 +652,7 @@ def profile_pattern(out: Path, data: dict[str, Any], side: Side, jobs: list[Job]
         f"{data['engine']}, {len(jobs)} requests at once on new videos, under the profiler (wall {wall:.2f} s; "
         f"device busy {busy['busy_ms']:.0f} of {busy['span_ms']:.0f} ms)"
     )
-    (folder / f"video-{data['engine']}.md").write_text(decode_profile.summary_md(title, rows, "pattern"))
+    (folder / f"{name}.md").write_text(decode_profile.summary_md(title, rows, "pattern"))
     top = ", ".join(f"{r['kernel'][:40]} {r['us_per_step'] / 1e3:.0f} ms" for r in rows[:6])
     log(f"{data['engine']} profiled: device busy {busy['busy_ms']:.0f} of {busy['span_ms']:.0f} ms, {failed} of "
         f"{len(records)} requests failed; top: {top}")  # fmt: skip
