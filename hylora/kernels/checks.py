@@ -173,12 +173,12 @@ def paged_decode_attention_error(
     dtype: torch.dtype,
     device: torch.device | str,
     batches: Sequence[int] = DECODE_BATCHES,
-    lengths: Sequence[int] = (1, 2, 15, 16, 17, 127, 128, 129, 511, 512, 513, 1100),
+    lengths: Sequence[int] = (1, 2, 15, 16, 17, 31, 32, 33, 127, 128, 129, 255, 256, 257, 511, 512, 513, 1100),
     kernel: Callable[..., torch.Tensor] | None = None,
     **kernel_args,
 ) -> float:
-    """Sequence lengths cycle through `lengths` (straddling the 16-token steps and the 128-token
-    partitions); with N > 1 the last row is padding (length 0). Unowned pages and the rows past
+    """Sequence lengths cycle through `lengths` (straddling the 16- and 32-token steps and the 128- and
+    256-token partitions); with N > 1 the last row is padding (length 0). Unowned pages and the rows past
     each length in its last page are NaN."""
     if kernel is None:
         from hylora.ops.paged_decode_attention.triton import paged_decode_attention as kernel

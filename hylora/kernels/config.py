@@ -84,20 +84,17 @@ class KernelsConfig:
     # H200 (BASELINE run 25 d), ~3x its FLOP floor; bench/tower_gpu.py times each backend
     tower_attention: str = "auto"
     # decode attention over the paged KV cache (ops.paged_decode_attention) with a 16-bit cache: P @ V with
-    # p rounded to the cache's dtype (one 16-bit MMA, as FlashAttention does; 90 registers a thread at
-    # sm_90 against 184) rather than p in fp32 against V upcast (tf32x3, exact products); and the tokens
-    # each step of a program's loop reads (BLOCK_T: 16, 32 or 64). bench/kernel_sweep_gpu.py --only attention
-    decode_attention_pv_16bit: bool = False
-    decode_attention_block_t: int = 16
+    # p rounded to the cache's dtype (one 16-bit MMA, as FlashAttention does) or, False, p in fp32 against V
+    # upcast (tf32x3, exact products); and the tokens each step of a program's loop reads (BLOCK_T: 16, 32
+    # or 64). H200, docs/BASELINE.md run 46: the kernel 1.5-1.7x faster with both (True, 32) than with
+    # (False, 16), at 1.15-1.67x its KV read; the video workload 408 -> 431-435 out tok/s, TPOT p50
+    # 29.5 -> 26.4 ms. bench/kernel_sweep_gpu.py --only attention times the candidates
+    decode_attention_pv_16bit: bool = True
+    decode_attention_block_t: int = 32
 
     def decode_attention_args(self) -> dict[str, int | bool]:
-        """The decode attention kernel's arguments these switches set (empty: its defaults)."""
-        args: dict[str, int | bool] = {}
-        if self.decode_attention_pv_16bit:
-            args["pv_16bit"] = True
-        if self.decode_attention_block_t != 16:
-            args["block_t"] = self.decode_attention_block_t
-        return args
+        """The decode attention kernel's arguments these switches set."""
+        return {"pv_16bit": self.decode_attention_pv_16bit, "block_t": self.decode_attention_block_t}
 
     def __post_init__(self) -> None:
         launch = self.gdn_decode_launch

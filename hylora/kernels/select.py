@@ -87,10 +87,7 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
     if "paged_decode_attention" in fast:
         from hylora.ops.paged_decode_attention.triton import paged_decode_attention
 
-        attention_args = config.decode_attention_args()
-        chosen["decode_attention"] = (
-            functools.partial(paged_decode_attention, **attention_args) if attention_args else paged_decode_attention
-        )
+        chosen["decode_attention"] = functools.partial(paged_decode_attention, **config.decode_attention_args())
     if "causal_conv1d" in fast:
         from hylora.ops.causal_conv1d.triton import causal_conv1d_by_slot
 

@@ -17,20 +17,22 @@ import torch
 import triton
 import triton.language as tl
 
-# Tokens per program: a program's loop is a chain of dependent loads (K, then V after the softmax),
-# so short partitions keep many programs in flight. Fixed, never derived from the batch's length
-# bound: a sequence's partitions, and so its bits, must not depend on its neighbours' lengths or on
-# graph vs eager (whose bounds differ). 128 was within 4-10% of the best candidate at every shape of
-# bench/kernel_sweep_gpu.py on an H200 (batch 32 / 64 at 576 tokens, batch 8 at 8k; BASELINE run 10).
-PARTITION = 128
-# sm_90, D 256, GQA 6, bf16 (ptxas): 184 registers at 4 warps, no spills. 4 warps beat 8 at every
-# shape of bench/kernel_sweep_gpu.py on an H200 (docs/BASELINE.md run 10).
-BLOCK_T = 16  # tokens per inner step: K and V tiles of 16 × 256 bf16 = 8 KiB each
+# Tokens per program. Fixed, never derived from the batch's length bound: a sequence's partitions, and
+# so its bits, must not depend on its neighbours' lengths or on graph vs eager (whose bounds differ).
+# H200, bench/kernel_sweep_gpu.py --only attention (docs/BASELINE.md run 46): with the 16-bit P @ V and
+# 32-token steps, 256 was the fastest or within 1 % of it at batch 32 / 64 x 576 tokens and 24 x 9000,
+# and 0.3 % behind 512 at 8 x 8192.
+PARTITION = 256
+# sm_90, D 256, GQA 6, bf16 (ptxas): 117 registers a thread at 4 warps with the 16-bit P @ V, no spills
+# (184 with tf32x3 at BLOCK_T 16, the earlier default). 4 warps level with 8 (run 46; run 10: 4 beat 8).
+BLOCK_T = 32  # tokens per inner step: K and V tiles of 32 x 256 bf16 = 16 KiB each
 NUM_WARPS = 4
 MERGE_CHUNK = 16  # partitions merged per step of the merge kernel's loop
-# 16-bit caches: P @ V with p in fp32 and V upcast (tf32x3: three MMAs a step, exact to fp32 products), or
-# with p cast to the cache dtype (one 16-bit MMA, as FlashAttention does: p in [0, 1] rounded to 8 bits).
-PV_16BIT = False
+# 16-bit caches: P @ V with p cast to the cache dtype (one 16-bit MMA, as FlashAttention does: p in [0, 1]
+# rounded to 8 bits; 2.2e-3 from the fp32 reference at bf16), or with p in fp32 and V upcast (tf32x3: three
+# MMAs a step, exact to fp32 products, 4e-5). Run 46: the whole kernel 1.5-1.7x faster with the 16-bit one
+# (24 x 9000 tokens: 386 -> 236 us, 1.15x its KV read; batch 32 x 576: 44.8 -> 29.4 us).
+PV_16BIT = True
 LOG2E = 1.4426950408889634
 
 
