@@ -30,7 +30,7 @@ NUM_WARPS = 4
 MERGE_CHUNK = 16  # partitions merged per step of the merge kernel's loop
 # 16-bit caches: P @ V with p cast to the cache dtype (one 16-bit MMA, as FlashAttention does: p in [0, 1]
 # rounded to 8 bits; 2.2e-3 from the fp32 reference at bf16), or with p in fp32 and V upcast (tf32x3: three
-# MMAs a step, exact to fp32 products, 4e-5). Run 46: the whole kernel 1.5-1.7x faster with the 16-bit one
+# MMAs a step, exact to fp32 products, 4-7e-5). Run 46: the whole kernel 1.5-1.7x faster with the 16-bit one
 # (24 x 9000 tokens: 386 -> 236 us, 1.15x its KV read; batch 32 x 576: 44.8 -> 29.4 us).
 PV_16BIT = True
 LOG2E = 1.4426950408889634
