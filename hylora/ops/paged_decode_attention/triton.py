@@ -3,7 +3,8 @@
 Same signature and result as `reference.paged_decode_attention` (padding rows: `seq_lens == 0`
 gives zeros). Grid (sequence, KV head, partition): each program reads `PARTITION` tokens of one KV
 head once for all H / Hkv query heads of its group (padded to 16 rows for the tensor cores), with
-an online softmax in fp32 (exp2, scale folded in). A second kernel, grid (sequence, query head),
+an online softmax in fp32 (exp2, scale folded in) and, for 16-bit caches, p rounded to the cache's
+dtype for P @ V (PV_16BIT). A second kernel, grid (sequence, query head),
 merges the partitions. With a single partition the first kernel writes the output directly.
 
 The number of partitions comes from static shapes (`block_table` width, or `max_seq_len` when the
