@@ -252,3 +252,48 @@ def test_installed_kernels_give_every_linear_its_lora_path():
     assert linears and all(m.lora_backend == "triton" and m.delta_first_from == 2048 for m in linears)
     install(model, ModelKernels())
     assert all(m.lora_backend is None and m.delta_first_from == 0 for m in linears)
+
+
+def test_kernels_flag_sets_any_kernel_field_and_says_what_is_wrong():
+    import argparse
+
+    from hylora.kernels import KernelsConfig
+    from hylora.kernels.config import kernel_switches, parse_kernel_overrides
+    from hylora.server.serve import add_serve_args, kernels_config
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    text = "decode_attention_block_t=64,decode_attention_pv_16bit=0,tower_attention=cudnn"
+    config = kernels_config(p.parse_args(["m", "--kernels", text]))
+    assert (config.decode_attention_block_t, config.decode_attention_pv_16bit, config.tower_attention) == (
+        64, False, "cudnn"
+    )  # fmt: skip
+    assert config.fp8_fused_norm_quant is KernelsConfig().fp8_fused_norm_quant  # untouched fields keep defaults
+    assert parse_kernel_overrides(kernel_switches(parse_kernel_overrides(text))) == parse_kernel_overrides(text)
+    # the same value by its own flag and by --kernels is fine; two different values are an error
+    same = p.parse_args(["m", "--tower-attention", "cudnn", "--kernels", "tower_attention=cudnn"])
+    assert kernels_config(same).tower_attention == "cudnn"
+    clash = p.parse_args(["m", "--tower-attention", "flash", "--kernels", "tower_attention=cudnn"])
+    with pytest.raises(ValueError, match="--tower-attention flash and --kernels tower_attention=cudnn disagree"):
+        kernels_config(clash)
+    for bad, message in (
+        ("decode_attention_blockt=32", "name one of .*decode_attention_block_t"),
+        ("decode_attention_pv_16bit=2", "want name=0|1"),
+        ("decode_attention_block_t=48", "decode_attention_block_t must be 16, 32 or 64"),
+        ("tower_attention=fast", "tower_attention must be one of"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_kernel_overrides(bad)
+        with pytest.raises(SystemExit):  # argparse: exit 2 with the message, before anything loads
+            p.parse_args(["m", "--kernels", bad])
+
+
+def test_decode_attention_defaults_match_the_kernel_module():
+    """KernelsConfig (which the engine passes) and the kernel's own defaults (direct calls: benches, tests)
+    name the same kernel: the config cannot import the Triton module to read them."""
+    pytest.importorskip("triton")
+    from hylora.kernels import KernelsConfig
+    from hylora.ops.paged_decode_attention import triton as kernel
+
+    config = KernelsConfig()
+    assert (config.decode_attention_pv_16bit, config.decode_attention_block_t) == (kernel.PV_16BIT, kernel.BLOCK_T)

@@ -1014,34 +1014,19 @@ def add_shared_args(ap: argparse.ArgumentParser) -> None:
 
 
 def kernel_overrides(text: str) -> dict[str, int | str]:
-    """`name=value,...` for KernelsConfig's boolean (0 or 1), integer and string fields (a string is
-    checked by KernelsConfig itself)."""
-    from dataclasses import fields
+    """`--kernels`: hylora.kernels.config.parse_kernel_overrides, its error as argparse's."""
+    from hylora.kernels.config import parse_kernel_overrides
 
-    from hylora.kernels.config import KernelsConfig
-
-    kinds = {f.name: f.type for f in fields(KernelsConfig) if f.type in (bool, "bool", int, "int", str, "str")}
-    out: dict[str, int | str] = {}
-    for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
-        kind = {bool: "bool", int: "int", str: "str"}.get(kinds.get(name), kinds.get(name))  # type: ignore[arg-type]
-        if kind == "str" and value:
-            out[name] = value
-            continue
-        if name not in kinds or not value.isdigit() or (kind == "bool" and value not in ("0", "1")):
-            want = f"want name=0|1, name=N or name=text, name one of {sorted(kinds)}"
-            raise argparse.ArgumentTypeError(f"{item!r}: {want}")
-        out[name] = (value == "1") if kind == "bool" else int(value)
     try:
-        KernelsConfig(**out)  # type: ignore[arg-type]
+        return parse_kernel_overrides(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return out
 
 
 def kernel_switches(kernels: dict[str, int | str]) -> str:
-    """`kernel_overrides`' input for these values (booleans as 0 / 1)."""
-    return ",".join(f"{k}={v if isinstance(v, str) else int(v)}" for k, v in kernels.items())
+    from hylora.kernels.config import kernel_switches as switches
+
+    return switches(kernels)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -84,8 +84,7 @@ def server_args(engine: str, args: argparse.Namespace, videos: vp.Videos) -> lis
         return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *shared, *own]
     own = ["--device", args.device, "--disable-log-requests"]
     own += [] if args.encode_media_ahead else ["--no-encode-media-ahead"]
-    for name, value in args.kernels.items():  # serve's kernel flags (one without a flag fails the launch)
-        own += [f"--{name.replace('_', '-')}", str(value)]
+    own += ["--kernels", tp.kernel_switches(args.kernels)] if args.kernels else []
     return [sys.executable, "-m", "hylora", "serve", *shared, *own]
 
 

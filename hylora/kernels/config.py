@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -119,6 +119,30 @@ class KernelsConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+
+
+def parse_kernel_overrides(text: str) -> dict[str, int | str]:
+    """`name=value,...` for KernelsConfig's boolean (0 or 1), integer and string fields, checked by
+    KernelsConfig itself (ValueError names what to fix). `hylora serve --kernels` and the benches take it."""
+    kinds = {f.name: {bool: "bool", int: "int", str: "str"}.get(f.type, f.type) for f in fields(KernelsConfig)}
+    kinds = {name: kind for name, kind in kinds.items() if kind in ("bool", "int", "str")}
+    out: dict[str, int | str] = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        kind = kinds.get(name)
+        if kind == "str" and value:
+            out[name] = value
+            continue
+        if kind is None or not value.isdigit() or (kind == "bool" and value not in ("0", "1")):
+            raise ValueError(f"{item!r}: want name=0|1, name=N or name=text, name one of {', '.join(sorted(kinds))}")
+        out[name] = (value == "1") if kind == "bool" else int(value)
+    KernelsConfig(**out)  # type: ignore[arg-type]
+    return out
+
+
+def kernel_switches(kernels: dict[str, int | str]) -> str:
+    """`parse_kernel_overrides`' input for these values (booleans as 0 / 1)."""
+    return ",".join(f"{k}={v if isinstance(v, str) else int(v)}" for k, v in kernels.items())
 
 
 def triton_usable(device: torch.device | str) -> bool:

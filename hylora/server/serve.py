@@ -18,7 +18,14 @@ from hylora.engine.chat_input import MediaSettings
 from hylora.engine.config import EngineConfig
 from hylora.engine.engine import LLMEngine
 from hylora.kernels import KernelsConfig
-from hylora.kernels.config import FAST_KERNEL_CHOICES, FP8_ACTIVATIONS, GDN_BACKENDS, TOWER_ATTENTION, parse_launch
+from hylora.kernels.config import (
+    FAST_KERNEL_CHOICES,
+    FP8_ACTIVATIONS,
+    GDN_BACKENDS,
+    TOWER_ATTENTION,
+    parse_kernel_overrides,
+    parse_launch,
+)
 from hylora.media import FetchPolicy, MediaError, MediaLimits, MediaPools, ProcessedCache
 from hylora.media.cache import DEFAULT_CAPACITY_GB
 from hylora.media.config import apply_overrides, merge_overrides
@@ -285,18 +292,39 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         help="the vision tower's attention: one of torch's SDPA backends, checked at start-up against fp32 math "
         "(start-up fails if it cannot serve); auto: torch's pick (bench/tower_gpu.py times each)",
     )
+    k.add_argument(
+        "--kernels",
+        type=kernel_overrides,
+        default={},
+        metavar="NAME=VALUE,...",
+        help="any field of hylora.kernels.KernelsConfig (booleans 0 / 1), e.g. decode_attention_block_t=64 or "
+        "fp8_fused_norm_quant=0: the switches the benches compare in one run (docs/PEER.md)",
+    )
+
+
+KERNEL_FLAGS = (
+    "fast_kernels", "gdn_backend", "lora_backend", "gdn_decode_launch", "fp8_activations", "lora_delta_first_from",
+    "tower_attention",
+)  # fmt: skip
+
+
+def kernel_overrides(text: str) -> dict[str, int | str]:
+    """--kernels: KernelsConfig fields as name=value,..."""
+    try:
+        return parse_kernel_overrides(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def kernels_config(args: argparse.Namespace) -> KernelsConfig:
-    return KernelsConfig(
-        fast_kernels=args.fast_kernels,
-        gdn_backend=args.gdn_backend,
-        lora_backend=args.lora_backend,
-        gdn_decode_launch=args.gdn_decode_launch,
-        fp8_activations=args.fp8_activations,
-        lora_delta_first_from=args.lora_delta_first_from,
-        tower_attention=args.tower_attention,
-    )
+    """The kernel flags, then --kernels; a field set both ways to different values is an error."""
+    values = {name: getattr(args, name) for name in KERNEL_FLAGS}
+    for name, value in args.kernels.items():
+        if name in values and values[name] not in (value, KernelsConfig.__dataclass_fields__[name].default):
+            flag = f"--{name.replace('_', '-')}"
+            raise ValueError(f"{flag} {values[name]} and --kernels {name}={value} disagree: give one")
+        values[name] = value
+    return KernelsConfig(**values)
 
 
 def lora_modules(items: list[str], base_name: str) -> dict[str, str]:
