@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hylora.demo import write_tokenizer
+from tests.triton_mode import interpret_without_cuda
+
+# Before any module imports triton or a kernel: which test file pytest collects first must not decide
+# whether the kernels are the interpreter's (a module imported compiled on a CPU cannot run them)
+interpret_without_cuda()
+
+from hylora.demo import write_tokenizer  # noqa: E402
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(min(4, os.cpu_count() or 1))
