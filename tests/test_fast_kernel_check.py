@@ -256,6 +256,7 @@ def test_installed_kernels_give_every_linear_its_lora_path():
 
 def test_kernels_flag_sets_any_kernel_field_and_says_what_is_wrong():
     import argparse
+    import re
 
     from hylora.kernels import KernelsConfig
     from hylora.kernels.config import kernel_switches, parse_kernel_overrides
@@ -278,7 +279,7 @@ def test_kernels_flag_sets_any_kernel_field_and_says_what_is_wrong():
         kernels_config(clash)
     for bad, message in (
         ("decode_attention_blockt=32", "name one of .*decode_attention_block_t"),
-        ("decode_attention_pv_16bit=2", "want name=0|1"),
+        ("decode_attention_pv_16bit=2", re.escape("want name=0|1, name=N")),
         ("decode_attention_block_t=48", "decode_attention_block_t must be 16, 32 or 64"),
         ("tower_attention=fast", "tower_attention must be one of"),
     ):
