@@ -177,6 +177,17 @@ def test_verdict():
     assert crashed.check_failed and "no sm_90 here" in crashed.reason
 
 
+def test_a_slow_start_up_check_logs_its_time(monkeypatch, caplog):
+    """A cold start's minutes show where they went: each check past SLOW_CHECK_S is logged with its time."""
+    caplog.set_level("INFO", logger=select.log.name)
+    select._verdict("quick", lambda: 0.0, 1e-4)
+    assert not [r for r in caplog.records if "start-up check took" in r.getMessage()]
+    monkeypatch.setattr(select, "SLOW_CHECK_S", -1.0)
+    select._verdict("slow", lambda: 0.0, 1e-4)
+    (line,) = [r.getMessage() for r in caplog.records if "start-up check took" in r.getMessage()]
+    assert line.startswith("slow triton start-up check took ")
+
+
 @pytest.mark.parametrize(
     "errors, implementation, checked, dequantised",
     [

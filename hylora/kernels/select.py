@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -36,6 +37,9 @@ IMPLEMENTATION = {"prefill_attention": "flash"}  # what a passing kernel is, whe
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 FP8_TOLERANCE = 1e-2  # the kernel vs the reference on the same FP8 inputs: fp32 sums in another order, bf16 out
 GDN_TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 2e-2, torch.float16: 2e-2}  # fp32 only when forced
+# a start-up check that takes longer is logged with its time: on a fresh machine the checks compile every
+# Triton kernel (2-3 minutes of start-up at the 27B shape), which a warm Triton cache skips
+SLOW_CHECK_S = 1.0
 
 
 def select_kernels(
@@ -168,7 +172,10 @@ def select_tower_attention(model: HybridDecoder, backend: str) -> KernelVerdict:
     v, dtype = model.visual.config, model.visual.dtype
     tolerance = TOLERANCE[dtype]
     try:
-        error = checks.tower_attention_error(v.num_heads, v.head_dim, dtype, model.device, backend)
+        error = _timed(
+            "tower_attention", backend,
+            lambda: checks.tower_attention_error(v.num_heads, v.head_dim, dtype, model.device, backend),
+        )  # fmt: skip
     except RuntimeError as e:
         raise RuntimeError(
             f"tower_attention {backend}: torch's SDPA cannot run the vision tower's attention here "
@@ -194,10 +201,10 @@ def select_gdn_kernel(model: HybridDecoder, backend: str = "auto") -> KernelVerd
             raise RuntimeError("gdn_backend fla was asked for but fla (fla-core) is not importable")
         return reference(name, "fla not installed")
     c, tolerance = model.config, GDN_TOLERANCE[model.dtype]
-    error = checks.gated_delta_rule_error(
+    error = _timed(name, "fla", lambda: checks.gated_delta_rule_error(
         c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
         model.dtype, model.device,
-    )  # fmt: skip
+    ))  # fmt: skip
     if not error <= tolerance:  # also catches NaN
         message = f"fla's gated delta rule disagrees with the reference (rel. error {error:.2e} > {tolerance:.0e})"
         if backend == "fla":
@@ -359,7 +366,7 @@ def select_fast_kernels(
 def _verdict(name: str, run: Callable[[], float], tolerance: float, implementation: str = "") -> KernelVerdict:
     implementation = implementation or IMPLEMENTATION.get(name, "triton")
     try:
-        error = run()
+        error = _timed(name, implementation, run)
     except Exception as e:  # a kernel that does not compile or launch here is not used
         log.error("%s %s kernel failed to run (%s); serving with the reference", name, implementation, e)
         return reference(name, f"{name} kernel failed: {e}", tolerance=tolerance, check_failed=True)
@@ -368,3 +375,14 @@ def _verdict(name: str, run: Callable[[], float], tolerance: float, implementati
         reason = f"rel. error {error:.2e} > {tolerance:.0e}"
         return reference(name, reason, error=error, tolerance=tolerance, check_failed=True)
     return passed(name, implementation, error, tolerance)
+
+
+def _timed(name: str, implementation: str, run: Callable[[], float]) -> float:
+    """run(), logged with its time when it took longer than SLOW_CHECK_S."""
+    start = time.perf_counter()
+    error = run()
+    seconds = time.perf_counter() - start
+    if seconds > SLOW_CHECK_S:
+        log.info("%s %s start-up check took %.1f s (compiling its kernels, or a cold Triton cache)", name,
+                 implementation, seconds)  # fmt: skip
+    return error
