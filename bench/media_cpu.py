@@ -8,6 +8,9 @@ One synthetic clip (default: 10 s of 1280x720 at 30 fps, H.264, made once before
 - `process_frames`: the decoded frames (what `bench/peer/video_peer.py` hands the engine);
 - `process_frame_list`: the sampled frames as JPEGs (vLLM's `data:video/jpeg;base64` frame list);
 - the preprocessed-media cache's hit for the same bytes (the second adapter's request);
+- what the server does with such a request before its frames decode, each with the GIL held, so the engine
+  thread waits it out (docs/SERVING.md): parsing the JSON body, validating it (`ChatCompletionRequest`:
+  its check for invalid Unicode walks every string), and splitting the frame list (base64);
 - normalising one temporal patch's rows on the host (`ProcessedMedia.rows`; on a GPU it runs there);
 - admitting its prompt (~8.9k ids, the video expanded as transformers' processor does): its segments
   and M-RoPE positions (`build_multimodal_prompt`, on the request's thread), and the engine's check of
@@ -22,6 +25,7 @@ size). Prints a table; `--out FILE` writes the numbers as JSON.
 from __future__ import annotations
 
 import argparse
+import base64
 import io
 import json
 import os
@@ -42,7 +46,9 @@ from hylora.engine.intake import _token_ids_in  # noqa: E402
 from hylora.engine.multimodal import build_multimodal_prompt  # noqa: E402
 from hylora.media import MediaConfig, MediaLimits, ProcessedCache, process_video  # noqa: E402
 from hylora.media.config import VideoConfig  # noqa: E402
+from hylora.media.fetch import split_frame_list  # noqa: E402
 from hylora.media.processor import process_frame_list, process_frames  # noqa: E402
+from hylora.server.protocol import ChatCompletionRequest  # noqa: E402
 
 QWEN35_VIDEO = VideoConfig(
     patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=4096, max_pixels=25_165_824,
@@ -112,6 +118,10 @@ def main() -> None:
     _, h, w = item.grid_thw
     vision = VisionConfig.from_hf({"vision_config": VISION_27B})
     ids = prompt_for(item, vision)
+    url = "data:video/jpeg;base64," + ",".join(base64.b64encode(j).decode() for j in frame_jpegs)
+    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What is shown?"}]
+    body = json.dumps({"model": "relic", "messages": [{"role": "user", "content": content}]}).encode()
+    payload = json.loads(body)
     rows = {
         "process_video (mp4 bytes: decode, sample, resize, rows)": lambda: process_video(mp4, cfg, limits),
         "process_frames (decoded frames)": lambda: process_frames(all_frames, args.fps, cfg, limits),
@@ -119,6 +129,9 @@ def main() -> None:
             frame_jpegs, cfg, limits, {"fps": QWEN35_VIDEO.fps}
         ),
         "media cache hit (the same mp4 again)": lambda: process_video(mp4, cfg, limits, cache=cache),
+        f"the frame list's request body ({len(body) / 1e6:.1f} MB): json.loads": lambda: json.loads(body),
+        "... validated (ChatCompletionRequest)": lambda: ChatCompletionRequest.model_validate(payload),
+        "... its frame list split and base64-decoded": lambda: split_frame_list(url, limits.max_bytes, 768),
         "one temporal patch's rows normalised on the host": lambda: item.rows(0, h * w),
         f"its prompt's segments and positions ({len(ids)} ids)": lambda: build_multimodal_prompt(ids, [item], vision),
         "the engine's check of its prompt ids": lambda: _token_ids_in(ids, 248_320),

@@ -504,6 +504,11 @@ def test_frame_list_urls_and_their_refusals(cfg):
         split_frame_list(url, LIMITS.max_bytes, 2)
     with pytest.raises(MediaError, match="frame 1 of the data:video/jpeg frame list is not valid base64"):
         split_frame_list(f"data:video/jpeg;base64,{parts[0]},!!{parts[1]}", LIMITS.max_bytes, 8)
+    wrapped = [base64.encodebytes(f).decode() for f in frames]  # a line break every 76 characters
+    assert "\n" in wrapped[0]
+    assert split_frame_list("data:video/jpeg;base64," + ",".join(wrapped), LIMITS.max_bytes, 8) == frames
+    with pytest.raises(MediaError, match="frame 2 of the data:video/jpeg frame list is not valid base64"):
+        split_frame_list(f"data:video/jpeg;base64,{wrapped[0]},{wrapped[1]},{wrapped[2]}!", LIMITS.max_bytes, 8)
     with pytest.raises(MediaError, match="frame 1 of the frame list is 32x64, frame 0 is 64x64"):
         process_frame_list([frames[0], image_bytes(32, 64, fmt="JPEG")], cfg, LIMITS)
     with pytest.raises(MediaError, match="frame 0 of the frame list: could not decode image"):
@@ -565,6 +570,11 @@ def test_data_urls():
     ]:
         with pytest.raises(MediaError, match=match):
             fetch_bytes(bad, FetchPolicy(), 100)
+    # line breaks are allowed and do not count against the size limit
+    wrapped = "data:image/png;base64," + base64.encodebytes(payload).decode().replace("\n", "\r\n")
+    assert fetch_bytes(wrapped, FetchPolicy(), len(payload)) == payload
+    with pytest.raises(MediaError, match="not valid base64"):
+        fetch_bytes(wrapped + "%", FetchPolicy(), 10_000)
 
 
 def test_file_urls_only_under_the_allowed_root(tmp_path):

@@ -753,3 +753,37 @@ def test_out_of_range_sampling_values_name_their_param(server, field, value):
     body = {"model": "relic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | {field: value}
     r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_request_bodies_with_invalid_unicode_anywhere_are_refused_and_big_clean_ones_validate():
+    """The body check walks dicts and short lists itself and hands long lists to json.dumps: a lone
+    surrogate is caught on either path, in a value or a key; valid non-ASCII text and a 5 MB frame-list URL
+    pass."""
+    from pydantic import ValidationError
+
+    from hylora.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    def chat(content, **extra):
+        return {"model": "relic", "messages": [{"role": "user", "content": content}], **extra}
+
+    frames = "data:video/jpeg;base64," + ",".join(["QUJD" * 65_000] * 20)
+    ok = [
+        chat("café, 東京, 🎥"),
+        chat([{"type": "video_url", "video_url": {"url": frames}}, {"type": "text", "text": "what is shown?"}]),
+        {"prompt": list(range(5000)), "max_tokens": 2},
+        {"prompt": "x", "max_tokens": 2, "extra": ["é"] * 100},
+    ]
+    for body in ok:
+        (ChatCompletionRequest if "messages" in body else CompletionRequest).model_validate(body)
+    bad = [
+        chat("a\ud800b"),
+        chat([{"type": "text", "text": "\udfff"}]),
+        {"prompt": "x", "stop": ["\ud83d"], "max_tokens": 2},  # a short list: walked
+        {"prompt": "x", "max_tokens": 2, "extra": ["é"] * 100 + ["\ud83d"]},  # a long one: json.dumps
+        {"prompt": "x", "max_tokens": 2, "extra": {"\ud800": 1}},  # a key
+        {"prompt": "x", "max_tokens": 2, "extra": [[["deep \udc80"]]]},
+    ]
+    for body in bad:
+        model = ChatCompletionRequest if "messages" in body else CompletionRequest
+        with pytest.raises(ValidationError, match="invalid Unicode"):
+            model.model_validate(body)

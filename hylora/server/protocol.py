@@ -360,14 +360,37 @@ class UnloadLoRARequest(_Body):
 
 
 def _utf8_clean(value: Any) -> bool:
-    """Whether every string in `value` encodes as UTF-8 (False also when unsure). json.dumps walks
-    the structure in C, a hundred times faster than a walk in Python; nested request bodies (messages)
-    are skipped: they check themselves."""
+    """Whether every string in `value` encodes as UTF-8 (False also when unsure); nested request bodies
+    (messages) are skipped: they check themselves.
+
+    Dicts and short lists are walked here and each string checked on its own: an ASCII one (`isascii`,
+    microseconds for megabytes) needs nothing more. A long list goes to json.dumps, which walks it in C
+    (1M token ids: 150 ms against 340 in Python). Dumping a whole body instead took 13–24 ms per 5.2 MB
+    video frame list with the GIL held, which the engine thread waited out (docs/SERVING.md)."""
+    stack, seen = [value], set()
     try:
-        json.dumps(value, ensure_ascii=False, skipkeys=True, default=lambda _: None).encode("utf-8")
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                if not item.isascii():
+                    item.encode("utf-8")
+                continue
+            if not isinstance(item, (dict, list, tuple)) or id(item) in seen:
+                continue
+            seen.add(id(item))  # a structure built in Python may hold itself
+            if isinstance(item, dict):
+                stack.extend(k for k in item if isinstance(k, str))
+                stack.extend(item.values())
+            elif len(item) > _WALKED_ITEMS:
+                json.dumps(item, ensure_ascii=False, skipkeys=True, default=lambda _: None).encode("utf-8")
+            else:
+                stack.extend(item)
     except (UnicodeEncodeError, ValueError, RecursionError):
         return False
     return True
+
+
+_WALKED_ITEMS = 64  # a list longer than this is checked by json.dumps (in C)
 
 
 def _check_count(name: str, value: int | None, most: int) -> None:
