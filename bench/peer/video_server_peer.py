@@ -43,7 +43,17 @@ from bench.peer.child_env import child_env  # noqa: E402
 PREFIX = "video_server"  # results: WORK/results/video_server-<engine>.json (bf16), video_server_fp8-<engine>.json
 MIN_LEFT_S = {"ckpt": 60, "vllm": 330, "hylora": 200}
 READY_S = 480  # the most a server may take to start
-COUNTERS = ("mm_cache", "media_cache", "encoder_cache", "preemptions")  # /metrics samples kept per pattern
+# /metrics samples kept per pattern (names containing one of these)
+COUNTERS = ("mm_cache", "media_cache", "encoder_cache", "preemptions", "engine_steps", "steps_ahead")
+# the servers' own request latencies (vLLM's histograms, which hylora serves too): their _sum and _count are
+# kept per pattern, for the means on each server's clock (hylora's starts once a request's media are
+# preprocessed, vLLM's at its request's arrival_time)
+SERVER_LATENCIES = {
+    "TTFT": "vllm:time_to_first_token_seconds",
+    "E2E": "vllm:e2e_request_latency_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+}
 
 
 def log(*parts: object) -> None:
@@ -106,6 +116,7 @@ async def send(client: Any, url: str, job: vp.Job, video_url: str, max_tokens: i
         ]}],
         "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True},
+        "return_token_ids": True,  # a token whose text is not yet whole still shows (random weights: most)
     }  # fmt: skip
     first = None
     usage: dict[str, Any] = {}
@@ -121,7 +132,9 @@ async def send(client: Any, url: str, job: vp.Job, video_url: str, max_tokens: i
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         error = str(chunk["error"])[:300]
-                    if first is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                    if first is None and any(
+                        c.get("token_ids") or (c.get("delta") or {}).get("content") for c in chunk.get("choices", [])
+                    ):
                         first = time.monotonic()
                     usage = chunk.get("usage") or usage
     except httpx.HTTPError as e:
@@ -152,13 +165,25 @@ def counters(url: str) -> dict[str, float]:
     """The servers' cache and preemption counters on /metrics, summed by name."""
     import httpx
 
+    latencies = {f"{h}{end}" for h in SERVER_LATENCIES.values() for end in ("_sum", "_count")}
     found: dict[str, float] = {}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("#") or "_created" in line or not any(c in line for c in COUNTERS):
+        if line.startswith("#") or "_created" in line:
             continue
         name, value = line.split("{")[0].split(" ")[0], line.rsplit(" ", 1)[-1]
-        found[name] = found.get(name, 0.0) + float(value)
+        if name in latencies or any(c in name for c in COUNTERS):
+            found[name] = found.get(name, 0.0) + float(value)
     return found
+
+
+def server_means(counts: dict[str, float]) -> dict[str, float]:
+    """Each server latency's mean over a pattern's requests, from its /metrics _sum and _count deltas."""
+    means = {}
+    for label, h in SERVER_LATENCIES.items():
+        n = counts.get(f"{h}_count", 0.0)
+        if n > 0:
+            means[label] = counts.get(f"{h}_sum", 0.0) / n
+    return means
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,10 +220,12 @@ def phase_engine(engine: str, args: argparse.Namespace) -> None:
             records, wall = asyncio.run(drive(server.url, videos.jobs[pattern], urls, videos.max_tokens))
             after = counters(server.url)
             row = vp.summary(pattern, records, wall, counters={k: v - before.get(k, 0.0) for k, v in after.items()})
+            row["server_means"] = server_means(row["counters"])
             data["runs"].append(row)
             e2e = row["e2e_s"]
             log(f"{engine} server {pattern}: {row['out_tok_s']:.0f} out tok/s, E2E p50 {e2e.get('p50', 0):.2f}s "
-                f"p99 {e2e.get('p99', 0):.2f}s, {row['failed']} failed {row['errors'][:2]}")  # fmt: skip
+                f"p99 {e2e.get('p99', 0):.2f}s, {row['failed']} failed {row['errors'][:2]}; on the server's clock "
+                + ", ".join(f"{k} {v:.2f}s" for k, v in row["server_means"].items()))  # fmt: skip
             ep.save(work, prefix, data)
         data["complete"] = True
     except BaseException as e:
@@ -217,7 +244,35 @@ def phase_engine(engine: str, args: argparse.Namespace) -> None:
 
 
 def table_md(found: dict[str, dict[str, Any]]) -> str:
-    return vp.table_md(found, through="their OpenAI servers (frames as data:video/jpeg, streamed)")
+    """video_peer's table, then each pattern's means on the client's clock beside the server's own: the
+    difference is the time before the server's clock starts (hylora: the request's upload, parsing and
+    media preprocessing)."""
+    lines = [
+        vp.table_md(found, through="their OpenAI servers (frames as data:video/jpeg, streamed)").rstrip("\n"),
+        "",
+        "Means over each pattern's requests (s): the client's clock (from the request's arrival) beside each "
+        "server's own (its /metrics histograms; hylora's clock starts once the request's media are preprocessed, "
+        "vLLM's at its request's arrival_time).",
+        "",
+        "| arrivals | engine | client TTFT / E2E | server TTFT / E2E | server queue / prefill |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+
+    def cell(a: float | None, b: float | None) -> str:
+        return f"{a:.2f} / {b:.2f}" if a is not None and b is not None else "–"
+
+    for p in vp.PATTERNS:
+        for engine, d in (("vLLM", found.get("vllm")), ("hylora", found.get("hylora"))):
+            r = vp.run_of(d, p)
+            if r is None:
+                continue
+            m = r.get("server_means") or {}
+            client = cell(r["ttft_s"].get("mean"), r["e2e_s"].get("mean"))
+            lines.append(
+                f"| {p} | {engine} | {client} | {cell(m.get('TTFT'), m.get('E2E'))} "
+                f"| {cell(m.get('queue'), m.get('prefill'))} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def phase_table(args: argparse.Namespace) -> None:
