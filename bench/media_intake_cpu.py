@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import io
 import json
 import os
 import statistics
@@ -35,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.media_cpu import QWEN35_VIDEO  # noqa: E402
+from bench.media_cpu import QWEN35_VIDEO, jpegs  # noqa: E402
 from bench.video_workload_gpu import FULL, video_frames  # noqa: E402
 from bench.vision_gpu import VISION_27B, synthetic_video  # noqa: E402
 from hylora.config import VisionConfig  # noqa: E402
@@ -50,16 +49,10 @@ OPS = 2000  # GIL-releasing torch ops per round of the engine-like thread
 
 
 def request_bodies(videos: int, per_video: int) -> list[bytes]:
-    from PIL import Image
-
     base = synthetic_video(FULL.frames, FULL.height, FULL.width)
     bodies = []
     for v in range(videos):
-        parts = []
-        for frame in video_frames(base, v, videos, FULL.frames):
-            buf = io.BytesIO()
-            Image.fromarray(frame).save(buf, format="JPEG", quality=90)
-            parts.append(base64.b64encode(buf.getvalue()).decode())
+        parts = [base64.b64encode(j).decode() for j in jpegs(video_frames(base, v, videos, FULL.frames))]
         content = [
             {"type": "video_url", "video_url": {"url": "data:video/jpeg;base64," + ",".join(parts)}},
             {"type": "text", "text": f"What is shown? (clip {v})"},

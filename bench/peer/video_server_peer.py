@@ -162,7 +162,8 @@ async def drive(url: str, jobs: list[vp.Job], urls: dict[int, str], max_tokens: 
 
 
 def counters(url: str) -> dict[str, float]:
-    """The servers' cache and preemption counters on /metrics, summed by name."""
+    """The servers' cache, preemption and step counters and their latency histograms' _sum and _count on
+    /metrics, summed by name."""
     import httpx
 
     latencies = {f"{h}{end}" for h in SERVER_LATENCIES.values() for end in ("_sum", "_count")}
