@@ -551,6 +551,48 @@ def test_metrics_expose_adapter_residency(server):
         assert name in text, name
 
 
+def test_latency_starts_when_the_request_arrives(server):
+    """A request whose body takes 0.6 s to upload: its intake's read phase holds those seconds, its TTFT
+    counts them (and the rest of its intake), and the engine thread's busy seconds grow."""
+
+    def totals() -> dict[str, float]:
+        names = {
+            phase: ("hylora_request_intake_seconds_sum", f'phase="{phase}"') for phase in ("read", "prepare", "admit")
+        }
+        names |= {
+            "count": ("hylora_request_intake_seconds_count", 'phase="admit"'),
+            "ttft": ("hylora_time_to_first_token_seconds_sum", 'adapter="relic"'),
+            "steps": ("hylora_engine_step_seconds", ""),
+        }
+        found = {}
+        for key, (name, labels) in names.items():
+            try:
+                found[key] = metric(server, name, labels)
+            except KeyError:  # no request has been observed yet
+                found[key] = 0.0
+        return found
+
+    body = json.dumps(
+        {"model": "relic", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 2}
+    ).encode()
+
+    def slow_upload():
+        yield body[:10]
+        time.sleep(0.6)
+        yield body[10:]
+
+    before = totals()
+    headers = {"Content-Type": "application/json"}
+    r = httpx.post(f"{server}/v1/chat/completions", content=slow_upload(), headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    after = totals()
+    grew = {k: after[k] - before[k] for k in after}
+    assert grew["count"] == 1
+    assert grew["read"] >= 0.6, grew
+    assert grew["ttft"] >= grew["read"] + grew["prepare"] + grew["admit"], grew
+    assert grew["steps"] > 0, grew
+
+
 def _has(server, key):
     return key in httpx.get(f"{server}/metrics", timeout=10).text
 

@@ -615,7 +615,7 @@ def phase_hylora(args: argparse.Namespace) -> None:
         device = {k: m[k] for k in (*keys, "tower_calls", "tower_tokens", "tower_per_call")}
         return {
             "encoder_hits": s.encoder_hits, "encoder_misses": s.encoder_misses, "preemptions": s.preemptions,
-            **host, **device,
+            "engine_step_s": s.step_seconds, "engine_steps": s.engine_steps, **host, **device,
         }  # fmt: skip
 
     def busy() -> bool:

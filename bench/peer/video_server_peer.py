@@ -27,6 +27,9 @@ import asyncio
 import base64
 import io
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,7 +47,10 @@ PREFIX = "video_server"  # results: WORK/results/video_server-<engine>.json (bf1
 MIN_LEFT_S = {"ckpt": 60, "vllm": 330, "hylora": 200}
 READY_S = 480  # the most a server may take to start
 # /metrics samples kept per pattern (names containing one of these)
-COUNTERS = ("mm_cache", "media_cache", "encoder_cache", "preemptions", "engine_steps", "steps_ahead")
+COUNTERS = (
+    "mm_cache", "media_cache", "encoder_cache", "preemptions", "engine_steps", "steps_ahead", "engine_step_seconds",
+    "engine_add_seconds",
+)  # fmt: skip
 # the servers' own request latencies (vLLM's histograms, which hylora serves too): their _sum and _count are
 # kept per pattern, for the means on each server's clock (hylora's starts once a request's media are
 # preprocessed, vLLM's at its request's arrival_time)
@@ -54,6 +60,8 @@ SERVER_LATENCIES = {
     "queue": "vllm:request_queue_time_seconds",
     "prefill": "vllm:request_prefill_time_seconds",
 }
+INTAKE = "hylora_request_intake_seconds"  # hylora's, by phase (hylora/server/timing.py): kept as <name>:<phase>
+PYSPY = os.environ.get("PYSPY")  # a py-spy binary: the hylora server is sampled during each pattern
 
 
 def log(*parts: object) -> None:
@@ -172,18 +180,23 @@ def counters(url: str) -> dict[str, float]:
         if line.startswith("#") or "_created" in line:
             continue
         name, value = line.split("{")[0].split(" ")[0], line.rsplit(" ", 1)[-1]
-        if name in latencies or any(c in name for c in COUNTERS):
-            found[name] = found.get(name, 0.0) + float(value)
+        if name in (f"{INTAKE}_sum", f"{INTAKE}_count") and 'phase="' in line:
+            name += ":" + line.split('phase="')[1].split('"')[0]
+        elif not (name in latencies or any(c in name for c in COUNTERS)):
+            continue
+        found[name] = found.get(name, 0.0) + float(value)
     return found
 
 
 def server_means(counts: dict[str, float]) -> dict[str, float]:
     """Each server latency's mean over a pattern's requests, from its /metrics _sum and _count deltas."""
     means = {}
-    for label, h in SERVER_LATENCIES.items():
-        n = counts.get(f"{h}_count", 0.0)
+    names = {label: (f"{h}_sum", f"{h}_count") for label, h in SERVER_LATENCIES.items()}
+    names |= {f"intake {p}": (f"{INTAKE}_sum:{p}", f"{INTAKE}_count:{p}") for p in ("read", "prepare", "admit")}
+    for label, (total, count) in names.items():
+        n = counts.get(count, 0.0)
         if n > 0:
-            means[label] = counts.get(f"{h}_sum", 0.0) / n
+            means[label] = counts.get(total, 0.0) / n
     return means
 
 
@@ -218,7 +231,11 @@ def phase_engine(engine: str, args: argparse.Namespace) -> None:
         data["warm_up_s"] = time.perf_counter() - t0
         for pattern in args.patterns:
             before = counters(server.url)
-            records, wall = asyncio.run(drive(server.url, videos.jobs[pattern], urls, videos.max_tokens))
+            samplers = sample(server, args.out / "pyspy" / f"{engine}-{pattern}") if engine == "hylora" else []
+            try:
+                records, wall = asyncio.run(drive(server.url, videos.jobs[pattern], urls, videos.max_tokens))
+            finally:
+                stop_sampling(samplers)
             after = counters(server.url)
             row = vp.summary(pattern, records, wall, counters={k: v - before.get(k, 0.0) for k, v in after.items()})
             row["server_means"] = server_means(row["counters"])
@@ -240,6 +257,41 @@ def phase_engine(engine: str, args: argparse.Namespace) -> None:
             (args.out / server.log_path.name).write_bytes(server.log_path.read_bytes()[-200_000:])
 
 
+def sample(server: dp.Server, prefix: Path) -> list[subprocess.Popen]:
+    """With $PYSPY set: two py-spy recorders on the server's process, one of the thread that holds the GIL
+    (`<prefix>-gil.txt`), one of every thread, idle ones too (`<prefix>-all.txt`), as collapsed stacks with
+    thread ids (bench/peer/pyspy_top.py reads them). None when py-spy is not given or cannot start."""
+    if not PYSPY or server.proc is None:
+        return []
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    recorders = []
+    for name, flag in (("gil", "--gil"), ("all", "--idle")):
+        cmd = [PYSPY, "record", "--pid", str(server.proc.pid), "--rate", "200", "--format", "raw", "--threads",
+               "--nonblocking", flag, "-o", f"{prefix}-{name}.txt"]  # fmt: skip
+        log_file = open(f"{prefix}-{name}.log", "wb")  # noqa: SIM115 - the recorder's until it stops
+        try:
+            recorders.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT))
+        except OSError as e:
+            log(f"py-spy did not start: {e}")
+        finally:
+            log_file.close()
+    time.sleep(1.0)  # attached before the first request
+    return recorders
+
+
+def stop_sampling(recorders: list[subprocess.Popen]) -> None:
+    for r in recorders:
+        if r.poll() is None:
+            r.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    for r in recorders:
+        try:
+            r.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            r.kill()
+        if r.returncode:
+            log(f"py-spy exited with {r.returncode} ({' '.join(r.args[-3:])})")
+
+
 # --------------------------------------------------------------------------------------------
 # phases table / run
 
@@ -252,11 +304,14 @@ def table_md(found: dict[str, dict[str, Any]]) -> str:
         vp.table_md(found, through="their OpenAI servers (frames as data:video/jpeg, streamed)").rstrip("\n"),
         "",
         "Means over each pattern's requests (s): the client's clock (from the request's arrival) beside each "
-        "server's own (its /metrics histograms; hylora's clock starts once the request's media are preprocessed, "
-        "vLLM's at its request's arrival_time).",
+        "server's own (its /metrics histograms; hylora's clock starts at the request's headers, vLLM's at its "
+        "request's arrival_time, once its media are fetched); hylora's intake by phase (read: the body received "
+        "and parsed; prepare: prompt and media; admit: the engine thread took it); hylora's engine thread: "
+        "seconds in steps and admissions against the pattern's wall, and its steps.",
         "",
-        "| arrivals | engine | client TTFT / E2E | server TTFT / E2E | server queue / prefill |",
-        "| --- | --- | --- | --- | --- |",
+        "| arrivals | engine | client TTFT / E2E | server TTFT / E2E | server queue / prefill "
+        "| intake read / prepare / admit | engine thread busy | steps |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def cell(a: float | None, b: float | None) -> str:
@@ -269,9 +324,16 @@ def table_md(found: dict[str, dict[str, Any]]) -> str:
                 continue
             m = r.get("server_means") or {}
             client = cell(r["ttft_s"].get("mean"), r["e2e_s"].get("mean"))
+            intake = [m.get(f"intake {phase}") for phase in ("read", "prepare", "admit")]
+            c = r.get("counters") or {}
+            busy = c.get("hylora_engine_step_seconds", 0.0) + c.get("hylora_engine_add_seconds", 0.0)
+            steps = c.get("hylora_engine_steps")
+            wall = r["wall_s"]
             lines.append(
                 f"| {p} | {engine} | {client} | {cell(m.get('TTFT'), m.get('E2E'))} "
-                f"| {cell(m.get('queue'), m.get('prefill'))} |"
+                f"| {cell(m.get('queue'), m.get('prefill'))} "
+                f"| {' / '.join(f'{v:.2f}' for v in intake) if None not in intake else '–'} "
+                f"| {f'{busy:.1f} s of {wall:.1f}' if busy else '–'} | {f'{steps:.0f}' if steps else '–'} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +167,8 @@ class LLMEngine:
         self._inflight: LaunchedStep | None = None  # a step queued ahead, not read yet
         self.steps_ahead = 0  # decode / verify steps queued before the step before them was read
         self.prefill_steps_ahead = 0  # steps the scheduler planned before the step before them was read
+        self.step_seconds = 0.0  # host seconds in step() and add_request() (cumulative): how busy the
+        self.add_seconds = 0.0  # engine's thread was, against the wall
 
     # --- requests --------------------------------------------------------------------------
     def add_request(
@@ -190,6 +193,27 @@ class LLMEngine:
         the client request this sequence belongs to (n > 1, a list of prompts): waiting sequences are
         admitted fairly between groups (engine/scheduler.py). `cache_salt` (vLLM's): the request
         shares prefix-cache entries only with requests of the same salt."""
+        started = time.perf_counter()
+        try:
+            return self._add_request(
+                request_id, prompt, params, adapter, prepared, mm, grammar, grammar_after, group, cache_salt
+            )
+        finally:
+            self.add_seconds += time.perf_counter() - started
+
+    def _add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        adapter: str | None,
+        prepared: PreparedAdapter | None,
+        mm: MultimodalPrompt | None,
+        grammar: CompiledGrammar | None,
+        grammar_after: Sequence[int],
+        group: str | None,
+        cache_salt: str | None,
+    ) -> Request:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         ids, params = self.intake.admit(prompt, params or SamplingParams(), mm)
@@ -288,6 +312,8 @@ class LLMEngine:
             engine_steps=self.step_count,
             steps_ahead=self.steps_ahead,
             prefill_steps_ahead=self.prefill_steps_ahead,
+            step_seconds=self.step_seconds,
+            add_seconds=self.add_seconds,
             preemptions=sched.num_preemptions,
             **self._prefix_stats(),
             spec_drafts=self.spec_stats.drafts,
@@ -327,12 +353,16 @@ class LLMEngine:
         work; a request that stopped meanwhile has its extra token dropped. Any other step is planned
         ahead by the scheduler where the requests allow (engine/plan_ahead.py). The outputs of the
         step in flight come with the next call."""
-        outputs = self._step()
-        if self._inflight is not None and not self.has_unfinished():
-            # the last requests stopped while it ran: read it now rather than at the next arrival
-            step, self._inflight = self._inflight, None
-            outputs.extend(self._finish_step(step))
-        return outputs
+        started = time.perf_counter()
+        try:
+            outputs = self._step()
+            if self._inflight is not None and not self.has_unfinished():
+                # the last requests stopped while it ran: read it now rather than at the next arrival
+                step, self._inflight = self._inflight, None
+                outputs.extend(self._finish_step(step))
+            return outputs
+        finally:
+            self.step_seconds += time.perf_counter() - started
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []

@@ -26,6 +26,8 @@ class EngineStats:
     steps_ahead: int  # decode steps queued before the step before them was read (cumulative)
     prefill_steps_ahead: int  # other steps the scheduler planned before the step before them was read
     preemptions: int  # requests sent back to the queue to free KV pages (cumulative)
+    step_seconds: float = 0.0  # host seconds in step() (cumulative); its rate: how busy the engine thread is
+    add_seconds: float = 0.0  # host seconds in add_request() (cumulative)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int = 0  # prompt tokens served from it (cumulative)
     prefix_cache_entries: int = 0

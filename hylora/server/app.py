@@ -47,6 +47,7 @@ from hylora.server.protocol import (
 from hylora.server.routing import ConflictError, RouteError, TaskRouter
 from hylora.server.security import Forbidden, RequireKey, adapter_dir_under
 from hylora.server.streaming import EventStream
+from hylora.server.timing import IntakeClock, StampArrival
 from hylora.server.vllm_metrics import VLLMMetrics
 from hylora.structured import (
     CompiledGrammar,
@@ -137,8 +138,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.add_middleware(RequireKey, api_key=state.api_key, open_paths=open_paths, refuse=refuse_key)
 
-    if state.cors is not None:  # outermost: a browser's preflight needs no API key
+    if state.cors is not None:  # a browser's preflight needs no API key
         app.add_middleware(CORSMiddleware, **state.cors)
+    app.add_middleware(StampArrival)  # outermost: a request's latencies start at its headers
 
     @app.get("/health")
     async def health() -> Response:
@@ -204,6 +206,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(payload: Payload, request: Request) -> Response:
+        clock = IntakeClock(request, state.metrics.intake)
+        clock.mark("read")
         body = await _parse(ChatCompletionRequest, payload)
         body.check_unknown_fields("chat/completions")
         adapter = _route(state, body, request)
@@ -218,8 +222,11 @@ def build_app(state: ServerState) -> FastAPI:
         job = Job(
             state, "chatcmpl", body, adapter, [prompt_ids], [max_tokens], logprobs, body.prompt_logprobs, mm, grammar,
             chat_outputs=outputs_as, grammar_after=after, bad_words_ids=await _bad_words(state, body),
+            arrival=clock.arrival,
         )  # fmt: skip
+        clock.mark("prepare")
         streams = await job.start(request)
+        clock.mark("admit")
         if body.stream:
             return EventStream(job.chat_events(streams), state.stream_stall_timeout_s, state.metrics)
         outputs = await job.collect(streams, request)
@@ -227,6 +234,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(payload: Payload, request: Request) -> Response:
+        clock = IntakeClock(request, state.metrics.intake)
+        clock.mark("read")
         body = await _parse(CompletionRequest, payload)
         body.check_unknown_fields("completions")
         adapter = _route(state, body, request)
@@ -242,9 +251,11 @@ def build_app(state: ServerState) -> FastAPI:
         grammar = await _grammar(state, body)
         job = Job(
             state, "cmpl", body, adapter, prompts, max_tokens, body.logprobs, prompt_logprobs, grammar=grammar,
-            score_only=score_only, bad_words_ids=await _bad_words(state, body),
+            score_only=score_only, bad_words_ids=await _bad_words(state, body), arrival=clock.arrival,
         )  # fmt: skip
+        clock.mark("prepare")
         streams = await job.start(request)
+        clock.mark("admit")
         if body.stream:
             return EventStream(job.completion_events(streams), state.stream_stall_timeout_s, state.metrics)
         outputs = await job.collect(streams, request)

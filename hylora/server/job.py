@@ -53,12 +53,14 @@ class Job:
         chat_outputs: ChatOutputs | None = None,
         grammar_after: Sequence[int] = (),
         bad_words_ids: list[list[int]] | None = None,
+        arrival: float | None = None,
     ):
         """`max_tokens`: per prompt. `score_only`: the prompt's logprobs are the answer (completions with
         max_tokens 0): one token is drawn and dropped, the response has no generated text.
         `chat_outputs`: how chat choices are read (reasoning, tool calls); `grammar_after`: the grammar
         applies after these tokens (a thinking model's `</think>`); `bad_words_ids`: the request's
-        `bad_words` tokenised (tokenizer.bad_words_token_ids, off the event loop)."""
+        `bad_words` tokenised (tokenizer.bad_words_token_ids, off the event loop); `arrival`: when the
+        server saw the request (time.monotonic(); timing.IntakeClock), where its latencies start."""
         self.state, self.body, self.adapter, self.prompts, self.mm = state, body, adapter, prompts, mm
         self.prompt_ids = prompts[0]
         self.grammar, self.score_only, self.grammar_after = grammar, score_only, tuple(grammar_after)
@@ -74,7 +76,7 @@ class Job:
             ]
         except ValueError as e:  # RequestError and Unsupported name their field
             raise APIError(400, str(e), param=getattr(e, "param", None)) from None
-        self.arrival = time.monotonic()
+        self.arrival = time.monotonic() if arrival is None else arrival
         self._last_token_at: dict[int, float] = {}
         self._finished: set[int] = set()
         self.tokenizer = state.engine.tokenizer

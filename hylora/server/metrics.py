@@ -35,6 +35,14 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.intake = Histogram(
+            "hylora_request_intake_seconds",
+            "Arrival to engine admission by phase: read (body received, parsed, validated), prepare (prompt "
+            "and media: fetched, decoded, preprocessed), admit (the engine thread took it, between two steps)",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.itl = Histogram(
             "hylora_inter_token_latency_seconds",
             "Time between generated tokens",
@@ -67,6 +75,11 @@ class ServerMetrics:
                 "hylora_prefill_steps_ahead",
                 "Steps with prompt chunks or admissions planned before the step before them was read (cumulative)",
             ),
+            "step_seconds": (
+                "hylora_engine_step_seconds",
+                "Host seconds the engine thread spent in steps (cumulative; its rate is how busy that thread is)",
+            ),
+            "add_seconds": ("hylora_engine_add_seconds", "Host seconds the engine thread spent admitting requests"),
         }
         self.gauges = {key: Gauge(name, doc, registry=r) for key, (name, doc) in g.items()}
         media = {
