@@ -52,8 +52,8 @@ COUNTERS = (
     "engine_add_seconds",
 )  # fmt: skip
 # the servers' own request latencies (vLLM's histograms, which hylora serves too): their _sum and _count are
-# kept per pattern, for the means on each server's clock (hylora's starts once a request's media are
-# preprocessed, vLLM's at its request's arrival_time)
+# kept per pattern, for the means on each server's clock (hylora's starts at a request's headers, vLLM's
+# when it starts rendering the request: its body parsed, its media not yet fetched)
 SERVER_LATENCIES = {
     "TTFT": "vllm:time_to_first_token_seconds",
     "E2E": "vllm:e2e_request_latency_seconds",
@@ -304,8 +304,8 @@ def table_md(found: dict[str, dict[str, Any]]) -> str:
         vp.table_md(found, through="their OpenAI servers (frames as data:video/jpeg, streamed)").rstrip("\n"),
         "",
         "Means over each pattern's requests (s): the client's clock (from the request's arrival) beside each "
-        "server's own (its /metrics histograms; hylora's clock starts at the request's headers, vLLM's at its "
-        "request's arrival_time, once its media are fetched); hylora's intake by phase (read: the body received "
+        "server's own (its /metrics histograms; hylora's clock starts at the request's headers, vLLM's when it "
+        "starts rendering the request: after its body was parsed, before its media are fetched); hylora's intake by phase (read: the body received "
         "and parsed; prepare: prompt and media; admit: the engine thread took it); hylora's engine thread: "
         "seconds in steps and admissions against the pattern's wall, and its steps.",
         "",
