@@ -305,9 +305,10 @@ def table_md(found: dict[str, dict[str, Any]]) -> str:
         "",
         "Means over each pattern's requests (s): the client's clock (from the request's arrival) beside each "
         "server's own (its /metrics histograms; hylora's clock starts at the request's headers, vLLM's when it "
-        "starts rendering the request: after its body was parsed, before its media are fetched); hylora's intake by phase (read: the body received "
-        "and parsed; prepare: prompt and media; admit: the engine thread took it); hylora's engine thread: "
-        "seconds in steps and admissions against the pattern's wall, and its steps.",
+        "starts rendering the request: after its body was parsed, before its media are fetched); hylora's "
+        "intake by phase (read: the body received and parsed; prepare: prompt and media; admit: the engine "
+        "thread took it); hylora's engine thread: seconds in steps and admissions against the pattern's wall, "
+        "and its steps.",
         "",
         "| arrivals | engine | client TTFT / E2E | server TTFT / E2E | server queue / prefill "
         "| intake read / prepare / admit | engine thread busy | steps |",
