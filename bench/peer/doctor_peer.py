@@ -215,6 +215,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the server's process before exec: SIGKILL when the process that started it dies (a phase killed at
+    its deadline would otherwise leave its server holding the GPU). Linux only; elsewhere nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 @dataclass
 class Server:
     """One OpenAI-compatible server in its own process group, its output in `log_path`."""
@@ -239,8 +248,9 @@ class Server:
         out = self.log_path.open("wb")
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            self.cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+            self.cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )  # fmt: skip
         out.close()
         threading.Thread(target=self._watch_ready, daemon=True).start()
 

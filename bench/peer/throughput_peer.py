@@ -944,14 +944,19 @@ def step_commands(step: str) -> list[tuple[str, list[str]]]:
 
 
 def run_child(argv: list[str], timeout: float, env: dict[str, str]) -> tuple[int | None, float]:
-    """A phase in its own process group (vLLM's engine core with it), killed at `timeout`."""
+    """A phase in its own process group (vLLM's engine core with it), interrupted at `timeout` (SIGINT: its
+    `finally` blocks stop the servers it started in sessions of their own), killed 20 s later."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=REPO, env=env, start_new_session=True)
     try:
         code: int | None = proc.wait(timeout=max(timeout, 1))
     except subprocess.TimeoutExpired:
         code = None
-        log(f"killed at its deadline after {time.perf_counter() - t0:.0f}s")
+        log(f"interrupted at its deadline after {time.perf_counter() - t0:.0f}s")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=20)
     with contextlib.suppress(ProcessLookupError):  # its children (vLLM's engine core) outlive it
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

@@ -10,6 +10,12 @@ Three pools, separate from each other, from text-only requests and from the even
 - render (2 threads): the chat template, tokenising, placeholder expansion and M-RoPE positions of media
   requests.
 
+A video's frames (a frame list's JPEG decoding and resizing, a decoded video's resizes) run on one more pool,
+process-wide, of one thread per core (`map_frames`): in submission order, so when many videos arrive at once
+the first one's frames are done first and its request reaches the engine while the others are still being
+prepared (with a pool per video, 8 videos shared the cores and all finished together, the engine idle until
+then).
+
 Each request takes at most `fetches_per_request` fetch slots and `decodes_per_request` decode slots at once
 (`RequestSlots`). A pool's size is the global limit for its kind of work: a cancelled request's running decode
 keeps its thread only until its next frame (budget.py).
@@ -91,6 +97,24 @@ class MediaPools:
     def close(self) -> None:
         for pool in (self.fetch, self.decode, self.render):
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+@functools.cache
+def frame_pool() -> ThreadPoolExecutor:
+    """The process's threads for per-frame work (PIL decodes and resizes release the GIL)."""
+    return ThreadPoolExecutor(max(2, available_cpus()), thread_name_prefix="hylora-media-frames")
+
+
+def map_frames(fn: Callable[[int], T], count: int) -> list[T]:
+    """[fn(0), ..., fn(count - 1)] on the frame pool, queued behind the frames submitted before them. On the
+    first error the frames not started are dropped and the error raised."""
+    futures = [frame_pool().submit(fn, i) for i in range(count)]
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
 
 
 @functools.cache

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,7 +17,7 @@ from hylora.media.budget import CancelFlag, DecodeBudget
 from hylora.media.cache import ProcessedCache
 from hylora.media.config import MediaConfig, MediaLimits, VisionParams, apply_overrides
 from hylora.media.errors import MediaError
-from hylora.media.pools import available_cpus
+from hylora.media.pools import frame_pool, map_frames
 from hylora.ops.host_to_device import host_to_device
 
 Kind = Literal["image", "video"]
@@ -120,11 +119,12 @@ def process_frames(
         raise MediaError(f"{len(indices)} frame(s) to sample; a video needs at least {params.temporal_patch_size}")
     height, width = video.smart_resize(len(indices), *frames.shape[1:3], params)
     # PIL resizes and hashlib hashes without the GIL: the key is hashed beside the resizes
-    with ThreadPoolExecutor(min(len(indices), available_cpus(), 8) + 1) as pool:
-        key = pool.submit(media_key, "video", memoryview(np.ascontiguousarray(frames)), params)
-        resized = np.stack(
-            list(pool.map(lambda i: image.resize(Image.fromarray(frames[i]), height, width, params.resample), indices))
-        )
+    key = frame_pool().submit(media_key, "video", memoryview(np.ascontiguousarray(frames)), params)
+
+    def resize(k: int) -> np.ndarray:
+        return image.resize(Image.fromarray(frames[indices[k]]), height, width, params.resample)
+
+    resized = np.stack(map_frames(resize, len(indices)))
     sampled = video.SampledVideo(frames=resized, indices=indices, fps=fps, total_frames=len(frames))
     return _video_rows(sampled, params, key.result(), limits)
 
@@ -171,8 +171,7 @@ def process_frame_list(
                 )
             return image.resize(frame, *target, params.resample)
 
-        with ThreadPoolExecutor(min(len(frames), available_cpus(), 8)) as pool:
-            stacked = np.stack(list(pool.map(resized, range(len(frames)))))
+        stacked = np.stack(map_frames(resized, len(frames)))
         sampled = video.SampledVideo(frames=stacked, indices=np.arange(len(frames)), fps=rate, total_frames=len(frames))
         return _video_rows(sampled, params, key, limits)
 

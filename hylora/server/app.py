@@ -222,11 +222,9 @@ def build_app(state: ServerState) -> FastAPI:
         job = Job(
             state, "chatcmpl", body, adapter, [prompt_ids], [max_tokens], logprobs, body.prompt_logprobs, mm, grammar,
             chat_outputs=outputs_as, grammar_after=after, bad_words_ids=await _bad_words(state, body),
-            arrival=clock.arrival,
+            clock=clock,
         )  # fmt: skip
-        clock.mark("prepare")
         streams = await job.start(request)
-        clock.mark("admit")
         if body.stream:
             return EventStream(job.chat_events(streams), state.stream_stall_timeout_s, state.metrics)
         outputs = await job.collect(streams, request)
@@ -251,11 +249,9 @@ def build_app(state: ServerState) -> FastAPI:
         grammar = await _grammar(state, body)
         job = Job(
             state, "cmpl", body, adapter, prompts, max_tokens, body.logprobs, prompt_logprobs, grammar=grammar,
-            score_only=score_only, bad_words_ids=await _bad_words(state, body), arrival=clock.arrival,
+            score_only=score_only, bad_words_ids=await _bad_words(state, body), clock=clock,
         )  # fmt: skip
-        clock.mark("prepare")
         streams = await job.start(request)
-        clock.mark("admit")
         if body.stream:
             return EventStream(job.completion_events(streams), state.stream_stall_timeout_s, state.metrics)
         outputs = await job.collect(streams, request)

@@ -28,6 +28,7 @@ from hylora.structured import CompiledGrammar
 
 if TYPE_CHECKING:
     from hylora.server.app import ServerState
+    from hylora.server.timing import IntakeClock
 
 log = logging.getLogger(__name__)
 FAULT_KINDS = {True: "nan", "nan": "nan", "raise": "raise", "device": "device"}
@@ -53,14 +54,14 @@ class Job:
         chat_outputs: ChatOutputs | None = None,
         grammar_after: Sequence[int] = (),
         bad_words_ids: list[list[int]] | None = None,
-        arrival: float | None = None,
+        clock: IntakeClock | None = None,
     ):
         """`max_tokens`: per prompt. `score_only`: the prompt's logprobs are the answer (completions with
         max_tokens 0): one token is drawn and dropped, the response has no generated text.
         `chat_outputs`: how chat choices are read (reasoning, tool calls); `grammar_after`: the grammar
         applies after these tokens (a thinking model's `</think>`); `bad_words_ids`: the request's
-        `bad_words` tokenised (tokenizer.bad_words_token_ids, off the event loop); `arrival`: when the
-        server saw the request (time.monotonic(); timing.IntakeClock), where its latencies start."""
+        `bad_words` tokenised (tokenizer.bad_words_token_ids, off the event loop); `clock`: the request's
+        intake so far (its arrival, where its latencies start; the phases up to its admission)."""
         self.state, self.body, self.adapter, self.prompts, self.mm = state, body, adapter, prompts, mm
         self.prompt_ids = prompts[0]
         self.grammar, self.score_only, self.grammar_after = grammar, score_only, tuple(grammar_after)
@@ -76,7 +77,8 @@ class Job:
             ]
         except ValueError as e:  # RequestError and Unsupported name their field
             raise APIError(400, str(e), param=getattr(e, "param", None)) from None
-        self.arrival = time.monotonic() if arrival is None else arrival
+        self.clock = clock
+        self.arrival = time.monotonic() if clock is None else clock.arrival
         self._last_token_at: dict[int, float] = {}
         self._finished: set[int] = set()
         self.tokenizer = state.engine.tokenizer
@@ -87,6 +89,8 @@ class Job:
         for a step of its own (1024 choices: ~1000 steps before the last one started). A `request`
         whose client has disconnected is given up; whatever was submitted, or cancelled on its way, is
         aborted."""
+        if self.clock is not None:
+            self.clock.mark("prepare")
         submissions = [
             Submission(
                 f"{self.id}-{i}",
@@ -112,6 +116,8 @@ class Job:
             for submission in submissions:
                 self.state.aengine.abort(submission.request_id)
             raise _submit_error(e) from None
+        if self.clock is not None:
+            self.clock.mark("admit")
         prompt_tokens = sum(len(p) for p in self.prompts)
         self.state.metrics.prompt_tokens.labels(adapter=self.adapter or "").inc(prompt_tokens)
         self.state.vllm_metrics.request_started(prompt_tokens, self.body.n, self.params[0].max_tokens)
@@ -124,11 +130,12 @@ class Job:
         p = self.params[0]
         visual = f" ({self.mm.num_visual_tokens} visual)" if self.mm else ""
         grammar = f", structured {self.grammar.spec.label}" if self.grammar else ""
+        intake = f"; intake {self.clock.describe()}" if self.clock is not None else ""
         log.info(
             "request %s: model %s, adapter %s, %d prompt tokens%s, n %d, max_tokens %d, temperature %g, top_p %g, "
-            "top_k %d, seed %s%s",
+            "top_k %d, seed %s%s%s",
             self.id, self.model, self.adapter or "-", len(self.prompt_ids), visual, len(self.params), p.max_tokens,
-            p.temperature, p.top_p, p.top_k, p.seed, grammar,
+            p.temperature, p.top_p, p.top_k, p.seed, grammar, intake,
         )  # fmt: skip
 
     def _fault_requested(self) -> str | None:

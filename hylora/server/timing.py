@@ -39,10 +39,16 @@ class IntakeClock:
 
     def __init__(self, request: Request, histogram: Histogram):
         self.arrival: float = request.scope.get(ARRIVAL) or time.monotonic()
+        self.phases: dict[str, float] = {}  # phase -> seconds, as marked
         self._last = self.arrival
         self._histogram = histogram
 
     def mark(self, phase: str) -> None:
         now = time.monotonic()
-        self._histogram.labels(phase=phase).observe(now - self._last)
+        self.phases[phase] = now - self._last
+        self._histogram.labels(phase=phase).observe(self.phases[phase])
         self._last = now
+
+    def describe(self) -> str:
+        """`read 0.53 s, prepare 0.96 s, admit 0.02 s` (for the request's log line)."""
+        return ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.phases.items())
