@@ -1,7 +1,7 @@
 """The threads and functions of a py-spy recording (`py-spy record --format raw --threads`, as
 video_server_peer.py's $PYSPY samples the server), as a short table:
 
-    python bench/peer/pyspy_top.py OUT/pyspy/hylora-all-gil.txt [--rate 200] [--wall 11.7] [--top 12]
+    python bench/peer/pyspy_top.py OUT/pyspy/hylora-all-gil.txt [--rate 200] [--wall 11.7] [--top 12]   # or .txt.xz
 
 Per thread (pools merged by name): its samples, and with --rate and --wall the share of the wall they
 cover (in a --gil recording: how long that thread held the GIL). Then each busy thread's leaf functions
@@ -11,6 +11,7 @@ cover (in a --gil recording: how long that thread held the GIL). Then each busy 
 from __future__ import annotations
 
 import argparse
+import lzma
 import re
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -21,7 +22,8 @@ POOL_SUFFIX = re.compile(r"_\d+$")  # ThreadPoolExecutor names its threads <pref
 def read(path: Path) -> list[tuple[str, list[str], int]]:
     """(thread name, frames root first, samples) per line."""
     rows = []
-    for line in path.read_text().splitlines():
+    text = lzma.decompress(path.read_bytes()).decode() if path.suffix == ".xz" else path.read_text()
+    for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
