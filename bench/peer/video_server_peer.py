@@ -4,15 +4,17 @@ it to `vllm serve` / `hylora serve`.
 
 - Requests: its 20 sampled frames as JPEGs in one `data:video/jpeg;base64,<frame>,...` URL (Qwen's
   client-side sampling; neither server needs a video decoder), the question, the adapter as `model`;
-  streamed, greedy, 128 tokens with `ignore_eos`, usage in the last chunk. The JPEGs are encoded before
-  the clock (the client's work); one request per (video, adapter), sent at its arrival time.
+  streamed, greedy, 128 tokens with `ignore_eos`, usage in the last chunk. The JPEGs and the JSON bodies
+  are encoded before the clock (the client's work); one request per (video, adapter), sent at its arrival
+  time.
 - Servers, one at a time on the GPU (started, warmed up, measured, stopped), each with its defaults
   (vLLM: torch.compile, CUDA graphs, its processor cache; hylora: CUDA graphs, its media and encoder
   caches) and the same settings: max_num_seqs 24, max_num_batched_tokens 8192, max model length
   10240, prefix caching off, the three adapters, one video per prompt, `--media-io-kwargs
   '{"video": {"fps": 2}}'` (the frames' rate, for their timestamps).
-- Times from each request's arrival on the client: TTFT (the first content delta), E2E (the last
-  chunk), TPOT; the servers' cache counters from /metrics.
+- Times from each request's arrival on the client: TTFT (the first chunk with a token), E2E (the last
+  chunk), TPOT; from /metrics the servers' cache counters, their own latency means and hylora's intake
+  phases and engine-thread seconds; with $PYSPY, py-spy recordings of the hylora server.
 
 Phases: ckpt (video_peer's checkpoint, shared with it), vllm / hylora, table, run (as video_peer.py).
 
