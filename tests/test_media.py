@@ -20,6 +20,7 @@ import functools
 import importlib
 import io
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -41,6 +42,7 @@ from hylora.media import (
     process_image,
     process_video,
 )
+from hylora.media import image as media_image
 from hylora.media.config import ImageConfig, VideoConfig, apply_overrides, layer_overrides, merge_overrides
 from hylora.media.fetch import is_frame_list, split_frame_list
 from hylora.media.processor import process_frame_list
@@ -515,6 +517,27 @@ def test_frame_list_urls_and_their_refusals(cfg):
         process_frame_list([garbage()], cfg, LIMITS)
     with pytest.raises(MediaError, match="the frame list has 3 frames of 64x64"):  # planned before the 2nd decode
         process_frame_list(frames, cfg, MediaLimits(max_decode_pixels=2 * 64 * 64))
+
+
+def test_a_broken_frame_stops_its_frame_list(cfg, monkeypatch):
+    """The frames queued behind a broken one are dropped, not decoded for a request that already failed
+    (they share one frame pool with every other request's videos)."""
+    good = image_bytes(64, 64, fmt="JPEG")
+    frames = [good, garbage(), *[good] * 62]
+    decoded = []
+    decode = media_image.decode_image
+
+    def counted(data, *args, **kwargs):
+        decoded.append(data)
+        if data is not frames[1]:
+            time.sleep(0.005)
+        return decode(data, *args, **kwargs)
+
+    monkeypatch.setattr(media_image, "decode_image", counted)
+    with pytest.raises(MediaError, match="frame 1 of the frame list: could not decode image"):
+        process_frame_list(frames, cfg, LIMITS)
+    time.sleep(0.5)  # what was still queued would have run by now (62 × 5 ms on the pool's threads)
+    assert len(decoded) < len(frames) // 2, f"{len(decoded)} of {len(frames)} frames decoded"
 
 
 def test_vllm_option_spellings_merge_like_vllm(cfg):
