@@ -167,8 +167,9 @@ class LLMEngine:
         self._inflight: LaunchedStep | None = None  # a step queued ahead, not read yet
         self.steps_ahead = 0  # decode / verify steps queued before the step before them was read
         self.prefill_steps_ahead = 0  # steps the scheduler planned before the step before them was read
-        self.step_seconds = 0.0  # host seconds in step() and add_request() (cumulative): how busy the
-        self.add_seconds = 0.0  # engine's thread was, against the wall
+        # host seconds in step() and in add_request() (cumulative): how busy the engine's thread was
+        self.step_seconds = 0.0
+        self.add_seconds = 0.0
 
     # --- requests --------------------------------------------------------------------------
     def add_request(
