@@ -63,6 +63,7 @@ SERVER_LATENCIES = {
     "prefill": "vllm:request_prefill_time_seconds",
 }
 INTAKE = "hylora_request_intake_seconds"  # hylora's, by phase (hylora/server/timing.py): kept as <name>:<phase>
+INTAKE_PHASES = ("read", "prepare", "admit")
 PYSPY = os.environ.get("PYSPY")  # a py-spy binary: the hylora server is sampled during each pattern
 
 
@@ -202,7 +203,7 @@ def server_means(counts: dict[str, float]) -> dict[str, float]:
     """Each server latency's mean over a pattern's requests, from its /metrics _sum and _count deltas."""
     means = {}
     names = {label: (f"{h}_sum", f"{h}_count") for label, h in SERVER_LATENCIES.items()}
-    names |= {f"intake {p}": (f"{INTAKE}_sum:{p}", f"{INTAKE}_count:{p}") for p in ("read", "prepare", "admit")}
+    names |= {f"intake {p}": (f"{INTAKE}_sum:{p}", f"{INTAKE}_count:{p}") for p in INTAKE_PHASES}
     for label, (total, count) in names.items():
         n = counts.get(count, 0.0)
         if n > 0:
@@ -335,7 +336,7 @@ def table_md(found: dict[str, dict[str, Any]]) -> str:
                 continue
             m = r.get("server_means") or {}
             client = cell(r["ttft_s"].get("mean"), r["e2e_s"].get("mean"))
-            intake = [m.get(f"intake {phase}") for phase in ("read", "prepare", "admit")]
+            intake = [m.get(f"intake {phase}") for phase in INTAKE_PHASES]
             c = r.get("counters") or {}
             busy = c.get("hylora_engine_step_seconds", 0.0) + c.get("hylora_engine_add_seconds", 0.0)
             steps = c.get("hylora_engine_steps")

@@ -4,14 +4,15 @@ prompt chunks, engine/plan_ahead.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -62,6 +63,7 @@ from hylora.structured import CompiledGrammar, GrammarCompiler, GrammarError, ap
 from hylora.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 MAX_SUSPECT_STEPS = 3  # a request in this many failed steps fails itself
@@ -84,6 +86,23 @@ class LaunchedStep:
     snapshots: list[PendingSnapshot] = field(default_factory=list)  # prefix-cache states taken behind it
     verify: PendingVerify | None = None  # the acceptance of its speculative verify chunks
     drafts: PendingDrafts | None = None  # the next drafts, queued behind `verify` (Drafter.launch)
+
+
+def _timed(counter: str) -> Callable[[F], F]:
+    """Adds the host seconds of each call to the engine's `counter` (how busy its thread was)."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def timed(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                setattr(self, counter, getattr(self, counter) + time.perf_counter() - started)
+
+        return timed  # type: ignore[return-value]
+
+    return wrap
 
 
 class LLMEngine:
@@ -172,6 +191,7 @@ class LLMEngine:
         self.add_seconds = 0.0
 
     # --- requests --------------------------------------------------------------------------
+    @_timed("add_seconds")
     def add_request(
         self,
         request_id: str,
@@ -194,27 +214,6 @@ class LLMEngine:
         the client request this sequence belongs to (n > 1, a list of prompts): waiting sequences are
         admitted fairly between groups (engine/scheduler.py). `cache_salt` (vLLM's): the request
         shares prefix-cache entries only with requests of the same salt."""
-        started = time.perf_counter()
-        try:
-            return self._add_request(
-                request_id, prompt, params, adapter, prepared, mm, grammar, grammar_after, group, cache_salt
-            )
-        finally:
-            self.add_seconds += time.perf_counter() - started
-
-    def _add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams | None,
-        adapter: str | None,
-        prepared: PreparedAdapter | None,
-        mm: MultimodalPrompt | None,
-        grammar: CompiledGrammar | None,
-        grammar_after: Sequence[int],
-        group: str | None,
-        cache_salt: str | None,
-    ) -> Request:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         ids, params = self.intake.admit(prompt, params or SamplingParams(), mm)
@@ -343,6 +342,7 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
 
     # --- the loop --------------------------------------------------------------------------
+    @_timed("step_seconds")
     def step(self) -> list[RequestOutput]:
         """One engine step. Whatever goes wrong for one request ends that request alone; only a
         device fault (DeviceFault) escapes, since it may have corrupted every request's memory.
@@ -354,16 +354,12 @@ class LLMEngine:
         work; a request that stopped meanwhile has its extra token dropped. Any other step is planned
         ahead by the scheduler where the requests allow (engine/plan_ahead.py). The outputs of the
         step in flight come with the next call."""
-        started = time.perf_counter()
-        try:
-            outputs = self._step()
-            if self._inflight is not None and not self.has_unfinished():
-                # the last requests stopped while it ran: read it now rather than at the next arrival
-                step, self._inflight = self._inflight, None
-                outputs.extend(self._finish_step(step))
-            return outputs
-        finally:
-            self.step_seconds += time.perf_counter() - started
+        outputs = self._step()
+        if self._inflight is not None and not self.has_unfinished():
+            # the last requests stopped while it ran: read it now rather than at the next arrival
+            step, self._inflight = self._inflight, None
+            outputs.extend(self._finish_step(step))
+        return outputs
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []

@@ -17,7 +17,6 @@ from prometheus_client import Histogram
 from starlette.requests import Request
 
 ARRIVAL = "hylora.arrival"  # ASGI scope key: time.monotonic() when the server saw the request's headers
-PHASES = ("read", "prepare", "admit")
 
 
 class StampArrival:
