@@ -46,7 +46,7 @@ from hylora.engine.intake import _token_ids_in  # noqa: E402
 from hylora.engine.multimodal import build_multimodal_prompt  # noqa: E402
 from hylora.media import MediaConfig, MediaLimits, ProcessedCache, process_video  # noqa: E402
 from hylora.media.config import VideoConfig  # noqa: E402
-from hylora.media.fetch import split_frame_list  # noqa: E402
+from hylora.media.fetch import frame_bytes, split_frame_list  # noqa: E402
 from hylora.media.processor import process_frame_list, process_frames  # noqa: E402
 from hylora.server.protocol import ChatCompletionRequest  # noqa: E402
 
@@ -125,13 +125,15 @@ def main() -> None:
     rows = {
         "process_video (mp4 bytes: decode, sample, resize, rows)": lambda: process_video(mp4, cfg, limits),
         "process_frames (decoded frames)": lambda: process_frames(all_frames, args.fps, cfg, limits),
-        "process_frame_list (sampled frames as JPEG)": lambda: process_frame_list(
-            frame_jpegs, cfg, limits, {"fps": QWEN35_VIDEO.fps}
+        "process_frame_list (sampled frames as JPEG, base64 in a data: URL)": lambda: process_frame_list(
+            url, cfg, limits, {"fps": QWEN35_VIDEO.fps}
         ),
         "media cache hit (the same mp4 again)": lambda: process_video(mp4, cfg, limits, cache=cache),
         f"the frame list's request body ({len(body) / 1e6:.1f} MB): json.loads": lambda: json.loads(body),
         "... validated (ChatCompletionRequest)": lambda: ChatCompletionRequest.model_validate(payload),
-        "... its frame list split and base64-decoded": lambda: split_frame_list(url, limits.max_bytes, 768),
+        "... its frame list split and base64-decoded": lambda: [
+            frame_bytes(parts, i) for parts in [split_frame_list(url, limits.max_bytes, 768)] for i in range(len(parts))
+        ],
         "one temporal patch's rows normalised on the host": lambda: item.rows(0, h * w),
         f"its prompt's segments and positions ({len(ids)} ids)": lambda: build_multimodal_prompt(ids, [item], vision),
         "the engine's check of its prompt ids": lambda: _token_ids_in(ids, 248_320),

@@ -43,8 +43,10 @@ from hylora.media import (
     process_video,
 )
 from hylora.media import image as media_image
+from hylora.media import processor as media_processor
+from hylora.media.cache import ProcessedCache
 from hylora.media.config import ImageConfig, VideoConfig, apply_overrides, layer_overrides, merge_overrides
-from hylora.media.fetch import is_frame_list, split_frame_list
+from hylora.media.fetch import frame_bytes, is_frame_list, split_frame_list
 from hylora.media.processor import process_frame_list
 from hylora.media.video import sample_indices
 from tests.media_helpers import decode_all, garbage, image_bytes, install_torchvision_stand_in, video_bytes
@@ -480,7 +482,7 @@ def test_frame_list_equals_transformers_without_sampling(cfg, hf, n, rate):
 
     frames = [image_bytes(96, 64, fmt="JPEG", seed=i) for i in range(n)]
     overrides = {} if rate is None else {"fps": rate}
-    ours = process_frame_list(frames, cfg, LIMITS, overrides)
+    ours = process_frame_list(frame_list(frames), cfg, LIMITS, overrides)
     decoded = np.stack([np.asarray(Image.open(io.BytesIO(f)).convert("RGB")) for f in frames])
     fps = rate or 1.0
     out = hf["video"](
@@ -493,30 +495,63 @@ def test_frame_list_equals_transformers_without_sampling(cfg, hf, n, rate):
     assert ours.grid_thw == tuple(out["video_grid_thw"][0].tolist()) and ours.grid_thw[0] == -(-n // 2)
     assert list(ours.timestamps) == _hf_timestamps(np.arange(n), fps, 2)
     torch.testing.assert_close(ours.pixel_values, out["pixel_values_videos"], atol=1e-6, rtol=0)
-    assert process_frame_list(frames, cfg, LIMITS, {"fps": 4}).key != ours.key  # the rate is in the key
+    assert process_frame_list(frame_list(frames), cfg, LIMITS, {"fps": 4}).key != ours.key  # the rate is in the key
+
+
+def frame_list(frames: list[bytes]) -> str:
+    return "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
+
+
+def frame_list_bytes(url: str, max_frames: int = LIMITS.max_frames) -> list[bytes]:
+    parts = split_frame_list(url, LIMITS.max_bytes, max_frames)
+    return [frame_bytes(parts, i) for i in range(len(parts))]
 
 
 def test_frame_list_urls_and_their_refusals(cfg):
     frames = [image_bytes(64, 64, fmt="JPEG", seed=i) for i in range(3)]
     parts = [base64.b64encode(f).decode() for f in frames]
-    url = "data:video/jpeg;base64," + ",".join(parts)
+    url = frame_list(frames)
     assert is_frame_list(url) and not is_frame_list("data:video/mp4;base64,AAAA")
-    assert split_frame_list(url, LIMITS.max_bytes, LIMITS.max_frames) == frames
+    assert frame_list_bytes(url) == frames
     with pytest.raises(MediaError, match="takes at most 2"):
         split_frame_list(url, LIMITS.max_bytes, 2)
+    with pytest.raises(MediaError, match="more than 1000 bytes"):
+        split_frame_list(url, 1000, 8)
+    bad = f"data:video/jpeg;base64,{parts[0]},!!{parts[1]}"
     with pytest.raises(MediaError, match="frame 1 of the data:video/jpeg frame list is not valid base64"):
-        split_frame_list(f"data:video/jpeg;base64,{parts[0]},!!{parts[1]}", LIMITS.max_bytes, 8)
+        frame_list_bytes(bad)
+    with pytest.raises(MediaError, match="^frame 1 of the data:video/jpeg frame list is not valid base64"):
+        process_frame_list(bad, cfg, LIMITS)  # named once, not wrapped as a JPEG error
+    with pytest.raises(MediaError, match="frame 1 of the data:video/jpeg frame list is empty"):
+        process_frame_list(f"data:video/jpeg;base64,{parts[0]},,{parts[2]}", cfg, LIMITS)
     wrapped = [base64.encodebytes(f).decode() for f in frames]  # a line break every 76 characters
     assert "\n" in wrapped[0]
-    assert split_frame_list("data:video/jpeg;base64," + ",".join(wrapped), LIMITS.max_bytes, 8) == frames
+    assert frame_list_bytes("data:video/jpeg;base64," + ",".join(wrapped)) == frames
     with pytest.raises(MediaError, match="frame 2 of the data:video/jpeg frame list is not valid base64"):
-        split_frame_list(f"data:video/jpeg;base64,{wrapped[0]},{wrapped[1]},{wrapped[2]}!", LIMITS.max_bytes, 8)
+        frame_list_bytes(f"data:video/jpeg;base64,{wrapped[0]},{wrapped[1]},{wrapped[2]}!")
     with pytest.raises(MediaError, match="frame 1 of the frame list is 32x64, frame 0 is 64x64"):
-        process_frame_list([frames[0], image_bytes(32, 64, fmt="JPEG")], cfg, LIMITS)
+        process_frame_list(frame_list([frames[0], image_bytes(32, 64, fmt="JPEG")]), cfg, LIMITS)
     with pytest.raises(MediaError, match="frame 0 of the frame list: could not decode image"):
-        process_frame_list([garbage()], cfg, LIMITS)
+        process_frame_list(frame_list([garbage()]), cfg, LIMITS)
     with pytest.raises(MediaError, match="the frame list has 3 frames of 64x64"):  # planned before the 2nd decode
-        process_frame_list(frames, cfg, MediaLimits(max_decode_pixels=2 * 64 * 64))
+        process_frame_list(url, cfg, MediaLimits(max_decode_pixels=2 * 64 * 64))
+
+
+def test_a_frame_list_sent_again_is_served_from_the_cache_without_decoding(cfg, monkeypatch):
+    """The three task adapters' requests about one video: the second finds the first's rows by the URL's text,
+    decoding neither its base64 nor its JPEGs; the same frames at another rate are another item."""
+    url = frame_list([image_bytes(96, 64, fmt="JPEG", seed=i) for i in range(5)])
+    cache = ProcessedCache(1 << 30)
+    first = process_frame_list(url, cfg, LIMITS, cache=cache)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("decoded again")
+
+    monkeypatch.setattr(media_processor, "frame_bytes", refuse)
+    again = process_frame_list(url, cfg, LIMITS, cache=cache)
+    assert again is first and (cache.hits, cache.misses) == (1, 1)
+    with pytest.raises(AssertionError, match="decoded again"):
+        process_frame_list(url, cfg, LIMITS, {"fps": 4}, cache=cache)
 
 
 def test_a_broken_frame_stops_its_frame_list(cfg, monkeypatch):
@@ -529,13 +564,13 @@ def test_a_broken_frame_stops_its_frame_list(cfg, monkeypatch):
 
     def counted(data, *args, **kwargs):
         decoded.append(data)
-        if data is not frames[1]:
+        if data != frames[1]:
             time.sleep(0.005)
         return decode(data, *args, **kwargs)
 
     monkeypatch.setattr(media_image, "decode_image", counted)
     with pytest.raises(MediaError, match="frame 1 of the frame list: could not decode image"):
-        process_frame_list(frames, cfg, LIMITS)
+        process_frame_list(frame_list(frames), cfg, LIMITS)
     time.sleep(0.5)  # what was still queued would have run by now (62 × 5 ms on the pool's threads)
     assert len(decoded) < len(frames) // 2, f"{len(decoded)} of {len(frames)} frames decoded"
 

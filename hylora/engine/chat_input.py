@@ -7,7 +7,8 @@ http(s) to allowed hosts). Every bad input is a MediaError, which the server ans
 what to fix.
 
 Where the work runs (hylora/media/pools.py): http(s) transfers on the event loop, data: / file:// reads on
-the media fetch pool, decoding on the decode pool, the chat template and tokenising on the render pool, never
+the media fetch pool, decoding on the decode pool (a `data:video/jpeg` frame list's base64 too, a frame at a
+time on the frame pool), the chat template and tokenising on the render pool, never
 on the loop's default executor. A request's items load concurrently, within its per-request slots, as one
 task group: the first failure cancels the rest (their fetches at once, their decodes at the next frame), and
 so does the caller's cancellation (the client left).
@@ -44,7 +45,7 @@ from hylora.media import (
 )
 from hylora.media.cache import ProcessedCache
 from hylora.media.config import layer_overrides
-from hylora.media.fetch import is_frame_list, split_frame_list
+from hylora.media.fetch import is_frame_list
 from hylora.media.pools import RequestSlots
 from hylora.media.processor import process_frame_list
 from hylora.tokenizer import PromptTooLong, chat_prompt
@@ -176,11 +177,9 @@ async def _load(
     pools, limits = settings.pools, settings.limits
     try:
         if ref.kind == "video" and is_frame_list(ref.url):  # the frames themselves, already sampled
-            async with slots.fetch:
-                frames = await pools.run(pools.fetch, split_frame_list, ref.url, limits.max_bytes, limits.max_frames)
             async with slots.decode:
                 return await pools.run(
-                    pools.decode, process_frame_list, frames, settings.config, limits, kwargs, cancel, settings.cache
+                    pools.decode, process_frame_list, ref.url, settings.config, limits, kwargs, cancel, settings.cache
                 )
         async with slots.fetch:
             data = await fetch_url(ref.url, settings.policy, limits.max_bytes, client=client, pools=pools)

@@ -132,8 +132,9 @@ def is_frame_list(url: str) -> bool:
     return url[: len(FRAME_LIST)].lower() == FRAME_LIST
 
 
-def split_frame_list(url: str, max_bytes: int, max_frames: int) -> list[bytes]:
-    """The frames of a `data:video/jpeg;base64,...` URL, each base64 part decoded (on the fetch pool)."""
+def split_frame_list(url: str, max_bytes: int, max_frames: int) -> list[str]:
+    """The base64 parts of a `data:video/jpeg;base64,...` URL, one a frame, within the server's limits on
+    frames and bytes; `frame_bytes` decodes one."""
     parts = url[len(FRAME_LIST) :].split(",")
     if len(parts) > max_frames:
         raise MediaError(
@@ -141,15 +142,18 @@ def split_frame_list(url: str, max_bytes: int, max_frames: int) -> list[bytes]:
         )
     if sum(len(p) for p in parts) // 4 * 3 > max_bytes + 2 * len(parts):
         raise MediaError(f"the frame list holds more than {max_bytes} bytes, the most the server accepts")
-    frames = []
-    for i, part in enumerate(parts):
-        try:
-            frames.append(_b64decode(part))
-        except (binascii.Error, ValueError) as e:
-            raise MediaError(f"frame {i} of the data:video/jpeg frame list is not valid base64 ({e})") from e
-        if not frames[-1]:
-            raise MediaError(f"frame {i} of the data:video/jpeg frame list is empty")
-    return frames
+    return parts
+
+
+def frame_bytes(parts: list[str], i: int) -> bytes:
+    """Frame i of a frame list (`split_frame_list`), decoded from base64."""
+    try:
+        data = _b64decode(parts[i])
+    except (binascii.Error, ValueError) as e:
+        raise MediaError(f"frame {i} of the data:video/jpeg frame list is not valid base64 ({e})") from e
+    if not data:
+        raise MediaError(f"frame {i} of the data:video/jpeg frame list is empty")
+    return data
 
 
 def _local_file(url: str, policy: FetchPolicy, max_bytes: int) -> bytes:

@@ -23,19 +23,46 @@ def byte_table(normalise: Callable[[np.ndarray], np.ndarray], channels: int) -> 
 
 
 def patchify(frames: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int) -> torch.Tensor:
-    """uint8 [N, H, W, C] → uint8 rows [T·(H/p)·(W/p), C·tp·p·p].
+    """[N, H, W, C] → rows [T·(H/p)·(W/p), C·tp·p·p] of the frames' dtype.
 
     N is padded to a multiple of `temporal_patch_size` by repeating the last frame (so an image is repeated
     along T). Rows go in merge-block order (t, block_row, block_col, in_row, in_col); columns are (C, tp, ph, pw),
     as transformers' Qwen2-VL / Qwen3-VL processors lay them out."""
     n, h, w, c = frames.shape
-    tp, p, m = temporal_patch_size, patch_size, merge_size
-    x = torch.from_numpy(np.ascontiguousarray(frames) if frames.flags.writeable else frames.copy())  # PIL's are not
-    if pad := -n % tp:
-        x = torch.cat([x, x[-1:].expand(pad, h, w, c)])
-    gt, gh, gw = x.shape[0] // tp, h // p, w // p
-    x = x.view(gt, tp, gh // m, m, p, gw // m, m, p, c).permute(0, 2, 5, 3, 6, 8, 1, 4, 7)
-    return x.reshape(gt * gh * gw, c * tp * p * p)  # one copy, a byte per element
+    rows = empty_rows(n, h, w, c, patch_size, temporal_patch_size, frames.dtype)
+    for i in range(padded_count(n, temporal_patch_size)):
+        write_frame_rows(rows, i, frames[min(i, n - 1)], patch_size, merge_size, temporal_patch_size)
+    return rows
+
+
+def padded_count(frames: int, temporal_patch_size: int) -> int:
+    """Frames once the last is repeated to fill the last temporal patch."""
+    return -(-frames // temporal_patch_size) * temporal_patch_size
+
+
+def empty_rows(
+    frames: int, height: int, width: int, channels: int, patch_size: int, temporal_patch_size: int, dtype=np.uint8
+) -> torch.Tensor:
+    """The unwritten rows of `frames` frames (`patchify`'s shape), for `write_frame_rows` to fill."""
+    steps = padded_count(frames, temporal_patch_size) // temporal_patch_size
+    p = patch_size
+    shape = (steps * (height // p) * (width // p), channels * temporal_patch_size * p * p)
+    return torch.from_numpy(np.empty(shape, dtype))
+
+
+def write_frame_rows(
+    rows: torch.Tensor, i: int, frame: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int
+) -> None:
+    """Frame i ([H, W, C]) into its places in `rows` (temporal patch i // tp, time i % tp; `patchify`'s layout).
+    A numpy copy, which releases the GIL: a video's frames are written on many threads at once, each as soon as
+    it is decoded, with no stacked copy of the video (and at ~2.5× the speed of torch's copy of the same
+    permutation on one thread)."""
+    h, w, c = frame.shape
+    p, m, tp = patch_size, merge_size, temporal_patch_size
+    bh, bw, per_step = h // (p * m), w // (p * m), (h // p) * (w // p)
+    t = i // tp
+    block = rows.numpy()[t * per_step : (t + 1) * per_step].reshape(bh, bw, m, m, c, tp, p, p)
+    block[:, :, :, :, :, i % tp] = frame.reshape(bh, m, p, bw, m, p, c).transpose(0, 3, 1, 4, 6, 2, 5)
 
 
 def normalise_rows(rows: torch.Tensor, table: torch.Tensor, block: int = 1024) -> torch.Tensor:

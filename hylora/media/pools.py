@@ -2,19 +2,20 @@
 
 Three pools, separate from each other, from text-only requests and from the event loop's default executor:
 
-- fetch (4 threads): data: URL base64, file:// reads, DNS lookups of http(s) hosts. The http(s) transfers
-  themselves run on the event loop (httpx.AsyncClient) and hold no thread; at most `http_fetches` are in
-  flight in the process, each under one deadline (fetch.py).
+- fetch (4 threads): data: URL base64 (a frame list's is decoded a frame at a time on the frame pool),
+  file:// reads, DNS lookups of http(s) hosts. The http(s) transfers themselves run on the event loop
+  (httpx.AsyncClient) and hold no thread; at most `http_fetches` are in flight in the process, each under one
+  deadline (fetch.py).
 - decode (one thread per core, 2 to 8): image and video decoding and preprocessing, the CPU-heavy part; a
   request uses at most half of them at once, so one request's videos cannot hold them all.
 - render (2 threads): the chat template, tokenising, placeholder expansion and M-RoPE positions of media
   requests.
 
-A video's frames (a frame list's JPEG decoding and resizing, a decoded video's resizes) run on one more pool,
-process-wide, of one thread per core (`map_frames`): in submission order, so when many videos arrive at once
-the first one's frames are done first and its request reaches the engine while the others are still being
-prepared (with a pool per video, 8 videos shared the cores and all finished together, the engine idle until
-then).
+A video's frames (a frame list's base64 and JPEG decoding and resizing, a decoded video's resizes, then each
+frame's copy into the video's patch rows) run on one more pool, process-wide, of one thread per core
+(`map_frames`): in submission order, so when many videos arrive at once the first one's frames are done first
+and its request reaches the engine while the others are still being prepared (with a pool per video, 8 videos
+shared the cores and all finished together, the engine idle until then).
 
 Each request takes at most `fetches_per_request` fetch slots and `decodes_per_request` decode slots at once
 (`RequestSlots`). A pool's size is the global limit for its kind of work: a cancelled request's running decode

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,6 +17,7 @@ from hylora.media.budget import CancelFlag, DecodeBudget
 from hylora.media.cache import ProcessedCache
 from hylora.media.config import MediaConfig, MediaLimits, VisionParams, apply_overrides
 from hylora.media.errors import MediaError
+from hylora.media.fetch import frame_bytes, split_frame_list
 from hylora.media.pools import frame_pool, map_frames
 from hylora.ops.host_to_device import host_to_device
 
@@ -121,46 +122,46 @@ def process_frames(
     # PIL resizes and hashlib hashes without the GIL: the key is hashed beside the resizes
     key = frame_pool().submit(media_key, "video", memoryview(np.ascontiguousarray(frames)), params)
 
-    def resize(k: int) -> np.ndarray:
+    def resized(k: int) -> np.ndarray:
         return image.resize(Image.fromarray(frames[indices[k]]), height, width, params.resample)
 
-    resized = np.stack(map_frames(resize, len(indices)))
-    sampled = video.SampledVideo(frames=resized, indices=indices, fps=fps, total_frames=len(frames))
-    return _video_rows(sampled, params, key.result(), limits)
+    rows = _frame_rows(resized, len(indices), height, width, params)
+    return _video_item(rows, len(indices), height, width, indices, fps, params, key.result(), limits)
 
 
 def process_frame_list(
-    frames: Sequence[bytes],
+    url: str,
     cfg: MediaConfig,
     limits: MediaLimits,
     overrides: Mapping[str, Any] | None = None,
     cancel: CancelFlag | None = None,
     cache: ProcessedCache | None = None,
 ) -> ProcessedMedia:
-    """A video sent as its frames (`data:video/jpeg;base64,<frame>,...`, fetch.split_frame_list), as vLLM
-    takes it: every frame is used, none sampled (vLLM passes do_sample_frames=False), at `fps` frames a
-    second for the timestamps (the request's or the server's `fps`, else vLLM's default of 1); resized
-    under the video pixel budget and normalised like a decoded video's frames."""
+    """A video sent as its frames (`data:video/jpeg;base64,<frame>,...`), as vLLM takes it: every frame is
+    used, none sampled (vLLM passes do_sample_frames=False), at `fps` frames a second for the timestamps (the
+    request's or the server's `fps`, else vLLM's default of 1); resized under the video pixel budget and
+    normalised like a decoded video's frames.
+
+    Keyed by the URL's text, so a video another request sent (three task adapters asking about one video) is
+    found in `cache` without decoding its base64 again. Each frame is decoded from base64, then as a JPEG,
+    resized and written into the rows on the frame pool."""
+    parts = split_frame_list(url, limits.max_bytes, limits.max_frames)
     params = apply_overrides(cfg.video, overrides, limits)
     rate = float((overrides or {}).get("fps") or DEFAULT_FRAME_LIST_FPS)
-    if len(frames) > limits.max_frames:
-        raise MediaError(f"the video is a list of {len(frames)} frames; the server takes at most {limits.max_frames}")
-    if not frames:
-        raise MediaError("the frame list has no frames")
-    content = b"".join(len(f).to_bytes(8, "little") + f for f in frames)
-    key = media_key("video", f"frames {rate!r}\0".encode() + content, params)
+    key = media_key("video", f"frames {rate!r}\0".encode() + url.encode("utf-8", "surrogatepass"), params)
 
     def decode(i: int) -> Image.Image:
+        data = frame_bytes(parts, i)
         try:
-            return image.decode_image(frames[i], limits, cancel)
+            return image.decode_image(data, limits, cancel)
         except MediaError as e:
             raise MediaError(f"frame {i} of the frame list: {e}") from None
 
     def run() -> ProcessedMedia:
         first = decode(0)
         width, height = first.size  # every frame must have it: the decode budget is planned from it
-        DecodeBudget(limits.max_decode_pixels, cancel, "the frame list").check_plan(len(frames), width, height)
-        target = video.smart_resize(len(frames), height, width, params)
+        DecodeBudget(limits.max_decode_pixels, cancel, "the frame list").check_plan(len(parts), width, height)
+        target = video.smart_resize(len(parts), height, width, params)
 
         def resized(i: int) -> np.ndarray:  # each frame decoded and resized at once: memory holds resized ones
             frame = first if i == 0 else decode(i)
@@ -171,19 +172,51 @@ def process_frame_list(
                 )
             return image.resize(frame, *target, params.resample)
 
-        stacked = np.stack(map_frames(resized, len(frames)))
-        sampled = video.SampledVideo(frames=stacked, indices=np.arange(len(frames)), fps=rate, total_frames=len(frames))
-        return _video_rows(sampled, params, key, limits)
+        rows = _frame_rows(resized, len(parts), *target, params)
+        return _video_item(rows, len(parts), *target, np.arange(len(parts)), rate, params, key, limits)
 
     return run() if cache is None else cache.get_or_process(key, run, cancel)
 
 
+def _frame_rows(
+    frame: Callable[[int], np.ndarray], count: int, height: int, width: int, params: VisionParams
+) -> torch.Tensor:
+    """The rows of frames 0..count-1 (uint8 [height, width, 3] each, made by `frame`): a task of the frame
+    pool per frame, which makes the frame and writes it into the rows, queued behind the frames submitted
+    before (pools.map_frames). The last frame also fills the rest of its temporal patch."""
+    p, m, tp = params.patch_size, params.merge_size, params.temporal_patch_size
+    rows = pixels.empty_rows(count, height, width, image.CHANNELS, p, tp)
+
+    def write(i: int) -> None:
+        made = frame(i)
+        for slot in range(i, pixels.padded_count(count, tp) if i == count - 1 else i + 1):
+            pixels.write_frame_rows(rows, slot, made, p, m, tp)
+
+    map_frames(write, count)
+    return rows
+
+
 def _video_rows(sampled: video.SampledVideo, params: VisionParams, key: str, limits: MediaLimits) -> ProcessedMedia:
     rows = pixels.patchify(sampled.frames, params.patch_size, params.merge_size, params.temporal_patch_size)
-    table = pixels.byte_table(functools.partial(video.rescale_and_normalize, cfg=params), sampled.frames.shape[-1])
     n, height, width = len(sampled.frames), *sampled.frames.shape[1:3]
-    grid = (-(-n // params.temporal_patch_size), height // params.patch_size, width // params.patch_size)
-    stamps = tuple(video.timestamps(sampled.indices, sampled.fps, params.temporal_patch_size))
+    return _video_item(rows, n, height, width, sampled.indices, sampled.fps, params, key, limits)
+
+
+def _video_item(
+    rows: torch.Tensor,
+    count: int,
+    height: int,
+    width: int,
+    indices: np.ndarray,
+    fps: float,
+    params: VisionParams,
+    key: str,
+    limits: MediaLimits,
+) -> ProcessedMedia:
+    """A video's item from its rows: `count` frames of height×width, `indices` in the source at `fps`."""
+    table = pixels.byte_table(functools.partial(video.rescale_and_normalize, cfg=params), image.CHANNELS)
+    grid = (-(-count // params.temporal_patch_size), height // params.patch_size, width // params.patch_size)
+    stamps = tuple(video.timestamps(indices, fps, params.temporal_patch_size))
     return _finish("video", rows, grid, params, key, limits, table, stamps)
 
 
