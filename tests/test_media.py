@@ -20,6 +20,7 @@ import functools
 import importlib
 import io
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +48,7 @@ from hylora.media import processor as media_processor
 from hylora.media.cache import ProcessedCache
 from hylora.media.config import ImageConfig, VideoConfig, apply_overrides, layer_overrides, merge_overrides
 from hylora.media.fetch import frame_bytes, is_frame_list, split_frame_list
+from hylora.media.pools import MediaPools, set_frame_threads
 from hylora.media.processor import process_frame_list
 from hylora.media.video import sample_indices
 from tests.media_helpers import decode_all, garbage, image_bytes, install_torchvision_stand_in, video_bytes
@@ -552,6 +554,30 @@ def test_a_frame_list_sent_again_is_served_from_the_cache_without_decoding(cfg, 
     assert again is first and (cache.hits, cache.misses) == (1, 1)
     with pytest.raises(AssertionError, match="decoded again"):
         process_frame_list(url, cfg, LIMITS, {"fps": 4}, cache=cache)
+
+
+def test_the_frame_pool_takes_its_size_from_the_server(cfg, monkeypatch):
+    """`--media-frame-threads N`: a video's frames run on N threads, and a bad N is refused at start."""
+    names = set()
+    decode = media_image.decode_image
+
+    def recorded(*args, **kwargs):
+        names.add(threading.current_thread().name)
+        time.sleep(0.01)  # long enough for every thread of the pool to take a frame
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(media_image, "decode_image", recorded)
+    try:
+        pools = MediaPools(decode_threads=1, frame_threads=3)
+        assert pools.sizes["frame_threads"] == 3
+        process_frame_list(frame_list([image_bytes(64, 64, fmt="JPEG", seed=i) for i in range(12)]), cfg, LIMITS)
+        names.discard(threading.current_thread().name)  # frame 0, decoded first for the video's size
+        assert len(names) == 3 and all(n.startswith("hylora-media-frames") for n in names)
+        pools.close()
+    finally:
+        set_frame_threads(None)
+    with pytest.raises(ValueError, match="frame_threads must be a positive integer"):
+        MediaPools(frame_threads=0)
 
 
 def test_a_broken_frame_stops_its_frame_list(cfg, monkeypatch):

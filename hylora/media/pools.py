@@ -13,9 +13,9 @@ Three pools, separate from each other, from text-only requests and from the even
 
 A video's frames (a frame list's base64 and JPEG decoding and resizing, a decoded video's resizes, then each
 frame's copy into the video's patch rows) run on one more pool, process-wide, of one thread per core
-(`map_frames`): in submission order, so when many videos arrive at once the first one's frames are done first
-and its request reaches the engine while the others are still being prepared (with a pool per video, 8 videos
-shared the cores and all finished together, the engine idle until then).
+(`map_frames`; `--media-frame-threads`): in submission order, so when many videos arrive at once the first
+one's frames are done first and its request reaches the engine while the others are still being prepared
+(with a pool per video, 8 videos shared the cores and all finished together, the engine idle until then).
 
 Each request takes at most `fetches_per_request` fetch slots and `decodes_per_request` decode slots at once
 (`RequestSlots`). A pool's size is the global limit for its kind of work: a cancelled request's running decode
@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,9 +58,12 @@ class MediaPools:
         http_fetches: int = 32,
         fetches_per_request: int = 4,
         decodes_per_request: int | None = None,
+        frame_threads: int | None = None,
     ):
+        """`frame_threads` sizes the process-wide frame pool (`set_frame_threads`) where it is given."""
         decode_threads = decode_threads or max(2, min(8, available_cpus()))
         sizes = dict(
+            frame_threads=default_frame_threads() if frame_threads is None else frame_threads,
             decode_threads=decode_threads,
             fetch_threads=fetch_threads,
             render_threads=render_threads,
@@ -71,6 +75,8 @@ class MediaPools:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"MediaPools.{name} must be a positive integer, got {value!r}")
         self.sizes = sizes
+        if frame_threads is not None:
+            set_frame_threads(frame_threads)
         self.fetch = ThreadPoolExecutor(fetch_threads, thread_name_prefix="hylora-media-fetch")
         self.decode = ThreadPoolExecutor(decode_threads, thread_name_prefix="hylora-media-decode")
         self.render = ThreadPoolExecutor(render_threads, thread_name_prefix="hylora-media-render")
@@ -100,10 +106,35 @@ class MediaPools:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-@functools.cache
+_frame_pool: ThreadPoolExecutor | None = None
+_frame_threads: int | None = None
+_frame_lock = threading.Lock()
+
+
+def default_frame_threads() -> int:
+    return max(2, available_cpus())
+
+
+def set_frame_threads(threads: int | None) -> None:
+    """The frame pool's size from now on (None: one thread per core, at least 2); `--media-frame-threads`.
+    Work already queued on the pool before finishes there."""
+    global _frame_pool, _frame_threads
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"the frame pool needs a positive number of threads, got {threads!r}")
+    with _frame_lock:
+        old, _frame_pool, _frame_threads = _frame_pool, None, threads
+    if old is not None:
+        old.shutdown(wait=False)
+
+
 def frame_pool() -> ThreadPoolExecutor:
-    """The process's threads for per-frame work (PIL decodes and resizes release the GIL)."""
-    return ThreadPoolExecutor(max(2, available_cpus()), thread_name_prefix="hylora-media-frames")
+    """The process's threads for per-frame work (PIL decodes and resizes and numpy copies release the GIL)."""
+    global _frame_pool
+    with _frame_lock:
+        if _frame_pool is None:
+            threads = _frame_threads or default_frame_threads()
+            _frame_pool = ThreadPoolExecutor(threads, thread_name_prefix="hylora-media-frames")
+        return _frame_pool
 
 
 def map_frames(fn: Callable[[int], T], count: int) -> list[T]:

@@ -162,6 +162,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="threads decoding images and videos (default: one per core, 2 to 8; one request uses at most half)",
     )
     m.add_argument(
+        "--media-frame-threads",
+        type=int,
+        default=None,
+        help="threads for videos' frames (a frame list's base64 and JPEG decoding, resizing, patch rows), shared by "
+        "every request in the order they came (default: one per core)",
+    )
+    m.add_argument(
         "--mm-processor-cache-gb",
         type=float,
         default=DEFAULT_CAPACITY_GB,
@@ -514,7 +521,7 @@ def media_settings(args: argparse.Namespace, engine: LLMEngine) -> MediaSettings
         policy=policy,
         limit_per_prompt=limit,
         processor_kwargs=kwargs,
-        pools=MediaPools(decode_threads=args.media_decode_threads),
+        pools=MediaPools(decode_threads=args.media_decode_threads, frame_threads=args.media_frame_threads),
         cache=ProcessedCache.from_gb(args.mm_processor_cache_gb),
     )
     try:  # checked once here: a bad default would otherwise fail every media request
