@@ -556,6 +556,16 @@ def test_a_frame_list_sent_again_is_served_from_the_cache_without_decoding(cfg, 
         process_frame_list(url, cfg, LIMITS, {"fps": 4}, cache=cache)
 
 
+def test_a_frame_list_with_broken_base64_is_refused_before_any_jpeg_is_decoded(cfg, monkeypatch):
+    frames = [image_bytes(64, 64, fmt="JPEG", seed=i) for i in range(6)]
+    decoded = []
+    decode = media_image.decode_image
+    monkeypatch.setattr(media_image, "decode_image", lambda data, *a, **k: decoded.append(1) or decode(data, *a, **k))
+    with pytest.raises(MediaError, match="^frame 6 of the data:video/jpeg frame list is not valid base64"):
+        process_frame_list(frame_list(frames) + ",not*base64", cfg, LIMITS)
+    assert decoded == []
+
+
 def test_the_frame_pool_takes_its_size_from_the_server(cfg, monkeypatch):
     """`--media-frame-threads N`: a video's frames run on N threads, and a bad N is refused at start."""
     names = set()

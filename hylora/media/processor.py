@@ -143,21 +143,23 @@ def process_frame_list(
     normalised like a decoded video's frames.
 
     Keyed by the URL's text, so a video another request sent (three task adapters asking about one video) is
-    found in `cache` without decoding its base64 again. Each frame is decoded from base64, then as a JPEG,
-    resized and written into the rows on the frame pool."""
+    found in `cache` without decoding its base64 again. Otherwise every frame's base64 is decoded first (a
+    fraction of a millisecond for 20 frames of 720p, so a broken frame is refused before any JPEG work), then
+    each frame is decoded as a JPEG, resized and written into the rows on the frame pool."""
     parts = split_frame_list(url, limits.max_bytes, limits.max_frames)
     params = apply_overrides(cfg.video, overrides, limits)
     rate = float((overrides or {}).get("fps") or DEFAULT_FRAME_LIST_FPS)
     key = media_key("video", f"frames {rate!r}\0".encode() + url.encode("utf-8", "surrogatepass"), params)
 
-    def decode(i: int) -> Image.Image:
-        data = frame_bytes(parts, i)
-        try:
-            return image.decode_image(data, limits, cancel)
-        except MediaError as e:
-            raise MediaError(f"frame {i} of the frame list: {e}") from None
-
     def run() -> ProcessedMedia:
+        frames = [frame_bytes(parts, i) for i in range(len(parts))]
+
+        def decode(i: int) -> Image.Image:
+            try:
+                return image.decode_image(frames[i], limits, cancel)
+            except MediaError as e:
+                raise MediaError(f"frame {i} of the frame list: {e}") from None
+
         first = decode(0)
         width, height = first.size  # every frame must have it: the decode budget is planned from it
         DecodeBudget(limits.max_decode_pixels, cancel, "the frame list").check_plan(len(parts), width, height)
