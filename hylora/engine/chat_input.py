@@ -7,11 +7,10 @@ http(s) to allowed hosts). Every bad input is a MediaError, which the server ans
 what to fix.
 
 Where the work runs (hylora/media/pools.py): http(s) transfers on the event loop, data: / file:// reads on
-the media fetch pool, decoding on the decode pool (a `data:video/jpeg` frame list's base64 too, a frame at a
-time on the frame pool), the chat template and tokenising on the render pool, never
-on the loop's default executor. A request's items load concurrently, within its per-request slots, as one
-task group: the first failure cancels the rest (their fetches at once, their decodes at the next frame), and
-so does the caller's cancellation (the client left).
+the media fetch pool, decoding on the decode pool (a `data:video/jpeg` frame list's base64 too), the chat
+template and tokenising on the render pool, never on the loop's default executor. A request's items load
+concurrently, within its per-request slots, as one task group: the first failure cancels the rest (their
+fetches at once, their decodes at the next frame), and so does the caller's cancellation (the client left).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Three pools, separate from each other, from text-only requests and from the event loop's default executor:
 
-- fetch (4 threads): data: URL base64 (a frame list's is decoded a frame at a time on the frame pool),
+- fetch (4 threads): data: URL base64 (a frame list's is decoded by the decode thread that processes it),
   file:// reads, DNS lookups of http(s) hosts. The http(s) transfers themselves run on the event loop
   (httpx.AsyncClient) and hold no thread; at most `http_fetches` are in flight in the process, each under one
   deadline (fetch.py).
@@ -11,7 +11,7 @@ Three pools, separate from each other, from text-only requests and from the even
 - render (2 threads): the chat template, tokenising, placeholder expansion and M-RoPE positions of media
   requests.
 
-A video's frames (a frame list's base64 and JPEG decoding and resizing, a decoded video's resizes, then each
+A video's frames (a frame list's JPEG decoding and resizing, a decoded video's resizes, then each
 frame's copy into the video's patch rows) run on one more pool, process-wide, of one thread per core
 (`map_frames`; `--media-frame-threads`): in submission order, so when many videos arrive at once the first
 one's frames are done first and its request reaches the engine while the others are still being prepared

@@ -165,7 +165,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--media-frame-threads",
         type=int,
         default=None,
-        help="threads for videos' frames (a frame list's base64 and JPEG decoding, resizing, patch rows), shared by "
+        help="threads for videos' frames (a frame list's JPEG decoding, resizing, patch rows), shared by "
         "every request in the order they came (default: one per core)",
     )
     m.add_argument(
