@@ -14,7 +14,8 @@ Beside it, an engine-like thread: short torch ops that release the GIL, in round
 kernel launches do), timed alone and during the intake. Printed: when each request's prompt was ready, and
 the rounds' times.
 
-    python bench/media_intake_cpu.py [--videos 8] [--per-video 3] [--frame-threads N] [--out media_intake.json]
+    python bench/media_intake_cpu.py [--videos 8] [--per-video 3] [--frame-threads N] [--frame-processes N]
+        [--out media_intake.json]
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def main() -> None:
     ap.add_argument("--videos", type=int, default=8)
     ap.add_argument("--per-video", type=int, default=3)
     ap.add_argument("--frame-threads", type=int, default=None, help="the frame pool's size (default: one per core)")
+    ap.add_argument("--frame-processes", type=int, default=None,
+                    help="frame processes (default: none, the frame pool's threads)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -88,7 +91,7 @@ def main() -> None:
         vision=VisionConfig.from_hf({"vision_config": VISION_27B} | ids),  # the real tower, the demo's token ids
         tokens=tokens,
         processor_kwargs={"fps": 2.0},
-        pools=MediaPools(frame_threads=args.frame_threads),
+        pools=MediaPools(frame_threads=args.frame_threads, frame_processes=args.frame_processes),
         cache=ProcessedCache.from_gb(4.0),
     )
     bodies = request_bodies(args.videos, args.per_video)

@@ -30,6 +30,7 @@ import base64
 import io
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -106,6 +107,7 @@ def server_args(engine: str, args: argparse.Namespace, videos: vp.Videos) -> lis
     own = ["--device", args.device]  # its request log on (one line each, with its intake's phases), as by default
     own += [] if args.encode_media_ahead else ["--no-encode-media-ahead"]
     own += ["--kernels", tp.kernel_switches(args.kernels)] if args.kernels else []
+    own += shlex.split(os.environ.get("HYLORA_SERVE_ARGS", ""))  # more of hylora's flags, e.g. to compare two
     return [sys.executable, "-m", "hylora", "serve", *shared, *own]
 
 

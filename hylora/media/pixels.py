@@ -31,7 +31,7 @@ def patchify(frames: np.ndarray, patch_size: int, merge_size: int, temporal_patc
     n, h, w, c = frames.shape
     rows = empty_rows(n, h, w, c, patch_size, temporal_patch_size, frames.dtype)
     for i in range(padded_count(n, temporal_patch_size)):
-        write_frame_rows(rows, i, frames[min(i, n - 1)], patch_size, merge_size, temporal_patch_size)
+        write_frame_rows(rows.numpy(), i, frames[min(i, n - 1)], patch_size, merge_size, temporal_patch_size)
     return rows
 
 
@@ -44,14 +44,20 @@ def empty_rows(
     frames: int, height: int, width: int, channels: int, patch_size: int, temporal_patch_size: int, dtype=np.uint8
 ) -> torch.Tensor:
     """The unwritten rows of `frames` frames (`patchify`'s shape), for `write_frame_rows` to fill."""
-    steps = padded_count(frames, temporal_patch_size) // temporal_patch_size
-    p = patch_size
-    shape = (steps * (height // p) * (width // p), channels * temporal_patch_size * p * p)
+    shape = rows_shape(frames, height, width, channels, patch_size, temporal_patch_size)
     return torch.from_numpy(np.empty(shape, dtype))
 
 
+def rows_shape(
+    frames: int, height: int, width: int, channels: int, patch_size: int, temporal_patch_size: int
+) -> tuple[int, int]:
+    steps = padded_count(frames, temporal_patch_size) // temporal_patch_size
+    p = patch_size
+    return steps * (height // p) * (width // p), channels * temporal_patch_size * p * p
+
+
 def write_frame_rows(
-    rows: torch.Tensor, i: int, frame: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int
+    rows: np.ndarray, i: int, frame: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int
 ) -> None:
     """Frame i ([H, W, C]) into its places in `rows` (temporal patch i // tp, time i % tp; `patchify`'s layout).
     A numpy copy, which releases the GIL: a video's frames are written on many threads at once, each as soon as
@@ -61,7 +67,7 @@ def write_frame_rows(
     p, m, tp = patch_size, merge_size, temporal_patch_size
     bh, bw, per_step = h // (p * m), w // (p * m), (h // p) * (w // p)
     t = i // tp
-    block = rows.numpy()[t * per_step : (t + 1) * per_step].reshape(bh, bw, m, m, c, tp, p, p)
+    block = rows[t * per_step : (t + 1) * per_step].reshape(bh, bw, m, m, c, tp, p, p)
     block[:, :, :, :, :, i % tp] = frame.reshape(bh, m, p, bw, m, p, c).transpose(0, 3, 1, 4, 6, 2, 5)
 
 

@@ -16,6 +16,9 @@ frame's copy into the video's patch rows) run on one more pool, process-wide, of
 (`map_frames`; `--media-frame-threads`): in submission order, so when many videos arrive at once the first
 one's frames are done first and its request reaches the engine while the others are still being prepared
 (with a pool per video, 8 videos shared the cores and all finished together, the engine idle until then).
+With `--media-frame-processes N` a frame list's JPEG decoding and resizing run in N worker processes instead,
+which write the patch rows into shared memory (frame_processes.py, shared_rows.py): the server's process then
+holds no thread per core that competes with the engine thread for the GIL.
 
 Each request takes at most `fetches_per_request` fetch slots and `decodes_per_request` decode slots at once
 (`RequestSlots`). A pool's size is the global limit for its kind of work: a cancelled request's running decode
@@ -33,6 +36,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from hylora.media.frame_processes import FrameProcesses
 
 T = TypeVar("T")
 
@@ -59,8 +64,10 @@ class MediaPools:
         fetches_per_request: int = 4,
         decodes_per_request: int | None = None,
         frame_threads: int | None = None,
+        frame_processes: int | None = None,
     ):
-        """`frame_threads` sizes the process-wide frame pool (`set_frame_threads`) where it is given."""
+        """`frame_threads` sizes the process-wide frame pool (`set_frame_threads`) and `frame_processes` the
+        frame lists' worker processes (`set_frame_processes`, 0: none), where they are given."""
         decode_threads = decode_threads or max(2, min(8, available_cpus()))
         sizes = dict(
             frame_threads=default_frame_threads() if frame_threads is None else frame_threads,
@@ -77,6 +84,9 @@ class MediaPools:
         self.sizes = sizes
         if frame_threads is not None:
             set_frame_threads(frame_threads)
+        if frame_processes is not None:
+            set_frame_processes(frame_processes)
+            self.sizes["frame_processes"] = frame_processes
         self.fetch = ThreadPoolExecutor(fetch_threads, thread_name_prefix="hylora-media-fetch")
         self.decode = ThreadPoolExecutor(decode_threads, thread_name_prefix="hylora-media-decode")
         self.render = ThreadPoolExecutor(render_threads, thread_name_prefix="hylora-media-render")
@@ -135,6 +145,29 @@ def frame_pool() -> ThreadPoolExecutor:
             threads = _frame_threads or default_frame_threads()
             _frame_pool = ThreadPoolExecutor(threads, thread_name_prefix="hylora-media-frames")
         return _frame_pool
+
+
+_frame_processes: FrameProcesses | None = None
+
+
+def set_frame_processes(workers: int) -> None:
+    """Decode and resize frame lists' frames in `workers` processes from now on (0: on the frame pool's
+    threads); `--media-frame-processes`. The processes start here."""
+    global _frame_processes
+    if not isinstance(workers, int) or workers < 0:
+        raise ValueError(f"the frame processes need a number of workers of 0 or more, got {workers!r}")
+    new = FrameProcesses(workers) if workers else None
+    with _frame_lock:
+        old, _frame_processes = _frame_processes, new
+    if old is not None:
+        old.close()
+    if new is not None:
+        new.start()
+
+
+def frame_processes() -> FrameProcesses | None:
+    """The worker processes that decode frame lists' frames, if the server runs them (frame_processes.py)."""
+    return _frame_processes
 
 
 def map_frames(fn: Callable[[int], T], count: int) -> list[T]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -18,9 +19,12 @@ from hylora.media.cache import ProcessedCache
 from hylora.media.config import MediaConfig, MediaLimits, VisionParams, apply_overrides
 from hylora.media.errors import MediaError
 from hylora.media.fetch import frame_bytes, split_frame_list
-from hylora.media.pools import frame_pool, map_frames
+from hylora.media.frame_processes import WorkerCrashed
+from hylora.media.pools import frame_pool, frame_processes, map_frames
+from hylora.media.shared_rows import SharedRows, SharedRowsUnavailable, open_rows
 from hylora.ops.host_to_device import host_to_device
 
+log = logging.getLogger(__name__)
 Kind = Literal["image", "video"]
 DEFAULT_FRAME_LIST_FPS = 1.0  # vLLM's frame rate of a data:video/jpeg frame list without an fps
 KEY_VERSION = "hylora-media-1"  # bump when preprocessing changes what the same parameters produce
@@ -145,7 +149,8 @@ def process_frame_list(
     Keyed by the URL's text, so a video another request sent (three task adapters asking about one video) is
     found in `cache` without decoding its base64 again. Otherwise every frame's base64 is decoded first (a
     fraction of a millisecond for 20 frames of 720p, so a broken frame is refused before any JPEG work), then
-    each frame is decoded as a JPEG, resized and written into the rows on the frame pool."""
+    each frame is decoded as a JPEG and resized, in the frame processes where the server runs them (their
+    results written into the rows here as they come), else on the frame pool (which writes them too)."""
     parts = split_frame_list(url, limits.max_bytes, limits.max_frames)
     params = apply_overrides(cfg.video, overrides, limits)
     rate = float((overrides or {}).get("fps") or DEFAULT_FRAME_LIST_FPS)
@@ -153,31 +158,85 @@ def process_frame_list(
 
     def run() -> ProcessedMedia:
         frames = [frame_bytes(parts, i) for i in range(len(parts))]
-
-        def decode(i: int) -> Image.Image:
-            try:
-                return image.decode_image(frames[i], limits, cancel)
-            except MediaError as e:
-                raise MediaError(f"frame {i} of the frame list: {e}") from None
-
-        first = decode(0)
+        first = _decode_list_frame(frames[0], 0, limits, cancel)
         width, height = first.size  # every frame must have it: the decode budget is planned from it
         DecodeBudget(limits.max_decode_pixels, cancel, "the frame list").check_plan(len(parts), width, height)
         target = video.smart_resize(len(parts), height, width, params)
-
-        def resized(i: int) -> np.ndarray:  # each frame decoded and resized at once: memory holds resized ones
-            frame = first if i == 0 else decode(i)
-            if frame.size != first.size:
-                raise MediaError(
-                    f"frame {i} of the frame list is {frame.width}x{frame.height}, frame 0 is {width}x{height}: "
-                    "send the frames of a video at one size"
-                )
-            return image.resize(frame, *target, params.resample)
-
-        rows = _frame_rows(resized, len(parts), *target, params)
+        made = image.resize(first, *target, params.resample)
+        calls = [(frames[i], i, first.size, target, params, limits) for i in range(1, len(parts))]
+        rows = _rows_in_processes(made, calls, len(parts), params, cancel)
+        if rows is None:  # each frame decoded and resized at once: memory holds resized ones
+            frame = lambda i: made if i == 0 else list_frame(*calls[i - 1], cancel)  # noqa: E731
+            rows = _frame_rows(frame, len(parts), *target, params)
         return _video_item(rows, len(parts), *target, np.arange(len(parts)), rate, params, key, limits)
 
     return run() if cache is None else cache.get_or_process(key, run, cancel)
+
+
+def list_frame(
+    data: bytes,
+    index: int,
+    size: tuple[int, int],
+    target: tuple[int, int],
+    params: VisionParams,
+    limits: MediaLimits,
+    cancel: CancelFlag | None = None,
+) -> np.ndarray:
+    """Frame `index` of a frame list, which must be `size` (width, height: frame 0's), resized to `target`
+    (height, width): uint8 [H, W, 3]."""
+    frame = _decode_list_frame(data, index, limits, cancel)
+    if frame.size != size:
+        raise MediaError(
+            f"frame {index} of the frame list is {frame.width}x{frame.height}, frame 0 is {size[0]}x{size[1]}: "
+            "send the frames of a video at one size"
+        )
+    return image.resize(frame, *target, params.resample)
+
+
+def list_frame_into(path: str, shape: tuple[int, int], count: int, *call: Any) -> None:
+    """`list_frame(*call)` written into the shared rows at `path` (shared_rows.py): a frame process's task."""
+    index, params = call[1], call[4]
+    _write_frame(open_rows(path, shape), index, list_frame(*call), count, params)
+
+
+def _rows_in_processes(
+    first: np.ndarray, calls: list[tuple[Any, ...]], count: int, params: VisionParams, cancel: CancelFlag | None
+) -> torch.Tensor | None:
+    """The rows of frame 0 (`first`, made here) and `calls`' frames, made and written by the frame processes
+    into shared memory; None where the server runs none or /dev/shm has no room (the frame pool then does)."""
+    workers = frame_processes()
+    if workers is None:
+        return None
+    height, width = first.shape[:2]
+    shape = pixels.rows_shape(count, height, width, image.CHANNELS, params.patch_size, params.temporal_patch_size)
+    try:
+        shared = SharedRows(shape)
+    except SharedRowsUnavailable as e:
+        _warn_no_shared_rows(e)
+        return None
+    with shared:
+        _write_frame(shared.rows.numpy(), 0, first, count, params)
+        try:
+            for _ in workers.map(list_frame_into, [(shared.path, shape, count, *call) for call in calls]):
+                if cancel is not None:
+                    cancel.check()
+        except WorkerCrashed as e:
+            raise MediaError(
+                f"frame {e.index + 1} of the frame list crashed the JPEG decoder's process: send valid JPEG frames"
+            ) from None
+        return shared.rows
+
+
+@functools.cache
+def _warn_no_shared_rows(error: Exception) -> None:
+    log.warning("frame lists are decoded in the server's own process: %s (give the container a larger /dev/shm)", error)
+
+
+def _decode_list_frame(data: bytes, index: int, limits: MediaLimits, cancel: CancelFlag | None) -> Image.Image:
+    try:
+        return image.decode_image(data, limits, cancel)
+    except MediaError as e:
+        raise MediaError(f"frame {index} of the frame list: {e}") from None
 
 
 def _frame_rows(
@@ -185,17 +244,17 @@ def _frame_rows(
 ) -> torch.Tensor:
     """The rows of frames 0..count-1 (uint8 [height, width, 3] each, made by `frame`): a task of the frame
     pool per frame, which makes the frame and writes it into the rows, queued behind the frames submitted
-    before (pools.map_frames). The last frame also fills the rest of its temporal patch."""
-    p, m, tp = params.patch_size, params.merge_size, params.temporal_patch_size
-    rows = pixels.empty_rows(count, height, width, image.CHANNELS, p, tp)
-
-    def write(i: int) -> None:
-        made = frame(i)
-        for slot in range(i, pixels.padded_count(count, tp) if i == count - 1 else i + 1):
-            pixels.write_frame_rows(rows, slot, made, p, m, tp)
-
-    map_frames(write, count)
+    before (pools.map_frames)."""
+    rows = pixels.empty_rows(count, height, width, image.CHANNELS, params.patch_size, params.temporal_patch_size)
+    map_frames(lambda i: _write_frame(rows.numpy(), i, frame(i), count, params), count)
     return rows
+
+
+def _write_frame(rows: np.ndarray, i: int, made: np.ndarray, count: int, params: VisionParams) -> None:
+    """Frame i of `count` into the rows; the last frame also fills the rest of its temporal patch."""
+    p, m, tp = params.patch_size, params.merge_size, params.temporal_patch_size
+    for slot in range(i, pixels.padded_count(count, tp) if i == count - 1 else i + 1):
+        pixels.write_frame_rows(rows, slot, made, p, m, tp)
 
 
 def _video_rows(sampled: video.SampledVideo, params: VisionParams, key: str, limits: MediaLimits) -> ProcessedMedia:

@@ -169,6 +169,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "every request in the order they came (default: one per core)",
     )
     m.add_argument(
+        "--media-frame-processes",
+        type=int,
+        default=0,
+        help="worker processes that decode and resize frame lists' frames (data:video/jpeg) out of the server's "
+        "process, so they do not slow the engine's steps; they write the rows into /dev/shm (0: on the frame "
+        "threads; default: %(default)s)",
+    )
+    m.add_argument(
         "--mm-processor-cache-gb",
         type=float,
         default=DEFAULT_CAPACITY_GB,
@@ -521,7 +529,11 @@ def media_settings(args: argparse.Namespace, engine: LLMEngine) -> MediaSettings
         policy=policy,
         limit_per_prompt=limit,
         processor_kwargs=kwargs,
-        pools=MediaPools(decode_threads=args.media_decode_threads, frame_threads=args.media_frame_threads),
+        pools=MediaPools(
+            decode_threads=args.media_decode_threads,
+            frame_threads=args.media_frame_threads,
+            frame_processes=args.media_frame_processes,
+        ),
         cache=ProcessedCache.from_gb(args.mm_processor_cache_gb),
     )
     try:  # checked once here: a bad default would otherwise fail every media request
@@ -530,7 +542,11 @@ def media_settings(args: argparse.Namespace, engine: LLMEngine) -> MediaSettings
     except MediaError as e:
         raise ValueError(f"--mm-processor-kwargs / --media-io-kwargs: {e}") from None
     log.info(
-        "media: %s per prompt, preprocessing overrides %s, file:// under %s", limit, kwargs, policy.allowed_local_root
+        "media: %s per prompt, preprocessing overrides %s, file:// under %s, pools %s",
+        limit,
+        kwargs,
+        policy.allowed_local_root,
+        settings.pools.sizes,
     )
     return settings
 
