@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--per-video", type=int, default=3)
     ap.add_argument("--frame-threads", type=int, default=None, help="the frame pool's size (default: one per core)")
     ap.add_argument("--frame-processes", type=int, default=None,
-                    help="frame processes (default: none, the frame pool's threads)")  # fmt: skip
+                    help="frame processes (default: the server's, one a core from 4 cores; 0: threads)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -86,12 +86,13 @@ def main() -> None:
     tokens = VisionTokens.from_tokenizer(tokenizer)
     ids = {"image_token_id": tokens.image_pad, "video_token_id": tokens.video_pad}
     ids |= {"vision_start_token_id": tokens.vision_start, "vision_end_token_id": tokens.vision_end}
+    processes = "auto" if args.frame_processes is None else args.frame_processes
     settings = MediaSettings(
         config=MediaConfig(video=QWEN35_VIDEO),
         vision=VisionConfig.from_hf({"vision_config": VISION_27B} | ids),  # the real tower, the demo's token ids
         tokens=tokens,
         processor_kwargs={"fps": 2.0},
-        pools=MediaPools(frame_threads=args.frame_threads, frame_processes=args.frame_processes),
+        pools=MediaPools(frame_threads=args.frame_threads, frame_processes=processes),
         cache=ProcessedCache.from_gb(4.0),
     )
     bodies = request_bodies(args.videos, args.per_video)

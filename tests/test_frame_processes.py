@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hylora.media import MediaConfig, MediaError, MediaLimits, shared_rows
+from hylora.media import MediaConfig, MediaError, MediaLimits, pools, shared_rows
 from hylora.media.frame_processes import FrameProcesses, WorkerCrashed
 from hylora.media.pools import MediaPools, frame_processes, set_frame_processes
 from hylora.media.processor import process_frame_list
@@ -102,13 +102,33 @@ def _exit_on_three(value: int) -> int:
     return abs(value)
 
 
-def test_the_server_flag_sizes_the_processes():
-    pools = MediaPools(decode_threads=1, frame_processes=2)
+def test_the_server_flag_sizes_the_processes(monkeypatch):
+    """`--media-frame-processes N`; by default one per core from 4 cores, none below (the threads)."""
     try:
-        assert pools.sizes["frame_processes"] == 2 and frame_processes().workers == 2
+        assert MediaPools(decode_threads=1, frame_processes=2).sizes["frame_processes"] == 2
+        assert frame_processes().workers == 2
+        for cores, expected in [(2, 0), (3, 0), (4, 4)]:
+            monkeypatch.setattr(pools, "available_cpus", lambda cores=cores: cores)
+            assert MediaPools(decode_threads=1, frame_processes="auto").sizes["frame_processes"] == expected
+            running = frame_processes()
+            assert (running.workers if running else 0) == expected
     finally:
-        pools.close()
         set_frame_processes(0)
     assert frame_processes() is None
     with pytest.raises(ValueError, match="0 or more"):
         MediaPools(frame_processes=-1)
+
+
+def test_frame_processes_that_cannot_start(monkeypatch, caplog):
+    """Asked for by number, the server refuses to start and says what to do; by default it warns and decodes
+    on threads."""
+
+    def fails(self):
+        raise OSError("no forkserver here")
+
+    monkeypatch.setattr(FrameProcesses, "start", fails)
+    monkeypatch.setattr(pools, "available_cpus", lambda: 8)
+    with pytest.raises(RuntimeError, match="run with --media-frame-processes 0"):
+        MediaPools(frame_processes=2)
+    assert MediaPools(frame_processes="auto").sizes["frame_processes"] == 0
+    assert frame_processes() is None and "decoded on threads" in caplog.text

@@ -16,7 +16,8 @@ frame's copy into the video's patch rows) run on one more pool, process-wide, of
 (`map_frames`; `--media-frame-threads`): in submission order, so when many videos arrive at once the first
 one's frames are done first and its request reaches the engine while the others are still being prepared
 (with a pool per video, 8 videos shared the cores and all finished together, the engine idle until then).
-With `--media-frame-processes N` a frame list's JPEG decoding and resizing run in N worker processes instead,
+On 4 or more cores a frame list's JPEG decoding and resizing run in worker processes instead, one per core
+(`--media-frame-processes`),
 which write the patch rows into shared memory (frame_processes.py, shared_rows.py): the server's process then
 holds no thread per core that competes with the engine thread for the GIL.
 
@@ -29,17 +30,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
+from hylora.media import shared_rows
 from hylora.media.frame_processes import FrameProcesses
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def available_cpus() -> int:
@@ -64,10 +68,10 @@ class MediaPools:
         fetches_per_request: int = 4,
         decodes_per_request: int | None = None,
         frame_threads: int | None = None,
-        frame_processes: int | None = None,
+        frame_processes: int | Literal["auto"] | None = None,
     ):
         """`frame_threads` sizes the process-wide frame pool (`set_frame_threads`) and `frame_processes` the
-        frame lists' worker processes (`set_frame_processes`, 0: none), where they are given."""
+        frame lists' worker processes (`set_frame_processes`: 0 none, "auto" one per core), where they are given."""
         decode_threads = decode_threads or max(2, min(8, available_cpus()))
         sizes = dict(
             frame_threads=default_frame_threads() if frame_threads is None else frame_threads,
@@ -85,8 +89,7 @@ class MediaPools:
         if frame_threads is not None:
             set_frame_threads(frame_threads)
         if frame_processes is not None:
-            set_frame_processes(frame_processes)
-            self.sizes["frame_processes"] = frame_processes
+            self.sizes["frame_processes"] = set_frame_processes(frame_processes)
         self.fetch = ThreadPoolExecutor(fetch_threads, thread_name_prefix="hylora-media-fetch")
         self.decode = ThreadPoolExecutor(decode_threads, thread_name_prefix="hylora-media-decode")
         self.render = ThreadPoolExecutor(render_threads, thread_name_prefix="hylora-media-render")
@@ -148,12 +151,23 @@ def frame_pool() -> ThreadPoolExecutor:
 
 
 _frame_processes: FrameProcesses | None = None
+MIN_CORES_FOR_PROCESSES = 4  # on fewer, the processes' copies cost more than the GIL they spare
 
 
-def set_frame_processes(workers: int) -> None:
+def default_frame_processes() -> int:
+    """One frame process per core on a machine of 4 or more cores with /dev/shm, else none (the threads)."""
+    cpus = available_cpus()
+    return cpus if cpus >= MIN_CORES_FOR_PROCESSES and shared_rows.SHM_DIR.is_dir() else 0
+
+
+def set_frame_processes(workers: int | Literal["auto"]) -> int:
     """Decode and resize frame lists' frames in `workers` processes from now on (0: on the frame pool's
-    threads); `--media-frame-processes`. The processes start here."""
+    threads; "auto": `default_frame_processes`, and the threads if they fail to start); started here.
+    Returns the number running."""
     global _frame_processes
+    auto = workers == "auto"
+    if auto:
+        workers = default_frame_processes()
     if not isinstance(workers, int) or workers < 0:
         raise ValueError(f"the frame processes need a number of workers of 0 or more, got {workers!r}")
     new = FrameProcesses(workers) if workers else None
@@ -161,8 +175,22 @@ def set_frame_processes(workers: int) -> None:
         old, _frame_processes = _frame_processes, new
     if old is not None:
         old.close()
-    if new is not None:
+    if new is None:
+        return 0
+    try:
         new.start()
+    except Exception as e:
+        with _frame_lock:
+            if _frame_processes is new:
+                _frame_processes = None
+        new.close()
+        if not auto:
+            raise RuntimeError(
+                f"the {workers} frame processes did not start ({e!r}); run with --media-frame-processes 0"
+            ) from e
+        log.warning("frame lists are decoded on threads: the frame processes did not start (%r)", e)
+        return 0
+    return workers
 
 
 def frame_processes() -> FrameProcesses | None:

@@ -171,10 +171,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--media-frame-processes",
         type=int,
-        default=0,
+        default=None,
         help="worker processes that decode and resize frame lists' frames (data:video/jpeg) out of the server's "
         "process, so they do not slow the engine's steps; they write the rows into /dev/shm (0: on the frame "
-        "threads; default: %(default)s)",
+        "threads; default: one per core on 4 or more cores, else 0)",
     )
     m.add_argument(
         "--mm-processor-cache-gb",
@@ -532,7 +532,7 @@ def media_settings(args: argparse.Namespace, engine: LLMEngine) -> MediaSettings
         pools=MediaPools(
             decode_threads=args.media_decode_threads,
             frame_threads=args.media_frame_threads,
-            frame_processes=args.media_frame_processes,
+            frame_processes="auto" if args.media_frame_processes is None else args.media_frame_processes,
         ),
         cache=ProcessedCache.from_gb(args.mm_processor_cache_gb),
     )
