@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hylora.media import MediaConfig, MediaError, MediaLimits, pools, shared_rows
+from hylora.media import MediaConfig, MediaError, MediaLimits, pools, processor, shared_rows
 from hylora.media.frame_processes import FrameProcesses, WorkerCrashed
 from hylora.media.pools import MediaPools, frame_processes, set_frame_processes
 from hylora.media.processor import process_frame_list
@@ -69,10 +69,15 @@ def test_a_broken_frame_gets_the_same_error_from_the_processes(workers):
     assert process_frame_list(frame_list([good] * 4), CFG, LIMITS).grid_thw[0] == 2  # and the next one is served
 
 
-def test_no_room_in_dev_shm_falls_back_to_the_threads(workers, monkeypatch, tmp_path):
-    url = frame_list([image_bytes(64, 64, fmt="JPEG", seed=i) for i in range(3)])
+def test_no_room_in_dev_shm_falls_back_to_the_threads(workers, monkeypatch, tmp_path, caplog):
+    """Served on the threads, with one warning that says what to give the container (not one per video)."""
     monkeypatch.setattr(shared_rows, "SHM_DIR", tmp_path / "missing")
-    assert torch.equal(process_frame_list(url, CFG, LIMITS).pixels, in_threads(url).pixels)
+    monkeypatch.setattr(processor, "_warned", set())
+    for seed in (0, 10):
+        url = frame_list([image_bytes(64, 64, fmt="JPEG", seed=seed + i) for i in range(3)])
+        assert torch.equal(process_frame_list(url, CFG, LIMITS).pixels, in_threads(url).pixels)
+    warnings = [r for r in caplog.records if "/dev/shm has no room" in r.getMessage()]
+    assert len(warnings) == 1 and "--shm-size" in warnings[0].getMessage()
 
 
 def test_a_worker_that_dies_fails_only_its_own_call():

@@ -193,10 +193,14 @@ def list_frame(
     return image.resize(frame, *target, params.resample)
 
 
-def list_frame_into(path: str, shape: tuple[int, int], count: int, *call: Any) -> None:
-    """`list_frame(*call)` written into the shared rows at `path` (shared_rows.py): a frame process's task."""
-    index, params = call[1], call[4]
-    _write_frame(open_rows(path, shape), index, list_frame(*call), count, params)
+def list_frame_into(
+    path: str, shape: tuple[int, int], count: int, data: bytes, index: int, size: tuple[int, int],
+    target: tuple[int, int], params: VisionParams, limits: MediaLimits,
+) -> None:  # fmt: skip
+    """`list_frame` written into the shared rows at `path` (shared_rows.py) of `count` frames: a frame process's
+    task."""
+    made = list_frame(data, index, size, target, params, limits)
+    _write_frame(open_rows(path, shape), index, made, count, params)
 
 
 def _rows_in_processes(
@@ -227,9 +231,18 @@ def _rows_in_processes(
         return shared.rows
 
 
-@functools.cache
+_warned: set[str] = set()
+
+
 def _warn_no_shared_rows(error: Exception) -> None:
-    log.warning("frame lists are decoded in the server's own process: %s (give the container a larger /dev/shm)", error)
+    """Once per process: a full /dev/shm would otherwise log a line for every video."""
+    if "shm" not in _warned:
+        _warned.add("shm")
+        log.warning(
+            "frame lists are decoded in the server's own process while /dev/shm has no room (%s); give the "
+            "container a larger /dev/shm (docker --shm-size 8g, or --ipc=host)",
+            error,
+        )
 
 
 def _decode_list_frame(data: bytes, index: int, limits: MediaLimits, cancel: CancelFlag | None) -> Image.Image:
