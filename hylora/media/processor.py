@@ -149,8 +149,8 @@ def process_frame_list(
     Keyed by the URL's text, so a video another request sent (three task adapters asking about one video) is
     found in `cache` without decoding its base64 again. Otherwise every frame's base64 is decoded first (a
     fraction of a millisecond for 20 frames of 720p, so a broken frame is refused before any JPEG work), then
-    each frame is decoded as a JPEG and resized, in the frame processes where the server runs them (their
-    results written into the rows here as they come), else on the frame pool (which writes them too)."""
+    each frame is decoded as a JPEG, resized and written into the rows: by the frame processes where the server
+    runs them (the rows in shared memory), else on the frame pool."""
     parts = split_frame_list(url, limits.max_bytes, limits.max_frames)
     params = apply_overrides(cfg.video, overrides, limits)
     rate = float((overrides or {}).get("fps") or DEFAULT_FRAME_LIST_FPS)
