@@ -41,6 +41,8 @@ def server(demo_cache_dir, demo_dir, tmp_path_factory):
     args = ["--demo", "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", "--device", "cpu"]
     args += ["--allowed-local-media-path", str(demo_dir / "media"), "--limit-mm-per-prompt", '{"image": 2, "video": 1}']
     args += ["--max-video-frames", "16"]
+    # frame lists through the worker processes (the default from 4 cores), against the offline engine's threads
+    args += ["--media-frame-processes", "2"]
     # common vLLM launch options that change nothing here: accepted (transformers' fast processor; every frame loaded)
     args += ["--mm-processor-kwargs", '{"use_fast": true}', "--media-io-kwargs", '{"video": {"num_frames": -1}}']
     with running_server(args, demo_cache_dir, tmp_path_factory.mktemp("logs") / "server.log") as handle:
@@ -149,7 +151,8 @@ def test_the_same_video_for_another_adapter_is_decoded_and_encoded_once(server, 
 
 def test_a_video_sent_as_its_frames_equals_the_offline_engine(server, offline, demo_dir):
     """vLLM's data:video/jpeg;base64,<frame>,<frame>,... (frames sampled by the client), fps from
-    media_io_kwargs as vLLM reads it."""
+    media_io_kwargs as vLLM reads it; the server decodes the frames in its frame processes, the offline engine
+    on threads."""
     frames, _ = decode_all(video_bytes(6, 96, 64, fps=4))
     jpegs = []
     for frame in frames:
