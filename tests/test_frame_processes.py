@@ -124,6 +124,13 @@ def test_the_server_flag_sizes_the_processes(monkeypatch):
         MediaPools(frame_processes=-1)
 
 
+def test_replicas_on_one_machine_share_its_cores(monkeypatch):
+    """Eight Ray replicas on a 128-core host must not start 128 frame processes each."""
+    for cores, servers, expected in [(16, 1, 16), (16, 2, 8), (8, 4, 0), (128, 1, 32), (128, 8, 16)]:
+        monkeypatch.setattr(pools, "available_cpus", lambda cores=cores: cores)
+        assert pools.default_frame_processes(servers) == expected
+
+
 def test_frame_processes_that_cannot_start(monkeypatch, caplog):
     """Asked for by number, the server refuses to start and says what to do; by default it warns and decodes
     on threads."""

@@ -16,10 +16,10 @@ frame's copy into the video's patch rows) run on one more pool, process-wide, of
 (`map_frames`; `--media-frame-threads`): in submission order, so when many videos arrive at once the first
 one's frames are done first and its request reaches the engine while the others are still being prepared
 (with a pool per video, 8 videos shared the cores and all finished together, the engine idle until then).
-On 4 or more cores a frame list's JPEG decoding and resizing run in worker processes instead, one per core
-(`--media-frame-processes`),
-which write the patch rows into shared memory (frame_processes.py, shared_rows.py): the server's process then
-holds no thread per core that competes with the engine thread for the GIL.
+On 4 or more cores a frame list's JPEG decoding and resizing run in worker processes instead, one per core (at most
+32; Ray replicas divide the cores; `--media-frame-processes`), which write the patch rows into shared memory
+(frame_processes.py, shared_rows.py): the server's process then holds no thread per core that competes with the
+engine thread for the GIL.
 
 Each request takes at most `fetches_per_request` fetch slots and `decodes_per_request` decode slots at once
 (`RequestSlots`). A pool's size is the global limit for its kind of work: a cancelled request's running decode
@@ -69,9 +69,11 @@ class MediaPools:
         decodes_per_request: int | None = None,
         frame_threads: int | None = None,
         frame_processes: int | Literal["auto"] | None = None,
+        servers: int = 1,
     ):
         """`frame_threads` sizes the process-wide frame pool (`set_frame_threads`) and `frame_processes` the
-        frame lists' worker processes (`set_frame_processes`: 0 none, "auto" one per core), where they are given."""
+        frame lists' worker processes (`set_frame_processes`: 0 none, "auto" one per core, the cores shared by
+        `servers` engines on the machine), where they are given."""
         decode_threads = decode_threads or max(2, min(8, available_cpus()))
         sizes = dict(
             frame_threads=default_frame_threads() if frame_threads is None else frame_threads,
@@ -89,7 +91,7 @@ class MediaPools:
         if frame_threads is not None:
             set_frame_threads(frame_threads)
         if frame_processes is not None:
-            self.sizes["frame_processes"] = set_frame_processes(frame_processes)
+            self.sizes["frame_processes"] = set_frame_processes(frame_processes, servers)
         self.fetch = ThreadPoolExecutor(fetch_threads, thread_name_prefix="hylora-media-fetch")
         self.decode = ThreadPoolExecutor(decode_threads, thread_name_prefix="hylora-media-decode")
         self.render = ThreadPoolExecutor(render_threads, thread_name_prefix="hylora-media-render")
@@ -152,22 +154,26 @@ def frame_pool() -> ThreadPoolExecutor:
 
 _frame_processes: FrameProcesses | None = None
 MIN_CORES_FOR_PROCESSES = 4  # on fewer, the processes' copies cost more than the GIL they spare
+MAX_DEFAULT_FRAME_PROCESSES = 32  # 8 videos of 20 frames keep 32 busy; more only hold memory
 
 
-def default_frame_processes() -> int:
-    """One frame process per core on a machine of 4 or more cores with /dev/shm, else none (the threads)."""
-    cpus = available_cpus()
-    return cpus if cpus >= MIN_CORES_FOR_PROCESSES and shared_rows.SHM_DIR.is_dir() else 0
+def default_frame_processes(servers: int = 1) -> int:
+    """One frame process per core (at most 32) on a machine of 4 or more cores with /dev/shm, else none (the
+    threads). `servers` engines on the machine (Ray replicas) share its cores."""
+    cpus = available_cpus() // max(1, servers)
+    if cpus < MIN_CORES_FOR_PROCESSES or not shared_rows.SHM_DIR.is_dir():
+        return 0
+    return min(cpus, MAX_DEFAULT_FRAME_PROCESSES)
 
 
-def set_frame_processes(workers: int | Literal["auto"]) -> int:
+def set_frame_processes(workers: int | Literal["auto"], servers: int = 1) -> int:
     """Decode and resize frame lists' frames in `workers` processes from now on (0: on the frame pool's
-    threads; "auto": `default_frame_processes`, and the threads if they fail to start); started here.
+    threads; "auto": `default_frame_processes(servers)`, and the threads if they fail to start); started here.
     Returns the number running."""
     global _frame_processes
     auto = workers == "auto"
     if auto:
-        workers = default_frame_processes()
+        workers = default_frame_processes(servers)
     if not isinstance(workers, int) or workers < 0:
         raise ValueError(f"the frame processes need a number of workers of 0 or more, got {workers!r}")
     new = FrameProcesses(workers) if workers else None

@@ -174,7 +174,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="worker processes that decode and resize frame lists' frames (data:video/jpeg) out of the server's "
         "process, so they do not slow the engine's steps; they write the rows into /dev/shm (0: on the frame "
-        "threads; default: one per core on 4 or more cores, else 0)",
+        "threads; default: one per core, at most 32, on 4 or more cores, else 0; with --replicas, the cores are "
+        "divided among the replicas)",
     )
     m.add_argument(
         "--mm-processor-cache-gb",
@@ -533,6 +534,7 @@ def media_settings(args: argparse.Namespace, engine: LLMEngine) -> MediaSettings
             decode_threads=args.media_decode_threads,
             frame_threads=args.media_frame_threads,
             frame_processes="auto" if args.media_frame_processes is None else args.media_frame_processes,
+            servers=getattr(args, "replicas", None) or 1,  # Ray replicas may share this machine's cores
         ),
         cache=ProcessedCache.from_gb(args.mm_processor_cache_gb),
     )
