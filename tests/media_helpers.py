@@ -3,6 +3,7 @@ and hostile media: bombs written by hand and a local HTTP server that misbehaves
 
 from __future__ import annotations
 
+import base64
 import enum
 import functools
 import gzip
@@ -95,6 +96,11 @@ def decode_all(data: bytes) -> tuple[np.ndarray, float]:
         stream = container.streams.video[0]
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
         return np.stack(frames), float(stream.average_rate)
+
+
+def frame_list(frames: list[bytes]) -> str:
+    """vLLM's video as its frames: data:video/jpeg;base64,<frame>,<frame>,..."""
+    return "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
 
 
 def garbage(n: int = 4096, seed: int = 0) -> bytes:

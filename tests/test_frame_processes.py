@@ -14,8 +14,7 @@ from hylora.media import MediaConfig, MediaError, MediaLimits, pools, processor,
 from hylora.media.frame_processes import FrameProcesses, WorkerCrashed
 from hylora.media.pools import MediaPools, frame_processes, set_frame_processes
 from hylora.media.processor import process_frame_list
-from tests.media_helpers import garbage, image_bytes
-from tests.test_media import frame_list
+from tests.media_helpers import frame_list, garbage, image_bytes
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="the frame processes write into /dev/shm")
 

@@ -51,7 +51,14 @@ from hylora.media.fetch import frame_bytes, is_frame_list, split_frame_list
 from hylora.media.pools import MediaPools, set_frame_threads
 from hylora.media.processor import process_frame_list
 from hylora.media.video import sample_indices
-from tests.media_helpers import decode_all, garbage, image_bytes, install_torchvision_stand_in, video_bytes
+from tests.media_helpers import (
+    decode_all,
+    frame_list,
+    garbage,
+    image_bytes,
+    install_torchvision_stand_in,
+    video_bytes,
+)
 
 IMAGE_JSON = {
     "size": {"shortest_edge": 4096, "longest_edge": 16384},
@@ -498,10 +505,6 @@ def test_frame_list_equals_transformers_without_sampling(cfg, hf, n, rate):
     assert list(ours.timestamps) == _hf_timestamps(np.arange(n), fps, 2)
     torch.testing.assert_close(ours.pixel_values, out["pixel_values_videos"], atol=1e-6, rtol=0)
     assert process_frame_list(frame_list(frames), cfg, LIMITS, {"fps": 4}).key != ours.key  # the rate is in the key
-
-
-def frame_list(frames: list[bytes]) -> str:
-    return "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
 
 
 def frame_list_bytes(url: str, max_frames: int = LIMITS.max_frames) -> list[bytes]:

@@ -4,8 +4,8 @@ Why processes: the engine thread launches each step's kernels from Python, and e
 takes back the GIL. With a thread per core decoding frames beside it, each of those takes back costs a wait
 behind whichever frame thread grabbed the GIL in between, and a 7 ms burst of launches stretched to 0.6-1.1 s
 while 8 videos were decoded on 16 cores (docs/BASELINE.md run 50 c). Worker processes hold no lock of the
-server's: the server's process only sends each frame's JPEG bytes and copies the resized frame it gets back
-into the patch rows.
+server's: the server's process only sends each frame's JPEG bytes and waits, while the workers write the
+resized frames into the video's patch rows in shared memory (shared_rows.py).
 
 A worker that dies (a decoder crash, the kernel's OOM killer) breaks its pool and every call still in it. The
 calls are run again once in a fresh pool, then alone in a process of their own: a call that kills even that

@@ -9,6 +9,7 @@ evicts them or the request ends), so /dev/shm holds the videos being decoded and
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import uuid
@@ -28,9 +29,8 @@ class SharedRows:
     """`with SharedRows(shape) as shared:` a uint8 array of `shape` at `shared.path`, mapped as `shared.rows`."""
 
     def __init__(self, shape: tuple[int, ...]):
-        self.shape = shape
         self.path = str(SHM_DIR / f"hylora-rows-{os.getpid()}-{uuid.uuid4().hex}")
-        size = max(1, int(np.prod(shape)))
+        size = max(1, math.prod(shape))
         try:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except OSError as e:
@@ -43,7 +43,7 @@ class SharedRows:
             raise SharedRowsUnavailable(f"no room for {size} bytes in {SHM_DIR}: {e}") from e
         finally:
             os.close(fd)
-        self.rows = torch.from_numpy(np.frombuffer(self._map, np.uint8, int(np.prod(shape))).reshape(shape))
+        self.rows = torch.from_numpy(np.ndarray(shape, np.uint8, buffer=self._map))
 
     def __enter__(self) -> SharedRows:
         return self
@@ -60,4 +60,4 @@ class SharedRows:
 def open_rows(path: str, shape: tuple[int, ...]) -> np.ndarray:
     """A worker's writable view of the rows at `path` (the mapping closes when the view is dropped)."""
     with open(path, "r+b") as f:
-        return np.frombuffer(mmap.mmap(f.fileno(), 0), np.uint8, int(np.prod(shape))).reshape(shape)
+        return np.ndarray(shape, np.uint8, buffer=mmap.mmap(f.fileno(), 0))
