@@ -417,7 +417,11 @@ def main() -> None:
     engine = LLMEngine(  # max_num_seqs 64: decode graphs for buckets up to 64 (the workload runs 32)
         demo,
         EngineConfig(
-            max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=max(step_tokens), max_loras=8, max_lora_rank=16,
+            max_model_len=1024,
+            max_num_seqs=64,
+            max_num_batched_tokens=max(step_tokens),
+            max_loras=8,
+            max_lora_rank=16,
             fault_injection=True,  # the fault-isolation check at the end
             enable_prefix_caching=False,  # every mode runs the same prompts: none may find them cached
         ),  # fmt: skip

@@ -242,7 +242,11 @@ def throughput(
         quick = LLMEngine(
             demo,
             EngineConfig(
-                max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=2048, dtype="bfloat16", num_pages=4096,
+                max_model_len=1024,
+                max_num_seqs=32,
+                max_num_batched_tokens=2048,
+                dtype="bfloat16",
+                num_pages=4096,
                 enable_prefix_caching=False,
             ),
             progress=False,

@@ -10,6 +10,7 @@ otherwise), and the weight-only GEMM (`fp8_weight_only_linear`, x unquantised) w
 its own reference. Exits 1 when an error is NaN or above BOUND.
 
     python bench/fp8_gemm_gpu.py [--quick] [--sweep | --sweep-tma | --sweep-weight-only | --extra-rows | --fold]
+    python bench/fp8_gemm_gpu.py --split   # split activations (--fp8-activations split) against the others
 
 --sweep times candidate tile configurations instead (decode and prefill) at a few shapes.
 """
@@ -274,6 +275,47 @@ def sweep_weight_only() -> None:
         torch.cuda.empty_cache()
 
 
+SPLIT_TOKENS = (1, 8, 16, 32, 64, 127, 128, 256)
+
+
+def split_table() -> bool:
+    """`--fp8-activations split` at every 27B shape: the Triton split GEMM (its split launch included)
+    against the dynamic FP8 GEMM, the weight-only GEMM and bf16 F.linear, us per call; its error against
+    the weight-only reference (x exact, the yardstick it must stay within a bf16 rounding of) and its
+    weight stream. From 128 tokens also the served path (`cublas.fp8_split_linear`: the weight-only one
+    from SPLIT_BELOW), for the crossover. False when an error is NaN or above BOUND."""
+    from hylora.ops.fp8_linear import cublas
+
+    print(f"--- split activations: us per call (cublas.SPLIT_BELOW = {cublas.SPLIT_BELOW})")
+    print(f"{'shape':<12} {'M':>4} {'split':>7} {'dynamic':>7} {'w-only':>7} {'bf16':>7} {'split/dyn':>9} "
+          f"{'GB/s':>5} {'err':>8} {'served':>7}")  # fmt: skip
+    ok = True
+    for name, (N, K) in SHAPES.items():
+        g = torch.Generator(device=DEV).manual_seed(N + K)
+        w_fp8, w_scale = R.quantize_weight(torch.randn(N, K, device=DEV, generator=g) * 0.02)
+        w16 = R.dequantize_weight(w_fp8, w_scale, dtype=torch.bfloat16)
+        for M in SPLIT_TOKENS:
+            x = torch.randn(M, K, device=DEV, generator=g).bfloat16()
+            out = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
+            err = max_error(T.fp8_split_linear(x, w_fp8, w_scale), R.fp8_weight_only_linear(x.float(), w_fp8, w_scale))
+            ok &= err <= BOUND
+            t = {
+                "split": bench(lambda: T.fp8_split_linear(x, w_fp8, w_scale, out=out), 20),  # noqa: B023
+                "dynamic": bench(lambda: T.fp8_linear(x, w_fp8, w_scale, out=out), 20),  # noqa: B023
+                "w-only": bench(lambda: T.fp8_weight_only_linear(x, w_fp8, w_scale, out=out), 20),  # noqa: B023
+                "bf16": bench(lambda: F.linear(x, w16), 20),  # noqa: B023
+            }
+            served = bench(lambda: cublas.fp8_split_linear(x, w_fp8, w_scale, out=out), 20) if M >= 128 else None  # noqa: B023
+            cells = " ".join(f"{t[k] * 1e3:7.1f}" for k in ("split", "dynamic", "w-only", "bf16"))
+            gbs = N * K / (t["split"] * 1e-3) / 1e9
+            flag = "" if err <= BOUND else "  <-- ERROR"
+            served_cell = f"{served * 1e3:7.1f}" if served is not None else f"{'':>7}"
+            ratio = t["split"] / t["dynamic"]
+            print(f"{name:<12} {M:>4} {cells} {ratio:9.2f} {gbs:5.0f} {err:8.1e} {served_cell}{flag}", flush=True)
+        torch.cuda.empty_cache()
+    return ok
+
+
 def extra_rows(extra_groups: list[int]) -> None:
     """A decode step's LoRA shrink with an FP8 base (8 slots of rank 16 on every slice, and the GDN
     in_proj's 96 unquantised b / a rows): the 16-bit rows served in the FP8 GEMM's launch (`extra=`,
@@ -373,11 +415,17 @@ def main() -> None:
     p.add_argument("--extra-rows", action="store_true", help="16-bit rows (LoRA A) in the FP8 launch against beside it")
     p.add_argument("--extra-groups", default=str(T.EXTRA_GROUPS), help="K groups per extra chunk, e.g. 1,2,4")
     p.add_argument("--fold", action="store_true", help="split-K partials summed by the last program, or a launch")
+    p.add_argument("--split", action="store_true", help="split activations against dynamic, weight-only and bf16")
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.fold:
         fold_splits()
+        return
+    if args.split:
+        if not split_table():
+            print(f"FAIL: a split error is NaN or above {BOUND:.1e}")
+            sys.exit(1)
         return
     if args.extra_rows:
         extra_rows([int(g) for g in args.extra_groups.split(",")])

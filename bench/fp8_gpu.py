@@ -3,7 +3,8 @@
 `fidelity`: the demo checkpoint written as FP8 (`hylora quantize`) and served on CUDA in bf16 with
 FP8 GEMMs and each task adapter dynamically, against the fp32 reference of the dequantised base with
 the adapter merged (CPU, the exact path tests/test_fp8.py proves), with activations quantised (the
-checkpoint's scheme) and unquantised (`--fp8-activations none`); beside it the bf16 dynamic path of
+checkpoint's scheme), unquantised (`--fp8-activations none`) and split into two e4m3 terms
+(`--fp8-activations split`, the prompt in 64-token chunks so that every GEMM splits); beside it the bf16 dynamic path of
 the unquantised model against its own fp32 merged reference (the precision yardstick), and the
 merged-then-requantised FP8 checkpoint (what `merge` into FP8 would give). Mean and max |Δ logprob|
 over the prompt, every adapter. Also a 32k-token prompt through the FP8 engine with an adapter (27B
@@ -19,6 +20,7 @@ quantised in memory exactly as an FP8 checkpoint loads), 8 random rank-16 adapte
     python bench/fp8_gpu.py speed --weights bf16 --out bf16.json
     python bench/fp8_gpu.py speed --weights fp8 --out fp8.json
     python bench/fp8_gpu.py speed --weights fp8 --fp8-activations none --out w8.json   # weight-only
+    python bench/fp8_gpu.py speed --weights fp8 --fp8-activations split --out split.json
     python bench/fp8_gpu.py speed --weights fp8 --fold off --out nofold.json   # split-K sums in a launch of their own
     python bench/fp8_gpu.py compare bf16.json fp8.json [w8.json]
 """
@@ -44,10 +46,12 @@ from hylora.demo import DEMO_ADAPTERS, write_demo, write_tokenizer  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from hylora.engine.decode_batch import DecodeRow  # noqa: E402
 from hylora.kernels import KernelsConfig, as_text  # noqa: E402
+from hylora.kernels.config import FP8_ACTIVATIONS  # noqa: E402
 from hylora.model.fp8 import quantize_checkpoint, quantize_linears  # noqa: E402
 from hylora.ops.fp8_linear import triton as fp8_triton  # noqa: E402
 
 FIDELITY_PROMPT = 1500
+SPLIT_CHUNK = 64  # tokens per prefill step of the split engine in the fidelity run
 
 
 def prompt_logprobs(engine: LLMEngine, ids: list[int], adapter: str | None) -> torch.Tensor:
@@ -79,6 +83,9 @@ def fidelity(args) -> dict:
     served_fp8 = LLMEngine(fp8, EngineConfig(**gpu), lora_modules=lora, progress=False)
     weight_only = KernelsConfig(fp8_activations="none")
     served_w8 = LLMEngine(fp8, EngineConfig(**gpu, kernels=weight_only), lora_modules=lora, progress=False)
+    # split activations in 64-token chunks: every GEMM of the prompt takes the split path (below SPLIT_BELOW)
+    split = EngineConfig(**gpu, kernels=KernelsConfig(fp8_activations="split"), max_num_batched_tokens=SPLIT_CHUNK)
+    served_split = LLMEngine(fp8, split, lora_modules=lora, progress=False)
     served_bf16 = LLMEngine(demo, EngineConfig(**gpu), lora_modules=lora, progress=False)
     print(f"fp8 engine: {served_fp8.quantization}, kernels {as_text(served_fp8.kernels)}", flush=True)
     rows = []
@@ -97,6 +104,9 @@ def fidelity(args) -> dict:
             "fp8 weight-only dynamic vs dequantised+merged fp32": gap(
                 prompt_logprobs(served_w8, ids, name), refs["fp8"]
             ),
+            f"fp8 split ({SPLIT_CHUNK}-token chunks) dynamic vs dequantised+merged fp32": gap(
+                prompt_logprobs(served_split, ids, name), refs["fp8"]
+            ),
             "bf16 dynamic vs merged fp32": gap(prompt_logprobs(served_bf16, ids, name), refs["bf16"]),
         }
         if name is not None:  # merged into the FP8 base and requantised: the delta rounded block by block
@@ -108,7 +118,7 @@ def fidelity(args) -> dict:
             del requant_engine
         rows.append(row)
         print(json.dumps(row), flush=True)
-    del served_fp8, served_w8, served_bf16
+    del served_fp8, served_w8, served_split, served_bf16
     torch.cuda.empty_cache()
     return {"fidelity": rows, "long_prompt": long_prompt_finite(args.layers, work)}
 
@@ -246,6 +256,7 @@ def compare(bf16_path: str, *fp8_paths: str) -> None:
         print(f"| {label} | {a[1]} | {' | '.join(cells)} |")
 
     row("weights read per decode step (GB)", lambda r: (r["weight_gb"], f"{r['weight_gb']:.1f}"))
+
     def decode(r: dict, i: int) -> tuple[float, str]:
         step = r["decode_steps"][i]
         return step["graph_ms"], f"{step['graph_ms']:.2f} ({step['over_floor']:.2f}x)"
@@ -264,7 +275,7 @@ def main() -> None:
     ap.add_argument("files", nargs="*")
     ap.add_argument("--weights", choices=["bf16", "fp8"], default="fp8")
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--fp8-activations", choices=["dynamic", "none"], default="dynamic", help="speed: FP8 GEMM inputs")
+    ap.add_argument("--fp8-activations", choices=FP8_ACTIVATIONS, default="dynamic", help="speed: FP8 GEMM inputs")
     ap.add_argument("--step-tokens", type=lambda s: [int(t) for t in s.split(",")], default=[2048, 8192],
                     help="speed: the workload's batched-token settings")  # fmt: skip
     ap.add_argument("--fold", choices=["on", "off"], default="on", help="speed: split-K sums in the FP8 GEMM's launch")

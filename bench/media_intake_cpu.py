@@ -135,8 +135,12 @@ def main() -> None:
         "ready_s": sorted(round(r, 3) for r in ready),
         "intake_s": max(ready),
         "ops_round_alone_ms": ms(statistics.median(alone)),
-        "ops_round_beside_ms": {"median": ms(statistics.median(beside)), "mean": ms(statistics.mean(beside)),
-                                "max": ms(max(beside)), "rounds": len(beside)},  # fmt: skip
+        "ops_round_beside_ms": {
+            "median": ms(statistics.median(beside)),
+            "mean": ms(statistics.mean(beside)),
+            "max": ms(max(beside)),
+            "rounds": len(beside),
+        },  # fmt: skip
         "date": time.strftime("%Y-%m-%d"),
     }
     print(f"prompts ready after (s): {result['ready_s']}")

@@ -42,4 +42,3 @@ SMALL = dict(
     linear_num_value_heads=4,
     rope_parameters=dict(QWEN36_27B["rope_parameters"], mrope_section=[6, 5, 5]),
 )
-

@@ -174,10 +174,12 @@ def test_the_speculative_check_fails_a_verifier_that_accepts_every_draft(demo_di
     def accept_all(logits, requests, drafts, *rest):
         pending = launch_verify(logits, requests, drafts, *rest)
         results = pending.results()
-        pending.results = lambda: [  # type: ignore[method-assign]
-            [(t, None) for t in d] + r[len(d) :] if isinstance(r, list) else r
-            for d, r in zip(drafts, results, strict=True)
-        ]
+        pending.results = (
+            lambda: [  # type: ignore[method-assign]
+                [(t, None) for t in d] + r[len(d) :] if isinstance(r, list) else r
+                for d, r in zip(drafts, results, strict=True)
+            ]
+        )
         return pending
 
     monkeypatch.setattr(engine_module, "launch_verify", accept_all)

@@ -424,10 +424,17 @@ EXTRA_CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("weight_only", [False, True], ids=["dynamic", "weight-only"])
+GEMMS = {  # each --fp8-activations setting's GEMM and its reference
+    "dynamic": (T.fp8_linear, R.fp8_linear),
+    "weight-only": (T.fp8_weight_only_linear, R.fp8_weight_only_linear),
+    "split": (T.fp8_split_linear, R.fp8_split_linear),
+}
+
+
+@pytest.mark.parametrize("gemm", GEMMS, ids=str)
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 @pytest.mark.parametrize("case", EXTRA_CASES, ids=str)
-def test_extra_rows_join_the_fp8_launch(case, config, weight_only, monkeypatch):
+def test_extra_rows_join_the_fp8_launch(case, config, gemm, monkeypatch):
     """Columns N.. N + E of the output are x · extraᵀ (16-bit rows, x unquantised), written by the
     same launch as the N FP8 columns, through split K and every tile configuration; the FP8 columns
     are unchanged by them, and columns past N + E of a wider NaN-filled buffer stay untouched."""
@@ -435,9 +442,7 @@ def test_extra_rows_join_the_fp8_launch(case, config, weight_only, monkeypatch):
     M, N, K, bn, E = case
     x, w_fp8, w_scale, block = gemm_inputs(M, N, K, bn, seed=M + N + K + E)
     rows = torch.randn(E, K, generator=torch.Generator().manual_seed(E)) / 8
-    kernel, reference = (
-        (T.fp8_weight_only_linear, R.fp8_weight_only_linear) if weight_only else (T.fp8_linear, R.fp8_linear)
-    )
+    kernel, reference = GEMMS[gemm]
     launches = []  # the GEMM launches: the extra rows take none of their own
     for name in ("_gemm_kernel", "_gemm_tma_kernel"):
         monkeypatch.setattr(T, name, LaunchCounter(getattr(T, name), launches))
@@ -450,7 +455,7 @@ def test_extra_rows_join_the_fp8_launch(case, config, weight_only, monkeypatch):
     assert_close_to_reference(got[:, :N].cpu(), reference(x, w_fp8, w_scale, block), GEMM_RTOL)
     assert_close_to_reference(got[:, N:].cpu(), (x.double() @ rows.double().T).float(), GEMM_RTOL)
     assert buffer[:, N + E :].isnan().all()
-    if not weight_only:  # the input quantised by its producer, its kept values for the extra rows
+    if gemm == "dynamic":  # the input quantised by its producer, its kept values for the extra rows
         quantized = R.QuantizedActivation(*T.quantize_activation(dev[0], block[1]), torch.float32, dev[0])
         again = T.fp8_linear(quantized, *dev[1:], block, config=CONFIGS[config], extra=(dev[0], rows.to(DEVICE)))
         assert_close_to_reference(again.cpu(), want, GEMM_RTOL)
@@ -702,6 +707,82 @@ class _Spy:
         return launch
 
 
+# --- split: the activations as two e4m3 terms, the weights' exact values --------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 64), (15, 127), (17, 129), (65, 384), (3, 1000)], ids=str)
+def test_quantize_activation_split_equals_reference(shape, dtype):
+    """hi, its scales, the residual's lo and its scales, bit for bit, from NaN-filled outputs: rows
+    past a 16-row program, a partial last group, a zero group (both terms 0), strided rows."""
+    M, K = shape
+    g = torch.Generator().manual_seed(K + 1)
+    x = (torch.randn(M, K, generator=g) * 10.0 ** torch.randint(-6, 4, (M, 1), generator=g)).to(dtype)
+    x[0, : min(K, 128)] = 0  # a zero group
+    wide = torch.randn(M, K + 16, dtype=dtype)
+    wide[:, :K] = x
+    for inp in (x, wide[:, :K]):
+        got = T.quantize_activation_split(inp.to(DEVICE))
+        want = R.quantize_activation_split(inp.float())
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(bits(a.cpu()), bits(b))
+    hi, _, lo, _ = want
+    assert not bits(hi[0, : min(K, 128)]).any() and not bits(lo[0, : min(K, 128)]).any()
+
+
+def test_split_terms_hold_x_to_a_bf16_rounding():
+    """hi · s_hi + lo · s_lo is within 2^-8 |x| of x on every element (less a far smaller absolute
+    floor: lo's subnormals), and in norm several times closer than x rounded to bf16; hi alone is
+    e4m3's 2^-4 away. Outliers 30x the rest in every group."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 1000, generator=g) * torch.exp(torch.randn(64, 1, generator=g) * 3)
+    x[:, ::97] *= 30
+    hi, hs, lo, ls = R.quantize_activation_split(x)
+    two = R.dequantize_activation(hi, hs) + R.dequantize_activation(lo, ls)
+    group_max = torch.nn.functional.pad(x.abs(), (0, 24)).view(64, 8, 128).amax(-1).repeat_interleave(128, 1)[:, :1000]
+    assert ((two - x).abs() <= 2.0**-8 * x.abs() + 2.0**-16 * group_max).all()
+    assert (two - x).norm() < (x.bfloat16().float() - x).norm() / 4
+    one = R.dequantize_activation(hi, hs)
+    assert (one - x).norm() > 10 * (two - x).norm()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_split_linear_equals_reference(case, config, monkeypatch):
+    """Every tile configuration (TMA and pointer loads, swapped or not, split K, fuse_quant ignored),
+    sizes straddling every tile, scale block and K group: the NaN-filled output fully written with
+    the two terms' product, and within the activations' 2^-8 of the weight-only result."""
+    monkeypatch.setattr(T, "MIN_GROUPS_PER_SPLIT", 1)
+    M, N, K, bn = case
+    x, w_fp8, w_scale, block = gemm_inputs(M, N, K, bn, seed=M * N + K + 2)
+    out = torch.full((M, N), float("nan"), device=DEVICE)
+    got = T.fp8_split_linear(x.to(DEVICE), w_fp8.to(DEVICE), w_scale.to(DEVICE), block, out=out, config=CONFIGS[config])
+    assert got is out
+    assert_close_to_reference(got.cpu(), R.fp8_split_linear(x, w_fp8, w_scale, block), GEMM_RTOL)
+    assert_close_to_reference(got.cpu(), R.fp8_weight_only_linear(x, w_fp8, w_scale, block), 2.0**-8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_split_serves_few_tokens_and_many_tokens_take_the_weight_only_path(dtype, gpu_bf16, monkeypatch):
+    """cublas.fp8_split_linear: below SPLIT_BELOW tokens the Triton split GEMM, from there the weight-only
+    path (the weight dequantised for a 16-bit GEMM, x exact); fp32 x keeps the split GEMM. Into a column
+    slice of `out`, the columns beside it untouched."""
+    from hylora.ops.fp8_linear import cublas
+
+    monkeypatch.setattr(cublas, "SPLIT_BELOW", 17)
+    monkeypatch.setattr(cublas, "WEIGHT_ONLY_FROM", 17)
+    x, w_fp8, w_scale, block = gemm_inputs(17, 129, 384, 128, seed=23, dtype=dtype)
+    xd, wd, sd = x.to(DEVICE), w_fp8.to(DEVICE), w_scale.to(DEVICE)
+    wide = torch.full((17, 140), float("nan"), dtype=dtype, device=DEVICE)
+    got = cublas.fp8_split_linear(xd, wd, sd, block, out=wide[:, 5:134])
+    assert torch.equal(bits(got), bits(cublas.fp8_weight_only_linear(xd, wd, sd, block)))
+    assert wide[:, :5].isnan().all() and wide[:, 134:].isnan().all()
+    fewer = cublas.fp8_split_linear(xd[:16], wd, sd, block)
+    assert torch.equal(bits(fewer), bits(T.fp8_split_linear(xd[:16], wd, sd, block)))
+    x32 = x.float().to(DEVICE)
+    assert torch.equal(cublas.fp8_split_linear(x32, wd, sd, block), T.fp8_split_linear(x32, wd, sd, block))
+
+
 # --- CUDA only -----------------------------------------------------------------------------------------
 
 
@@ -755,6 +836,24 @@ def test_cuda_weight_only_bf16_27b_shapes(tokens):
 
 @cuda_only
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 17, 32, 64, 127])
+def test_cuda_split_bf16_27b_shapes(tokens):
+    """The split GEMM on the FP8 tensor cores (two dots per weight tile): within half a bf16 ulp of the
+    fp32 dequantised product, as the weight-only GEMM, plus the terms' 2^-8 and the MMA's accumulation."""
+    torch.manual_seed(tokens)
+    N, K = 1152, 17408
+    w_fp8, w_scale = (t.cuda() for t in R.quantize_weight(torch.randn(N, K) * 0.02))
+    x = torch.randn(tokens, K, device="cuda").bfloat16()
+    got = T.fp8_split_linear(x, w_fp8, w_scale)
+    ref = R.fp8_weight_only_linear(x.float(), w_fp8, w_scale)
+    diff = (got.float() - ref).abs()
+    assert (diff <= 2.0**-8 * ref.abs() + 1e-3 * ref.abs().amax()).all()
+    split_ref = R.fp8_split_linear(x.float(), w_fp8, w_scale)
+    assert ((got.float() - split_ref).abs() <= 2.0**-8 * split_ref.abs() + 1e-3 * split_ref.abs().amax()).all()
+
+
+@cuda_only
+@pytest.mark.gpu
 def test_cuda_graph_replay():
     w_fp8, w_scale = (t.cuda() for t in R.quantize_weight(torch.randn(640, 5120)))
     x = torch.randn(8, 5120, device="cuda").bfloat16()
@@ -800,6 +899,14 @@ def test_start_up_checks_pass_the_kernels_and_fail_wrong_ones():
         return T.fp8_linear(x, w, s, block, out=out, extra=extra)
 
     assert fp8_error(spills) == math.inf and fp8_error(unscaled) > 0.5 and fp8_error(extra_rows_shifted) > 0.5
+
+    def split_error(kernel):
+        return checks.fp8_linear_error(
+            129, 256, (128, 128), torch.float32, DEVICE, tokens=(1, 17), kernel=kernel, activations="split"
+        )
+
+    assert split_error(T.fp8_split_linear) <= GEMM_RTOL * 10
+    assert split_error(T.fp8_linear) > 1e-2  # the second term dropped: e4m3's rounding shows past FP8_TOLERANCE
     assert checks.silu_mul_error(300, torch.float32, DEVICE, tokens=(1, 17), quantized=True) <= 1e-6  # exp: an ulp
 
     def half_scale(gate_up, group=128, keep=False):

@@ -687,7 +687,7 @@ def tags_grammar(*args, **kwargs) -> str:
 
 def test_tags_are_tokens_only_where_the_tokenizer_has_them():
     quoted = tool_choice_grammar(GRAMMAR_TOOLS, "hermes")
-    assert '"<tool_call>' in quoted and "</tool_call>\"" in quoted
+    assert '"<tool_call>' in quoted and '</tool_call>"' in quoted
     tokens = tags_grammar(GRAMMAR_TOOLS, "hermes")
     assert " <tool_call> " in tokens and tokens.rstrip().endswith("</tool_call>") and '"<tool_call>' not in tokens
 
@@ -772,9 +772,7 @@ def test_named_and_single_call_grammars(ll_tokenizer):
         single = tags_grammar(GRAMMAR_TOOLS, fmt, parallel=False)
         assert accepts(ll_tokenizer, single, other)
         assert not accepts(ll_tokenizer, single, other + "\n" + one)
-    assert not accepts(
-        ll_tokenizer, tags_grammar(GRAMMAR_TOOLS, "qwen3_coder", "echo"), qcall("echo", [("text", "")])
-    )
+    assert not accepts(ll_tokenizer, tags_grammar(GRAMMAR_TOOLS, "qwen3_coder", "echo"), qcall("echo", [("text", "")]))
 
 
 def random_output(m: llguidance.LLMatcher, ll_tokenizer, rng: np.random.Generator, max_tokens: int = 400):

@@ -32,8 +32,8 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=["fp8", "fp8-weight-only"],
         help="the server serves quantised weights (the fp8 check; the tolerance's ceiling); fp8-weight-only: FP8 "
-        "weights with unquantised activations (hylora serve --fp8-activations none), held to the unquantised "
-        "tolerance",
+        "weights with unquantised or split activations (hylora serve --fp8-activations none or split), held to "
+        "the unquantised tolerance",
     )
     g.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     g.add_argument("--max-requests", type=int, default=2000, help="requests doctor may send in all")
@@ -51,8 +51,8 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--fp8-activations",
         default="dynamic",
-        choices=["dynamic", "none"],
-        help="in-process, FP8 weights: as hylora serve --fp8-activations (none: weight-only, judged against the "
+        choices=["dynamic", "split", "none"],
+        help="in-process, FP8 weights: as hylora serve --fp8-activations (split and none: judged against the "
         "dequantised reference with the unquantised tolerance instead of the FP8 one)",
     )
     g.add_argument(

@@ -51,8 +51,11 @@ class Features:
     speculative: bool | None = None
     quantization: str | None = None  # e.g. "fp8": the deployment serves quantised weights
     # with quantised weights: whether it quantises the activations too (None: not known, judged as if it
-    # does); False (weight-only FP8) is held to the unquantised tolerance
+    # does); False (weight-only or split-activation FP8) is held to the unquantised tolerance
     quantized_activations: bool | None = None
+    # split-activation FP8 (`--fp8-activations split`): its activations hold a bf16 rounding's precision,
+    # so a deployment of a finer dtype is held to bf16's tolerance at least
+    split_activations: bool = False
     source: str = ""  # where this came from
 
     def as_dict(self) -> dict:
@@ -132,7 +135,8 @@ class EngineDeployment:
             prefix_caching=prefix,
             speculative=bool(speculative),
             quantization=quantization,
-            quantized_activations=None if activations is None else activations != "none",
+            quantized_activations=None if activations is None else activations == "dynamic",
+            split_activations=activations == "split",
             source="the engine's configuration",
         )
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hylora.doctor.batches import check_mixed, judge_pollution, run_mixed, run_pollution
-from hylora.doctor.compare import Tolerance, diff_reference
+from hylora.doctor.compare import PRESETS, Tolerance, diff_reference
 from hylora.doctor.decode import judge_decode, run_decode
 from hylora.doctor.deployment import Deployment, Features
 from hylora.doctor.effect import check_adapter_effect
@@ -119,6 +119,9 @@ def _policy(options: DoctorOptions, reference: Reference, features: Features) ->
     quantization_error = features.quantization and features.quantized_activations is not False  # weight-only: none
     if quantization_error and policy.fixed is None and policy.ceiling.max < FP8_TOLERANCE.max:
         policy = replace(policy, ceiling=FP8_TOLERANCE, ceiling_name=str(features.quantization))
+    bf16 = PRESETS["bfloat16"]
+    if features.split_activations and policy.fixed is None and policy.ceiling.max < bf16.max:
+        policy = replace(policy, ceiling=bf16, ceiling_name="bfloat16")
     return policy
 
 

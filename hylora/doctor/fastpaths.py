@@ -29,7 +29,8 @@ shows no drafts during the check.
 **fp8**: a deployment serving FP8 weights is judged against the reference computed from the same
 weights dequantised (the reference must say so: `Reference.dequantised`), the base model's sweep
 with `FP8_TOLERANCE`; a weight-only deployment (activations unquantised, `--fp8-activations none`)
-with the tolerance an unquantised one gets, as its only error is the GEMM's summation order.
+with the tolerance an unquantised one gets, as its only error is the GEMM's summation order; so is a
+split one (`--fp8-activations split`: its activations within a bf16 rounding of their values).
 Skipped for unquantised weights, and — with the reason in the report — when the reference is not
 the dequantised model (then only the fidelity check's measured tolerance judges the FP8 error).
 """
@@ -338,7 +339,8 @@ def check_fp8(
     features: Features, reference, base_diffs: list[Diff], tolerance: Tolerance = FP8_TOLERANCE
 ) -> CheckResult:
     """The base model's sweep (no LoRA) against the dequantised reference, with `tolerance`:
-    FP8_TOLERANCE, or for weight-only FP8 (activations unquantised) the unquantised deployment's."""
+    FP8_TOLERANCE, or for weight-only or split FP8 (activations unquantised or split) the unquantised
+    deployment's."""
     if not features.quantization:
         return CheckResult("fp8", Status.SKIP, "the deployment serves unquantised weights")
     if not getattr(reference, "dequantised", False):
@@ -350,7 +352,8 @@ def check_fp8(
     failures = [f"base at {d.length} tokens: {'; '.join(d.problems(tolerance))}" for d in base_diffs
                 if d.problems(tolerance)]  # fmt: skip
     total = pooled(base_diffs)
-    served = features.quantization + (" weight-only" if features.quantized_activations is False else "")
+    unquantised = features.quantized_activations is False
+    served = features.quantization + (" with unquantised or split activations" if unquantised else "")
     summary = (
         f"{served} vs the dequantised reference, base model at {len(base_diffs)} lengths: "
         f"max |Δ logprob| {total.max_abs:.2g}, mean {total.mean_abs:.2g} (tolerance mean {tolerance.mean:g}, "

@@ -739,19 +739,21 @@ def fp8_linear_error(
     device: torch.device | str,
     tokens: Sequence[int] = FP8_TOKENS,
     kernel: Callable[..., torch.Tensor] | None = None,
-    weight_only: bool = False,
+    activations: str = "dynamic",
 ) -> float:
     """The FP8 GEMM vs the reference on one projection's shape: weights with block magnitudes
     spread over 2^-6..2^6 (a scale read from the wrong block shows), every token count of FP8_TOKENS,
-    outputs NaN-filled first. weight_only: the GEMM on unquantised activations and its reference."""
+    outputs NaN-filled first. activations: the KernelsConfig.fp8_activations setting whose GEMM (and
+    reference) this is."""
+    from hylora.kernels.config import FP8_GEMMS
     from hylora.ops.fp8_linear import reference
     from hylora.ops.fp8_linear.reference import quantize_weight
 
-    fp8_reference = reference.fp8_weight_only_linear if weight_only else reference.fp8_linear
+    fp8_reference = getattr(reference, FP8_GEMMS[activations])
     if kernel is None:
         from hylora.ops.fp8_linear import triton as fp8_triton
 
-        kernel = fp8_triton.fp8_weight_only_linear if weight_only else fp8_triton.fp8_linear
+        kernel = getattr(fp8_triton, FP8_GEMMS[activations])
     g = _generator(device, rows + in_features)
     w = torch.randn(rows, in_features, generator=g, device=device)
     magnitudes = torch.exp2(torch.randint(-6, 7, (-(-rows // 128), -(-in_features // 128)), generator=g, device=device))
@@ -775,7 +777,7 @@ def fp8_linear_error(
         after = wider[:, rows + FP8_EXTRA_ROWS :]
         worst = max(worst, _rel_error(got[:, :rows], want), _rel_error(got[:, rows:], full[:, rows:]))
         worst = max(worst, _rel_error(after, after.clone().fill_(math.nan)))
-        if not weight_only:  # the input quantised by its producer (silu_mul_quantized)
+        if activations == "dynamic":  # the input quantised by its producer (silu_mul_quantized)
             quantized = reference.QuantizedActivation(*reference.quantize_activation(x, block[1]), dtype)
             worst = max(worst, _rel_error(kernel(quantized, w8, scale, block), want))
     return worst

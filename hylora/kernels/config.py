@@ -14,7 +14,9 @@ from hylora.model.layers import LORA_BACKENDS, STACKED_LORA_BELOW
 log = logging.getLogger(__name__)
 FAST_KERNEL_CHOICES = ("auto", "off")
 GDN_BACKENDS = ("auto", "reference", "fla")
-FP8_ACTIVATIONS = ("dynamic", "none")
+FP8_ACTIVATIONS = ("dynamic", "split", "none")
+# each fp8_activations setting's GEMM, by its name in the hylora.ops.fp8_linear modules
+FP8_GEMMS = {"dynamic": "fp8_linear", "split": "fp8_split_linear", "none": "fp8_weight_only_linear"}
 TOWER_ATTENTION = ("auto", "flash", "cudnn", "efficient", "math")
 
 
@@ -33,7 +35,9 @@ class KernelsConfig:
     # an H200). Another card: the pick of bench/kernel_sweep_gpu.py --gdn-best-out
     gdn_decode_launch: tuple[int, int, int] | None = None
     # what FP8 projections do with their inputs. dynamic: quantise them per token and 128 inputs, as the
-    # checkpoints' activation_scheme says (FP8 tensor cores); none: keep them in the model's dtype and
+    # checkpoints' activation_scheme says (FP8 tensor cores); split: below 128 tokens (decode) each input
+    # as two e4m3 terms, hi and the residual's lo, two FP8 dots per weight tile (~2^-8 of each value, less
+    # than a bf16 rounding in norm), from 128 tokens as none; none: keep them in the model's dtype and
     # convert the FP8 weights in the GEMM, or dequantise them for cuBLAS from 128 tokens (the
     # dequantised model's arithmetic, FP8 weights in memory; about bf16's speed on an H200, docs/FP8.md)
     fp8_activations: str = "dynamic"

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from hylora.kernels import checks
-from hylora.kernels.config import KernelsConfig, triton_usable
+from hylora.kernels.config import FP8_GEMMS, KernelsConfig, triton_usable
 from hylora.kernels.verdict import KernelVerdict, passed, reference
 from hylora.model.decoder import HybridDecoder
 from hylora.model.fp8 import dequantize_linears
@@ -144,10 +144,8 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
     else:
         kernel = "reference"
     fp8_ops = importlib.import_module(f"hylora.ops.fp8_linear.{kernel}")
-    if config.fp8_activations == "none":  # weight-only: the activations as they are
-        chosen["fp8_linear"] = fp8_ops.fp8_weight_only_linear
-    elif kernel != "reference":
-        chosen["fp8_linear"] = fp8_ops.fp8_linear
+    if config.fp8_activations != "dynamic" or kernel != "reference":  # the reference's dynamic GEMM is the default
+        chosen["fp8_linear"] = getattr(fp8_ops, FP8_GEMMS[config.fp8_activations])
     if config.lora_backend != "auto":  # forced, for the decoder and the tower alike
         chosen["lora_backend"] = chosen["tower_lora_backend"] = config.lora_backend
     elif "lora" in fast:
@@ -219,7 +217,9 @@ def select_fp8_kernel(model: HybridDecoder, fast_kernels: str = "auto", activati
     shapes. activations "dynamic" (quantised activations x dequantised weights): cuBLAS's block-scaled
     GEMM for steps of many tokens with hylora's Triton kernel below ("cublas+triton"), else the Triton
     kernel alone; "none" (weight-only: the activations as they are): the Triton kernel, with the
-    weight dequantised for cuBLAS's 16-bit GEMM from `cublas.WEIGHT_ONLY_FROM` tokens ("cublas+triton").
+    weight dequantised for cuBLAS's 16-bit GEMM from `cublas.WEIGHT_ONLY_FROM` tokens ("cublas+triton");
+    "split" (activations as two e4m3 terms): the Triton kernel below `cublas.SPLIT_BELOW` tokens, the
+    weight-only path from there.
     On the CPU, or with fast kernels off, the reference (exact, slow: it dequantises per call); on
     CUDA when no kernel passes, the weights are dequantised."""
     name = "fp8_linear"
@@ -228,13 +228,11 @@ def select_fp8_kernel(model: HybridDecoder, fast_kernels: str = "auto", activati
     if not triton_usable(model.device) or model.device.type != "cuda":
         return reference(name, "no CUDA or no triton")
     dtype, dev, shapes = model.dtype, model.device, checks.fp8_shapes(model)
-    weight_only = activations == "none"
 
     def check(kernel_module: str) -> Callable[[], float]:
         def run() -> float:
-            module = importlib.import_module(f"hylora.ops.fp8_linear.{kernel_module}")
-            kernel = module.fp8_weight_only_linear if weight_only else module.fp8_linear
-            return max(checks.fp8_linear_error(*s, dtype, dev, kernel=kernel, weight_only=weight_only) for s in shapes)
+            kernel = getattr(importlib.import_module(f"hylora.ops.fp8_linear.{kernel_module}"), FP8_GEMMS[activations])
+            return max(checks.fp8_linear_error(*s, dtype, dev, kernel=kernel, activations=activations) for s in shapes)
 
         return run
 

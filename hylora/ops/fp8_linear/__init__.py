@@ -7,7 +7,9 @@
 - `triton` (imported on demand: needs the triton package): `quantize_activation` (bit-equal to the
   reference) and `fp8_linear`, a block-scaled FP8 GEMM with tile configurations by token count;
   `fp8_weight_only_linear`, the same GEMM on unquantised activations (the weights converted in
-  registers).
+  registers); `quantize_activation_split` and `fp8_split_linear`, the GEMM on x split into two e4m3
+  terms (two FP8 dots per weight tile).
+- `cublas` (the FP8 GEMMs as served on Hopper): cuBLAS where it takes the step, the Triton kernels below.
 """
 
 from hylora.ops.fp8_linear.reference import (
@@ -15,12 +17,14 @@ from hylora.ops.fp8_linear.reference import (
     FP8_MAX,
     dequantize_weight,
     fp8_linear,
+    fp8_split_linear,
     fp8_weight_only_linear,
     quantize_activation,
+    quantize_activation_split,
     quantize_weight,
 )
 
 __all__ = [
-    "FP8_DTYPE", "FP8_MAX", "dequantize_weight", "fp8_linear", "fp8_weight_only_linear", "quantize_activation",
-    "quantize_weight",
+    "FP8_DTYPE", "FP8_MAX", "dequantize_weight", "fp8_linear", "fp8_split_linear", "fp8_weight_only_linear",
+    "quantize_activation", "quantize_activation_split", "quantize_weight",
 ]  # fmt: skip

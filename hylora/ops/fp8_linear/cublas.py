@@ -15,6 +15,11 @@ WEIGHT_ONLY_FROM tokens in a 16-bit dtype, the weight is dequantised into x's dt
 than bf16 at prefill sizes (docs/FP8.md); the dequantisation reads 1 and writes 2 bytes a weight, a
 few per cent of an 8k-token step's GEMM. The rounding of each dequantised weight to bf16 is the one a
 bf16 copy of the dequantised checkpoint has; below the threshold (decode) the weights stay exact.
+
+`fp8_split_linear` (`reference.fp8_split_linear`, activations as two e4m3 terms): below SPLIT_BELOW
+tokens the Triton GEMM with two FP8 dots per weight tile; from there the weight-only path above, whose
+16-bit x is exact (the split's ~2^-8 is where decode's weight stream pays for it; a prefill step is
+bound by the tensor cores, where two FP8 dots cost what one bf16 dot does).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from hylora.ops.fp8_linear.reference import BLOCK, Extra, QuantizedActivation, c
 CUBLAS_FROM = 128  # tokens
 PAD_TOKENS = 16
 WEIGHT_ONLY_FROM = 128  # tokens: dequantise then cuBLAS (H200 sweep: bench/fp8_gemm_gpu.py --sweep-weight-only)
+SPLIT_BELOW = 128  # tokens: split activations in Triton's FP8 GEMM; more: the weight-only path
 
 
 def usable(tokens: int, N: int, K: int, block: tuple[int, int]) -> bool:
@@ -105,6 +111,20 @@ def fp8_weight_only_linear(
     if out is None:
         return F.linear(x, w)
     return out.copy_(F.linear(x, w))
+
+
+def fp8_split_linear(
+    x: torch.Tensor,  # [..., K]
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)]
+    block: tuple[int, int] = BLOCK,
+    out: torch.Tensor | None = None,  # [..., N (+ E)] in x.dtype
+    extra: Extra | None = None,  # E more output columns from 16-bit rows
+) -> torch.Tensor:
+    *lead, K = x.shape
+    if math.prod(lead) < SPLIT_BELOW or x.dtype not in (torch.bfloat16, torch.float16):
+        return fp8_triton.fp8_split_linear(x, w_fp8, w_scale, block, out=out, extra=extra)
+    return fp8_weight_only_linear(x, w_fp8, w_scale, block, out=out, extra=extra)
 
 
 def _with_extra(

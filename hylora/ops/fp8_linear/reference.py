@@ -1,6 +1,7 @@
 """FP8 (e4m3) block-scaled linear in plain torch: the arithmetic the Triton kernels reproduce
 (`fp8_linear`: activations quantised as the checkpoints' `activation_scheme: dynamic` says;
-`fp8_weight_only_linear`: activations kept, the weights' exact values).
+`fp8_weight_only_linear`: activations kept, the weights' exact values; `fp8_split_linear`: activations
+as the sum of two e4m3 terms, about a 16-bit value's precision on the FP8 tensor cores).
 
 Weights (the Qwen / DeepSeek FP8 checkpoints): W [N, K] float8_e4m3fn with `scale_inv`
 [ceil(N / bn), ceil(K / bk)] fp32, W ≈ W_fp8 * scale_inv[n // bn, k // bk]; block (bn, bk) is (128, 128)
@@ -92,6 +93,21 @@ def dequantize_activation(x_fp8: torch.Tensor, x_scale: torch.Tensor, group: int
     return x_fp8.float() * x_scale.float().repeat_interleave(group, 1)[:, : x_fp8.shape[1]]
 
 
+def quantize_activation_split(
+    x: torch.Tensor, group: int = GROUP
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] → (hi, hi_scale, lo, lo_scale): x ≈ hi · hi_scale + lo · lo_scale, two e4m3 terms per
+    token and group. hi = `quantize_activation(x)`; lo quantises the residual r = x - hi · hi_scale,
+    rounded to fp32 once (the product and the difference are exact in fp64: the kernel's fma). hi keeps
+    4 significant bits of each element and |r| ≤ 2^-4 |x| (normals), so lo's rounding leaves at most
+    ~2^-8 |x|: a bf16 rounding's size, where quantize_activation alone leaves 2^-4 |x|."""
+    hi, hi_scale = quantize_activation(x, group)
+    K = x.shape[1]
+    exact = hi.double() * hi_scale.double().repeat_interleave(group, 1)[:, :K]
+    lo, lo_scale = quantize_activation((x.double() - exact).float(), group)
+    return hi, hi_scale, lo, lo_scale
+
+
 def fp8_linear(
     x: torch.Tensor | QuantizedActivation,  # [..., K] bf16 / fp16 / fp32, or [M, K] already quantised
     w_fp8: torch.Tensor,  # [N, K] e4m3
@@ -132,6 +148,28 @@ def fp8_weight_only_linear(
         raise ValueError(f"fp8_weight_only_linear: x has {K} features, the weight {w_fp8.shape[1]}")
     w = dequantize_weight(w_fp8, w_scale, block)
     y = (x.reshape(-1, K).float() @ w.T).to(x.dtype).reshape(*lead, N)
+    return with_extra(y, out, extra)
+
+
+def fp8_split_linear(
+    x: torch.Tensor,  # [..., K] bf16 / fp16 / fp32
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)] fp32
+    block: tuple[int, int] = BLOCK,
+    out: torch.Tensor | None = None,  # [..., N (+ E)] in x.dtype
+    extra: Extra | None = None,  # E more output columns from 16-bit rows (`Extra`)
+) -> torch.Tensor:
+    """y [..., N] in x.dtype = (hi · hi_scale + lo · lo_scale) · dequantize(W)ᵀ with x split into two
+    e4m3 terms (`quantize_activation_split`), one fp32 matmul, one rounding to x.dtype: the weights'
+    exact values, the activations to about a bf16 rounding (the GEMM runs two FP8 dots per weight tile,
+    which decode's weight stream leaves room for)."""
+    *lead, K = x.shape
+    N = w_fp8.shape[0]
+    if w_fp8.shape[1] != K:
+        raise ValueError(f"fp8_split_linear: x has {K} features, the weight {w_fp8.shape[1]}")
+    hi, hi_scale, lo, lo_scale = quantize_activation_split(x.reshape(-1, K), block[1])
+    a = dequantize_activation(hi, hi_scale, block[1]) + dequantize_activation(lo, lo_scale, block[1])
+    y = (a @ dequantize_weight(w_fp8, w_scale, block).T).to(x.dtype).reshape(*lead, N)
     return with_extra(y, out, extra)
 
 

@@ -27,6 +27,11 @@
   once. On an H200 (docs/BASELINE.md run 36) it decodes at bf16 F.linear's speed, ~1.6-1.8x the
   dynamic GEMM's time; converting e4m3 → bf16 by integer bit moves instead of the cvt instructions
   made no difference there (the conversion is not what bounds it). Prefill sizes: `cublas`.
+- `fp8_split_linear` (`reference.fp8_split_linear`): x split into two e4m3 terms per token and group
+  (`quantize_activation_split`, bit-equal to the reference: hi, then the residual's lo), and the
+  dynamic GEMM with a second FP8 dot per weight tile (`LO`), each with its own activation scales. The
+  weight tile is read and fed to the tensor cores as e4m3, as in `fp8_linear`: decode keeps its weight
+  stream, and the activations lose ~2^-8 of their value at most (less than a bf16 rounding in norm).
 - `dequantize_weight`: W in a 16-bit dtype, bit-equal to the reference (the weight-only prefill).
 - `extra=(x16, rows)` on both GEMMs: E more output columns x16 · rowsᵀ (16-bit rows: the GDN in_proj's
   unquantised b / a rows, every slot's LoRA A), computed by extra programs of the same launch, placed
@@ -179,6 +184,24 @@ def quantize_activation(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tens
     return q, s
 
 
+def quantize_activation_split(
+    x: torch.Tensor, group: int = GROUP
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] → (hi, hi_scale, lo, lo_scale), bit-equal to `reference.quantize_activation_split`."""
+    M, K = x.shape
+    _check_group(group)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    hi, lo = (torch.empty(M, K, dtype=FP8_DTYPE, device=x.device) for _ in range(2))
+    hs, ls = (torch.empty(M, triton.cdiv(K, group), dtype=torch.float32, device=x.device) for _ in range(2))
+    if M and K:
+        grid = (triton.cdiv(M, QUANT_BLOCK_M), triton.cdiv(K, group))
+        _quantize_split_kernel[grid](
+            x, hi, hs, lo, ls, M, K, x.stride(0), hi.stride(0), hs.stride(0), BLOCK_M=QUANT_BLOCK_M, GROUP=group
+        )
+    return hi, hs, lo, ls
+
+
 def fp8_linear(
     x: torch.Tensor | QuantizedActivation,  # [..., K] bf16 / fp16 / fp32, or [M, K] quantised already
     w_fp8: torch.Tensor,  # [N, K] e4m3
@@ -209,6 +232,20 @@ def fp8_weight_only_linear(
     return _linear(x, w_fp8, w_scale, block, out, config, weight_only=True, extra=extra)
 
 
+def fp8_split_linear(
+    x: torch.Tensor,  # [..., K] bf16 / fp16 / fp32
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)]
+    block: tuple[int, int] = BLOCK,
+    out: torch.Tensor | None = None,  # [..., N (+ E)] in x.dtype
+    config: GemmConfig | None = None,  # None: choose_config(tokens, N); fuse_quant is ignored
+    extra: Extra | None = None,  # E more output columns from 16-bit rows, in the same launch
+) -> torch.Tensor:
+    """y [..., N (+ E)] = `reference.fp8_split_linear(x, w_fp8, w_scale, block, extra=extra)` up to fp32
+    summation order (and the fp8 MMA's own accumulation on a GPU): x as two e4m3 terms, two FP8 dots."""
+    return _linear(x, w_fp8, w_scale, block, out, config, weight_only=False, extra=extra, split=True)
+
+
 def _linear(
     x: torch.Tensor,
     w_fp8: torch.Tensor,
@@ -219,6 +256,7 @@ def _linear(
     weight_only: bool,
     quantized: QuantizedActivation | None = None,  # x is its q: no quantisation launch
     extra: Extra | None = None,
+    split: bool = False,  # x as two e4m3 terms (quantize_activation_split), a second dot per tile
 ) -> torch.Tensor:
     *lead, K = x.shape
     dtype = x.dtype if quantized is None else quantized.dtype
@@ -246,29 +284,32 @@ def _linear(
         return with_extra(out[..., :0], out, extra)
     ex, ew = _extra_operands(extra, x2, M, K)
     cfg = config or choose_config(M, N, weight_only)
-    fuse_quant = cfg.fuse_quant and not weight_only and quantized is None
+    fuse_quant = cfg.fuse_quant and not weight_only and quantized is None and not split
     groups = triton.cdiv(K, bk)
-    split = split_k(cfg, M, N, groups, _num_sms(x.device))
+    ksplit = split_k(cfg, M, N, groups, _num_sms(x.device))
+    a2 = a2_scale = None  # the second term's e4m3 tile and scales (split)
     if quantized is not None:
         a, a_scale = x2, quantized.scale
+    elif split:
+        a, a_scale, a2, a2_scale = quantize_activation_split(x2, bk)
     elif fuse_quant or weight_only:
         a, a_scale = x2, x2  # the kernel reads x itself (and quantises it when fused); no scale tensor
     else:
         a, a_scale = quantize_activation(x2, bk)
-    target = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    target = y if ksplit == 1 else torch.empty(ksplit, M, N, dtype=torch.float32, device=x.device)
     tiles_m = triton.cdiv(M, cfg.block_m)
     tiles_n = triton.cdiv(N, cfg.block_n)
-    per_split, chunk, chunks = _extra_split(groups, split, M) if E else (0, 0, 1)
+    per_split, chunk, chunks = _extra_split(groups, ksplit, M) if E else (0, 0, 1)
     extra_tiles = tiles_m * triton.cdiv(E, cfg.block_n)
     extra_programs = extra_tiles * per_split
     # the extra columns: straight into y when one chunk holds all of K, else fp32 partials [chunks, M, E]
     e_target = y if chunks == 1 else torch.empty(chunks, M, E, dtype=torch.float32, device=x.device)
     e_col0, e_stride_s = (N, 0) if chunks == 1 else (0, M * E)
     # split tiles: the last of their programs to finish sums the partials (counters: main tiles, then extra)
-    folds = (split > 1 or chunks > 1) and M <= FOLD_UP_TO_TOKENS and (E > 0 or FOLD_WITHOUT_EXTRA)
+    folds = (ksplit > 1 or chunks > 1) and M <= FOLD_UP_TO_TOKENS and (E > 0 or FOLD_WITHOUT_EXTRA)
     counters = _fold_counters(x.device, tiles_m * tiles_n + extra_tiles) if folds else None
     fold = counters is not None
-    grid = (extra_programs + tiles_m * tiles_n, split)
+    grid = (extra_programs + tiles_m * tiles_n, ksplit)
     extra_args = (
         ex, ew, e_target, E, ex.stride(0), ew.stride(0), e_target.stride(-2), e_stride_s, e_col0,
         extra_programs, per_split, chunk, y, y.stride(0), counters if fold else y,
@@ -276,38 +317,43 @@ def _linear(
     precision = "ieee" if dtype == torch.float32 else "tf32"
     # weight-only: TMA for 16-bit x only (an fp32 x tile converted for an fp32 dot is a test aid, not a path to tune)
     tma_x = not weight_only or a.dtype in (torch.bfloat16, torch.float16)
+    lo = a2 is not None
+    if not lo:  # the kernels' second-term arguments, never read
+        a2, a2_scale = a, a_scale
     if cfg.tma and not fuse_quant and tma_x and _tma_usable(a, w_fp8):
+        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, bk])
         _gemm_tma_kernel[grid](
-            TensorDescriptor.from_tensor(a, [cfg.block_m, bk]), a_scale,
+            a_desc, a_scale, TensorDescriptor.from_tensor(a2, [cfg.block_m, bk]) if lo else a_desc, a2_scale,
             TensorDescriptor.from_tensor(w_fp8, [cfg.block_n, bk]), w_scale, target,
-            M, N, bn, triton.cdiv(groups, split), a_scale.stride(0), w_scale.stride(0), target.stride(-2),
-            M * N if split > 1 else 0, *extra_args,
+            M, N, bn, triton.cdiv(groups, ksplit), a_scale.stride(0), w_scale.stride(0), target.stride(-2),
+            M * N if ksplit > 1 else 0, *extra_args,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
-            ONE_B_SCALE=bn % cfg.block_n == 0, WEIGHT_ONLY=weight_only, HAS_EXTRA=E > 0, PRECISION=precision,
-            FOLD=fold, WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            ONE_B_SCALE=bn % cfg.block_n == 0, WEIGHT_ONLY=weight_only, LO=lo, HAS_EXTRA=E > 0,
+            PRECISION=precision, FOLD=fold, WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
         _gemm_kernel[grid](
-            a, a_scale, w_fp8, w_scale, target,
-            M, N, K, bn, triton.cdiv(groups, split),
+            a, a_scale, a2, a2_scale, w_fp8, w_scale, target,
+            M, N, K, bn, triton.cdiv(groups, ksplit),
             a.stride(0), a_scale.stride(0), w_fp8.stride(0), w_scale.stride(0), target.stride(-2),
-            M * N if split > 1 else 0, *extra_args,
+            M * N if ksplit > 1 else 0, *extra_args,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
             SWAP_AB=cfg.swap_ab, FUSE_QUANT=fuse_quant, WEIGHT_ONLY=weight_only, EVEN_K=K % bk == 0,
-            ONE_B_SCALE=bn % cfg.block_n == 0, HAS_EXTRA=E > 0, PRECISION=precision, FOLD=fold,
+            ONE_B_SCALE=bn % cfg.block_n == 0, LO=lo, HAS_EXTRA=E > 0, PRECISION=precision, FOLD=fold,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if not fold and E and chunks > 1:  # one launch sums both column ranges' partials
-        main_programs = triton.cdiv(M * N, SUM_BLOCK) if split > 1 else 0
+        main_programs = triton.cdiv(M * N, SUM_BLOCK) if ksplit > 1 else 0
         split_extra = max(EXTRA_SUM_MIN_SPLIT, triton.next_power_of_2(chunks))  # few compiled variants
         block_e = max(16, EXTRA_SUM_ELEMENTS // split_extra)
         _sum_with_extra_kernel[(main_programs + triton.cdiv(M * E, block_e),)](
-            target, e_target, y, M, N, E, y.stride(0), main_programs, split, chunks,
+            target, e_target, y, M, N, E, y.stride(0), main_programs, ksplit, chunks,
             SPLIT_EXTRA=split_extra, BLOCK=SUM_BLOCK, BLOCK_E=block_e,
         )  # fmt: skip
-    elif not fold and split > 1:
+    elif not fold and ksplit > 1:
         _sum_splits_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](
-            target, y, M * N, N, y.stride(0), SPLIT=split, BLOCK=SUM_BLOCK
+            target, y, M * N, N, y.stride(0), SPLIT=ksplit, BLOCK=SUM_BLOCK
         )
     return out
 
@@ -462,6 +508,33 @@ def _quantize_kernel(
 
 
 @triton.jit
+def _quantize_split_kernel(
+    x_ptr, hi_ptr, hs_ptr, lo_ptr, ls_ptr, M, K, stride_xm, stride_qm, stride_sm,
+    BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """`_quantize_kernel`, then the residual x - hi · scale (one rounding: an fma) quantised as lo."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = tl.program_id(1)
+    rk = g * GROUP + tl.arange(0, GROUP)
+    mask = (rm < M)[:, None] & (rk < K)[None, :]
+    rows = rm.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    hi, hi_scale = _quantize_rows(x)
+    if _INTERPRETED:  # the interpreter's fma rounds twice: fp64 holds the product and difference exactly
+        exact = hi.to(tl.float32).to(tl.float64) * hi_scale.to(tl.float64)[:, None]
+        residual = (x.to(tl.float64) - exact).to(tl.float32)
+    else:
+        residual = tl.fma(hi.to(tl.float32) * -1.0, hi_scale[:, None], x)
+    lo, lo_scale = _quantize_rows(residual)
+    q_offsets = rows * stride_qm + rk[None, :]
+    s_offsets = rm.to(tl.int64) * stride_sm + g
+    tl.store(hi_ptr + q_offsets, hi, mask=mask)
+    tl.store(lo_ptr + q_offsets, lo, mask=mask)
+    tl.store(hs_ptr + s_offsets, hi_scale, mask=rm < M)
+    tl.store(ls_ptr + s_offsets, lo_scale, mask=rm < M)
+
+
+@triton.jit
 def _dequantize_kernel(
     w_ptr, s_ptr, out_ptr, N, K, bn, stride_wn, stride_sn, stride_on, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
 ):
@@ -479,6 +552,8 @@ def _dequantize_kernel(
 def _gemm_kernel(
     a_ptr,  # [M, K] e4m3, or x itself when FUSE_QUANT or WEIGHT_ONLY
     as_ptr,  # [M, K / BLOCK_K] fp32 (unused when FUSE_QUANT or WEIGHT_ONLY)
+    a2_ptr,  # LO: x's second e4m3 term [M, K] (a's strides); else a_ptr again, not read
+    as2_ptr,  # LO: its scales [M, K / BLOCK_K] (as's strides)
     b_ptr,  # [N, K] e4m3
     bs_ptr,  # [N / bn, K / BLOCK_K]
     c_ptr,  # [M, N (+ E)] out, or [split, M, N] fp32 partials
@@ -488,7 +563,8 @@ def _gemm_kernel(
     extra_programs, extra_per_split, extra_chunk, y_ptr, stride_ym, cnt_ptr,  # FOLD: `_finish_tile`
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr, WEIGHT_ONLY: tl.constexpr, EVEN_K: tl.constexpr,
-    ONE_B_SCALE: tl.constexpr, HAS_EXTRA: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr,
+    ONE_B_SCALE: tl.constexpr, LO: tl.constexpr, HAS_EXTRA: tl.constexpr, PRECISION: tl.constexpr,
+    FOLD: tl.constexpr,
 ):  # fmt: skip
     split = tl.program_id(1)
     kb0 = split * groups_per_split
@@ -502,8 +578,10 @@ def _gemm_kernel(
         rn = (on % N).to(tl.int64)
         rk = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]  # group 0; group kb at + kb * BLOCK_K
+        a2_ptrs = a2_ptr + rm[:, None] * stride_am + rk[None, :]
         b_ptrs = b_ptr + rn[:, None] * stride_bn + rk[None, :]
         as_ptrs = as_ptr + rm * stride_asm
+        as2_ptrs = as2_ptr + rm * stride_asm
         if ONE_B_SCALE:  # the tile's rows share one scale row (rows past N are not stored)
             bs_ptrs = bs_ptr + (pid_n * BLOCK_N // bn).to(tl.int64) * stride_bsn
         else:
@@ -518,18 +596,22 @@ def _gemm_kernel(
         for kb in range(kb0, tl.minimum(kb1, K // BLOCK_K)):
             a = tl.load(a_ptrs + kb * BLOCK_K)
             b = tl.load(b_ptrs + kb * BLOCK_K)
+            a2 = tl.load(a2_ptrs + kb * BLOCK_K) if LO else a
             acc = _accumulate(
-                acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, FUSE_QUANT, WEIGHT_ONLY, ONE_B_SCALE, PRECISION
-            )
+                acc, a, b, as_ptrs + kb, bs_ptrs + kb, a2, as2_ptrs + kb, SWAP_AB, FUSE_QUANT, WEIGHT_ONLY,
+                ONE_B_SCALE, LO, PRECISION,
+            )  # fmt: skip
         if not EVEN_K:  # noqa: SIM102 (a constexpr test, then a runtime one)
             if kb1 * BLOCK_K > K:  # this split holds the partial group
                 kb = kb1 - 1
                 k_in = (rk < K - kb * BLOCK_K)[None, :]
                 a = tl.load(a_ptrs + kb * BLOCK_K, mask=k_in, other=0.0)
                 b = tl.load(b_ptrs + kb * BLOCK_K, mask=k_in, other=0.0)
+                a2 = tl.load(a2_ptrs + kb * BLOCK_K, mask=k_in, other=0.0) if LO else a
                 acc = _accumulate(
-                    acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, FUSE_QUANT, WEIGHT_ONLY, ONE_B_SCALE, PRECISION
-                )
+                    acc, a, b, as_ptrs + kb, bs_ptrs + kb, a2, as2_ptrs + kb, SWAP_AB, FUSE_QUANT, WEIGHT_ONLY,
+                    ONE_B_SCALE, LO, PRECISION,
+                )  # fmt: skip
         _finish_tile(
             acc, c_ptr, stride_cs, split, tl.num_programs(1), cnt_ptr + pid, y_ptr, stride_ym, om, on, M, N,
             stride_cm, SWAP_AB, FOLD,
@@ -548,6 +630,8 @@ def _gemm_kernel(
 def _gemm_tma_kernel(
     a_desc,  # [M, K] e4m3, tiles [BLOCK_M, BLOCK_K]; rows past M and inputs past K read as zeros
     as_ptr,  # [M, K / BLOCK_K] fp32
+    a2_desc,  # LO: x's second e4m3 term, as a_desc; else a_desc again, not read
+    as2_ptr,  # LO: its scales (as's strides)
     b_desc,  # [N, K] e4m3, tiles [BLOCK_N, BLOCK_K]
     bs_ptr,  # [N / bn, K / BLOCK_K]
     c_ptr,  # [M, N (+ E)] out, or [split, M, N] fp32 partials
@@ -555,8 +639,8 @@ def _gemm_tma_kernel(
     ex_ptr, ew_ptr, ec_ptr, E, stride_exm, stride_ewn, stride_ecm, stride_ecs, ec_col0,  # HAS_EXTRA: `_extra_tile`
     extra_programs, extra_per_split, extra_chunk, y_ptr, stride_ym, cnt_ptr,  # FOLD: `_finish_tile`
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SWAP_AB: tl.constexpr, ONE_B_SCALE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, HAS_EXTRA: tl.constexpr,
-    PRECISION: tl.constexpr, FOLD: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    SWAP_AB: tl.constexpr, ONE_B_SCALE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, LO: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     """`_gemm_kernel` with both tiles loaded by TMA (x's e4m3 tile, or with WEIGHT_ONLY x's 16-bit
     tile itself): no address arithmetic or vector loads in the loop, and the zero fill past K and N
@@ -571,6 +655,7 @@ def _gemm_tma_kernel(
         om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         as_ptrs = as_ptr + (om % M).to(tl.int64) * stride_asm  # rows past M: a real row's scale times zeros
+        as2_ptrs = as2_ptr + (om % M).to(tl.int64) * stride_asm
         if ONE_B_SCALE:
             bs_ptrs = bs_ptr + (pid_n * BLOCK_N // bn).to(tl.int64) * stride_bsn
         else:
@@ -582,7 +667,11 @@ def _gemm_tma_kernel(
         for kb in tl.range(kb0, kb1, warp_specialize=WARP_SPECIALIZE):
             a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
             b = b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K])
-            acc = _accumulate(acc, a, b, as_ptrs + kb, bs_ptrs + kb, SWAP_AB, False, WEIGHT_ONLY, ONE_B_SCALE, "tf32")
+            a2 = a2_desc.load([pid_m * BLOCK_M, kb * BLOCK_K]) if LO else a
+            acc = _accumulate(
+                acc, a, b, as_ptrs + kb, bs_ptrs + kb, a2, as2_ptrs + kb, SWAP_AB, False, WEIGHT_ONLY, ONE_B_SCALE,
+                LO, "tf32",
+            )  # fmt: skip
         _finish_tile(
             acc, c_ptr, stride_cs, split, tl.num_programs(1), cnt_ptr + pid, y_ptr, stride_ym, om, on, M, N,
             stride_cm, SWAP_AB, FOLD,
@@ -698,16 +787,19 @@ def _finish_tile(
 
 @triton.jit
 def _accumulate(
-    acc, a, b, as_ptrs, bs_ptrs, SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr, WEIGHT_ONLY: tl.constexpr,
-    ONE_B_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+    acc, a, b, as_ptrs, bs_ptrs, a2, as2_ptrs, SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr,
+    WEIGHT_ONLY: tl.constexpr, ONE_B_SCALE: tl.constexpr, LO: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """acc + dot over one group of BLOCK_K inputs, times its activation and weight scales (ONE_B_SCALE:
-    bs_ptrs is one pointer, the tile's weight rows share a scale: one FMA per element)."""
+    bs_ptrs is one pointer, the tile's weight rows share a scale: one FMA per element). LO: x's second
+    e4m3 term a2 (scales as2_ptrs) meets the same weight tile in a second dot."""
     b_scale = tl.load(bs_ptrs).to(tl.float32)
     if WEIGHT_ONLY:
         acc = _accumulate_unquantised(acc, a, b, b_scale, SWAP_AB, ONE_B_SCALE, PRECISION)
     else:
         acc = _accumulate_quantised(acc, a, b, as_ptrs, b_scale, SWAP_AB, FUSE_QUANT, ONE_B_SCALE)
+        if LO:
+            acc = _accumulate_quantised(acc, a2, b, as2_ptrs, b_scale, SWAP_AB, False, ONE_B_SCALE)
     return acc
 
 
