@@ -6,7 +6,8 @@
 # prefix caching, the delta-first LoRA from 4096 tokens in the pollution burst), delta-first (the
 # sweep's 4096-token prompts through the delta first: prefix caching off), shrink-expand (the same
 # with the delta first off), mtp (MTP speculative decoding, 2 tokens), fp8 (the demo's projections
-# quantised at load), fp8-weight-only (the same, activations unquantised). Each under what is left of the budget; writes $OUT/doctor-NAME.{log,json}
+# quantised at load), fp8-weight-only (the same, activations unquantised), fp8-split (activations as two
+# e4m3 terms). Each under what is left of the budget; writes $OUT/doctor-NAME.{log,json}
 # and prints each run's check lines. DOCTOR_ARGS go to every run (the demo's default dtype is fp32).
 OUT=${OUT:-/tmp/doctor_gpu_out}
 mkdir -p "$OUT"
@@ -24,9 +25,10 @@ declare -A flags=(
   [mtp]='--speculative-config {"method":"mtp","num_speculative_tokens":2}'
   [fp8]="--quantization fp8"
   [fp8-weight-only]="--quantization fp8 --fp8-activations none"
+  [fp8-split]="--quantization fp8 --fp8-activations split"
 )
 names=("$@")
-[ ${#names[@]} -eq 0 ] && names=(serve delta-first shrink-expand mtp fp8 fp8-weight-only)
+[ ${#names[@]} -eq 0 ] && names=(serve delta-first shrink-expand mtp fp8 fp8-weight-only fp8-split)
 for name in "${names[@]}"; do
   left=$(( budget - ($(date +%s) - t0) ))
   if [ "$left" -lt 45 ]; then

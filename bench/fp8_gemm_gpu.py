@@ -275,7 +275,7 @@ def sweep_weight_only() -> None:
         torch.cuda.empty_cache()
 
 
-SPLIT_TOKENS = (1, 8, 16, 32, 64, 127, 128, 256)
+SPLIT_TOKENS = (1, 8, 32, 64, 127, 256, 512, 1024)
 
 
 def split_table() -> bool:

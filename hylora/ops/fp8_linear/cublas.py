@@ -36,7 +36,7 @@ from hylora.ops.fp8_linear.reference import BLOCK, Extra, QuantizedActivation, c
 CUBLAS_FROM = 128  # tokens
 PAD_TOKENS = 16
 WEIGHT_ONLY_FROM = 128  # tokens: dequantise then cuBLAS (H200 sweep: bench/fp8_gemm_gpu.py --sweep-weight-only)
-SPLIT_BELOW = 128  # tokens: split activations in Triton's FP8 GEMM; more: the weight-only path
+SPLIT_BELOW = 512  # tokens: split activations in Triton's FP8 GEMM; more: the weight-only path (H100: run 52)
 
 
 def usable(tokens: int, N: int, K: int, block: tuple[int, int]) -> bool:

@@ -93,19 +93,21 @@ def dequantize_activation(x_fp8: torch.Tensor, x_scale: torch.Tensor, group: int
     return x_fp8.float() * x_scale.float().repeat_interleave(group, 1)[:, : x_fp8.shape[1]]
 
 
-def quantize_activation_split(
-    x: torch.Tensor, group: int = GROUP
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] → (hi, hi_scale, lo, lo_scale): x ≈ hi · hi_scale + lo · lo_scale, two e4m3 terms per
-    token and group. hi = `quantize_activation(x)`; lo quantises the residual r = x - hi · hi_scale,
-    rounded to fp32 once (the product and the difference are exact in fp64: the kernel's fma). hi keeps
-    4 significant bits of each element and |r| ≤ 2^-4 |x| (normals), so lo's rounding leaves at most
-    ~2^-8 |x|: a bf16 rounding's size, where quantize_activation alone leaves 2^-4 |x|."""
-    hi, hi_scale = quantize_activation(x, group)
-    K = x.shape[1]
-    exact = hi.double() * hi_scale.double().repeat_interleave(group, 1)[:, :K]
-    lo, lo_scale = quantize_activation((x.double() - exact).float(), group)
-    return hi, hi_scale, lo, lo_scale
+def quantize_activation_split(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] → (hi, lo, scale): x ≈ (hi + lo) · scale, two e4m3 terms per token and group sharing
+    `quantize_activation`'s scale (so that one MMA accumulator sums both dots). q = x / scale as
+    quantize_activation has it, hi = e4m3(q), lo = e4m3(q - hi) (that difference is exact in fp32, and
+    |q - hi| ≤ 16: half an ulp of e4m3's top binade). hi keeps 4 significant bits of q and lo 4 of what
+    is left, so (hi + lo) · scale is within ~2^-8 of the larger elements (a bf16 rounding's size, less in
+    norm; quantize_activation alone leaves 2^-4), and within 2^-10 scale of the smallest (lo's subnormals)."""
+    M, K = x.shape
+    G = _cdiv(K, group)
+    groups = F.pad(x.float(), (0, G * group - K)).view(M, G, group)
+    scale = _div_rn(groups.abs().amax(dim=-1).clamp_min(AMAX_FLOOR), FP8_MAX)  # [M, G]
+    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    hi = q.to(FP8_DTYPE)
+    lo = (q - hi.float()).to(FP8_DTYPE)
+    return hi.view(M, G * group)[:, :K].contiguous(), lo.view(M, G * group)[:, :K].contiguous(), scale
 
 
 def fp8_linear(
@@ -159,16 +161,16 @@ def fp8_split_linear(
     out: torch.Tensor | None = None,  # [..., N (+ E)] in x.dtype
     extra: Extra | None = None,  # E more output columns from 16-bit rows (`Extra`)
 ) -> torch.Tensor:
-    """y [..., N] in x.dtype = (hi · hi_scale + lo · lo_scale) · dequantize(W)ᵀ with x split into two
-    e4m3 terms (`quantize_activation_split`), one fp32 matmul, one rounding to x.dtype: the weights'
-    exact values, the activations to about a bf16 rounding (the GEMM runs two FP8 dots per weight tile,
-    which decode's weight stream leaves room for)."""
+    """y [..., N] in x.dtype = ((hi + lo) · scale) · dequantize(W)ᵀ with x split into two e4m3 terms
+    (`quantize_activation_split`), one fp32 matmul, one rounding to x.dtype: the weights' exact values,
+    the activations to about a bf16 rounding (the GEMM runs two FP8 dots per weight tile into one
+    accumulator, which decode's weight stream leaves room for)."""
     *lead, K = x.shape
     N = w_fp8.shape[0]
     if w_fp8.shape[1] != K:
         raise ValueError(f"fp8_split_linear: x has {K} features, the weight {w_fp8.shape[1]}")
-    hi, hi_scale, lo, lo_scale = quantize_activation_split(x.reshape(-1, K), block[1])
-    a = dequantize_activation(hi, hi_scale, block[1]) + dequantize_activation(lo, lo_scale, block[1])
+    hi, lo, scale = quantize_activation_split(x.reshape(-1, K), block[1])
+    a = (hi.float() + lo.float()) * scale.repeat_interleave(block[1], 1)[:, :K]  # hi + lo: exact in fp32
     y = (a @ dequantize_weight(w_fp8, w_scale, block).T).to(x.dtype).reshape(*lead, N)
     return with_extra(y, out, extra)
 

@@ -28,10 +28,11 @@
   dynamic GEMM's time; converting e4m3 → bf16 by integer bit moves instead of the cvt instructions
   made no difference there (the conversion is not what bounds it). Prefill sizes: `cublas`.
 - `fp8_split_linear` (`reference.fp8_split_linear`): x split into two e4m3 terms per token and group
-  (`quantize_activation_split`, bit-equal to the reference: hi, then the residual's lo), and the
-  dynamic GEMM with a second FP8 dot per weight tile (`LO`), each with its own activation scales. The
-  weight tile is read and fed to the tensor cores as e4m3, as in `fp8_linear`: decode keeps its weight
-  stream, and the activations lose ~2^-8 of their value at most (less than a bf16 rounding in norm).
+  that share one scale (`quantize_activation_split`, bit-equal to the reference: hi = e4m3(x / s), lo =
+  e4m3(x / s - hi)), and the dynamic GEMM with a second FP8 dot per weight tile (`LO`), the two summed
+  before the scales, which then cost what they cost `fp8_linear`. The weight tile is read and fed
+  to the tensor cores as e4m3, as in `fp8_linear`: decode keeps its weight stream, and the activations
+  lose ~2^-8 of their value at most (less than a bf16 rounding in norm).
 - `dequantize_weight`: W in a 16-bit dtype, bit-equal to the reference (the weight-only prefill).
 - `extra=(x16, rows)` on both GEMMs: E more output columns x16 · rowsᵀ (16-bit rows: the GDN in_proj's
   unquantised b / a rows, every slot's LoRA A), computed by extra programs of the same launch, placed
@@ -184,22 +185,20 @@ def quantize_activation(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tens
     return q, s
 
 
-def quantize_activation_split(
-    x: torch.Tensor, group: int = GROUP
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] → (hi, hi_scale, lo, lo_scale), bit-equal to `reference.quantize_activation_split`."""
+def quantize_activation_split(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] → (hi, lo, scale), bit-equal to `reference.quantize_activation_split`."""
     M, K = x.shape
     _check_group(group)
     if x.stride(1) != 1:
         x = x.contiguous()
     hi, lo = (torch.empty(M, K, dtype=FP8_DTYPE, device=x.device) for _ in range(2))
-    hs, ls = (torch.empty(M, triton.cdiv(K, group), dtype=torch.float32, device=x.device) for _ in range(2))
+    s = torch.empty(M, triton.cdiv(K, group), dtype=torch.float32, device=x.device)
     if M and K:
         grid = (triton.cdiv(M, QUANT_BLOCK_M), triton.cdiv(K, group))
         _quantize_split_kernel[grid](
-            x, hi, hs, lo, ls, M, K, x.stride(0), hi.stride(0), hs.stride(0), BLOCK_M=QUANT_BLOCK_M, GROUP=group
+            x, hi, lo, s, M, K, x.stride(0), hi.stride(0), s.stride(0), BLOCK_M=QUANT_BLOCK_M, GROUP=group
         )
-    return hi, hs, lo, ls
+    return hi, lo, s
 
 
 def fp8_linear(
@@ -287,11 +286,11 @@ def _linear(
     fuse_quant = cfg.fuse_quant and not weight_only and quantized is None and not split
     groups = triton.cdiv(K, bk)
     ksplit = split_k(cfg, M, N, groups, _num_sms(x.device))
-    a2 = a2_scale = None  # the second term's e4m3 tile and scales (split)
+    a2 = None  # the second e4m3 term of x (split; its scale is a_scale too)
     if quantized is not None:
         a, a_scale = x2, quantized.scale
     elif split:
-        a, a_scale, a2, a2_scale = quantize_activation_split(x2, bk)
+        a, a2, a_scale = quantize_activation_split(x2, bk)
     elif fuse_quant or weight_only:
         a, a_scale = x2, x2  # the kernel reads x itself (and quantises it when fused); no scale tensor
     else:
@@ -318,12 +317,12 @@ def _linear(
     # weight-only: TMA for 16-bit x only (an fp32 x tile converted for an fp32 dot is a test aid, not a path to tune)
     tma_x = not weight_only or a.dtype in (torch.bfloat16, torch.float16)
     lo = a2 is not None
-    if not lo:  # the kernels' second-term arguments, never read
-        a2, a2_scale = a, a_scale
+    if not lo:  # the kernels' second-term argument, never read
+        a2 = a
     if cfg.tma and not fuse_quant and tma_x and _tma_usable(a, w_fp8):
         a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, bk])
         _gemm_tma_kernel[grid](
-            a_desc, a_scale, TensorDescriptor.from_tensor(a2, [cfg.block_m, bk]) if lo else a_desc, a2_scale,
+            a_desc, a_scale, TensorDescriptor.from_tensor(a2, [cfg.block_m, bk]) if lo else a_desc,
             TensorDescriptor.from_tensor(w_fp8, [cfg.block_n, bk]), w_scale, target,
             M, N, bn, triton.cdiv(groups, ksplit), a_scale.stride(0), w_scale.stride(0), target.stride(-2),
             M * N if ksplit > 1 else 0, *extra_args,
@@ -334,7 +333,7 @@ def _linear(
         )  # fmt: skip
     else:
         _gemm_kernel[grid](
-            a, a_scale, a2, a2_scale, w_fp8, w_scale, target,
+            a, a_scale, a2, w_fp8, w_scale, target,
             M, N, K, bn, triton.cdiv(groups, ksplit),
             a.stride(0), a_scale.stride(0), w_fp8.stride(0), w_scale.stride(0), target.stride(-2),
             M * N if ksplit > 1 else 0, *extra_args,
@@ -440,8 +439,14 @@ def _check_group(group: int) -> None:
 
 @triton.jit
 def _e4m3(q):
-    """fp32 q, |q| ≤ 448 → e4m3, rounded to nearest even: q + c - c with c = 1.5·2^23 e4m3 ulps of q
-    rounds q to a multiple of that ulp in fp32 arithmetic; the cast then meets exact values only."""
+    """fp32 q, |q| ≤ 448 → e4m3, rounded to nearest even (`_e4m3_value`); the cast meets exact values only."""
+    return _e4m3_value(q).to(tl.float8e4nv)
+
+
+@triton.jit
+def _e4m3_value(q):
+    """fp32 q, |q| ≤ 448 → its e4m3 rounding (to nearest even) as an fp32 value: q + c - c with
+    c = 1.5·2^23 e4m3 ulps of q rounds q to a multiple of that ulp in fp32 arithmetic."""
     bits = q.to(tl.int32, bitcast=True)
     exponent = (bits >> 23) & 0xFF
     # e4m3 keeps 3 mantissa bits; below its smallest normal 2^-6 (biased 121) the ulp stays 2^-9
@@ -449,7 +454,7 @@ def _e4m3(q):
     magic = ulp * 12582912.0
     rounded = (tl.abs(q) + magic) - magic
     sign = (bits >> 31) << 31
-    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(tl.float8e4nv)
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 # Compiled, the e4m3 cast is cvt.rn.satfinite.e4m3x2.f32, itself round-to-nearest-even, and tl.fma one
@@ -478,18 +483,29 @@ def _div_rows(x, scale):
 @triton.jit
 def _quantize_rows(x):
     """x [R, GROUP] fp32, one group per row → (e4m3 [R, GROUP], scale [R] fp32), as the reference."""
+    q, scale = _scaled_rows(x)
+    return _to_e4m3(q), scale
+
+
+@triton.jit
+def _scaled_rows(x):
+    """x [R, GROUP] fp32 → (x / scale clamped to ±448, fp32; scale [R] = amax / 448), as the reference."""
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
     if _INTERPRETED:
         q = tl.math.div_rn(x, scale[:, None])
     else:
         q = _div_rows(x, scale)
-    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
+    return tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX), scale
+
+
+@triton.jit
+def _to_e4m3(q):
+    """fp32 |q| ≤ 448 → e4m3, rounded to nearest even."""
     if _INTERPRETED:
-        q8 = _e4m3(q)
+        return _e4m3(q)
     else:
-        q8 = q.to(tl.float8e4nv)
-    return q8, scale
+        return q.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -509,29 +525,25 @@ def _quantize_kernel(
 
 @triton.jit
 def _quantize_split_kernel(
-    x_ptr, hi_ptr, hs_ptr, lo_ptr, ls_ptr, M, K, stride_xm, stride_qm, stride_sm,
-    BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
+    x_ptr, hi_ptr, lo_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.constexpr, GROUP: tl.constexpr
 ):  # fmt: skip
-    """`_quantize_kernel`, then the residual x - hi · scale (one rounding: an fma) quantised as lo."""
+    """`_quantize_kernel`'s q = x / scale as hi = e4m3(q) and lo = e4m3(q - hi) (an exact difference).
+    hi's value is rounded in fp32 arithmetic (`_e4m3_value`), not read back from its e4m3 registers: on
+    an H100 the fp32 → e4m3 → fp32 round trip in registers gave wrong values (lo off by up to 448)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = tl.program_id(1)
     rk = g * GROUP + tl.arange(0, GROUP)
     mask = (rm < M)[:, None] & (rk < K)[None, :]
     rows = rm.to(tl.int64)[:, None]
     x = tl.load(x_ptr + rows * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    hi, hi_scale = _quantize_rows(x)
-    if _INTERPRETED:  # the interpreter's fma rounds twice: fp64 holds the product and difference exactly
-        exact = hi.to(tl.float32).to(tl.float64) * hi_scale.to(tl.float64)[:, None]
-        residual = (x.to(tl.float64) - exact).to(tl.float32)
-    else:
-        residual = tl.fma(hi.to(tl.float32) * -1.0, hi_scale[:, None], x)
-    lo, lo_scale = _quantize_rows(residual)
+    q, scale = _scaled_rows(x)
+    hi_value = _e4m3_value(q)
+    hi = hi_value.to(tl.float8e4nv)  # exact
+    lo = _to_e4m3(q - hi_value)
     q_offsets = rows * stride_qm + rk[None, :]
-    s_offsets = rm.to(tl.int64) * stride_sm + g
     tl.store(hi_ptr + q_offsets, hi, mask=mask)
     tl.store(lo_ptr + q_offsets, lo, mask=mask)
-    tl.store(hs_ptr + s_offsets, hi_scale, mask=rm < M)
-    tl.store(ls_ptr + s_offsets, lo_scale, mask=rm < M)
+    tl.store(s_ptr + rm.to(tl.int64) * stride_sm + g, scale, mask=rm < M)
 
 
 @triton.jit
@@ -552,8 +564,7 @@ def _dequantize_kernel(
 def _gemm_kernel(
     a_ptr,  # [M, K] e4m3, or x itself when FUSE_QUANT or WEIGHT_ONLY
     as_ptr,  # [M, K / BLOCK_K] fp32 (unused when FUSE_QUANT or WEIGHT_ONLY)
-    a2_ptr,  # LO: x's second e4m3 term [M, K] (a's strides); else a_ptr again, not read
-    as2_ptr,  # LO: its scales [M, K / BLOCK_K] (as's strides)
+    a2_ptr,  # LO: x's second e4m3 term [M, K] (a's strides and scales); else a_ptr again, not read
     b_ptr,  # [N, K] e4m3
     bs_ptr,  # [N / bn, K / BLOCK_K]
     c_ptr,  # [M, N (+ E)] out, or [split, M, N] fp32 partials
@@ -581,7 +592,6 @@ def _gemm_kernel(
         a2_ptrs = a2_ptr + rm[:, None] * stride_am + rk[None, :]
         b_ptrs = b_ptr + rn[:, None] * stride_bn + rk[None, :]
         as_ptrs = as_ptr + rm * stride_asm
-        as2_ptrs = as2_ptr + rm * stride_asm
         if ONE_B_SCALE:  # the tile's rows share one scale row (rows past N are not stored)
             bs_ptrs = bs_ptr + (pid_n * BLOCK_N // bn).to(tl.int64) * stride_bsn
         else:
@@ -598,8 +608,8 @@ def _gemm_kernel(
             b = tl.load(b_ptrs + kb * BLOCK_K)
             a2 = tl.load(a2_ptrs + kb * BLOCK_K) if LO else a
             acc = _accumulate(
-                acc, a, b, as_ptrs + kb, bs_ptrs + kb, a2, as2_ptrs + kb, SWAP_AB, FUSE_QUANT, WEIGHT_ONLY,
-                ONE_B_SCALE, LO, PRECISION,
+                acc, a, b, as_ptrs + kb, bs_ptrs + kb, a2, SWAP_AB, FUSE_QUANT, WEIGHT_ONLY, ONE_B_SCALE, LO,
+                PRECISION,
             )  # fmt: skip
         if not EVEN_K:  # noqa: SIM102 (a constexpr test, then a runtime one)
             if kb1 * BLOCK_K > K:  # this split holds the partial group
@@ -609,8 +619,8 @@ def _gemm_kernel(
                 b = tl.load(b_ptrs + kb * BLOCK_K, mask=k_in, other=0.0)
                 a2 = tl.load(a2_ptrs + kb * BLOCK_K, mask=k_in, other=0.0) if LO else a
                 acc = _accumulate(
-                    acc, a, b, as_ptrs + kb, bs_ptrs + kb, a2, as2_ptrs + kb, SWAP_AB, FUSE_QUANT, WEIGHT_ONLY,
-                    ONE_B_SCALE, LO, PRECISION,
+                    acc, a, b, as_ptrs + kb, bs_ptrs + kb, a2, SWAP_AB, FUSE_QUANT, WEIGHT_ONLY, ONE_B_SCALE, LO,
+                    PRECISION,
                 )  # fmt: skip
         _finish_tile(
             acc, c_ptr, stride_cs, split, tl.num_programs(1), cnt_ptr + pid, y_ptr, stride_ym, om, on, M, N,
@@ -630,8 +640,7 @@ def _gemm_kernel(
 def _gemm_tma_kernel(
     a_desc,  # [M, K] e4m3, tiles [BLOCK_M, BLOCK_K]; rows past M and inputs past K read as zeros
     as_ptr,  # [M, K / BLOCK_K] fp32
-    a2_desc,  # LO: x's second e4m3 term, as a_desc; else a_desc again, not read
-    as2_ptr,  # LO: its scales (as's strides)
+    a2_desc,  # LO: x's second e4m3 term (a's scales), as a_desc; else a_desc again, not read
     b_desc,  # [N, K] e4m3, tiles [BLOCK_N, BLOCK_K]
     bs_ptr,  # [N / bn, K / BLOCK_K]
     c_ptr,  # [M, N (+ E)] out, or [split, M, N] fp32 partials
@@ -655,7 +664,6 @@ def _gemm_tma_kernel(
         om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         as_ptrs = as_ptr + (om % M).to(tl.int64) * stride_asm  # rows past M: a real row's scale times zeros
-        as2_ptrs = as2_ptr + (om % M).to(tl.int64) * stride_asm
         if ONE_B_SCALE:
             bs_ptrs = bs_ptr + (pid_n * BLOCK_N // bn).to(tl.int64) * stride_bsn
         else:
@@ -669,9 +677,8 @@ def _gemm_tma_kernel(
             b = b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K])
             a2 = a2_desc.load([pid_m * BLOCK_M, kb * BLOCK_K]) if LO else a
             acc = _accumulate(
-                acc, a, b, as_ptrs + kb, bs_ptrs + kb, a2, as2_ptrs + kb, SWAP_AB, False, WEIGHT_ONLY, ONE_B_SCALE,
-                LO, "tf32",
-            )  # fmt: skip
+                acc, a, b, as_ptrs + kb, bs_ptrs + kb, a2, SWAP_AB, False, WEIGHT_ONLY, ONE_B_SCALE, LO, "tf32"
+            )
         _finish_tile(
             acc, c_ptr, stride_cs, split, tl.num_programs(1), cnt_ptr + pid, y_ptr, stride_ym, om, on, M, N,
             stride_cm, SWAP_AB, FOLD,
@@ -787,39 +794,43 @@ def _finish_tile(
 
 @triton.jit
 def _accumulate(
-    acc, a, b, as_ptrs, bs_ptrs, a2, as2_ptrs, SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr,
-    WEIGHT_ONLY: tl.constexpr, ONE_B_SCALE: tl.constexpr, LO: tl.constexpr, PRECISION: tl.constexpr,
+    acc, a, b, as_ptrs, bs_ptrs, a2, SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr, WEIGHT_ONLY: tl.constexpr,
+    ONE_B_SCALE: tl.constexpr, LO: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """acc + dot over one group of BLOCK_K inputs, times its activation and weight scales (ONE_B_SCALE:
     bs_ptrs is one pointer, the tile's weight rows share a scale: one FMA per element). LO: x's second
-    e4m3 term a2 (scales as2_ptrs) meets the same weight tile in a second dot."""
+    e4m3 term a2 (a's scales) meets the same weight tile in a second dot, summed with the first."""
     b_scale = tl.load(bs_ptrs).to(tl.float32)
     if WEIGHT_ONLY:
         acc = _accumulate_unquantised(acc, a, b, b_scale, SWAP_AB, ONE_B_SCALE, PRECISION)
     else:
-        acc = _accumulate_quantised(acc, a, b, as_ptrs, b_scale, SWAP_AB, FUSE_QUANT, ONE_B_SCALE)
-        if LO:
-            acc = _accumulate_quantised(acc, a2, b, as2_ptrs, b_scale, SWAP_AB, False, ONE_B_SCALE)
+        acc = _accumulate_quantised(acc, a, b, as_ptrs, b_scale, a2, SWAP_AB, FUSE_QUANT, ONE_B_SCALE, LO)
     return acc
 
 
 @triton.jit
 def _accumulate_quantised(
-    acc, a, b, as_ptrs, b_scale, SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr, ONE_B_SCALE: tl.constexpr
-):
-    """The group with x quantised: its e4m3 tile (quantised here when FUSE_QUANT) and scales."""
+    acc, a, b, as_ptrs, b_scale, a2, SWAP_AB: tl.constexpr, FUSE_QUANT: tl.constexpr, ONE_B_SCALE: tl.constexpr,
+    LO: tl.constexpr,
+):  # fmt: skip
+    """The group with x quantised: its e4m3 tile (quantised here when FUSE_QUANT) and scales; LO: plus
+    its second term a2 under the same scales."""
     if FUSE_QUANT:
         a, a_scale = _quantize_rows(a.to(tl.float32))
     else:
         a_scale = tl.load(as_ptrs)
     if SWAP_AB:
         part = tl.dot(b, tl.trans(a))  # [BLOCK_N, BLOCK_M]
+        if LO:  # the second term under the same scales: summed before them
+            part += tl.dot(b, tl.trans(a2))
         if ONE_B_SCALE:
             acc += part * (a_scale * b_scale)[None, :]
         else:
             acc += part * b_scale[:, None] * a_scale[None, :]
     else:
         part = tl.dot(a, tl.trans(b))  # [BLOCK_M, BLOCK_N]
+        if LO:
+            part += tl.dot(a2, tl.trans(b))
         if ONE_B_SCALE:
             acc += part * (a_scale * b_scale)[:, None]
         else:
