@@ -145,6 +145,8 @@ def launches_27b() -> None:
     for T in (1, 32, 64):  # decode steps (the stacked LoRA shrink) and a short chunk's (the GDN in_proj's tail)
         fp8.fp8_linear(e(T, 17408), w8, w8_scale, extra=(e(T, 17408), extra))  # quantisation, GEMM (+ sum past 1)
         fp8.fp8_weight_only_linear(e(T, 17408), w8, w8_scale, extra=(e(T, 17408), extra))  # GEMM (+ sum past 1)
+    for T in (1, 32, 256):  # split activations: decode, TMA tiles, a short prefill chunk (64-token tiles)
+        fp8.fp8_split_linear(e(T, 17408), w8, w8_scale)  # split quantisation, GEMM with two dots (+ sum)
     qkv = e(N, 48, 72)  # the tower's fused qkv: 16 heads of 72
     rotary.rotate_half(qkv[:, :32], e(N, 72, dtype=torch.float32), e(N, 72, dtype=torch.float32), out=qkv[:, :32])
     logits_scan.scan_logits(e(N, 248320, dtype=torch.float32))  # chunk scan, merge
@@ -163,6 +165,7 @@ def launches_test_configs() -> None:
         fp8.fp8_weight_only_linear(x, w, w_scale, config=config)
         fp8.fp8_linear(x, w, w_scale, config=config, extra=extra)
         fp8.fp8_weight_only_linear(x, w, w_scale, config=config, extra=extra)
+        fp8.fp8_split_linear(x, w, w_scale, config=config, extra=extra)
 
 
 if __name__ == "__main__":
