@@ -16,6 +16,7 @@ so that its elements quantise to 0 rather than 0 / 0 = NaN and its dequantised v
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -121,17 +122,13 @@ def fp8_linear(
     """y [..., N] in x.dtype: x quantised per token and group of bk, both sides dequantised, one fp32
     matmul, one rounding to x.dtype. With `extra` (x16, w16): y [..., N + E], its last E columns
     x16 · w16ᵀ (see `Extra`)."""
-    *lead, K = x.shape
-    N = w_fp8.shape[0]
-    if w_fp8.shape[1] != K:
-        raise ValueError(f"fp8_linear: x has {K} features, the weight {w_fp8.shape[1]}")
-    if isinstance(x, QuantizedActivation):
-        x_fp8, x_scale = x.q, x.scale
-    else:
-        x_fp8, x_scale = quantize_activation(x.reshape(-1, K), block[1])
-    a = dequantize_activation(x_fp8, x_scale, block[1])
-    y = (a @ dequantize_weight(w_fp8, w_scale, block).T).to(x.dtype).reshape(*lead, N)
-    return with_extra(y, out, extra)
+
+    def activation(x2: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, QuantizedActivation):
+            return dequantize_activation(x.q, x.scale, block[1])
+        return dequantize_activation(*quantize_activation(x2, block[1]), block[1])
+
+    return _dense("fp8_linear", x, activation, w_fp8, w_scale, block, out, extra)
 
 
 def fp8_weight_only_linear(
@@ -144,13 +141,7 @@ def fp8_weight_only_linear(
 ) -> torch.Tensor:
     """y [..., N] in x.dtype = x · dequantize(W)ᵀ: the weights' exact values and x unquantised, one fp32
     matmul, one rounding to x.dtype (FP8 weights in memory, the arithmetic of the dequantised model)."""
-    *lead, K = x.shape
-    N = w_fp8.shape[0]
-    if w_fp8.shape[1] != K:
-        raise ValueError(f"fp8_weight_only_linear: x has {K} features, the weight {w_fp8.shape[1]}")
-    w = dequantize_weight(w_fp8, w_scale, block)
-    y = (x.reshape(-1, K).float() @ w.T).to(x.dtype).reshape(*lead, N)
-    return with_extra(y, out, extra)
+    return _dense("fp8_weight_only_linear", x, lambda x2: x2.float(), w_fp8, w_scale, block, out, extra)
 
 
 def fp8_split_linear(
@@ -163,15 +154,33 @@ def fp8_split_linear(
 ) -> torch.Tensor:
     """y [..., N] in x.dtype = ((hi + lo) · scale) · dequantize(W)ᵀ with x split into two e4m3 terms
     (`quantize_activation_split`), one fp32 matmul, one rounding to x.dtype: the weights' exact values,
-    the activations to about a bf16 rounding (the GEMM runs two FP8 dots per weight tile into one
-    accumulator, which decode's weight stream leaves room for)."""
+    the activations to about a bf16 rounding (the GEMM runs two FP8 dots per weight tile, which decode's
+    weight stream leaves room for)."""
+
+    def activation(x2: torch.Tensor) -> torch.Tensor:
+        hi, lo, scale = quantize_activation_split(x2, block[1])
+        return (hi.float() + lo.float()) * scale.repeat_interleave(block[1], 1)[:, : x2.shape[1]]  # hi + lo: exact
+
+    return _dense("fp8_split_linear", x, activation, w_fp8, w_scale, block, out, extra)
+
+
+def _dense(
+    name: str,
+    x: torch.Tensor | QuantizedActivation,
+    activation: Callable[[torch.Tensor], torch.Tensor],  # x [M, K] → the fp32 values the GEMM multiplies
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int],
+    out: torch.Tensor | None,
+    extra: Extra | None,
+) -> torch.Tensor:
+    """activation(x) · dequantize(W)ᵀ [..., N]: one fp32 matmul, one rounding to x.dtype, with `extra`."""
     *lead, K = x.shape
     N = w_fp8.shape[0]
     if w_fp8.shape[1] != K:
-        raise ValueError(f"fp8_split_linear: x has {K} features, the weight {w_fp8.shape[1]}")
-    hi, lo, scale = quantize_activation_split(x.reshape(-1, K), block[1])
-    a = (hi.float() + lo.float()) * scale.repeat_interleave(block[1], 1)[:, :K]  # hi + lo: exact in fp32
-    y = (a @ dequantize_weight(w_fp8, w_scale, block).T).to(x.dtype).reshape(*lead, N)
+        raise ValueError(f"{name}: x has {K} features, the weight {w_fp8.shape[1]}")
+    x2 = x.q if isinstance(x, QuantizedActivation) else x.reshape(-1, K)
+    y = (activation(x2) @ dequantize_weight(w_fp8, w_scale, block).T).to(x.dtype).reshape(*lead, N)
     return with_extra(y, out, extra)
 
 
