@@ -12,7 +12,7 @@ import re
 import pytest
 
 from hylora.doctor import CheckResult, DoctorOptions, Status, Tolerance, run_doctor
-from hylora.doctor.compare import EXACT, Diff, diff_reference, diff_served
+from hylora.doctor.compare import EXACT, PRESETS, Diff, diff_reference, diff_served
 from hylora.doctor.decode import DECODE_TOKENS
 from hylora.doctor.deployment import Features, LoadStats
 from hylora.doctor.effect import check_adapter_effect
@@ -677,7 +677,7 @@ def test_weight_only_fp8_keeps_the_unquantised_tolerance():
     """An FP8 deployment that quantises its activations, or may (a server not told otherwise), has its
     tolerance's ceiling raised to FP8's; weight-only FP8 (in-process with --fp8-activations none, or a
     server told by --endpoint-quantization fp8-weight-only) keeps the unquantised one, and so does its
-    fp8 check when given that tolerance."""
+    fp8 check when given that tolerance; split activations keep bf16's at least."""
     from types import SimpleNamespace
 
     from hylora.doctor.doctor import _policy
@@ -699,7 +699,16 @@ def test_weight_only_fp8_keeps_the_unquantised_tolerance():
     fp8_sized = [Diff(n, positions=n, mean_abs=0.15, max_abs=3.0) for n in (65, 129)]  # within FP8's bounds
     assert check_fp8(dynamic, Dequantised(), fp8_sized).status is Status.PASS
     judged = check_fp8(weight_only, Dequantised(), fp8_sized, unquantised)
-    assert judged.status is Status.FAIL and "weight-only" in judged.summary
+    assert judged.status is Status.FAIL and "unquantised or split activations" in judged.summary
+    # split activations (a bf16 rounding's precision): an fp32 deployment's ceiling rises to bf16's, a
+    # bf16 one's stays
+    from hylora.doctor.noise import TolerancePolicy
+
+    split = Features(quantization="fp8", quantized_activations=False, split_activations=True)
+    fp32 = SimpleNamespace(tolerance=TolerancePolicy.measured("float32", "float32"))
+    assert _policy(fp32, reference, weight_only).ceiling == PRESETS["float32"]
+    assert _policy(fp32, reference, split).ceiling == PRESETS["bfloat16"]
+    assert _policy(options, reference, split).ceiling == unquantised == PRESETS["bfloat16"]
 
 
 # --- report, plot and progress ------------------------------------------------------------------
