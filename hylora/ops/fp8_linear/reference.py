@@ -81,12 +81,22 @@ def dequantize_weight(
 
 def quantize_activation(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] → (x_fp8 [M, K] e4m3, x_scale [M, ceil(K/group)] fp32), scale = group amax / 448."""
+    q, scale = _scaled_groups(x, group)
+    return _ungroup(q.to(FP8_DTYPE), x.shape[1]), scale
+
+
+def _scaled_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → (x / scale clamped to ±448 [M, G, group] fp32, zero-padded past K; scale [M, G])."""
     M, K = x.shape
     G = _cdiv(K, group)
     groups = F.pad(x.float(), (0, G * group - K)).view(M, G, group)
     scale = _div_rn(groups.abs().amax(dim=-1).clamp_min(AMAX_FLOOR), FP8_MAX)  # [M, G]
-    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(M, G * group)[:, :K].contiguous(), scale
+    return (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX), scale
+
+
+def _ungroup(q: torch.Tensor, K: int) -> torch.Tensor:
+    """[M, G, group] → [M, K], contiguous."""
+    return q.flatten(1)[:, :K].contiguous()
 
 
 def dequantize_activation(x_fp8: torch.Tensor, x_scale: torch.Tensor, group: int = GROUP) -> torch.Tensor:
@@ -96,19 +106,15 @@ def dequantize_activation(x_fp8: torch.Tensor, x_scale: torch.Tensor, group: int
 
 def quantize_activation_split(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] → (hi, lo, scale): x ≈ (hi + lo) · scale, two e4m3 terms per token and group sharing
-    `quantize_activation`'s scale (so that one MMA accumulator sums both dots). q = x / scale as
+    `quantize_activation`'s scale (so the GEMM sums both dots before applying it once). q = x / scale as
     quantize_activation has it, hi = e4m3(q), lo = e4m3(q - hi) (that difference is exact in fp32, and
     |q - hi| ≤ 16: half an ulp of e4m3's top binade). hi keeps 4 significant bits of q and lo 4 of what
     is left, so (hi + lo) · scale is within ~2^-8 of the larger elements (a bf16 rounding's size, less in
     norm; quantize_activation alone leaves 2^-4), and within 2^-10 scale of the smallest (lo's subnormals)."""
-    M, K = x.shape
-    G = _cdiv(K, group)
-    groups = F.pad(x.float(), (0, G * group - K)).view(M, G, group)
-    scale = _div_rn(groups.abs().amax(dim=-1).clamp_min(AMAX_FLOOR), FP8_MAX)  # [M, G]
-    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    q, scale = _scaled_groups(x, group)
     hi = q.to(FP8_DTYPE)
     lo = (q - hi.float()).to(FP8_DTYPE)
-    return hi.view(M, G * group)[:, :K].contiguous(), lo.view(M, G * group)[:, :K].contiguous(), scale
+    return _ungroup(hi, x.shape[1]), _ungroup(lo, x.shape[1]), scale
 
 
 def fp8_linear(
