@@ -16,7 +16,11 @@ every change and one with none, score the same prompts (base and an adapter, one
 steps of 2048 tokens and a last one that is not a multiple of 16): their prompt logprobs and greedy
 tokens, compared.
 
+--split: the same producers splitting for `--fp8-activations split` (both e4m3 terms in the producer's
+launch) against the plain op then `quantize_activation_split`, at decode sizes; checks first.
+
     python bench/fp8_fusion_gpu.py [--tokens 32,2048,8192] [--engine --layers 4]
+    python bench/fp8_fusion_gpu.py --split [--tokens 1,8,32,256]
 """
 
 from __future__ import annotations
@@ -44,10 +48,13 @@ def main() -> None:
     ap.add_argument("--tokens", default="32,2048,8192")
     ap.add_argument("--engine", action="store_true")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--split", action="store_true", help="the producers splitting for split activations")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     dev, dtype = "cuda", torch.bfloat16
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    if args.split:
+        return split_producers(tokens if args.tokens != ap.get_default("tokens") else [1, 8, 32, 256], dev, dtype)
     err = checks.silu_mul_error(INTERMEDIATE, dtype, dev, quantized=True)
     print(f"check silu_mul_quantized: max rel. error {err:.2e}", flush=True)
     err = checks.rms_norm_quantized_error(HIDDEN, 1e-6, dtype, dev)
@@ -85,6 +92,37 @@ def main() -> None:
     print(f"\ncuBLAS took out= : {not cublas._WRITES_INTO}")
     if args.engine:
         compare_engines(args.layers)
+
+
+def split_producers(tokens: list[int], dev: str, dtype: torch.dtype) -> None:
+    """The norms and the activation writing both e4m3 terms in their launch, against the plain op then
+    quantize_activation_split (µs, median of one call in a CUDA graph)."""
+    hv, dv = 48, 128  # the 27B's GDN value heads
+    for name, err in (
+        ("silu_mul_quantized", checks.silu_mul_error(INTERMEDIATE, dtype, dev, quantized=True, split=True)),
+        ("rms_norm_quantized", checks.rms_norm_quantized_error(HIDDEN, 1e-6, dtype, dev, heads=(hv, dv), split=True)),
+    ):
+        print(f"check {name} (split): max rel. error {err:.2e}", flush=True)
+    split = fp8_triton.quantize_activation_split
+    print(
+        "\n| tokens | silu_mul + split µs | silu_mul_quantized(split) µs | rms_norm + split µs "
+        "| rms_norm_quantized(split, kept) µs | gated norm + split µs | gated_rms_norm_quantized(split) µs |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    nw, gw = torch.randn(HIDDEN, device=dev, dtype=dtype) * 0.1, torch.randn(dv, device=dev, dtype=dtype) + 1
+    for T in tokens:
+        gate_up = torch.randn(T, 2 * INTERMEDIATE, device=dev, dtype=dtype)
+        x, res = torch.randn(T, HIDDEN, device=dev, dtype=dtype), torch.randn(T, HIDDEN, device=dev, dtype=dtype)
+        o, z = (torch.randn(T, hv, dv, device=dev, dtype=dtype) for _ in range(2))
+        times = (
+            bench(lambda g=gate_up: split(silu.silu_mul(g))),
+            bench(lambda g=gate_up: silu.silu_mul_quantized(g, split=True)),
+            bench(lambda x=x, r=res: split(norm.rms_norm(x, nw, 1e-6, r)[0])),
+            bench(lambda x=x, r=res: norm.rms_norm_quantized(x, nw, 1e-6, r, keep=True, split=True)),
+            bench(lambda o=o, z=z, T=T: split(norm.gated_rms_norm(o, z, gw, 1e-6).reshape(T, hv * dv))),
+            bench(lambda o=o, z=z: norm.gated_rms_norm_quantized(o, z, gw, 1e-6, split=True)),
+        )
+        print("| {} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} |".format(T, *(1e3 * t for t in times)))
 
 
 def compare_engines(layers: int, prompt_len: int = 3000) -> None:

@@ -22,6 +22,7 @@ quantised in memory exactly as an FP8 checkpoint loads), 8 random rank-16 adapte
     python bench/fp8_gpu.py speed --weights fp8 --fp8-activations none --out w8.json   # weight-only
     python bench/fp8_gpu.py speed --weights fp8 --fp8-activations split --out split.json
     python bench/fp8_gpu.py speed --weights fp8 --fold off --out nofold.json   # split-K sums in a launch of their own
+    python bench/fp8_gpu.py speed --weights fp8 --fused-quant off ...   # the GEMMs quantise (split) their own inputs
     python bench/fp8_gpu.py compare bf16.json fp8.json [w8.json]
 """
 
@@ -214,7 +215,7 @@ def speed(args) -> dict:
             max_loras=8,
             max_lora_rank=16,
             enable_prefix_caching=False,  # the workload runs the same prompts at each step size
-            kernels=KernelsConfig(fp8_activations=args.fp8_activations),
+            kernels=KernelsConfig(fp8_activations=args.fp8_activations, fp8_fused_quant=args.fused_quant == "on"),
         ),  # fmt: skip
         adapters,
         progress=False,
@@ -223,7 +224,7 @@ def speed(args) -> dict:
     result = {
         "card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "layers": args.layers,
         "weights": args.weights, "served_as": engine.quantization or "bf16", "weight_gb": floor_bytes / 1e9,
-        "fp8_activations": args.fp8_activations, "fold": args.fold,
+        "fp8_activations": args.fp8_activations, "fold": args.fold, "fused_quant": args.fused_quant,
         "engine_setup_s": time.perf_counter() - t0, "kernels": as_text(engine.kernels),
     }  # fmt: skip
     print(json.dumps({k: v for k, v in result.items() if k != "kernels"}), flush=True)
@@ -279,6 +280,10 @@ def main() -> None:
     ap.add_argument("--step-tokens", type=lambda s: [int(t) for t in s.split(",")], default=[2048, 8192],
                     help="speed: the workload's batched-token settings")  # fmt: skip
     ap.add_argument("--fold", choices=["on", "off"], default="on", help="speed: split-K sums in the FP8 GEMM's launch")
+    ap.add_argument(
+        "--fused-quant", choices=["on", "off"], default="on",
+        help="speed: the norms and the activation quantise (split) the FP8 GEMMs' inputs in their launch",
+    )  # fmt: skip
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.part == "compare":

@@ -138,6 +138,13 @@ def launches_27b() -> None:
     rmsnorm.rms_norm_quantized(e(N, 5120), e(5120), 1e-6, e(N, 5120), keep=True)  # norm + FP8 quantisation
     z = e(N, 2 * hv * dv)[:, hv * dv :].reshape(N, hv, dv)  # the in_proj's z columns
     rmsnorm.gated_rms_norm_quantized(e(N, hv, dv), z, e(dv), 1e-6)  # the GDN output norm for its FP8 out_proj
+    # the same producers for split activations (both e4m3 terms), and the MLP activation's for the down_proj
+    rmsnorm.rms_norm_quantized(e(N, 5120), e(5120), 1e-6, e(N, 5120), keep=True, split=True)
+    rmsnorm.gated_rms_norm_quantized(e(N, hv, dv), z, e(dv), 1e-6, split=True)
+    for split in (False, True):
+        silu.silu_mul_quantized(e(N, 2 * 17408), keep=True, split=split)
+    meta = lora.LoRAKernelMeta.build(torch.zeros(32, dtype=torch.long), 8)
+    silu.silu_mul_lora(e(32, 2 * 17408), e(1, 32, 2, 8, r), b_mlp, meta, group=128, keep=True, split=True)
     for T in (1, 32, 2048):  # the decode, 32-token (TMA tiles) and prefill configurations
         fp8.fp8_linear(e(T, 17408), w8, w8_scale)  # quantisation, GEMM (+ the split-K sum below 2048)
         fp8.fp8_weight_only_linear(e(T, 17408), w8, w8_scale)  # GEMM (+ sum)

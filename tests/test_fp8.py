@@ -18,7 +18,7 @@ from hylora.kernels import KernelsConfig, select_kernels
 from hylora.model.fp8 import quantize_checkpoint
 from hylora.model.layers import MLP, GatedRMSNorm, Linear, RMSNorm
 from hylora.model.loader import CheckpointError, load_model
-from hylora.ops.fp8_linear.reference import dequantize_activation, quantize_activation
+from hylora.ops.fp8_linear.reference import QuantizedActivation, dequantize_activation, quantize_activation
 from tests.conftest import write_causal
 from tests.engine_helpers import run
 from tests.helpers import hf_logits, hylora_logits, random_ids
@@ -309,7 +309,7 @@ def test_the_norms_and_the_mlp_activation_quantise_the_fp8_inputs_and_change_not
     fp8_fused_norm_quant, on by default since BASELINE run 35). Base and adapter
     requests in one batch (the adapter's LoRA, and the in_proj's unquantised b / a rows, read the
     kept values): the same logprobs, bit for bit, as the projections quantising their own inputs;
-    not with weight-only or split FP8 (their GEMMs take x as it is)."""
+    not with weight-only FP8 (its GEMM takes x as it is)."""
     if ckpt == "unaligned":
         dst, adapter = request.getfixturevalue("fp8_ckpts")["unaligned"][1], request.getfixturevalue("fp8_adapter")
     else:
@@ -344,10 +344,9 @@ def test_the_norms_and_the_mlp_activation_quantise_the_fp8_inputs_and_change_not
     assert results[0] == results[1]
     assert True in act_calls and False not in act_calls  # one mixed batch: LoRA kept the values at every step
     assert {id(n) for n in norm_calls} == {id(n) for n in norms}
-    for activations in ("none", "split"):  # the GEMM takes x as it is (split: its own split launch)
-        unquantised = KernelsConfig(fp8_activations=activations, fp8_fused_norm_quant=True)
-        kernels = LLMEngine(dst, EngineConfig(**common, kernels=unquantised), progress=False).kernels
-        assert "silu_mul_quantized" not in kernels and "rms_norm_quantized" not in kernels
+    unquantised = KernelsConfig(fp8_activations="none", fp8_fused_norm_quant=True)  # the GEMM takes x as it is
+    kernels = LLMEngine(dst, EngineConfig(**common, kernels=unquantised), progress=False).kernels
+    assert "silu_mul_quantized" not in kernels and "rms_norm_quantized" not in kernels
     # by default both quantise for their GEMMs (run 35: the fused norms the faster); asked not to, the
     # norms leave it to the GEMM
     kernels = LLMEngine(dst, EngineConfig(**common), progress=False).kernels
@@ -355,6 +354,44 @@ def test_the_norms_and_the_mlp_activation_quantise_the_fp8_inputs_and_change_not
     no_norms = EngineConfig(**common, kernels=KernelsConfig(fp8_fused_norm_quant=False))
     kernels = LLMEngine(dst, no_norms, progress=False).kernels
     assert "silu_mul_quantized" in kernels and "rms_norm_quantized" not in kernels
+
+
+@pytest.mark.parametrize("ckpt", ["unaligned", "heads128"])
+def test_split_activations_are_split_by_their_producers_and_change_nothing(ckpt, request):
+    """--fp8-activations split: the norms and the MLP activation write each FP8 projection's input as
+    its two e4m3 terms in their own launch (as they quantise it for dynamic activations), and every
+    split GEMM they feed reads both. Base and adapter requests in one batch: the same logprobs, bit for
+    bit, as the GEMMs splitting their inputs themselves (fp8_fused_quant off)."""
+    if ckpt == "unaligned":
+        dst, adapter = request.getfixturevalue("fp8_ckpts")["unaligned"][1], request.getfixturevalue("fp8_adapter")
+    else:
+        dst, adapter = request.getfixturevalue("heads128")
+    common = dict(device="cpu", dtype="float32", max_lora_rank=8, max_num_seqs=4, quantization="fp8")
+    engines = {
+        fused: LLMEngine(
+            dst,
+            EngineConfig(**common, kernels=KernelsConfig(fp8_activations="split", fp8_fused_quant=fused)),
+            lora_modules={"all": adapter},
+            progress=False,
+        )
+        for fused in (True, False)
+    }
+    assert {"silu_mul_quantized", "rms_norm_quantized"} <= set(engines[True].kernels)
+    inputs = []  # (fused engine) what reached each FP8 GEMM: a split input, or x itself
+    for linear in (m for m in engines[True].model.modules() if isinstance(m, Linear) and m.is_fp8):
+        gemm = linear.fp8_kernel
+        linear.fp8_kernel = lambda x, *a, gemm=gemm, **k: inputs.append(x) or gemm(x, *a, **k)
+    params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=0, logprobs=0)
+    prompts = {"base": (random_ids(70, 320, 6), None), "lora": (random_ids(70, 320, 7), "all")}
+    results = []
+    for engine in engines.values():
+        out = run(engine, {0: [(name, ids, params, adapter) for name, (ids, adapter) in prompts.items()]})
+        results.append({k: ([p.logprob for p in o.prompt_logprobs if p], o.token_ids) for k, o in out.items()})
+    assert results[0] == results[1]
+    split = [x for x in inputs if isinstance(x, QuantizedActivation)]
+    assert split and all(x.lo is not None for x in split)
+    # every GEMM behind a norm or the activation took its input split (the attention's o_proj splits its own)
+    assert len(split) > len(inputs) // 2
 
 
 def _copy_with(src: Path, dst: Path, edit) -> Path:

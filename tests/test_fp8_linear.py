@@ -172,12 +172,14 @@ def test_quantize_activation_equals_reference(shape, dtype):
         assert torch.equal(bits(q.cpu()), bits(q_ref)) and torch.equal(bits(s.cpu()), bits(s_ref))
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["dynamic", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(1, 128), (16, 300), (17, 256), (33, 64)], ids=str)
-def test_silu_mul_quantized_is_the_unfused_ops_bit_for_bit(shape, dtype):
+def test_silu_mul_quantized_is_the_unfused_ops_bit_for_bit(shape, dtype, split):
     """The activation and the FP8 quantisation of the down projection's input in one launch: the
-    same bits as silu_mul then quantize_activation (tokens straddling the 16-row programs, inputs
-    straddling the 128-input groups), and the kept values those of silu_mul."""
+    same bits as silu_mul then quantize_activation (`split`: quantize_activation_split's two terms;
+    tokens straddling the 16-row programs, inputs straddling the 128-input groups), and the kept
+    values those of silu_mul."""
     from hylora.ops.silu_mul import reference as silu_reference
     from hylora.ops.silu_mul import triton as silu_triton
 
@@ -186,51 +188,68 @@ def test_silu_mul_quantized_is_the_unfused_ops_bit_for_bit(shape, dtype):
     gate_up = (torch.randn(T_, 2 * inner, generator=g) * 4).to(dtype).to(DEVICE)
     gate_up[0, :inner] = 0  # a row whose groups are all zero: scale AMAX_FLOOR / 448, values 0
     h = silu_triton.silu_mul(gate_up)
-    q, scale = T.quantize_activation(h)
     for keep in (False, True):
-        got = silu_triton.silu_mul_quantized(gate_up, keep=keep)
-        assert torch.equal(bits(got.q.cpu()), bits(q.cpu())) and torch.equal(bits(got.scale.cpu()), bits(scale.cpu()))
+        got = silu_triton.silu_mul_quantized(gate_up, keep=keep, split=split)
+        assert_terms_equal(got, quantized_terms(T, h, split))
         assert got.dtype == dtype and (torch.equal(got.x, h) if keep else got.x is None)
-    ref = silu_reference.silu_mul_quantized(gate_up.cpu(), keep=True)
-    q_ref, s_ref = R.quantize_activation(silu_reference.silu_mul(gate_up.cpu()))
-    assert torch.equal(bits(ref.q), bits(q_ref)) and torch.equal(bits(ref.scale), bits(s_ref))
+    ref = silu_reference.silu_mul_quantized(gate_up.cpu(), keep=True, split=split)
+    assert_terms_equal(ref, quantized_terms(R, silu_reference.silu_mul(gate_up.cpu()), split))
 
 
-def assert_quantizes_the_unfused_norm(got: R.QuantizedActivation, out: torch.Tensor, keep: bool) -> None:
+def quantized_terms(module, values: torch.Tensor, split: bool) -> tuple[torch.Tensor, ...]:
+    """`module`'s (the reference's or the Triton) quantisation of values: (q, scale) or (hi, lo, scale)."""
+    return module.quantize_activation_split(values) if split else module.quantize_activation(values)
+
+
+def assert_terms_equal(got: R.QuantizedActivation, want: tuple[torch.Tensor, ...]) -> None:
+    """A producer's quantised input has exactly `want`'s bits: q (hi), lo where split (none where not), scale."""
+    terms = (got.q, got.lo, got.scale) if len(want) == 3 else (got.q, got.scale)
+    assert len(want) == 3 or got.lo is None
+    for a, b in zip(terms, want, strict=True):
+        assert torch.equal(bits(a.cpu()), bits(b.cpu()))
+
+
+def assert_quantizes_the_unfused_norm(
+    got: R.QuantizedActivation, out: torch.Tensor, keep: bool, split: bool = False
+) -> None:
     """A fused norm's quantisation `got` against the unfused norm `out`: the same bits as
-    quantize_activation(out), and a kept norm the same bits as out. Except fp32 on a GPU: there the
-    compiled sum of squares is ordered by each kernel's register layout, which the quantisation's
-    e4m3 store changed (H200, run 34: the shapes of more than one row per program differed in fp32,
-    never in bf16; since then a contiguity hint keeps the plain norm's layout, the same on sm_90
-    compiled on the CPU, not yet re-run on a GPU), so the norm may differ in its last bits: a kept
-    norm stays within 4 ulp of out and its q and scales are exactly its own quantisation; an unkept
-    one's scales stay within 4 ulp and its values within one e4m3 step of out's quantisation."""
+    quantize_activation(out) (`split`: quantize_activation_split's), and a kept norm the same bits as
+    out. Except fp32 on a GPU: there the compiled sum of squares is ordered by each kernel's register
+    layout, which the quantisation's e4m3 store changed (H200, run 34: the shapes of more than one row
+    per program differed in fp32, never in bf16; since then a contiguity hint keeps the plain norm's
+    layout, the same on sm_90 compiled on the CPU), so the norm may differ in its last bits: a kept
+    norm stays within 4 ulp of out and its terms and scales are exactly its own quantisation; an unkept
+    one's scales stay within 4 ulp and its values within one e4m3 step of out's quantisation (split:
+    within twice the split's own bound of out)."""
     assert got.dtype == out.dtype and (got.x is not None) == keep
     if INTERPRETED or out.dtype != torch.float32:
-        q, scale = T.quantize_activation(out)
-        assert torch.equal(bits(got.q.cpu()), bits(q.cpu())) and torch.equal(bits(got.scale.cpu()), bits(scale.cpu()))
+        assert_terms_equal(got, quantized_terms(T, out, split))
         assert not keep or torch.equal(bits(got.x), bits(out))
         return
     ulps = dict(rtol=4 * torch.finfo(torch.float32).eps, atol=0)
     if keep:
         torch.testing.assert_close(got.x, out, **ulps)
-    q, scale = T.quantize_activation(got.x if keep else out)
-    torch.testing.assert_close(got.scale, scale, **ulps)
-    if keep:
-        assert torch.equal(bits(got.q.cpu()), bits(q.cpu()))
+        assert_terms_equal(got, quantized_terms(T, got.x, split))
+        return
+    want = quantized_terms(T, out, split)
+    torch.testing.assert_close(got.scale, want[-1], **ulps)
+    if split:
+        s = got.scale.repeat_interleave(128, 1)[:, : out.shape[1]]
+        assert ((got.dequantized() - out).abs() <= 2.0**-7 * out.abs() + 2.0**-9 * s).all()
     else:
-        want = q.float()
+        want = want[0].float()
         step = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(2**-6))) - 3)  # e4m3: 3 mantissa bits
         assert ((got.q.float() - want).abs() <= step).all()
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["dynamic", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(1, 128), (17, 300), (3, 1000), (70, 64)], ids=str)
-def test_rms_norm_quantized_is_the_unfused_ops_bit_for_bit(shape, dtype):
+def test_rms_norm_quantized_is_the_unfused_ops_bit_for_bit(shape, dtype, split):
     """The decoder's norm and the FP8 quantisation of the projection behind it in one launch: the
-    same bits as rms_norm then quantize_activation, with and without the residual add (whose sum is
-    rms_norm's), kept and not (widths straddling the 128-input groups and a power of two; rows
-    straddling the norm's programs); the reference is the two reference ops."""
+    same bits as rms_norm then quantize_activation (`split`: its two terms), with and without the
+    residual add (whose sum is rms_norm's), kept and not (widths straddling the 128-input groups and a
+    power of two; rows straddling the norm's programs); the reference is the two reference ops."""
     from hylora.ops.rmsnorm import reference as norm_reference
     from hylora.ops.rmsnorm import triton as norm_triton
 
@@ -243,24 +262,25 @@ def test_rms_norm_quantized_is_the_unfused_ops_bit_for_bit(shape, dtype):
         normed = norm_triton.rms_norm(x, w, 1e-6, residual)
         out, total = normed if residual is not None else (normed, None)
         for keep in (False, True):
-            got = norm_triton.rms_norm_quantized(x, w, 1e-6, residual, keep=keep)
+            got = norm_triton.rms_norm_quantized(x, w, 1e-6, residual, keep=keep, split=split)
             got, got_total = got if residual is not None else (got, None)
-            assert_quantizes_the_unfused_norm(got, out, keep)
+            assert_quantizes_the_unfused_norm(got, out, keep, split)
             assert residual is None or torch.equal(bits(got_total), bits(total))
         ref = norm_reference.rms_norm_quantized(
-            x.cpu(), w.cpu(), 1e-6, None if residual is None else res.cpu(), keep=True
+            x.cpu(), w.cpu(), 1e-6, None if residual is None else res.cpu(), keep=True, split=split
         )
         ref = ref if residual is None else ref[0]
-        q_ref, s_ref = R.quantize_activation(ref.x)
-        assert torch.equal(bits(ref.q), bits(q_ref)) and torch.equal(bits(ref.scale), bits(s_ref))
+        assert_terms_equal(ref, quantized_terms(R, ref.x, split))
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["dynamic", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(1, 3, 128), (17, 5, 128), (4, 2, 256)], ids=str)
-def test_gated_rms_norm_quantized_is_the_unfused_ops_bit_for_bit(shape, dtype):
+def test_gated_rms_norm_quantized_is_the_unfused_ops_bit_for_bit(shape, dtype, split):
     """The GDN's gated norm quantised for its out_proj in one launch: heads [T, H, D] (D a multiple of
     the 128-input group) as [T, H·D] rows, the gate a strided view of a wider projection output; the
-    same bits as gated_rms_norm then quantize_activation, kept and not; D not a multiple is refused."""
+    same bits as gated_rms_norm then quantize_activation (`split`: its two terms), kept and not; D not
+    a multiple is refused."""
     from hylora.ops.rmsnorm import reference as norm_reference
     from hylora.ops.rmsnorm import triton as norm_triton
 
@@ -271,11 +291,10 @@ def test_gated_rms_norm_quantized_is_the_unfused_ops_bit_for_bit(shape, dtype):
     w = (torch.randn(D, generator=g) + 1).to(dtype).to(DEVICE)
     out = norm_triton.gated_rms_norm(x, z, w, 1e-6).reshape(T_, H * D)
     for keep in (False, True):
-        got = norm_triton.gated_rms_norm_quantized(x, z, w, 1e-6, keep=keep)
-        assert_quantizes_the_unfused_norm(got, out, keep)
-    ref = norm_reference.gated_rms_norm_quantized(x.cpu(), z.cpu(), w.cpu(), 1e-6, keep=True)
-    q_ref, s_ref = R.quantize_activation(ref.x)
-    assert torch.equal(bits(ref.q), bits(q_ref)) and torch.equal(bits(ref.scale), bits(s_ref))
+        got = norm_triton.gated_rms_norm_quantized(x, z, w, 1e-6, keep=keep, split=split)
+        assert_quantizes_the_unfused_norm(got, out, keep, split)
+    ref = norm_reference.gated_rms_norm_quantized(x.cpu(), z.cpu(), w.cpu(), 1e-6, keep=True, split=split)
+    assert_terms_equal(ref, quantized_terms(R, ref.x, split))
     for norm in (norm_triton, norm_reference):
         with pytest.raises(ValueError, match="multiple of 128"):
             norm.gated_rms_norm_quantized(x[..., :64], z[..., :64], w[:64], 1e-6)
@@ -291,6 +310,27 @@ def test_fp8_linear_takes_an_input_quantised_by_its_producer(config):
     q = R.QuantizedActivation(quantized.q.to(DEVICE), quantized.scale.to(DEVICE), x.dtype)
     got = T.fp8_linear(q, w_fp8.to(DEVICE), w_scale.to(DEVICE), block, config=CONFIGS[config])
     assert_close_to_reference(got.cpu(), ref, GEMM_RTOL)
+
+
+@pytest.mark.parametrize("config", ["decode", "medium"])
+def test_split_linear_takes_an_input_split_by_its_producer(config):
+    """A QuantizedActivation with both terms skips the split GEMM's own split launch and gives the same
+    bits as the GEMM splitting x itself (Triton), the same values (reference). One term alone is refused
+    by every split GEMM, not served without lo; a dynamic GEMM reads hi, which is its own quantisation."""
+    from hylora.ops.fp8_linear import cublas
+
+    x, w_fp8, w_scale, block = gemm_inputs(17, 129, 384, 128, seed=12)
+    split = R.QuantizedActivation.of(x, split=True)
+    assert torch.equal(R.fp8_split_linear(split, w_fp8, w_scale, block), R.fp8_split_linear(x, w_fp8, w_scale, block))
+    wd, sd = w_fp8.to(DEVICE), w_scale.to(DEVICE)
+    on_device = R.QuantizedActivation(split.q.to(DEVICE), split.scale.to(DEVICE), x.dtype, lo=split.lo.to(DEVICE))
+    got = T.fp8_split_linear(on_device, wd, sd, block, config=CONFIGS[config])
+    assert torch.equal(bits(got), bits(T.fp8_split_linear(x.to(DEVICE), wd, sd, block, config=CONFIGS[config])))
+    one_term = R.QuantizedActivation.of(x)
+    for gemm in (R.fp8_split_linear, T.fp8_split_linear, cublas.fp8_split_linear):
+        with pytest.raises(ValueError, match="second term"):
+            gemm(one_term, w_fp8, w_scale, block)
+    assert torch.equal(R.fp8_linear(split, w_fp8, w_scale, block), R.fp8_linear(one_term, w_fp8, w_scale, block))
 
 
 # fp32 summation order in the interpreter; on a GPU the fp8 MMA also sums 128 products with fewer bits
@@ -781,6 +821,13 @@ def test_split_serves_few_tokens_and_many_tokens_take_the_weight_only_path(dtype
     assert torch.equal(bits(fewer), bits(T.fp8_split_linear(xd[:16], wd, sd, block)))
     x32 = x.float().to(DEVICE)
     assert torch.equal(cublas.fp8_split_linear(x32, wd, sd, block), T.fp8_split_linear(x32, wd, sd, block))
+    # split by its producer: the split GEMM below SPLIT_BELOW; from there the weight-only path on the kept
+    # x, or the split GEMM where x was not kept (the terms are all there is)
+    for rows, keep in ((16, True), (17, True), (17, False)):
+        split = R.QuantizedActivation.of(xd[:rows], keep=keep, split=True)
+        took = cublas.fp8_split_linear(split, wd, sd, block)
+        served = T.fp8_split_linear(split, wd, sd, block) if rows < 17 or not keep else got
+        assert torch.equal(bits(took), bits(served))
 
 
 # --- CUDA only -----------------------------------------------------------------------------------------
@@ -907,36 +954,62 @@ def test_start_up_checks_pass_the_kernels_and_fail_wrong_ones():
 
     assert split_error(T.fp8_split_linear) <= GEMM_RTOL * 10
     assert split_error(T.fp8_linear) > 1e-2  # the second term dropped: e4m3's rounding shows past FP8_TOLERANCE
-    assert checks.silu_mul_error(300, torch.float32, DEVICE, tokens=(1, 17), quantized=True) <= 1e-6  # exp: an ulp
+    for split in (False, True):  # exp: an ulp
+        assert checks.silu_mul_error(300, torch.float32, DEVICE, tokens=(1, 17), quantized=True, split=split) <= 1e-6
 
-    def half_scale(gate_up, group=128, keep=False):
-        a = silu_triton.silu_mul_quantized(gate_up, group, keep)
-        return R.QuantizedActivation(a.q, a.scale * 0.5, a.dtype, a.x)
+    def half_scale(gate_up, group=128, keep=False, split=False):
+        a = silu_triton.silu_mul_quantized(gate_up, group, keep, split)
+        return R.QuantizedActivation(a.q, a.scale * 0.5, a.dtype, a.x, a.lo)
 
-    assert checks.silu_mul_error(300, torch.float32, DEVICE, tokens=(17,), kernel=half_scale, quantized=True) > 0.3
+    def one_term(gate_up, group=128, keep=False, split=False):  # asked for both terms, writes hi alone
+        return silu_triton.silu_mul_quantized(gate_up, group, keep)
+
+    for split in (False, True):
+        error = checks.silu_mul_error(300, torch.float32, DEVICE, tokens=(17,), kernel=half_scale, quantized=True,
+                                      split=split)  # fmt: skip
+        assert error > 0.3
+    assert checks.silu_mul_error(300, torch.float32, DEVICE, quantized=True, split=True, kernel=one_term) == math.inf
 
     from hylora.ops.rmsnorm import triton as norm_triton
 
-    assert checks.rms_norm_quantized_error(300, 1e-6, torch.float32, DEVICE, tokens=(1, 17), heads=(3, 128)) <= 1e-6
+    for split in (False, True):  # a compiled norm's fp32 sum runs in its own order: ~10 ulp (H100: 1.2e-6 split)
+        error = checks.rms_norm_quantized_error(
+            300, 1e-6, torch.float32, DEVICE, tokens=(1, 17), heads=(3, 128), split=split
+        )
+        assert error <= 1e-5
 
-    def norm_half_scale(x, w, eps, residual=None, group=128, keep=False):
-        got = norm_triton.rms_norm_quantized(x, w, eps, residual, group, keep)
+    def norm_half_scale(x, w, eps, residual=None, group=128, keep=False, split=False):
+        got = norm_triton.rms_norm_quantized(x, w, eps, residual, group, keep, split)
         a, total = got if residual is not None else (got, None)
-        a = R.QuantizedActivation(a.q, a.scale * 0.5, a.dtype, a.x)
+        a = R.QuantizedActivation(a.q, a.scale * 0.5, a.dtype, a.x, a.lo)
         return a if residual is None else (a, total)
 
-    def norm_drops_residual(x, w, eps, residual=None, group=128, keep=False):
-        got = norm_triton.rms_norm_quantized(x, w, eps, None, group, keep)
+    def norm_drops_residual(x, w, eps, residual=None, group=128, keep=False, split=False):
+        got = norm_triton.rms_norm_quantized(x, w, eps, None, group, keep, split)
         return got if residual is None else (got, x + residual)
 
+    def norm_drops_lo(x, w, eps, residual=None, group=128, keep=False, split=False):  # hi alone
+        got = norm_triton.rms_norm_quantized(x, w, eps, residual, group, keep, split)
+        a, total = got if residual is not None else (got, None)
+        a = R.QuantizedActivation(a.q, a.scale, a.dtype, a.x, torch.zeros_like(a.q) if split else None)
+        return a if residual is None else (a, total)
+
     for wrong in (norm_half_scale, norm_drops_residual):
-        assert checks.rms_norm_quantized_error(300, 1e-6, torch.float32, DEVICE, tokens=(17,), kernel=wrong) > 0.3
+        for split in (False, True):
+            error = checks.rms_norm_quantized_error(
+                300, 1e-6, torch.float32, DEVICE, tokens=(17,), kernel=wrong, split=split
+            )
+            assert error > 0.3
+    error = checks.rms_norm_quantized_error(300, 1e-6, torch.float32, DEVICE, tokens=(17,), kernel=norm_drops_lo,
+                                            split=True)  # fmt: skip
+    assert error > 1e-2  # e4m3's rounding, past FP8_TOLERANCE
 
-    def gated_half_scale(x, z, w, eps, group=128, keep=False):
-        a = norm_triton.gated_rms_norm_quantized(x, z, w, eps, group, keep)
-        return R.QuantizedActivation(a.q, a.scale * 0.5, a.dtype, a.x)
+    def gated_half_scale(x, z, w, eps, group=128, keep=False, split=False):
+        a = norm_triton.gated_rms_norm_quantized(x, z, w, eps, group, keep, split)
+        return R.QuantizedActivation(a.q, a.scale * 0.5, a.dtype, a.x, a.lo)
 
-    error = checks.rms_norm_quantized_error(
-        300, 1e-6, torch.float32, DEVICE, tokens=(17,), heads=(3, 128), gated_kernel=gated_half_scale
-    )
-    assert error > 0.3
+    for split in (False, True):
+        error = checks.rms_norm_quantized_error(
+            300, 1e-6, torch.float32, DEVICE, tokens=(17,), heads=(3, 128), gated_kernel=gated_half_scale, split=split
+        )
+        assert error > 0.3

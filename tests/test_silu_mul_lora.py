@@ -81,6 +81,29 @@ def test_silu_mul_lora_is_the_expand_then_the_activation(case, form, group, dtyp
     assert not torch.allclose(values[~base].float(), plain[~base].float())
 
 
+@pytest.mark.parametrize("form", ["shrink-partials", "stacked-h"])
+@pytest.mark.parametrize("case", CASES[:2], ids=str)
+def test_silu_mul_lora_splits_for_a_split_gemm(case, form):
+    """Quantising for a split FP8 down projection (`split`): hi, lo and scales are exactly
+    quantize_activation_split of the kept values, in the kernel and in its reference."""
+    from hylora.ops.fp8_linear import reference as fp8_reference
+
+    gate_up, h, b, slots = lora_inputs(*case, form, torch.bfloat16)
+    meta = lora_triton.LoRAKernelMeta.build(slots.to(DEVICE), 4)
+    got = silu_triton.silu_mul_lora(
+        gate_up.to(DEVICE), h.to(DEVICE), [bi.to(DEVICE) for bi in b], meta, 32, True, split=True
+    )
+    ref = silu_reference.silu_mul_lora(gate_up, h, b, slots, group=32, keep=True, split=True)
+    for result, quantize in (
+        (got, fp8_triton.quantize_activation_split),
+        (ref, fp8_reference.quantize_activation_split),
+    ):
+        hi, lo, scale = quantize(result.x, 32)
+        assert torch.equal(result.q.view(torch.uint8), hi.view(torch.uint8))
+        assert torch.equal(result.lo.view(torch.uint8), lo.view(torch.uint8)) and torch.equal(result.scale, scale)
+    assert norm_error(got.x.cpu(), ref.x) < 3e-2
+
+
 def norm_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
@@ -94,24 +117,31 @@ def unfused_path(gate_up, h, b, meta, group) -> torch.Tensor:
 
 
 def test_the_start_up_check_passes_the_kernel_and_fails_wrong_ones():
-    """The kernel floor's check: the kernel within fp32's bound; a kernel that drops the delta, sums
-    one of the shrink's partials only, or gives every adapter token slot 0's delta fails."""
+    """The kernel floor's check: the kernel within fp32's bound, quantising for a dynamic or a split
+    FP8 down projection; a kernel that drops the delta, sums one of the shrink's partials only, or
+    gives every adapter token slot 0's delta fails, and so does one that writes one term where two
+    were asked for."""
     small = dict(tokens=(5, 130), ranks=(8,))
-    assert checks.silu_mul_lora_error(160, torch.float32, DEVICE, **small) <= 1e-5
+    for split in (False, True):
+        assert checks.silu_mul_lora_error(160, torch.float32, DEVICE, split=split, **small) <= 1e-5
 
-    def no_delta(gate_up, h, b, meta, group=None, keep=False):
+    def no_delta(gate_up, h, b, meta, group=None, keep=False, split=False):
         zero = [torch.zeros_like(bi) for bi in b]
-        return silu_triton.silu_mul_lora(gate_up, h, zero, meta, group, keep)
+        return silu_triton.silu_mul_lora(gate_up, h, zero, meta, group, keep, split)
 
-    def first_partial(gate_up, h, b, meta, group=None, keep=False):
-        return silu_triton.silu_mul_lora(gate_up, h[:1] if h.ndim == 4 else h, b, meta, group, keep)
+    def first_partial(gate_up, h, b, meta, group=None, keep=False, split=False):
+        return silu_triton.silu_mul_lora(gate_up, h[:1] if h.ndim == 4 else h, b, meta, group, keep, split)
 
-    def slot_zero(gate_up, h, b, meta, group=None, keep=False):
+    def slot_zero(gate_up, h, b, meta, group=None, keep=False, split=False):
         slot0 = lora_triton.LoRAKernelMeta.build(meta.token_slots.clamp(max=0), meta.num_slots)
-        return silu_triton.silu_mul_lora(gate_up, h, b, slot0, group, keep)
+        return silu_triton.silu_mul_lora(gate_up, h, b, slot0, group, keep, split)
+
+    def one_term(gate_up, h, b, meta, group=None, keep=False, split=False):
+        return silu_triton.silu_mul_lora(gate_up, h, b, meta, group, keep)
 
     for wrong in (no_delta, first_partial, slot_zero):
         assert checks.silu_mul_lora_error(160, torch.float32, DEVICE, kernel=wrong, **small) > 1e-2, wrong.__name__
+    assert checks.silu_mul_lora_error(160, torch.float32, DEVICE, kernel=one_term, split=True, **small) == float("inf")
 
 
 def test_wrong_shapes_are_refused_with_what_is_expected():

@@ -363,10 +363,11 @@ def silu_mul_error(
     tokens: Sequence[int] = NORM_TOKENS,
     kernel: Callable | None = None,
     quantized: bool = False,
+    split: bool = False,
 ) -> float:
     """The activation vs the reference at every token count of `tokens`. `quantized`: the one that
-    also quantises for an FP8 down projection (silu_mul_quantized), its quantised values
-    (dequantised) and the unquantised ones it keeps."""
+    also quantises for an FP8 down projection (silu_mul_quantized; `split`: as two e4m3 terms), its
+    quantised values (dequantised) and the unquantised ones it keeps."""
     from hylora.ops.silu_mul.reference import silu_mul_quantized as quantized_reference
 
     if kernel is None:
@@ -379,7 +380,8 @@ def silu_mul_error(
         if not quantized:
             worst = max(worst, _rel_error(kernel(gate_up), silu_mul_reference(gate_up)))
             continue
-        worst = max(worst, _quantized_error(kernel(gate_up, keep=True), quantized_reference(gate_up, keep=True)))
+        got, want = kernel(gate_up, keep=True, split=split), quantized_reference(gate_up, keep=True, split=split)
+        worst = max(worst, _quantized_error(got, want))
     return worst
 
 
@@ -392,11 +394,13 @@ def silu_mul_lora_error(
     ranks: Sequence[int] = LORA_RANKS,
     kernel: Callable | None = None,
     quantized: bool = True,
+    split: bool = False,
 ) -> float:
     """The activation with gate_up's LoRA expand (silu_mul_lora) vs the expand then the activation, at
     every token count and rank: base tokens and three adapters (a fourth slot unused and NaN), h as
     the shrink's fp32 partials and as a decode step's 16-bit h of every slot; plain, and (`quantized`)
-    quantised for an FP8 down projection (its quantised values dequantised, and the kept ones)."""
+    quantised for an FP8 down projection (`split`: as two e4m3 terms; its quantised values
+    dequantised, and the kept ones)."""
     from hylora.ops.fp8_linear.reference import GROUP
     from hylora.ops.lora.triton import LoRAKernelMeta
     from hylora.ops.silu_mul.reference import silu_mul_lora as reference_kernel
@@ -425,8 +429,8 @@ def silu_mul_lora_error(
                 got, want = kernel(gate_up, h, b, meta), reference_kernel(gate_up, h, b, slots)
                 worst = max(worst, _rel_error(got, want))
                 if quantized:
-                    got = kernel(gate_up, h, b, meta, GROUP, True)
-                    want = reference_kernel(gate_up, h, b, slots, GROUP, True)
+                    got = kernel(gate_up, h, b, meta, GROUP, True, split=split)
+                    want = reference_kernel(gate_up, h, b, slots, GROUP, True, split=split)
                     worst = max(worst, _quantized_error(got, want))
     return worst
 
@@ -441,11 +445,12 @@ def rms_norm_quantized_error(
     kernel: Callable | None = None,
     heads: tuple[int, int] | None = None,
     gated_kernel: Callable | None = None,
+    split: bool = False,
 ) -> float:
-    """The decoder's norms quantised for an FP8 projection vs their references: the hidden norm
-    (rms_norm_quantized) alone and with the residual add, and with `heads` (Hv, dv) the GDN's gated
-    norm (gated_rms_norm_quantized, its gate a strided view as the in_proj gives it) where dv holds
-    whole input groups: the quantised values (dequantised), the kept norm, the sum."""
+    """The decoder's norms quantised for an FP8 projection (`split`: as two e4m3 terms) vs their
+    references: the hidden norm (rms_norm_quantized) alone and with the residual add, and with `heads`
+    (Hv, dv) the GDN's gated norm (gated_rms_norm_quantized, its gate a strided view as the in_proj
+    gives it) where dv holds whole input groups: the quantised values (dequantised), the kept norm, the sum."""
     from hylora.ops.fp8_linear.reference import GROUP
     from hylora.ops.rmsnorm import reference
 
@@ -458,16 +463,20 @@ def rms_norm_quantized_error(
     for T in tokens:
         g = _generator(device, T)
         w, x, res = _norm_inputs(T, hidden, dtype, device, g)
-        worst = max(worst, _quantized_error(kernel(x, w, eps, keep=True), quantized_reference(x, w, eps, keep=True)))
-        (got, got_sum), (want, want_sum) = kernel(x, w, eps, res), quantized_reference(x, w, eps, res)
+        got, want = kernel(x, w, eps, keep=True, split=split), quantized_reference(x, w, eps, keep=True, split=split)
+        worst = max(worst, _quantized_error(got, want))
+        (got, got_sum), (want, want_sum) = (
+            kernel(x, w, eps, res, split=split),
+            quantized_reference(x, w, eps, res, split=split),
+        )
         worst = max(worst, _quantized_error(got, want), _rel_error(got_sum, want_sum))
         if heads is not None and heads[1] % GROUP == 0:
             hv, dv = heads
             o = torch.randn(T, hv, dv, generator=g, device=device).to(dtype)
             z = torch.randn(T, 2 * hv * dv, generator=g, device=device).to(dtype)[:, hv * dv :].reshape(T, hv, dv)
             wv = torch.randn(dv, generator=g, device=device).to(dtype) + 1
-            want = reference.gated_rms_norm_quantized(o, z, wv, eps, keep=True)
-            worst = max(worst, _quantized_error(gated_kernel(o, z, wv, eps, keep=True), want))
+            want = reference.gated_rms_norm_quantized(o, z, wv, eps, keep=True, split=split)
+            worst = max(worst, _quantized_error(gated_kernel(o, z, wv, eps, keep=True, split=split), want))
     return worst
 
 
@@ -481,11 +490,10 @@ def _norm_inputs(
 
 
 def _quantized_error(got, want) -> float:  # two QuantizedActivation: their values and the kept inputs
-    from hylora.ops.fp8_linear.reference import dequantize_activation
-
-    values = dequantize_activation(got.q, got.scale), dequantize_activation(want.q, want.scale)
+    if (got.lo is None) != (want.lo is None):  # one term where two were asked for, or the reverse
+        return float("inf")
     kept = _rel_error(got.x, want.x) if want.x is not None else 0.0
-    return max(_rel_error(*values), kept)
+    return max(_rel_error(got.dequantized(), want.dequantized()), kept)
 
 
 @torch.inference_mode()

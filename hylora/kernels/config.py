@@ -42,9 +42,10 @@ class KernelsConfig:
     # convert the FP8 weights in the GEMM, or dequantise them for cuBLAS from 128 tokens (the
     # dequantised model's arithmetic, FP8 weights in memory; about bf16's speed on an H200, docs/FP8.md)
     fp8_activations: str = "dynamic"
-    # dynamic FP8 activations: the MLP's activation quantises the down projection's input in its own
-    # launch (ops.silu_mul.silu_mul_quantized), rather than the GEMM quantising it in another; the same
-    # values either way. False: the separate launches (a same-run comparison, bench/profile_gpu.py)
+    # dynamic (and split) FP8 activations: the MLP's activation quantises (splits) the down projection's
+    # input in its own launch (ops.silu_mul.silu_mul_quantized), rather than the GEMM quantising it in
+    # another; the same values either way. False: the separate launches (a same-run comparison,
+    # bench/profile_gpu.py). Split: below cublas.SPLIT_BELOW tokens where cuBLAS serves (kernels/split_inputs.py)
     fp8_fused_quant: bool = True
     # ... and the decoder's norms quantise the in_proj / qkv's, gate_up's and the GDN out_proj's input
     # (ops.rmsnorm's rms_norm_quantized). On an H200 (BASELINE run 35, same call, 16-layer cut, 8192

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from hylora.kernels import checks
+from hylora.kernels import checks, split_inputs
 from hylora.kernels.config import FP8_GEMMS, KernelsConfig, triton_usable
 from hylora.kernels.verdict import KernelVerdict, passed, reference
 from hylora.model.decoder import HybridDecoder
@@ -55,14 +55,14 @@ def select_kernels(
         verdicts |= select_fast_kernels(model, page_size, config)
     if any(isinstance(m, Linear) and m.is_fp8 for m in model.modules()):
         verdicts["fp8_linear"] = select_fp8_kernel(model, config.fast_kernels, config.fp8_activations)
-        if config.fp8_activations == "dynamic" and config.fp8_fused_quant:
-            verdicts["silu_mul_quantized"] = select_silu_mul_quantized(model, config.fast_kernels)
+        if config.fp8_activations in ("dynamic", "split") and config.fp8_fused_quant:  # the producers quantise
+            split = config.fp8_activations == "split"
+            verdicts["silu_mul_quantized"] = select_silu_mul_quantized(model, config.fast_kernels, split)
             if config.fp8_fused_norm_quant:
-                verdicts["rms_norm_quantized"] = select_rms_norm_quantized(model, config.fast_kernels)
+                verdicts["rms_norm_quantized"] = select_rms_norm_quantized(model, config.fast_kernels, split)
     if config.fused_lora_expand:
-        verdicts["silu_mul_lora"] = select_silu_mul_lora(
-            model, config.fast_kernels, quantized=config.fused_lora_expand_quantized
-        )
+        quantized, split = config.fused_lora_expand_quantized, config.fp8_activations == "split"
+        verdicts["silu_mul_lora"] = select_silu_mul_lora(model, config.fast_kernels, quantized, split)
     if config.tower_attention != "auto":
         if model.visual is not None:
             verdicts["tower_attention"] = select_tower_attention(model, config.tower_attention)
@@ -146,6 +146,8 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
     fp8_ops = importlib.import_module(f"hylora.ops.fp8_linear.{kernel}")
     if config.fp8_activations != "dynamic" or kernel != "reference":  # the reference's dynamic GEMM is the default
         chosen["fp8_linear"] = getattr(fp8_ops, FP8_GEMMS[config.fp8_activations])
+    if config.fp8_activations == "split":  # the quantising producers split where the split GEMM takes it
+        _split_inputs(chosen, fp8_ops.takes_split_input if kernel == "cublas" else lambda tokens: True)
     if config.lora_backend != "auto":  # forced, for the decoder and the tower alike
         chosen["lora_backend"] = chosen["tower_lora_backend"] = config.lora_backend
     elif "lora" in fast:
@@ -155,6 +157,24 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
         chosen["lora_stacked_below"] = config.lora_stacked_below
     chosen["gdn_split_single_tokens"] = config.gdn_single_tokens_recurrent
     return ModelKernels(**chosen)
+
+
+def _split_inputs(chosen: dict, splits: Callable[[int], bool]) -> None:
+    """The chosen quantising norms and activation, split for a split FP8 GEMM (`split_inputs`): both
+    terms below the token count where the GEMM stops splitting, the plain values from there."""
+    defaults = ModelKernels()
+
+    def plain(name: str) -> Callable:
+        return chosen.get(name, getattr(defaults, name))
+
+    if "silu_mul_quantized" in chosen:
+        chosen["silu_mul_quantized"] = split_inputs.silu_mul(chosen["silu_mul_quantized"], plain("silu_mul"), splits)
+    if "rms_norm_quantized" in chosen:
+        norm, gated = chosen["rms_norm_quantized"], chosen["gated_rms_norm_quantized"]
+        chosen["rms_norm_quantized"] = split_inputs.rms_norm(norm, plain("rms_norm"), splits)
+        chosen["gated_rms_norm_quantized"] = split_inputs.gated_rms_norm(gated, plain("gated_rms_norm"), splits)
+    if chosen.get("silu_mul_lora_quantizes"):
+        chosen["silu_mul_lora"] = split_inputs.silu_mul_lora(chosen["silu_mul_lora"], splits)
 
 
 def fast_verdicts(names: list[str]) -> dict[str, KernelVerdict]:
@@ -256,38 +276,48 @@ def choose_fp8_gemm(check: Callable[[str], Callable[[], float]], dequantize: Cal
     return replace(triton_alone, reason=triton_alone.reason + "; weights dequantised")
 
 
-def select_silu_mul_quantized(model: HybridDecoder, fast_kernels: str = "auto") -> KernelVerdict:
-    """The MLP activation fused with the FP8 down projection's input quantisation, checked against
-    its reference (which is the unfused silu_mul then quantize_activation, as the CPU runs it)."""
+def select_silu_mul_quantized(model: HybridDecoder, fast_kernels: str = "auto", split: bool = False) -> KernelVerdict:
+    """The MLP activation fused with the FP8 down projection's input quantisation (`split`: its two
+    e4m3 terms), checked against its reference (which is the unfused silu_mul then quantize_activation
+    or its split, as the CPU runs it)."""
     name = "silu_mul_quantized"
     if fast_kernels == "off":
         return reference(name, "fast kernels off")
     if not triton_usable(model.device) or model.device.type != "cuda":
         return reference(name, "no CUDA or no triton")
     c = model.config
-    return _verdict(name, lambda: checks.silu_mul_error(c.intermediate_size, model.dtype, model.device, quantized=True),
-                    FP8_TOLERANCE)  # fmt: skip
+    return _verdict(name, lambda: checks.silu_mul_error(c.intermediate_size, model.dtype, model.device, quantized=True,
+                                                        split=split), FP8_TOLERANCE)  # fmt: skip
 
 
-def select_silu_mul_lora(model: HybridDecoder, fast_kernels: str = "auto", quantized: bool = True) -> KernelVerdict:
+def select_silu_mul_lora(
+    model: HybridDecoder, fast_kernels: str = "auto", quantized: bool = True, split: bool = False
+) -> KernelVerdict:
     """The MLP activation with gate_up's LoRA expand in its launch, plain and (`quantized`: where it will
-    serve so) quantised for an FP8 down projection, on both forms of h (a shrink's fp32 partials, a
-    decode step's 16-bit h of every slot), checked against the expand then the activation."""
+    serve so) quantised for an FP8 down projection (`split`: as two terms), on both forms of h (a
+    shrink's fp32 partials, a decode step's 16-bit h of every slot), checked against the expand then
+    the activation."""
     name = "silu_mul_lora"
     if fast_kernels == "off":
         return reference(name, "fast kernels off")
     if not triton_usable(model.device) or model.device.type != "cuda":
         return reference(name, "no CUDA or no triton")
     check = functools.partial(
-        checks.silu_mul_lora_error, model.config.intermediate_size, model.dtype, model.device, quantized=quantized
+        checks.silu_mul_lora_error,
+        model.config.intermediate_size,
+        model.dtype,
+        model.device,
+        quantized=quantized,
+        split=split,
     )
     return _verdict(name, check, TOLERANCE[model.dtype])
 
 
-def select_rms_norm_quantized(model: HybridDecoder, fast_kernels: str = "auto") -> KernelVerdict:
+def select_rms_norm_quantized(model: HybridDecoder, fast_kernels: str = "auto", split: bool = False) -> KernelVerdict:
     """The decoder's norms fused with the input quantisation of the FP8 projection behind them (the
     mixer's in_proj / qkv and the MLP's gate_up behind the hidden norms, the GDN out_proj behind its
-    gated norm), checked against each norm then quantize_activation."""
+    gated norm; `split`: as two e4m3 terms), checked against each norm then quantize_activation (or
+    its split)."""
     name = "rms_norm_quantized"
     if fast_kernels == "off":
         return reference(name, "fast kernels off")
@@ -295,7 +325,9 @@ def select_rms_norm_quantized(model: HybridDecoder, fast_kernels: str = "auto") 
         return reference(name, "no CUDA or no triton")
     c, dtype, dev = model.config, model.dtype, model.device
     heads = (c.linear_num_value_heads, c.linear_value_head_dim)
-    check = functools.partial(checks.rms_norm_quantized_error, c.hidden_size, c.rms_norm_eps, dtype, dev, heads=heads)
+    check = functools.partial(
+        checks.rms_norm_quantized_error, c.hidden_size, c.rms_norm_eps, dtype, dev, heads=heads, split=split
+    )
     return _verdict(name, check, FP8_TOLERANCE)
 
 

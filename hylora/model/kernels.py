@@ -46,10 +46,10 @@ class ModelKernels:
     gated_rms_norm: Kernel = gated_rms_norm
     silu_mul: Kernel = silu_mul
     fp8_linear: Kernel = fp8_linear  # the GEMM of FP8 projections (Linear.set_fp8)
-    # silu_mul quantised for an FP8 down projection in one launch (dynamic activations only; None: unfused)
+    # silu_mul quantised for an FP8 down projection in one launch (dynamic or split activations; None: unfused)
     silu_mul_quantized: Kernel | None = None
-    # rms_norm (gated_rms_norm) quantised for the FP8 projection behind it in one launch (dynamic activations
-    # only; None: unfused)
+    # rms_norm (gated_rms_norm) quantised for the FP8 projection behind it in one launch (dynamic or split
+    # activations; None: unfused)
     rms_norm_quantized: Kernel | None = None
     gated_rms_norm_quantized: Kernel | None = None
     # silu_mul (or silu_mul_quantized) with gate_up's LoRA expand in its launch (the Triton LoRA only; None:

@@ -276,7 +276,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _param(dim)
         self.kernel = rms_norm  # ops.rmsnorm: the Triton kernel once the start-up check installs it
-        # ops.rmsnorm's rms_norm_quantized, set by the kernel floor for FP8 with dynamic activations: the
+        # ops.rmsnorm's rms_norm_quantized, set by the kernel floor for FP8 with dynamic or split activations: the
         # norm quantised for the FP8 projection behind it in the same launch, not by the GEMM's own
         self.kernel_quantized = None
 
@@ -329,7 +329,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, {"down_proj": hidden})
         self.act = silu_mul  # ops.silu_mul: silu(gate) * up
         # ops.silu_mul's silu_mul_quantized, set by the kernel floor when the down projection is FP8 with
-        # dynamic activations: the activation quantised in the same launch, not by the GEMM's own
+        # dynamic or split activations: the activation quantised in the same launch, not by the GEMM's own
         self.act_quantized = None
         # ops.silu_mul's silu_mul_lora, set by the kernel floor with the Triton LoRA: gate_up's LoRA expand
         # applied in the activation's launch, not by its own kernel; where act_quantized quantises for the

@@ -114,7 +114,7 @@ def fp8_weight_only_linear(
 
 
 def fp8_split_linear(
-    x: torch.Tensor,  # [..., K]
+    x: torch.Tensor | QuantizedActivation,  # [..., K], or [M, K] split already (by its producer)
     w_fp8: torch.Tensor,  # [N, K] e4m3
     w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)]
     block: tuple[int, int] = BLOCK,
@@ -122,9 +122,19 @@ def fp8_split_linear(
     extra: Extra | None = None,  # E more output columns from 16-bit rows
 ) -> torch.Tensor:
     *lead, K = x.shape
+    if isinstance(x, QuantizedActivation):  # the weight-only path reads x itself, where it was kept
+        if math.prod(lead) < SPLIT_BELOW or x.x is None:  # (producers split only below SPLIT_BELOW)
+            return fp8_triton.fp8_split_linear(x, w_fp8, w_scale, block, out=out, extra=extra)
+        x = x.x
     if math.prod(lead) < SPLIT_BELOW or x.dtype not in (torch.bfloat16, torch.float16):
         return fp8_triton.fp8_split_linear(x, w_fp8, w_scale, block, out=out, extra=extra)
     return fp8_weight_only_linear(x, w_fp8, w_scale, block, out=out, extra=extra)
+
+
+def takes_split_input(tokens: int) -> bool:
+    """Whether a step of `tokens` runs the split GEMM (so that x's producer may split it in its own
+    launch), not the weight-only path from SPLIT_BELOW."""
+    return tokens < SPLIT_BELOW
 
 
 def _with_extra(

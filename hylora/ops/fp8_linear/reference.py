@@ -32,16 +32,33 @@ GROUP = 128
 @dataclass(frozen=True)
 class QuantizedActivation:
     """An FP8 projection's input already quantised (`quantize_activation`) by the op that produced it
-    (e.g. `silu_mul_quantized`), so the GEMM launches no quantisation of its own."""
+    (e.g. `silu_mul_quantized`), so the GEMM launches no quantisation of its own. Split for a split
+    GEMM (`quantize_activation_split`): q is hi, and lo the second term; a split GEMM refuses an input
+    without lo, a dynamic one reads q alone (hi is `quantize_activation`'s q)."""
 
     q: torch.Tensor  # [M, K] e4m3
     scale: torch.Tensor  # [M, ceil(K / group)] fp32
     dtype: torch.dtype  # the unquantised activation's: the GEMM's output dtype
     x: torch.Tensor | None = None  # [M, K] the unquantised values, kept when LoRA needs them
+    lo: torch.Tensor | None = None  # [M, K] e4m3, the second term where split
 
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
+
+    @staticmethod
+    def of(values: torch.Tensor, group: int = GROUP, keep: bool = False, split: bool = False) -> QuantizedActivation:
+        """values [M, K] quantised per token and group (split: as two terms); with `keep`, values too."""
+        kept = values if keep else None
+        if split:
+            hi, lo, scale = quantize_activation_split(values, group)
+            return QuantizedActivation(hi, scale, values.dtype, kept, lo)
+        return QuantizedActivation(*quantize_activation(values, group), values.dtype, kept)
+
+    def dequantized(self, group: int = GROUP) -> torch.Tensor:
+        """[M, K] fp32: (q (+ lo)) · scale, the values the GEMM multiplies (hi + lo is exact in fp32)."""
+        terms = self.q.float() if self.lo is None else self.q.float() + self.lo.float()
+        return terms * self.scale.float().repeat_interleave(group, 1)[:, : self.q.shape[1]]
 
 
 # (x16 [..., K], w16 [E, K]), both in the output's dtype: E output columns x16 · w16ᵀ after the N FP8
@@ -131,7 +148,7 @@ def fp8_linear(
 
     def activation(x2: torch.Tensor) -> torch.Tensor:
         if isinstance(x, QuantizedActivation):
-            return dequantize_activation(x.q, x.scale, block[1])
+            return dequantize_activation(x.q, x.scale, block[1])  # q alone (split: hi, this GEMM's own q)
         return dequantize_activation(*quantize_activation(x2, block[1]), block[1])
 
     return _dense("fp8_linear", x, activation, w_fp8, w_scale, block, out, extra)
@@ -164,10 +181,18 @@ def fp8_split_linear(
     weight stream leaves room for)."""
 
     def activation(x2: torch.Tensor) -> torch.Tensor:
-        hi, lo, scale = quantize_activation_split(x2, block[1])
-        return (hi.float() + lo.float()) * scale.repeat_interleave(block[1], 1)[:, : x2.shape[1]]  # hi + lo: exact
+        if isinstance(x, QuantizedActivation):
+            return x.dequantized(block[1])
+        return QuantizedActivation.of(x2, block[1], split=True).dequantized(block[1])
 
+    check_split_input(x)
     return _dense("fp8_split_linear", x, activation, w_fp8, w_scale, block, out, extra)
+
+
+def check_split_input(x: torch.Tensor | QuantizedActivation) -> None:
+    """A split GEMM takes x, or x quantised as two terms; one term alone would drop lo silently."""
+    if isinstance(x, QuantizedActivation) and x.lo is None:
+        raise ValueError("fp8_split_linear: a quantised input needs its second term (quantise it with split=True)")
 
 
 def _dense(

@@ -72,6 +72,7 @@ from hylora.ops.fp8_linear.reference import (
     QuantizedActivation,
     _check_scales,
     check_extra,
+    check_split_input,
     with_extra,
 )
 
@@ -232,7 +233,7 @@ def fp8_weight_only_linear(
 
 
 def fp8_split_linear(
-    x: torch.Tensor,  # [..., K] bf16 / fp16 / fp32
+    x: torch.Tensor | QuantizedActivation,  # [..., K] bf16 / fp16 / fp32, or [M, K] split already
     w_fp8: torch.Tensor,  # [N, K] e4m3
     w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)]
     block: tuple[int, int] = BLOCK,
@@ -241,7 +242,11 @@ def fp8_split_linear(
     extra: Extra | None = None,  # E more output columns from 16-bit rows, in the same launch
 ) -> torch.Tensor:
     """y [..., N (+ E)] = `reference.fp8_split_linear(x, w_fp8, w_scale, block, extra=extra)` up to fp32
-    summation order (and the fp8 MMA's own accumulation on a GPU): x as two e4m3 terms, two FP8 dots."""
+    summation order (and the fp8 MMA's own accumulation on a GPU): x as two e4m3 terms, two FP8 dots.
+    x may come split already (a QuantizedActivation with lo, from its producer's launch)."""
+    check_split_input(x)
+    if isinstance(x, QuantizedActivation):
+        return _linear(x.q, w_fp8, w_scale, block, out, config, False, quantized=x, extra=extra, split=True)
     return _linear(x, w_fp8, w_scale, block, out, config, weight_only=False, extra=extra, split=True)
 
 
@@ -289,6 +294,7 @@ def _linear(
     a2 = None  # the second e4m3 term of x (split; its scale is a_scale too)
     if quantized is not None:
         a, a_scale = x2, quantized.scale
+        a2 = quantized.lo.reshape(M, K) if split else None
     elif split:
         a, a2, a_scale = quantize_activation_split(x2, bk)
     elif fuse_quant or weight_only:
@@ -488,6 +494,17 @@ def _quantize_rows(x):
 
 
 @triton.jit
+def _quantize_split_rows(x):
+    """x [R, GROUP] fp32, one group per row → (hi, lo e4m3 [R, GROUP], scale [R] fp32), as the reference:
+    `_quantize_rows`' q = x / scale as hi = e4m3(q) and lo = e4m3(q - hi) (an exact difference). hi's
+    value is rounded in fp32 arithmetic (`_e4m3_value`), not read back from its e4m3 registers: on an
+    H100 the fp32 → e4m3 → fp32 round trip in registers gave wrong values (lo off by up to 448)."""
+    q, scale = _scaled_rows(x)
+    hi_value = _e4m3_value(q)
+    return hi_value.to(tl.float8e4nv), _to_e4m3(q - hi_value), scale  # hi's cast meets exact values
+
+
+@triton.jit
 def _scaled_rows(x):
     """x [R, GROUP] fp32 → (x / scale clamped to ±448, fp32; scale [R] = amax / 448), as the reference."""
     amax = tl.max(tl.abs(x), axis=1)
@@ -527,19 +544,14 @@ def _quantize_kernel(
 def _quantize_split_kernel(
     x_ptr, hi_ptr, lo_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.constexpr, GROUP: tl.constexpr
 ):  # fmt: skip
-    """`_quantize_kernel`'s q = x / scale as hi = e4m3(q) and lo = e4m3(q - hi) (an exact difference).
-    hi's value is rounded in fp32 arithmetic (`_e4m3_value`), not read back from its e4m3 registers: on
-    an H100 the fp32 → e4m3 → fp32 round trip in registers gave wrong values (lo off by up to 448)."""
+    """`_quantize_kernel`'s q = x / scale as two e4m3 terms (`_quantize_split_rows`)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = tl.program_id(1)
     rk = g * GROUP + tl.arange(0, GROUP)
     mask = (rm < M)[:, None] & (rk < K)[None, :]
     rows = rm.to(tl.int64)[:, None]
     x = tl.load(x_ptr + rows * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, scale = _scaled_rows(x)
-    hi_value = _e4m3_value(q)
-    hi = hi_value.to(tl.float8e4nv)  # exact
-    lo = _to_e4m3(q - hi_value)
+    hi, lo, scale = _quantize_split_rows(x)
     q_offsets = rows * stride_qm + rk[None, :]
     tl.store(hi_ptr + q_offsets, hi, mask=mask)
     tl.store(lo_ptr + q_offsets, lo, mask=mask)

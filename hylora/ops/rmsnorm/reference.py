@@ -4,7 +4,8 @@
 s = residual + x (in x's dtype, as an unfused `x = x + h` would) and returns (norm(s), s); given
 `rotary` (the attention's q/k norms) it applies the rotary embedding to the normed heads.
 `rms_norm_quantized`: `rms_norm` (2-D, no rotary) quantised for an FP8 projection
-(`fp8_linear.quantize_activation`), e.g. the GDN in_proj or the MLP's gate_up behind the norm;
+(`fp8_linear.quantize_activation`, or with `split` its two-term `quantize_activation_split`), e.g. the
+GDN in_proj or the MLP's gate_up behind the norm;
 `gated_rms_norm_quantized`: `gated_rms_norm` of [T, H, D] heads as [T, H·D] rows, quantised for the
 GDN out_proj (D a multiple of the group: a group never spans two heads).
 `gated_rms_norm`: the GDN output norm, w * norm(x) * silu(z), with the roundings of the layer it
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hylora.ops.fp8_linear.reference import GROUP, QuantizedActivation, quantize_activation
+from hylora.ops.fp8_linear.reference import GROUP, QuantizedActivation
 
 
 def rms_norm(
@@ -43,12 +44,13 @@ def rms_norm_quantized(
     residual: torch.Tensor | None = None,  # [T, D]
     group: int = GROUP,
     keep: bool = False,
+    split: bool = False,  # as two e4m3 terms, for a split GEMM (`quantize_activation_split`)
 ) -> QuantizedActivation | tuple[QuantizedActivation, torch.Tensor]:
     """`rms_norm(x, weight, eps, residual)` quantised per token and group of `group` inputs; with
     `keep`, the unquantised norm too (for the projection's LoRA or unquantised rows)."""
     normed = rms_norm(x, weight, eps, residual)
     out, total = normed if residual is not None else (normed, None)
-    quantized = QuantizedActivation(*quantize_activation(out, group), out.dtype, out if keep else None)
+    quantized = QuantizedActivation.of(out, group, keep, split)
     return quantized if residual is None else (quantized, total)
 
 
@@ -81,10 +83,11 @@ def gated_rms_norm_quantized(
     eps: float,
     group: int = GROUP,
     keep: bool = False,
+    split: bool = False,  # as two e4m3 terms, for a split GEMM
 ) -> QuantizedActivation:
     """`gated_rms_norm(x, z, weight, eps)` as [T, H·D] rows, quantised per token and group of `group`
     inputs; with `keep`, the unquantised rows too."""
     if x.ndim != 3 or x.shape[-1] % group:
         raise ValueError(f"gated_rms_norm_quantized: takes [T, H, D] heads with D a multiple of {group}")
     out = gated_rms_norm(x, z, weight, eps).reshape(x.shape[0], -1)
-    return QuantizedActivation(*quantize_activation(out, group), out.dtype, out if keep else None)
+    return QuantizedActivation.of(out, group, keep, split)

@@ -1,8 +1,8 @@
 """The RMSNorms of `reference` in one Triton launch each, same signatures and results.
 `rms_norm_quantized` (and `gated_rms_norm_quantized`) also quantise the norm for an FP8 projection in
-that launch, bit-equal to `fp8_linear.triton.quantize_activation` of this module's `rms_norm`
-(`gated_rms_norm`): the norm is not written (unless kept) nor read back by a quantisation launch of
-its own.
+that launch, bit-equal to `fp8_linear.triton.quantize_activation` (with `split`, to its two-term
+`quantize_activation_split`) of this module's `rms_norm` (`gated_rms_norm`): the norm is not written
+(unless kept) nor read back by a quantisation launch of its own.
 
 Rows may be strided views (the attention layer's q/k heads are slices of its fused projection): x
 is addressed as [A, B, D] with strides (sa, sb, 1), row r = (r // B, r % B). Each program normalises
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from hylora.ops.fp8_linear.reference import FP8_DTYPE, GROUP, QuantizedActivation
-from hylora.ops.fp8_linear.triton import _check_group, _quantize_rows
+from hylora.ops.fp8_linear.triton import _check_group, _quantize_rows, _quantize_split_rows
 
 ELEMENTS_PER_PROGRAM = 4096
 
@@ -49,30 +49,40 @@ def rms_norm_quantized(
     residual: torch.Tensor | None = None,
     group: int = GROUP,
     keep: bool = False,
+    split: bool = False,
 ) -> QuantizedActivation | tuple[QuantizedActivation, torch.Tensor]:
     if x.ndim != 2 or (residual is not None and residual.shape != x.shape):
         raise ValueError("rms_norm_quantized: takes x [T, D] and a residual of the same shape")
     _check_group(group)
     T, D = x.shape
     q = torch.empty(T, D, dtype=FP8_DTYPE, device=x.device)
+    lo = torch.empty_like(q) if split else None
     scale = torch.empty(T, triton.cdiv(D, group), dtype=torch.float32, device=x.device)
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
-    out = _launch(x, weight, eps, residual=residual, total=total, quant=(q, scale, group), keep=keep)
-    quantized = QuantizedActivation(q, scale, x.dtype, out if keep else None)
+    out = _launch(x, weight, eps, residual=residual, total=total, quant=(q, scale, group), lo=lo, keep=keep)
+    quantized = QuantizedActivation(q, scale, x.dtype, out if keep else None, lo)
     return quantized if residual is None else (quantized, total)
 
 
 def gated_rms_norm_quantized(
-    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group: int = GROUP, keep: bool = False
+    x: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    group: int = GROUP,
+    keep: bool = False,
+    split: bool = False,
 ) -> QuantizedActivation:
     if x.ndim != 3 or z.shape != x.shape or x.shape[-1] % group:
         raise ValueError(f"gated_rms_norm_quantized: takes [T, H, D] heads and gate, D a multiple of {group}")
     _check_group(group)
     T, H, D = x.shape
     q = torch.empty(T, H * D, dtype=FP8_DTYPE, device=x.device)
+    lo = torch.empty_like(q) if split else None
     scale = torch.empty(T, H * D // group, dtype=torch.float32, device=x.device)
-    out = _launch(x, weight, eps, gate=z, quant=(q, scale, group), keep=keep)  # head row r of q: [r // H, r % H]
-    return QuantizedActivation(q, scale, x.dtype, out.reshape(T, H * D) if keep else None)
+    # head row r of q: [r // H, r % H]
+    out = _launch(x, weight, eps, gate=z, quant=(q, scale, group), lo=lo, keep=keep)
+    return QuantizedActivation(q, scale, x.dtype, out.reshape(T, H * D) if keep else None, lo)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,6 +111,7 @@ def _launch(
     gate: torch.Tensor | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     quant: tuple[torch.Tensor, torch.Tensor, int] | None = None,  # (e4m3 [T, D], scales [T, D / group], group)
+    lo: torch.Tensor | None = None,  # with quant: e4m3 [T, D], quant's q split into (q, lo)
     keep: bool = True,  # write the norm (with quant: only when kept)
 ) -> torch.Tensor | None:
     if x.ndim > 3:
@@ -124,11 +135,12 @@ def _launch(
     cos, sin = rotary if rotary is not None else (x, x)
     _rms_norm_kernel[grid](
         x, residual if residual is not None else x, gate if gate is not None else x, weight,
-        out if out is not None else x, total if total is not None else x, cos, sin, q, scale,
-        rows, B, sxa, sxb, sra, srb, sga, sgb, D, eps, cos.shape[-1] if rotary is not None else 0,
-        triton.cdiv(D, group),
+        out if out is not None else x, total if total is not None else x, cos, sin, q,
+        lo if lo is not None else q, scale, rows, B, sxa, sxb, sra, srb, sga, sgb, D, eps,
+        cos.shape[-1] if rotary is not None else 0, triton.cdiv(D, group),
         HAS_RESIDUAL=residual is not None, GATED=gate is not None, ROTARY=rotary is not None,
-        QUANT=quant is not None, STORE_OUT=out is not None, GROUP=group, GROUPS_PER_ROW=block_d // group,
+        QUANT=quant is not None, SPLIT=lo is not None, STORE_OUT=out is not None, GROUP=group,
+        GROUPS_PER_ROW=block_d // group,
         BLOCK_D=block_d, ROWS=block_rows, VEC=16 // x.element_size(), num_warps=8 if block_d >= 4096 else 4,
     )  # fmt: skip
     return out
@@ -136,11 +148,11 @@ def _launch(
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, total_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr,
+    x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, total_ptr, cos_ptr, sin_ptr, q_ptr, lo_ptr, s_ptr,
     rows, B, sxa, sxb, sra, srb, sga, sgb, D, eps, R, groups,
     HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ROTARY: tl.constexpr, QUANT: tl.constexpr,
-    STORE_OUT: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_ROW: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROWS: tl.constexpr, VEC: tl.constexpr,
+    SPLIT: tl.constexpr, STORE_OUT: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_ROW: tl.constexpr,
+    BLOCK_D: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS]
     a, b = r // B, r % B
@@ -181,12 +193,19 @@ def _rms_norm_kernel(
     if STORE_OUT:
         tl.store(out_ptr + dense, y, mask=mask)
     if QUANT:  # each row's groups of GROUP inputs, from the rounded norm (lanes past D are zeros)
-        q, scale = _quantize_rows(tl.reshape(y.to(tl.float32), (ROWS * GROUPS_PER_ROW, GROUP)))
+        groups_of_y = tl.reshape(y.to(tl.float32), (ROWS * GROUPS_PER_ROW, GROUP))
+        if SPLIT:
+            q, lo, scale = _quantize_split_rows(groups_of_y)
+        else:
+            q, scale = _quantize_rows(groups_of_y)
         # q's offsets declared VEC-contiguous (VEC: x's elements in 16 bytes; they are BLOCK_D-contiguous):
         # the e4m3 store then takes the layout of x's loads and stores (VEC a thread) instead of its own
         # (16 a thread), so x, w, y and the sum of squares keep the plain norm's layout: no [ROWS, BLOCK_D]
         # conversion through shared memory, and the plain norm's summation order (as compiled for sm_90)
-        tl.store(q_ptr + tl.max_contiguous(dense, [1, VEC]), tl.reshape(q, (ROWS, BLOCK_D)), mask=mask)
+        q_offsets = tl.max_contiguous(dense, [1, VEC])
+        tl.store(q_ptr + q_offsets, tl.reshape(q, (ROWS, BLOCK_D)), mask=mask)
+        if SPLIT:
+            tl.store(lo_ptr + q_offsets, tl.reshape(lo, (ROWS, BLOCK_D)), mask=mask)
         g = tl.arange(0, GROUPS_PER_ROW)
         s_mask = (r < rows)[:, None] & (g < groups)[None, :]
         tl.store(s_ptr + r[:, None] * groups + g[None, :], tl.reshape(scale, (ROWS, GROUPS_PER_ROW)), mask=s_mask)

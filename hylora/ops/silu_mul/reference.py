@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hylora.ops.fp8_linear.reference import GROUP, QuantizedActivation, quantize_activation
+from hylora.ops.fp8_linear.reference import GROUP, QuantizedActivation
 from hylora.ops.lora.reference import lora_expand
 
 
@@ -19,12 +19,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def silu_mul_quantized(gate_up: torch.Tensor, group: int = GROUP, keep: bool = False) -> QuantizedActivation:
-    """`silu_mul(gate_up)` quantised per token and group of `group` inputs; with `keep`, the
-    unquantised [T, I] too (for the down projection's LoRA)."""
-    h = silu_mul(gate_up)
-    q, scale = quantize_activation(h, group)
-    return QuantizedActivation(q, scale, h.dtype, h if keep else None)
+def silu_mul_quantized(
+    gate_up: torch.Tensor, group: int = GROUP, keep: bool = False, split: bool = False
+) -> QuantizedActivation:
+    """`silu_mul(gate_up)` quantised per token and group of `group` inputs (`split`: as two e4m3 terms,
+    `quantize_activation_split`); with `keep`, the unquantised [T, I] too (for the down projection's LoRA)."""
+    return QuantizedActivation.of(silu_mul(gate_up), group, keep, split)
 
 
 def silu_mul_lora(
@@ -34,6 +34,7 @@ def silu_mul_lora(
     token_slots: torch.Tensor,  # [T] each token's slot, -1: no adapter
     group: int | None = None,  # quantise for an FP8 down projection with groups of `group` inputs
     keep: bool = False,  # with group: also the unquantised [T, I] (for the down projection's LoRA)
+    split: bool = False,  # with group: as two e4m3 terms
 ) -> torch.Tensor | QuantizedActivation:
     """silu_mul (or silu_mul_quantized) of gate_up plus each adapter token's delta h · B, the sum
     rounded to gate_up's dtype first, as the unfused expand then activation do."""
@@ -43,4 +44,4 @@ def silu_mul_lora(
     else:
         own = h.float().sum(0)
     y = lora_expand(own, b, [(0, inner), (inner, inner)], token_slots, gate_up.clone())
-    return silu_mul(y) if group is None else silu_mul_quantized(y, group, keep)
+    return silu_mul(y) if group is None else silu_mul_quantized(y, group, keep, split)

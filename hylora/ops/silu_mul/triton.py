@@ -1,7 +1,8 @@
 """`reference.silu_mul` in one Triton launch: reads [gate | up] once, writes [T, I] once.
 `silu_mul_quantized`: the same values quantised for an FP8 down projection in that launch (bit-equal
-to `fp8_linear.triton.quantize_activation` of `silu_mul`): the [T, I] activation is neither written
-(unless kept for LoRA) nor read back by a quantisation launch of its own.
+to `fp8_linear.triton.quantize_activation` of `silu_mul`; with `split`, to its two-term
+`quantize_activation_split`): the [T, I] activation is neither written (unless kept for LoRA) nor read
+back by a quantisation launch of its own.
 `silu_mul_lora`: either, with the gate_up projection's LoRA expand in the same launch (the twin of
 `reference.silu_mul_lora`): the adapter tokens' [gate | up] rows plus h · B, rounded, then the
 activation, so the expand's read-modify-write of [T, 2I] goes (prefill: ~57 % of the expand's bytes
@@ -17,7 +18,7 @@ import triton
 import triton.language as tl
 
 from hylora.ops.fp8_linear.reference import FP8_DTYPE, GROUP, QuantizedActivation
-from hylora.ops.fp8_linear.triton import QUANT_BLOCK_M, _check_group, _quantize_rows
+from hylora.ops.fp8_linear.triton import QUANT_BLOCK_M, _check_group, _quantize_rows, _quantize_split_rows
 from hylora.ops.lora.triton import LoRAKernelMeta, _block_r, _tile_delta, _tile_h, _tile_tokens, h_is_native
 
 BLOCK = 2048
@@ -54,27 +55,32 @@ def _silu_mul_kernel(x_ptr, out_ptr, n, inner, stride_t, BLOCK: tl.constexpr):
     tl.store(out_ptr + i, _silu_times(gate, up), mask=mask)
 
 
-def silu_mul_quantized(gate_up: torch.Tensor, group: int = GROUP, keep: bool = False) -> QuantizedActivation:
+def silu_mul_quantized(
+    gate_up: torch.Tensor, group: int = GROUP, keep: bool = False, split: bool = False
+) -> QuantizedActivation:
     T, two_i = gate_up.shape
     if two_i % 2 or gate_up.stride(1) != 1:
         raise ValueError("silu_mul_quantized: needs [T, 2I] with unit stride along the last dimension")
     _check_group(group)
     inner = two_i // 2
     q = torch.empty(T, inner, dtype=FP8_DTYPE, device=gate_up.device)
+    lo = torch.empty_like(q) if split else None
     s = torch.empty(T, triton.cdiv(inner, group), dtype=torch.float32, device=gate_up.device)
     h = torch.empty(T, inner, dtype=gate_up.dtype, device=gate_up.device) if keep else q
     if T and inner:
         grid = (triton.cdiv(T, QUANT_BLOCK_M), triton.cdiv(inner, group))
         _silu_mul_quant_kernel[grid](
-            gate_up, h, q, s, T, inner, gate_up.stride(0), BLOCK_M=QUANT_BLOCK_M, GROUP=group, KEEP=keep
-        )
-    return QuantizedActivation(q, s, gate_up.dtype, h if keep else None)
+            gate_up, h, q, q if lo is None else lo, s, T, inner, gate_up.stride(0),
+            BLOCK_M=QUANT_BLOCK_M, GROUP=group, KEEP=keep, SPLIT=split,
+        )  # fmt: skip
+    return QuantizedActivation(q, s, gate_up.dtype, h if keep else None, lo)
 
 
 @triton.jit
 def _silu_mul_quant_kernel(
-    x_ptr, h_ptr, q_ptr, s_ptr, T, inner, stride_t, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, KEEP: tl.constexpr
-):
+    x_ptr, h_ptr, q_ptr, lo_ptr, s_ptr, T, inner, stride_t,
+    BLOCK_M: tl.constexpr, GROUP: tl.constexpr, KEEP: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
     rt = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = tl.program_id(1)
     rc = g * GROUP + tl.arange(0, GROUP)
@@ -86,7 +92,11 @@ def _silu_mul_quant_kernel(
     out = rows * inner + rc[None, :]
     if KEEP:
         tl.store(h_ptr + out, h, mask=mask)
-    q, scale = _quantize_rows(h.to(tl.float32))
+    if SPLIT:
+        q, lo, scale = _quantize_split_rows(h.to(tl.float32))
+        tl.store(lo_ptr + out, lo, mask=mask)
+    else:
+        q, scale = _quantize_rows(h.to(tl.float32))
     tl.store(q_ptr + out, q, mask=mask)
     tl.store(s_ptr + rt.to(tl.int64) * tl.cdiv(inner, GROUP) + g, scale, mask=rt < T)
 
@@ -98,6 +108,7 @@ def silu_mul_lora(
     meta: LoRAKernelMeta,
     group: int | None = None,  # quantise for an FP8 down projection, groups of `group` inputs
     keep: bool = False,
+    split: bool = False,  # with group: as two e4m3 terms
 ) -> torch.Tensor | QuantizedActivation:
     T, two_i = gate_up.shape
     inner = two_i // 2
@@ -114,6 +125,7 @@ def silu_mul_lora(
     _check_group(columns)
     native = h_is_native(h, gate_up.dtype)
     dev, dt = gate_up.device, gate_up.dtype
+    split = split and group is not None
     if group is None:
         out = q = torch.empty(T, inner, dtype=dt, device=dev)
         s = torch.empty(0, dtype=torch.float32, device=dev)
@@ -121,6 +133,7 @@ def silu_mul_lora(
         q = torch.empty(T, inner, dtype=FP8_DTYPE, device=dev)
         s = torch.empty(T, triton.cdiv(inner, group), dtype=torch.float32, device=dev)
         out = torch.empty(T, inner, dtype=dt, device=dev) if keep else q
+    lo = torch.empty_like(q) if split else None
     if T and inner:
         block_m = 16  # (32-token tiles held ~200 registers a thread at rank 64: one CTA an SM)
         tiles = meta.tile_map(block_m)
@@ -128,23 +141,23 @@ def silu_mul_lora(
         grid = (tiles.shape[0] + triton.cdiv(T, block_m), triton.cdiv(inner, columns))
         s_hl = h.stride(3) if h.ndim == 5 else 0
         _silu_mul_lora_kernel[grid](
-            gate_up, h, b[0], b[1], meta.order, tiles, meta.starts, out, q, s,
+            gate_up, h, b[0], b[1], meta.order, tiles, meta.starts, out, q, q if lo is None else lo, s,
             inner, gate_up.stride(0), R, h.shape[0], h.stride(0), h.stride(1), h.stride(2), s_hl, tiles.shape[0],
-            BLOCK_M=block_m, BLOCK_R=_block_r(R), COLUMNS=columns, QUANT=group is not None,
+            BLOCK_M=block_m, BLOCK_R=_block_r(R), COLUMNS=columns, QUANT=group is not None, SPLIT=split,
             STORE_OUT=group is None or keep, H_NATIVE=native,
             PRECISION="ieee" if dt == torch.float32 else "tf32x3",
         )  # fmt: skip
     if group is None:
         return out
-    return QuantizedActivation(q, s, dt, out if keep else None)
+    return QuantizedActivation(q, s, dt, out if keep else None, lo)
 
 
 @triton.jit
 def _silu_mul_lora_kernel(
-    x_ptr, h_ptr, bg_ptr, bu_ptr, order_ptr, tiles_ptr, starts_ptr, out_ptr, q_ptr, s_ptr,
+    x_ptr, h_ptr, bg_ptr, bu_ptr, order_ptr, tiles_ptr, starts_ptr, out_ptr, q_ptr, lo_ptr, s_ptr,
     inner, stride_t, R, split_k, s_hs, s_ht, s_hi, s_hl, num_tiles,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, COLUMNS: tl.constexpr, QUANT: tl.constexpr,
-    STORE_OUT: tl.constexpr, H_NATIVE: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, STORE_OUT: tl.constexpr, H_NATIVE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     g = tl.program_id(1)
@@ -186,10 +199,15 @@ def _silu_mul_lora_kernel(
     if STORE_OUT:
         tl.store(out_ptr + out, h, mask=mask)
     if QUANT:
-        q, scale = _quantize_rows(h.to(tl.float32))
+        if SPLIT:
+            q, lo, scale = _quantize_split_rows(h.to(tl.float32))
+        else:
+            q, scale = _quantize_rows(h.to(tl.float32))
         if STORE_OUT:  # q's offsets declared 8-contiguous (they are 128-contiguous): the e4m3 store takes
             # h's store layout (8 a thread) instead of its own (16), so q is computed there from the one
             # conversion of h (no conversion of q through shared memory; the scale's amax stays in the MMA layout)
             out = tl.max_contiguous(out, [1, 8])
         tl.store(q_ptr + out, q, mask=mask)
+        if SPLIT:
+            tl.store(lo_ptr + out, lo, mask=mask)
         tl.store(s_ptr + tokens * tl.cdiv(inner, COLUMNS) + g, scale, mask=m_mask)
