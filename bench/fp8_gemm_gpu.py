@@ -11,6 +11,7 @@ its own reference. Exits 1 when an error is NaN or above BOUND.
 
     python bench/fp8_gemm_gpu.py [--quick] [--sweep | --sweep-tma | --sweep-weight-only | --extra-rows | --fold]
     python bench/fp8_gemm_gpu.py --split   # split activations (--fp8-activations split) against the others
+    python bench/fp8_gemm_gpu.py --sweep-split   # the split GEMM's tile candidates, its input split by its producer
 
 --sweep times candidate tile configurations instead (decode and prefill) at a few shapes.
 """
@@ -132,8 +133,8 @@ def _config(base: T.GemmConfig, **changes) -> T.GemmConfig:
     return dataclasses.replace(base, **changes)
 
 
-def _chosen(M: int, N: int, **changes) -> T.GemmConfig:
-    return _config(T.choose_config(M, N), **changes)
+def _chosen(M: int, N: int, split: bool = False, **changes) -> T.GemmConfig:
+    return _config(T.choose_config(M, N, split=split), **changes)
 
 
 TMA_SWEEP = [  # decode sizes: the pointer loads (today's choice) against TMA tiles; None = choose_config's
@@ -195,7 +196,48 @@ SWEEPS = [  # (token counts, shapes, candidates)
 ]
 
 
-def sweep(sweeps: list = SWEEPS) -> None:
+SPLIT_SWEEP = [  # split activations, the input split by its producer (as served): changes to its pick (3 stages
+    # since run 54; run 54 swept the 4-stage pick, so its "s3" column is today's "chosen")
+    (
+        (8, 16, 24, 32),
+        ("down", "gate_up", "gdn_in_qkvz", "attn_o"),
+        {
+            "chosen": None,
+            "m16": {"block_m": 16},
+            "m32": {"block_m": 32},
+            "n128": {"block_n": 128},
+            "s3": {"num_stages": 3},
+            "s6": {"num_stages": 6},
+        },
+    ),  # fmt: skip
+    (
+        (64, 128, 256),
+        ("down", "gate_up", "gdn_in_qkvz", "attn_o"),
+        {
+            "chosen": None,
+            "s3": {"num_stages": 3},
+            "s2": {"num_stages": 2},
+            "n64": {"block_n": 64},
+            "w8": {"num_warps": 8},
+            "m32": {"block_m": 32},
+        },
+    ),  # fmt: skip
+]
+
+
+STAGES_SWEEP = [  # the dynamic GEMM's pipeline depth at decode and medium sizes (split takes 3 since run 54)
+    (
+        (1, 8, 16, 32, 64, 128),
+        ("down", "gate_up", "gdn_in_qkvz", "attn_o"),
+        {"chosen": None, "s3": {"num_stages": 3}, "s5": {"num_stages": 5}},
+    ),
+]
+
+
+def sweep(sweeps: list = SWEEPS, split: bool = False) -> None:
+    """Candidate tiles at each token count and 27B shape; `split`: the split GEMM on an input split
+    already (a QuantizedActivation with lo, as the norms and the activation hand it over)."""
+    gemm, reference = (T.fp8_split_linear, R.fp8_split_linear) if split else (T.fp8_linear, R.fp8_linear)
     for tokens, shapes, configs in sweeps:
         print(f"--- M {tokens}: us per call (/ GB/s of weight for M <= 64)")
         for name in shapes:
@@ -203,13 +245,14 @@ def sweep(sweeps: list = SWEEPS) -> None:
             w_fp8, w_scale = R.quantize_weight(torch.randn(N, K, device=DEV) * 0.02)
             for M in tokens:
                 x = torch.randn(M, K, device=DEV).bfloat16()
-                ref = R.fp8_linear(x.float(), w_fp8, w_scale)
+                ref = reference(x.float(), w_fp8, w_scale)
+                x = R.QuantizedActivation.of(x, split=True) if split else x
                 cells = []
                 for cname, cfg in configs.items():
                     if not isinstance(cfg, T.GemmConfig):  # changes to choose_config's pick for (M, N)
-                        cfg = _chosen(M, N, **(cfg or {}))
-                    err = max_error(T.fp8_linear(x, w_fp8, w_scale, config=cfg), ref)
-                    t = bench(lambda: T.fp8_linear(x, w_fp8, w_scale, config=cfg), 20 if M <= 256 else 4)  # noqa: B023
+                        cfg = _chosen(M, N, split, **(cfg or {}))
+                    err = max_error(gemm(x, w_fp8, w_scale, config=cfg), ref)
+                    t = bench(lambda: gemm(x, w_fp8, w_scale, config=cfg), 20 if M <= 256 else 4)  # noqa: B023
                     gbs = f"/{N * K / (t * 1e-3) / 1e9:.0f}" if M <= 64 else ""
                     bad = f"(e{err:.0e})" if not err <= BOUND else ""
                     cells.append(f"{cname}={t * 1e3:.1f}{gbs}{bad}")
@@ -416,6 +459,8 @@ def main() -> None:
     p.add_argument("--extra-groups", default=str(T.EXTRA_GROUPS), help="K groups per extra chunk, e.g. 1,2,4")
     p.add_argument("--fold", action="store_true", help="split-K partials summed by the last program, or a launch")
     p.add_argument("--split", action="store_true", help="split activations against dynamic, weight-only and bf16")
+    p.add_argument("--sweep-split", action="store_true", help="the split GEMM's tile candidates on pre-split inputs")
+    p.add_argument("--sweep-stages", action="store_true", help="the dynamic GEMM's pipeline depth, decode and medium")
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -432,6 +477,9 @@ def main() -> None:
         return
     if args.sweep_weight_only:
         sweep_weight_only()
+        return
+    if args.sweep_split or args.sweep_stages:
+        sweep(SPLIT_SWEEP if args.sweep_split else STAGES_SWEEP, split=args.sweep_split)
         return
     if args.sweep or args.sweep_tma:
         sweep(TMA_SWEEP if args.sweep_tma else SWEEPS)

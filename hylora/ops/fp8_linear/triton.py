@@ -54,7 +54,7 @@ No host sync and no data-dependent Python: the launches depend on the shapes alo
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -141,7 +141,21 @@ PREFILL_FROM = 1024  # tokens
 MIN_GROUPS_PER_SPLIT = 4  # 512 inputs at least per split
 
 
-def choose_config(num_tokens: int, out_features: int, weight_only: bool = False) -> GemmConfig:
+# Split activations (two x tiles a stage): 3 stages. H100 sweep (bench/fp8_gemm_gpu.py --sweep-split, BASELINE
+# run 54), the split GEMM on pre-split inputs, a layer's gate_up + down + GDN in_proj + o_proj: 5.7-6.8 % less
+# time at 8-16 tokens (gate_up 73 -> 63 us), 3 % at 32, 9-12 % at 64-256 (MEDIUM); the dynamic GEMM's
+# depth, swept the same way (--sweep-stages), stays at 4 (3 was within +-4 %, either way by shape)
+SPLIT_STAGES = 3
+
+
+def choose_config(num_tokens: int, out_features: int, weight_only: bool = False, split: bool = False) -> GemmConfig:
+    config = _size_config(num_tokens, out_features, weight_only)
+    if split and config.num_stages > SPLIT_STAGES:
+        return replace(config, num_stages=SPLIT_STAGES)
+    return config
+
+
+def _size_config(num_tokens: int, out_features: int, weight_only: bool) -> GemmConfig:
     if num_tokens == 1:
         return DECODE_1
     # weight-only: one 32-token tile, each weight tile converted once (two 16-token tiles convert it twice)
@@ -238,7 +252,7 @@ def fp8_split_linear(
     w_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)]
     block: tuple[int, int] = BLOCK,
     out: torch.Tensor | None = None,  # [..., N (+ E)] in x.dtype
-    config: GemmConfig | None = None,  # None: choose_config(tokens, N); fuse_quant is ignored
+    config: GemmConfig | None = None,  # None: choose_config(tokens, N, split=True); fuse_quant is ignored
     extra: Extra | None = None,  # E more output columns from 16-bit rows, in the same launch
 ) -> torch.Tensor:
     """y [..., N (+ E)] = `reference.fp8_split_linear(x, w_fp8, w_scale, block, extra=extra)` up to fp32
@@ -287,7 +301,7 @@ def _linear(
     if N == 0:  # only extra rows (not a path the model takes: a projection has FP8 rows)
         return with_extra(out[..., :0], out, extra)
     ex, ew = _extra_operands(extra, x2, M, K)
-    cfg = config or choose_config(M, N, weight_only)
+    cfg = config or choose_config(M, N, weight_only, split)
     fuse_quant = cfg.fuse_quant and not weight_only and quantized is None and not split
     groups = triton.cdiv(K, bk)
     ksplit = split_k(cfg, M, N, groups, _num_sms(x.device))
