@@ -196,41 +196,19 @@ SWEEPS = [  # (token counts, shapes, candidates)
 ]
 
 
-SPLIT_SWEEP = [  # split activations, the input split by its producer (as served): changes to its pick (3 stages
-    # since run 54; run 54 swept the 4-stage pick, so its "s3" column is today's "chosen")
-    (
-        (8, 16, 24, 32),
-        ("down", "gate_up", "gdn_in_qkvz", "attn_o"),
-        {
-            "chosen": None,
-            "m16": {"block_m": 16},
-            "m32": {"block_m": 32},
-            "n128": {"block_n": 128},
-            "s3": {"num_stages": 3},
-            "s6": {"num_stages": 6},
-        },
-    ),  # fmt: skip
-    (
-        (64, 128, 256),
-        ("down", "gate_up", "gdn_in_qkvz", "attn_o"),
-        {
-            "chosen": None,
-            "s3": {"num_stages": 3},
-            "s2": {"num_stages": 2},
-            "n64": {"block_n": 64},
-            "w8": {"num_warps": 8},
-            "m32": {"block_m": 32},
-        },
-    ),  # fmt: skip
-]
+SWEPT_SHAPES = ("down", "gate_up", "gdn_in_qkvz", "attn_o")
+# split activations, the input split by its producer (as served): changes to the split GEMM's pick (3 stages
+# since run 54, which swept the 4-stage pick then: "s4" is that pick)
+SPLIT_SWEEP = [
+    ((8, 16, 24, 32), SWEPT_SHAPES, {"chosen": None, "s4": {"num_stages": 4}, "m16": {"block_m": 16},
+                                     "m32": {"block_m": 32}, "n128": {"block_n": 128}}),
+    ((64, 128, 256), SWEPT_SHAPES, {"chosen": None, "s4": {"num_stages": 4}, "s2": {"num_stages": 2},
+                                    "n64": {"block_n": 64}, "w8": {"num_warps": 8}}),
+]  # fmt: skip
 
 
 STAGES_SWEEP = [  # the dynamic GEMM's pipeline depth at decode and medium sizes (split takes 3 since run 54)
-    (
-        (1, 8, 16, 32, 64, 128),
-        ("down", "gate_up", "gdn_in_qkvz", "attn_o"),
-        {"chosen": None, "s3": {"num_stages": 3}, "s5": {"num_stages": 5}},
-    ),
+    ((1, 8, 16, 32, 64, 128), SWEPT_SHAPES, {"chosen": None, "s3": {"num_stages": 3}, "s5": {"num_stages": 5}}),
 ]
 
 
