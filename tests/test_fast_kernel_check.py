@@ -259,6 +259,16 @@ def test_split_producers_split_where_the_split_gemm_takes_the_terms(gemm, monkey
     dynamic = select.model_kernels(verdicts, KernelsConfig())
     assert dynamic.rms_norm_quantized is norms.rms_norm_quantized
     assert dynamic.silu_mul_quantized(torch.randn(8, 512)).lo is None
+    # the activation with gate_up's LoRA expand, where it quantises (KernelsConfig.fused_lora_expand_quantized)
+    calls = []
+    fused = passed("silu_mul_lora", "triton", 0.0, 1e-2)
+    config = KernelsConfig(fp8_activations="split", fused_lora_expand_quantized=True)
+    monkeypatch.setattr("hylora.ops.silu_mul.triton.silu_mul_lora", lambda *a, **k: calls.append((a[4:], k)))
+    act = select.model_kernels(verdicts | {"silu_mul_lora": fused}, config).silu_mul_lora
+    for tokens, group in ((7, 128), (7, None), (8, 128)):
+        act(torch.empty(tokens, 512), None, [], None, group, True)
+    split, plain = ((128, True), {"split": True}), ((), {})
+    assert calls == [split, plain, split if gemm == "triton" else plain]  # 8 tokens: plain where cuBLAS serves
 
 
 def test_verdicts_choose_the_model_kernels():
