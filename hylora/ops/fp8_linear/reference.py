@@ -58,7 +58,7 @@ class QuantizedActivation:
     def dequantized(self, group: int = GROUP) -> torch.Tensor:
         """[M, K] fp32: (q (+ lo)) · scale, the values the GEMM multiplies (hi + lo is exact in fp32)."""
         terms = self.q.float() if self.lo is None else self.q.float() + self.lo.float()
-        return terms * self.scale.float().repeat_interleave(group, 1)[:, : self.q.shape[1]]
+        return dequantize_activation(terms, self.scale, group)
 
 
 # (x16 [..., K], w16 [E, K]), both in the output's dtype: E output columns x16 · w16ᵀ after the N FP8
