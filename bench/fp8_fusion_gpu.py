@@ -19,8 +19,14 @@ tokens, compared.
 --split: the same producers splitting for `--fp8-activations split` (both e4m3 terms in the producer's
 launch) against the plain op then `quantize_activation_split`, at decode sizes; checks first.
 
+--output-gate: the attention's output gate o * sigmoid(gate) (the 27B's 24 heads of 256, the gate a
+view of the qkv output) in one launch (`ops.output_gate`) against the torch ops the layer ran before
+(the gate's copy, the sigmoid, the product), in bf16 and quantising for an FP8 o_proj (one term, two)
+against those ops then `quantize_activation` (`_split`).
+
     python bench/fp8_fusion_gpu.py [--tokens 32,2048,8192] [--engine --layers 4]
     python bench/fp8_fusion_gpu.py --split [--tokens 1,8,32,256]
+    python bench/fp8_fusion_gpu.py --output-gate [--tokens 1,8,32,256,2048,8192]
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from bench.kernel_sweep_gpu import bench  # noqa: E402
 from hylora.kernels import KernelsConfig, checks  # noqa: E402
 from hylora.ops.fp8_linear import cublas, reference  # noqa: E402
 from hylora.ops.fp8_linear import triton as fp8_triton  # noqa: E402
+from hylora.ops.output_gate import triton as gates  # noqa: E402
 from hylora.ops.rmsnorm import triton as norm  # noqa: E402
 from hylora.ops.silu_mul import triton as silu  # noqa: E402
 
@@ -49,10 +56,14 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--split", action="store_true", help="the producers splitting for split activations")
+    ap.add_argument("--output-gate", action="store_true", help="the attention's output gate, fused and not")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     dev, dtype = "cuda", torch.bfloat16
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    if args.output_gate:
+        default = args.tokens == ap.get_default("tokens")
+        return output_gate(tokens if not default else [1, 8, 32, 256, 2048, 8192], dev, dtype)
     if args.split:
         return split_producers(tokens if args.tokens != ap.get_default("tokens") else [1, 8, 32, 256], dev, dtype)
     err = checks.silu_mul_error(INTERMEDIATE, dtype, dev, quantized=True)
@@ -121,6 +132,38 @@ def split_producers(tokens: list[int], dev: str, dtype: torch.dtype) -> None:
             bench(lambda x=x, r=res: norm.rms_norm_quantized(x, nw, 1e-6, r, keep=True, split=True)),
             bench(lambda o=o, z=z, T=T: split(norm.gated_rms_norm(o, z, gw, 1e-6).reshape(T, hv * dv))),
             bench(lambda o=o, z=z: norm.gated_rms_norm_quantized(o, z, gw, 1e-6, split=True)),
+        )
+        print("| {} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} |".format(T, *(1e3 * t for t in times)))
+
+
+def output_gate(tokens: list[int], dev: str, dtype: torch.dtype) -> None:
+    """The output gate in one launch against the layer's former torch ops (µs, median of one call in a
+    CUDA graph), plain and quantising for an FP8 o_proj; the start-up checks first."""
+    heads, head_dim, kv_heads = 24, 256, 4  # the 27B's attention
+    for name, quantized, split in (("plain", False, False), ("dynamic", True, False), ("split", True, True)):
+        err = checks.output_gate_error(heads, head_dim, kv_heads, dtype, dev, quantized=quantized, split=split)
+        print(f"check output_gate ({name}): max rel. error {err:.2e}", flush=True)
+    print(
+        "\n| tokens | torch ops µs | output_gate µs | torch ops + quantize µs | output_gate_quantized µs "
+        "| torch ops + split µs | output_gate_quantized(split) µs |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    split = fp8_triton.quantize_activation_split
+    for T in tokens:
+        qkv = torch.randn(T, heads * head_dim * 2 + 2 * kv_heads * head_dim, device=dev, dtype=dtype)
+        gate = qkv[:, : heads * head_dim * 2].reshape(T, heads, 2 * head_dim).chunk(2, dim=-1)[1]
+        o = torch.randn(T, heads, head_dim, device=dev, dtype=dtype)
+
+        def torch_ops(o=o, gate=gate, T=T):
+            return o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+
+        times = (
+            bench(torch_ops),
+            bench(lambda o=o, g=gate: gates.output_gate(o, g)),
+            bench(lambda: fp8_triton.quantize_activation(torch_ops())),  # noqa: B023
+            bench(lambda o=o, g=gate: gates.output_gate_quantized(o, g)),
+            bench(lambda: split(torch_ops())),  # noqa: B023
+            bench(lambda o=o, g=gate: gates.output_gate_quantized(o, g, split=True)),
         )
         print("| {} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} |".format(T, *(1e3 * t for t in times)))
 

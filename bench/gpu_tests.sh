@@ -15,7 +15,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$(pwd) PYTHONUNBUFFERED=1
 budget=${GPU_TESTS_BUDGET:-540}
 modules=${GPU_TESTS_MODULES:-tests/test_logits_scan.py tests/test_rotary_op.py tests/test_silu_mul_lora.py \
-  tests/test_cuda_graphs.py tests/test_fp8_linear.py}
+  tests/test_cuda_graphs.py tests/test_output_gate.py tests/test_fp8_linear.py}
 for module in $modules; do
   left=$(( budget - ($(date +%s) - t0) ))
   if [ "$left" -lt 20 ]; then

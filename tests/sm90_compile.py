@@ -94,6 +94,7 @@ def launches_27b() -> None:
     from hylora.ops.gdn_decode import triton as gdn
     from hylora.ops.logits_scan import triton as logits_scan
     from hylora.ops.lora import triton as lora
+    from hylora.ops.output_gate import triton as output_gate
     from hylora.ops.paged_decode_attention import triton as attention
     from hylora.ops.rmsnorm import triton as rmsnorm
     from hylora.ops.rotary import triton as rotary
@@ -143,6 +144,10 @@ def launches_27b() -> None:
     rmsnorm.gated_rms_norm_quantized(e(N, hv, dv), z, e(dv), 1e-6, split=True)
     for split in (False, True):
         silu.silu_mul_quantized(e(N, 2 * 17408), keep=True, split=split)
+    gate = e(N, 24, 512)[..., 256:]  # the gate half of [query | gate] heads, o_proj's input
+    output_gate.output_gate(e(N, 24, 256), gate)  # bf16: o * sigmoid(gate)
+    for split in (False, True):  # and quantised for an FP8 o_proj (one term, two)
+        output_gate.output_gate_quantized(e(N, 24, 256), gate, keep=True, split=split)
     meta = lora.LoRAKernelMeta.build(torch.zeros(32, dtype=torch.long), 8)
     silu.silu_mul_lora(e(32, 2 * 17408), e(1, 32, 2, 8, r), b_mlp, meta, group=128, keep=True, split=True)
     for T in (1, 32, 2048):  # the decode, 32-token (TMA tiles) and prefill configurations

@@ -42,6 +42,7 @@ def test_engine_decode_through_triton_kernels_equals_reference(causal_ckpt, engi
                 "paged_decode_attention",
                 "rms_norm",
                 "silu_mul",
+                "output_gate",
                 "prefill_attention",
                 "causal_conv1d",
                 "gdn_recurrent",
@@ -51,6 +52,8 @@ def test_engine_decode_through_triton_kernels_equals_reference(causal_ckpt, engi
             assert engine.model.layers[0].linear_attn.decode_step is not None
             assert engine.model.layers[0].linear_attn.short_prefill is not None
             assert engine.model.norm.kernel.__module__ == "hylora.ops.rmsnorm.triton"
+            attn = next(layer.self_attn for layer in engine.model.layers if not layer.is_linear)
+            assert attn.output_gate.__module__ == "hylora.ops.output_gate.triton"
         outputs.append(run(engine, {0: requests}))
     reference, fast = outputs
     for rid, *_ in requests:
@@ -62,6 +65,7 @@ def test_engine_decode_through_triton_kernels_equals_reference(causal_ckpt, engi
 def test_the_default_kernels_are_the_references(causal_ckpt, engine_adapter_root):
     from hylora.ops import paged_attention
     from hylora.ops.causal_conv1d.reference import save_conv_states
+    from hylora.ops.output_gate.reference import output_gate
     from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
 
     engine = make_engine(causal_ckpt[0], engine_adapter_root, max_model_len=128, page_size=16)
@@ -73,6 +77,7 @@ def test_the_default_kernels_are_the_references(causal_ckpt, engine_adapter_root
     assert gdn.decode_step is None and gdn.short_prefill is None
     assert gdn.save_conv_states is save_conv_states
     assert attn.decode_attention is None and attn.prefill_attention is paged_attention
+    assert attn.output_gate is output_gate and attn.output_gate_quantized is None
     assert model.norm.kernel is rms_norm and gdn.norm.kernel is gated_rms_norm
     assert all(getattr(m, "lora_backend", None) is None for m in model.modules())
 

@@ -223,20 +223,22 @@ def test_fp8_gemm_is_checked_as_it_serves_then_falls_back(errors, implementation
 
 @pytest.mark.parametrize("gemm", ["cublas+triton", "triton"])
 def test_split_producers_split_where_the_split_gemm_takes_the_terms(gemm, monkeypatch):
-    """--fp8-activations split: the norms and the activation that quantise for the FP8 projection behind
-    them write both terms where the split GEMM reads them. Where cuBLAS serves, steps from SPLIT_BELOW
+    """--fp8-activations split: the norms, the activation and the output gate that quantise for the FP8
+    projection behind them write both terms where the split GEMM reads them. Where cuBLAS serves, steps from SPLIT_BELOW
     tokens take the weight-only path (x as it is): those get the plain values, which the layers pass
     on as they are. Triton's split GEMM alone splits at every size. Dynamic activations: one term."""
     from hylora.kernels import KernelsConfig
     from hylora.kernels.verdict import passed, reference
     from hylora.ops.fp8_linear import cublas
     from hylora.ops.fp8_linear.reference import QuantizedActivation
+    from hylora.ops.output_gate import reference as gates
     from hylora.ops.rmsnorm import reference as norms
     from hylora.ops.silu_mul import reference as activations
 
     monkeypatch.setattr(cublas, "SPLIT_BELOW", 8)
     verdicts = {"fp8_linear": passed("fp8_linear", gemm, 0.0, 1e-2)}
-    verdicts |= {name: reference(name, "the CPU") for name in ("silu_mul_quantized", "rms_norm_quantized")}
+    producers = ("silu_mul_quantized", "rms_norm_quantized", "output_gate_quantized")
+    verdicts |= {name: reference(name, "the CPU") for name in producers}
     kernels = select.model_kernels(verdicts, KernelsConfig(fp8_activations="split"))
     g = torch.Generator().manual_seed(0)
     for tokens in (7, 8):
@@ -248,6 +250,7 @@ def test_split_producers_split_where_the_split_gemm_takes_the_terms(gemm, monkey
             "residual": (kernels.rms_norm_quantized(x, w, 1e-6, res)[0], norms.rms_norm(x, w, 1e-6, res)[0]),
             "gated": (kernels.gated_rms_norm_quantized(heads, gate, w[:128], 1e-6), None),
             "act": (kernels.silu_mul_quantized(gate_up), activations.silu_mul(gate_up)),
+            "output gate": (kernels.output_gate_quantized(heads, gate), gates.output_gate(heads, gate)),
         }
         splits = tokens < 8 or gemm == "triton"
         for name, (got, plain) in produced.items():
@@ -259,6 +262,7 @@ def test_split_producers_split_where_the_split_gemm_takes_the_terms(gemm, monkey
     dynamic = select.model_kernels(verdicts, KernelsConfig())
     assert dynamic.rms_norm_quantized is norms.rms_norm_quantized
     assert dynamic.silu_mul_quantized(torch.randn(8, 512)).lo is None
+    assert dynamic.output_gate_quantized is gates.output_gate_quantized
     # the activation with gate_up's LoRA expand, where it quantises (KernelsConfig.fused_lora_expand_quantized)
     calls = []
     fused = passed("silu_mul_lora", "triton", 0.0, 1e-2)

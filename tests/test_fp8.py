@@ -15,6 +15,7 @@ from hylora.adapters.merge import merge_adapter
 from hylora.config import ConfigError, ModelConfig
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams
 from hylora.kernels import KernelsConfig, select_kernels
+from hylora.model.attention import GatedAttention
 from hylora.model.fp8 import quantize_checkpoint
 from hylora.model.layers import MLP, GatedRMSNorm, Linear, RMSNorm
 from hylora.model.loader import CheckpointError, load_model
@@ -306,7 +307,8 @@ def test_the_norms_and_the_mlp_activation_quantise_the_fp8_inputs_and_change_not
     them (rms_norm_quantized: the GDN in_proj or attention qkv, the MLP's gate_up; with 128-wide GDN
     value heads gated_rms_norm_quantized: the out_proj) and the activation that quantises the down
     projection's (silu_mul_quantized): no quantisation launch in those GEMMs (the norms' part by
-    fp8_fused_norm_quant, on by default since BASELINE run 35). Base and adapter
+    fp8_fused_norm_quant, on by default since BASELINE run 35), and the attention's output gate that
+    quantises the o_proj's (output_gate_quantized). Base and adapter
     requests in one batch (the adapter's LoRA, and the in_proj's unquantised b / a rows, read the
     kept values): the same logprobs, bit for bit, as the projections quantising their own inputs;
     not with weight-only FP8 (its GEMM takes x as it is)."""
@@ -320,9 +322,9 @@ def test_the_norms_and_the_mlp_activation_quantise_the_fp8_inputs_and_change_not
     fused = LLMEngine(dst, fused_config, lora_modules=lora, progress=False)
     unfused_config = EngineConfig(**common, kernels=KernelsConfig(fp8_fused_quant=False))
     unfused = LLMEngine(dst, unfused_config, lora_modules=lora, progress=False)
-    for name in ("silu_mul_quantized", "rms_norm_quantized"):
+    for name in ("silu_mul_quantized", "rms_norm_quantized", "output_gate_quantized"):
         assert fused.kernels[name].implementation == "reference" and name not in unfused.kernels
-    act_calls, norm_calls = [], []
+    act_calls, norm_calls, gate_calls = [], [], []
     for mlp in (m for m in fused.model.modules() if isinstance(m, MLP)):
         act = mlp.act_quantized
         mlp.act_quantized = lambda h, group, keep, act=act: act_calls.append(keep) or act(h, group, keep)
@@ -333,6 +335,15 @@ def test_the_norms_and_the_mlp_activation_quantise_the_fp8_inputs_and_change_not
     for norm in norms:
         kernel = norm.kernel_quantized
         norm.kernel_quantized = lambda *a, kernel=kernel, norm=norm: norm_calls.append(norm) or kernel(*a)
+    attentions = [layer.self_attn for layer in layers if not layer.is_linear]
+    for attn in attentions:
+        gate = attn.output_gate_quantized
+        attn.output_gate_quantized = lambda o, g, group, keep, gate=gate: (
+            gate_calls.append(keep) or gate(o, g, group, keep)
+        )
+    assert attentions and all(
+        a.output_gate_quantized is None for a in unfused.model.modules() if isinstance(a, GatedAttention)
+    )
     assert all(m.act_quantized is None for m in unfused.model.modules() if isinstance(m, MLP))
     assert all(m.kernel_quantized is None for m in unfused.model.modules() if isinstance(m, RMSNorm | GatedRMSNorm))
     params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=0, logprobs=0)
@@ -343,10 +354,11 @@ def test_the_norms_and_the_mlp_activation_quantise_the_fp8_inputs_and_change_not
         results.append({k: ([p.logprob for p in o.prompt_logprobs if p], o.token_ids) for k, o in out.items()})
     assert results[0] == results[1]
     assert True in act_calls and False not in act_calls  # one mixed batch: LoRA kept the values at every step
+    assert True in gate_calls and False not in gate_calls
     assert {id(n) for n in norm_calls} == {id(n) for n in norms}
     unquantised = KernelsConfig(fp8_activations="none", fp8_fused_norm_quant=True)  # the GEMM takes x as it is
     kernels = LLMEngine(dst, EngineConfig(**common, kernels=unquantised), progress=False).kernels
-    assert "silu_mul_quantized" not in kernels and "rms_norm_quantized" not in kernels
+    assert not {"silu_mul_quantized", "rms_norm_quantized", "output_gate_quantized"} & set(kernels)
     # by default both quantise for their GEMMs (run 35: the fused norms the faster); asked not to, the
     # norms leave it to the GEMM
     kernels = LLMEngine(dst, EngineConfig(**common), progress=False).kernels
@@ -358,10 +370,10 @@ def test_the_norms_and_the_mlp_activation_quantise_the_fp8_inputs_and_change_not
 
 @pytest.mark.parametrize("ckpt", ["unaligned", "heads128"])
 def test_split_activations_are_split_by_their_producers_and_change_nothing(ckpt, request):
-    """--fp8-activations split: the norms and the MLP activation write each FP8 projection's input as
-    its two e4m3 terms in their own launch (as they quantise it for dynamic activations), and every
-    split GEMM they feed reads both. Base and adapter requests in one batch: the same logprobs, bit for
-    bit, as the GEMMs splitting their inputs themselves (fp8_fused_quant off)."""
+    """--fp8-activations split: the norms, the MLP activation and the attention's output gate write each
+    FP8 projection's input as its two e4m3 terms in their own launch (as they quantise it for dynamic
+    activations), and every split GEMM they feed reads both. Base and adapter requests in one batch: the
+    same logprobs, bit for bit, as the GEMMs splitting their inputs themselves (fp8_fused_quant off)."""
     if ckpt == "unaligned":
         dst, adapter = request.getfixturevalue("fp8_ckpts")["unaligned"][1], request.getfixturevalue("fp8_adapter")
     else:
@@ -376,11 +388,12 @@ def test_split_activations_are_split_by_their_producers_and_change_nothing(ckpt,
         )
         for fused in (True, False)
     }
-    assert {"silu_mul_quantized", "rms_norm_quantized"} <= set(engines[True].kernels)
-    inputs = []  # (fused engine) what reached each FP8 GEMM: a split input, or x itself
-    for linear in (m for m in engines[True].model.modules() if isinstance(m, Linear) and m.is_fp8):
-        gemm = linear.fp8_kernel
-        linear.fp8_kernel = lambda x, *a, gemm=gemm, **k: inputs.append(x) or gemm(x, *a, **k)
+    assert {"silu_mul_quantized", "rms_norm_quantized", "output_gate_quantized"} <= set(engines[True].kernels)
+    inputs, o_proj_inputs = [], []  # (fused engine) what reached each FP8 GEMM: a split input, or x itself
+    for name, linear in engines[True].model.named_modules():
+        if isinstance(linear, Linear) and linear.is_fp8:
+            gemm, seen = linear.fp8_kernel, o_proj_inputs if name.endswith("o_proj") else inputs
+            linear.fp8_kernel = lambda x, *a, gemm=gemm, seen=seen, **k: seen.append(x) or gemm(x, *a, **k)
     params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=0, logprobs=0)
     prompts = {"base": (random_ids(70, 320, 6), None), "lora": (random_ids(70, 320, 7), "all")}
     results = []
@@ -390,8 +403,9 @@ def test_split_activations_are_split_by_their_producers_and_change_nothing(ckpt,
     assert results[0] == results[1]
     split = [x for x in inputs if isinstance(x, QuantizedActivation)]
     assert split and all(x.lo is not None for x in split)
-    # every GEMM behind a norm or the activation took its input split (the attention's o_proj splits its own)
+    # most GEMMs behind a norm or the activation took their input split, every o_proj did
     assert len(split) > len(inputs) // 2
+    assert o_proj_inputs and all(isinstance(x, QuantizedActivation) and x.lo is not None for x in o_proj_inputs)
 
 
 def _copy_with(src: Path, dst: Path, edit) -> Path:

@@ -27,6 +27,7 @@ from hylora.ops.gdn_decode.reference import gdn_decode as gdn_decode_reference
 from hylora.ops.logits_scan.reference import HAS_NAN
 from hylora.ops.logits_scan.reference import scan_logits as scan_reference
 from hylora.ops.lora.reference import lora_apply_grouped
+from hylora.ops.output_gate.reference import output_gate as output_gate_reference
 from hylora.ops.paged_decode_attention.reference import paged_decode_attention as attention_reference
 from hylora.ops.rmsnorm.reference import gated_rms_norm as gated_reference
 from hylora.ops.rmsnorm.reference import rms_norm as norm_reference
@@ -381,6 +382,42 @@ def silu_mul_error(
             worst = max(worst, _rel_error(kernel(gate_up), silu_mul_reference(gate_up)))
             continue
         got, want = kernel(gate_up, keep=True, split=split), quantized_reference(gate_up, keep=True, split=split)
+        worst = max(worst, _quantized_error(got, want))
+    return worst
+
+
+@torch.inference_mode()
+def output_gate_error(
+    heads: int,
+    head_dim: int,
+    kv_heads: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tokens: Sequence[int] = NORM_TOKENS,
+    kernel: Callable | None = None,
+    quantized: bool = False,
+    split: bool = False,
+) -> float:
+    """The attention's output gate vs the reference at every token count of `tokens`, the gate a view
+    of a fused qkv output as the layer slices it. `quantized`: the one that also quantises for an FP8
+    o_proj (output_gate_quantized; `split`: as two e4m3 terms), its quantised values (dequantised) and
+    the unquantised ones it keeps."""
+    from hylora.ops.output_gate.reference import output_gate_quantized as quantized_reference
+
+    if kernel is None:
+        from hylora.ops.output_gate import triton
+
+        kernel = triton.output_gate_quantized if quantized else triton.output_gate
+    worst = 0.0
+    for T in tokens:
+        g = _generator(device, T)
+        qkv = torch.randn(T, heads * head_dim * 2 + 2 * kv_heads * head_dim, generator=g, device=device).mul(3)
+        gate = qkv.to(dtype)[:, : heads * head_dim * 2].reshape(T, heads, 2 * head_dim).chunk(2, dim=-1)[1]
+        o = torch.randn(T, heads, head_dim, generator=g, device=device).to(dtype)
+        if not quantized:
+            worst = max(worst, _rel_error(kernel(o, gate), output_gate_reference(o, gate)))
+            continue
+        got, want = kernel(o, gate, keep=True, split=split), quantized_reference(o, gate, keep=True, split=split)
         worst = max(worst, _quantized_error(got, want))
     return worst
 

@@ -35,10 +35,10 @@ class KernelsConfig:
     # an H200). Another card: the pick of bench/kernel_sweep_gpu.py --gdn-best-out
     gdn_decode_launch: tuple[int, int, int] | None = None
     # what FP8 projections do with their inputs. dynamic: quantise them per token and 128 inputs, as the
-    # checkpoints' activation_scheme says (FP8 tensor cores); split: below 512 tokens (decode) each input
+    # checkpoints' activation_scheme says (FP8 tensor cores); split: below 768 tokens (decode) each input
     # as two e4m3 terms sharing one scale, hi and the rest's lo, two FP8 dots per weight tile (~2^-8 of
-    # each value, less than a bf16 rounding in norm; bf16's fidelity, 1.09-1.11x bf16's 64-layer workload
-    # on an H100), from 512 tokens as none; none: keep them in the model's dtype and
+    # each value, less than a bf16 rounding in norm; bf16's fidelity, 1.11-1.14x bf16's 64-layer workload
+    # on an H100), from 768 tokens as none; none: keep them in the model's dtype and
     # convert the FP8 weights in the GEMM, or dequantise them for cuBLAS from 128 tokens (the
     # dequantised model's arithmetic, FP8 weights in memory; about bf16's speed on an H200, docs/FP8.md)
     fp8_activations: str = "dynamic"

@@ -30,8 +30,8 @@ from hylora.ops.gated_delta_rule import fla
 
 log = logging.getLogger(__name__)
 FAST_KERNELS = (
-    "gdn_decode", "paged_decode_attention", "lora", "rms_norm", "silu_mul", "prefill_attention", "causal_conv1d",
-    "gdn_recurrent", "save_conv_states", "tower_rotary", "logits_scan",
+    "gdn_decode", "paged_decode_attention", "lora", "rms_norm", "silu_mul", "output_gate", "prefill_attention",
+    "causal_conv1d", "gdn_recurrent", "save_conv_states", "tower_rotary", "logits_scan",
 )  # fmt: skip
 IMPLEMENTATION = {"prefill_attention": "flash"}  # what a passing kernel is, when not hylora's Triton
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
@@ -58,6 +58,7 @@ def select_kernels(
         if config.fp8_activations in ("dynamic", "split") and config.fp8_fused_quant:  # the producers quantise
             split = config.fp8_activations == "split"
             verdicts["silu_mul_quantized"] = select_silu_mul_quantized(model, config.fast_kernels, split)
+            verdicts["output_gate_quantized"] = select_output_gate_quantized(model, config.fast_kernels, split)
             if config.fp8_fused_norm_quant:
                 verdicts["rms_norm_quantized"] = select_rms_norm_quantized(model, config.fast_kernels, split)
     if config.fused_lora_expand:
@@ -116,6 +117,10 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
         from hylora.ops.silu_mul.triton import silu_mul
 
         chosen["silu_mul"] = silu_mul
+    if "output_gate" in fast:
+        from hylora.ops.output_gate.triton import output_gate
+
+        chosen["output_gate"] = output_gate
     if "logits_scan" in fast:
         from hylora.ops.logits_scan.triton import scan_logits
 
@@ -129,6 +134,10 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
     if "silu_mul_quantized" in verdicts:  # FP8 down projections: their input quantised by the activation
         module = "triton" if "silu_mul_quantized" in fast else "reference"
         chosen["silu_mul_quantized"] = importlib.import_module(f"hylora.ops.silu_mul.{module}").silu_mul_quantized
+    if "output_gate_quantized" in verdicts:  # FP8 o_proj: its input quantised by the attention's output gate
+        module = "triton" if "output_gate_quantized" in fast else "reference"
+        gates = importlib.import_module(f"hylora.ops.output_gate.{module}")
+        chosen["output_gate_quantized"] = gates.output_gate_quantized
     if "rms_norm_quantized" in verdicts:  # FP8 projections behind a norm: their input quantised by it
         module = "triton" if "rms_norm_quantized" in fast else "reference"
         norms = importlib.import_module(f"hylora.ops.rmsnorm.{module}")
@@ -169,6 +178,9 @@ def _split_inputs(chosen: dict, splits: Callable[[int], bool]) -> None:
 
     if "silu_mul_quantized" in chosen:
         chosen["silu_mul_quantized"] = split_inputs.silu_mul(chosen["silu_mul_quantized"], plain("silu_mul"), splits)
+    if "output_gate_quantized" in chosen:
+        gate = chosen["output_gate_quantized"]
+        chosen["output_gate_quantized"] = split_inputs.output_gate(gate, plain("output_gate"), splits)
     if "rms_norm_quantized" in chosen:
         norm, gated = chosen["rms_norm_quantized"], chosen["gated_rms_norm_quantized"]
         chosen["rms_norm_quantized"] = split_inputs.rms_norm(norm, plain("rms_norm"), splits)
@@ -290,6 +302,24 @@ def select_silu_mul_quantized(model: HybridDecoder, fast_kernels: str = "auto", 
                                                         split=split), FP8_TOLERANCE)  # fmt: skip
 
 
+def select_output_gate_quantized(
+    model: HybridDecoder, fast_kernels: str = "auto", split: bool = False
+) -> KernelVerdict:
+    """The attention's output gate fused with the FP8 o_proj's input quantisation (`split`: its two
+    e4m3 terms), checked against its reference (the unfused gate then quantize_activation or its split)."""
+    name = "output_gate_quantized"
+    if fast_kernels == "off":
+        return reference(name, "fast kernels off")
+    if not triton_usable(model.device) or model.device.type != "cuda":
+        return reference(name, "no CUDA or no triton")
+    c = model.config
+    check = functools.partial(
+        checks.output_gate_error, c.num_attention_heads, c.head_dim, c.num_key_value_heads, model.dtype, model.device,
+        quantized=True, split=split,
+    )  # fmt: skip
+    return _verdict(name, check, FP8_TOLERANCE)
+
+
 def select_silu_mul_lora(
     model: HybridDecoder, fast_kernels: str = "auto", quantized: bool = True, split: bool = False
 ) -> KernelVerdict:
@@ -368,6 +398,8 @@ def select_fast_kernels(
             c.linear_value_head_dim, c.rms_norm_eps, dtype, dev, rotary_dim=c.rotary_dim,
         ),
         "silu_mul": lambda: checks.silu_mul_error(c.intermediate_size, dtype, dev),
+        "output_gate": lambda: checks.output_gate_error(c.num_attention_heads, c.head_dim, c.num_key_value_heads,
+                                                        dtype, dev),  # fmt: skip
         "logits_scan": lambda: checks.logits_scan_error(c.vocab_size, dev),
         "causal_conv1d": lambda: checks.causal_conv1d_error(c.linear_conv_dim, c.linear_conv_kernel_dim, dtype, dev),
         "save_conv_states": lambda: checks.save_conv_states_error(

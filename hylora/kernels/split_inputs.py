@@ -1,12 +1,13 @@
 """Split FP8 activations (`--fp8-activations split`) from the ops that produce them.
 
-With dynamic activations the decoder's norms and the MLP's activation quantise the input of the FP8
-projection behind them in their own launch (`rms_norm_quantized`, `gated_rms_norm_quantized`,
-`silu_mul_quantized`). For a split deployment the same launches write the input's two e4m3 terms
-(`split=True`), where the split GEMM will read them: below `cublas.SPLIT_BELOW` tokens when cuBLAS
-serves the GEMMs (from there the weight-only path reads x itself, so those steps get the plain values),
-at every size where Triton's split GEMM serves alone. `splits(tokens)` says which; these wrappers keep
-the quantising kernels' signatures, so the layers call them as they do for dynamic activations.
+With dynamic activations the decoder's norms, the MLP's activation and the attention's output gate
+quantise the input of the FP8 projection behind them in their own launch (`rms_norm_quantized`,
+`gated_rms_norm_quantized`, `silu_mul_quantized`, `output_gate_quantized`). For a split deployment the
+same launches write the input's two e4m3 terms (`split=True`), where the split GEMM will read them:
+below `cublas.SPLIT_BELOW` tokens when cuBLAS serves the GEMMs (from there the weight-only path reads x
+itself, so those steps get the plain values), at every size where Triton's split GEMM serves alone.
+`splits(tokens)` says which; these wrappers keep the quantising kernels' signatures, so the layers
+call them as they do for dynamic activations.
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ def silu_mul(quantized: Kernel, plain: Kernel, splits: Splits) -> Kernel:
         if not splits(gate_up.shape[0]):
             return plain(gate_up)
         return quantized(gate_up, group, keep, split=True)
+
+    return kernel
+
+
+def output_gate(quantized: Kernel, plain: Kernel, splits: Splits) -> Kernel:
+    def kernel(o: torch.Tensor, gate: torch.Tensor, group: int = GROUP, keep: bool = False) -> Normed:
+        if not splits(o.shape[0]):
+            return plain(o, gate)
+        return quantized(o, gate, group, keep, split=True)
 
     return kernel
 

@@ -12,6 +12,8 @@ from hylora.cache.paged_kv import PagedKVCache
 from hylora.config import ModelConfig
 from hylora.model.forward_batch import ForwardBatch
 from hylora.model.layers import Linear, RMSNorm
+from hylora.ops.fp8_linear.reference import QuantizedActivation
+from hylora.ops.output_gate.reference import output_gate
 from hylora.ops.paged_decode_attention.reference import paged_decode_attention as paged_decode_attention_reference
 
 
@@ -31,6 +33,10 @@ class GatedAttention(nn.Module):
         self.decode_attention: Callable[..., torch.Tensor] | None = None
         # prefill attention over the paged cache: the fp32 reference, or ops.attention.flash once checked
         self.prefill_attention: Callable[..., torch.Tensor] = ops.paged_attention
+        # o * sigmoid(gate), the o_proj's input (ops.output_gate); and the same quantised for an FP8 o_proj
+        # in that launch, set by the kernel floor with fused quantisation (None: the GEMM quantises it)
+        self.output_gate: Callable[..., torch.Tensor] = output_gate
+        self.output_gate_quantized: Callable[..., QuantizedActivation] | None = None
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache, cos: torch.Tensor, sin: torch.Tensor
@@ -51,7 +57,7 @@ class GatedAttention(nn.Module):
                 q, kv.k[layer], kv.v[layer], batch.block_table, batch.decode_lens, batch.page_size,
                 self.head_dim**-0.5, max_seq_len=batch.max_decode_len,
             )  # fmt: skip
-            return self.o_proj(o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1)), batch.lora)
+            return self._project_out(o, gate, batch)
         o = self.prefill_attention(
             q,
             kv.k[layer],
@@ -62,4 +68,13 @@ class GatedAttention(nn.Module):
             batch.page_size,
             self.head_dim**-0.5,
         )
-        return self.o_proj(o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1)), batch.lora)
+        return self._project_out(o, gate, batch)
+
+    def _project_out(self, o: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """o_proj(o * sigmoid(gate)): o the attention's output, gate [T, H, d] (a view of the qkv output)."""
+        o = o.reshape(gate.shape)
+        if self.output_gate_quantized is not None and self.o_proj.is_fp8:
+            keep = self.o_proj.needs_input_values(batch.lora)  # the o_proj's LoRA reads the gated values
+            x = self.output_gate_quantized(o, gate, self.o_proj.quant_block[1], keep)
+            return self.o_proj(x, batch.lora)
+        return self.o_proj(self.output_gate(o, gate), batch.lora)

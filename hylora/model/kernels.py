@@ -18,6 +18,7 @@ from hylora.model.layers import STACKED_LORA_BELOW
 from hylora.ops.causal_conv1d.reference import save_conv_states
 from hylora.ops.fp8_linear.reference import fp8_linear
 from hylora.ops.logits_scan.reference import scan_logits
+from hylora.ops.output_gate.reference import output_gate
 from hylora.ops.rmsnorm.reference import gated_rms_norm, rms_norm
 from hylora.ops.rotary.reference import rotate_half
 from hylora.ops.silu_mul.reference import silu_mul
@@ -41,6 +42,9 @@ class ModelKernels:
     # attention layers
     decode_attention: Kernel | None = None  # over the block table (None: the reference, when padded)
     prefill_attention: Kernel = ops.paged_attention
+    output_gate: Kernel = output_gate  # o * sigmoid(gate), the o_proj's input
+    # the output gate quantised for an FP8 o_proj in one launch (dynamic or split activations; None: unfused)
+    output_gate_quantized: Kernel | None = None
     # every decoder layer (not the vision tower: it has norms of its own)
     rms_norm: Kernel = rms_norm
     gated_rms_norm: Kernel = gated_rms_norm
@@ -82,6 +86,8 @@ def install(model: HybridDecoder, kernels: ModelKernels) -> None:
         else:
             layer.self_attn.decode_attention = kernels.decode_attention
             layer.self_attn.prefill_attention = kernels.prefill_attention
+            layer.self_attn.output_gate = kernels.output_gate
+            layer.self_attn.output_gate_quantized = kernels.output_gate_quantized
     mtp_modules = list(model.mtp.modules()) if model.mtp is not None else []
     for module in [*model.layers.modules(), model.norm, *mtp_modules]:
         if isinstance(module, RMSNorm):

@@ -188,32 +188,30 @@ def _has_tma(device: torch.device) -> bool:
 
 def quantize_activation(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] → (x_fp8 [M, K] e4m3, x_scale [M, ceil(K/group)] fp32), bit-equal to the reference."""
-    M, K = x.shape
-    _check_group(group)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(M, triton.cdiv(K, group), dtype=torch.float32, device=x.device)
-    if M and K:
-        grid = (triton.cdiv(M, QUANT_BLOCK_M), triton.cdiv(K, group))
-        _quantize_kernel[grid](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), BLOCK_M=QUANT_BLOCK_M, GROUP=group)
+    q, _, s = _quantize(x, group, split=False)
     return q, s
 
 
 def quantize_activation_split(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] → (hi, lo, scale), bit-equal to `reference.quantize_activation_split`."""
+    return _quantize(x, group, split=True)
+
+
+def _quantize(x: torch.Tensor, group: int, split: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] → (q or hi, lo (q itself unless split), scale)."""
     M, K = x.shape
     _check_group(group)
     if x.stride(1) != 1:
         x = x.contiguous()
-    hi, lo = (torch.empty(M, K, dtype=FP8_DTYPE, device=x.device) for _ in range(2))
+    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
+    lo = torch.empty_like(q) if split else q
     s = torch.empty(M, triton.cdiv(K, group), dtype=torch.float32, device=x.device)
     if M and K:
         grid = (triton.cdiv(M, QUANT_BLOCK_M), triton.cdiv(K, group))
-        _quantize_split_kernel[grid](
-            x, hi, lo, s, M, K, x.stride(0), hi.stride(0), s.stride(0), BLOCK_M=QUANT_BLOCK_M, GROUP=group
+        _quantize_kernel[grid](
+            x, q, lo, s, M, K, x.stride(0), s.stride(0), BLOCK_M=QUANT_BLOCK_M, GROUP=group, SPLIT=split
         )
-    return hi, lo, s
+    return q, lo, s
 
 
 def fp8_linear(
@@ -519,6 +517,19 @@ def _quantize_split_rows(x):
 
 
 @triton.jit
+def _store_quantized_rows(h, q_ptr, lo_ptr, s_ptr, offsets, mask, s_offsets, s_mask, SPLIT: tl.constexpr):
+    """A producer's h [R, GROUP] (one group per row) quantised as `quantize_activation` (SPLIT: both terms
+    of `quantize_activation_split`) into q (and lo) at `offsets`, each row's scale at `s_offsets`."""
+    if SPLIT:
+        q, lo, scale = _quantize_split_rows(h.to(tl.float32))
+        tl.store(lo_ptr + offsets, lo, mask=mask)
+    else:
+        q, scale = _quantize_rows(h.to(tl.float32))
+    tl.store(q_ptr + offsets, q, mask=mask)
+    tl.store(s_ptr + s_offsets, scale, mask=s_mask)
+
+
+@triton.jit
 def _scaled_rows(x):
     """x [R, GROUP] fp32 → (x / scale clamped to ±448, fp32; scale [R] = amax / 448), as the reference."""
     amax = tl.max(tl.abs(x), axis=1)
@@ -541,35 +552,18 @@ def _to_e4m3(q):
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.constexpr, GROUP: tl.constexpr
-):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    g = tl.program_id(1)
-    rk = g * GROUP + tl.arange(0, GROUP)
-    mask = (rm < M)[:, None] & (rk < K)[None, :]
-    rows = rm.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, scale = _quantize_rows(x)
-    tl.store(q_ptr + rows * stride_qm + rk[None, :], q, mask=mask)
-    tl.store(s_ptr + rm.to(tl.int64) * stride_sm + g, scale, mask=rm < M)
-
-
-@triton.jit
-def _quantize_split_kernel(
-    x_ptr, hi_ptr, lo_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.constexpr, GROUP: tl.constexpr
+    x_ptr, q_ptr, lo_ptr, s_ptr, M, K, stride_xm, stride_sm,
+    BLOCK_M: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """`_quantize_kernel`'s q = x / scale as two e4m3 terms (`_quantize_split_rows`)."""
+    """x [M, K] quantised per token and GROUP inputs into q [M, K] (SPLIT: hi and lo) and the scales."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = tl.program_id(1)
     rk = g * GROUP + tl.arange(0, GROUP)
     mask = (rm < M)[:, None] & (rk < K)[None, :]
     rows = rm.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    hi, lo, scale = _quantize_split_rows(x)
-    q_offsets = rows * stride_qm + rk[None, :]
-    tl.store(hi_ptr + q_offsets, hi, mask=mask)
-    tl.store(lo_ptr + q_offsets, lo, mask=mask)
-    tl.store(s_ptr + rm.to(tl.int64) * stride_sm + g, scale, mask=rm < M)
+    x = tl.load(x_ptr + rows * stride_xm + rk[None, :], mask=mask, other=0.0)
+    _store_quantized_rows(x, q_ptr, lo_ptr, s_ptr, rows * K + rk[None, :], mask, rm.to(tl.int64) * stride_sm + g,
+                          rm < M, SPLIT)  # fmt: skip
 
 
 @triton.jit

@@ -18,7 +18,13 @@ import triton
 import triton.language as tl
 
 from hylora.ops.fp8_linear.reference import FP8_DTYPE, GROUP, QuantizedActivation
-from hylora.ops.fp8_linear.triton import QUANT_BLOCK_M, _check_group, _quantize_rows, _quantize_split_rows
+from hylora.ops.fp8_linear.triton import (
+    QUANT_BLOCK_M,
+    _check_group,
+    _quantize_rows,
+    _quantize_split_rows,
+    _store_quantized_rows,
+)
 from hylora.ops.lora.triton import LoRAKernelMeta, _block_r, _tile_delta, _tile_h, _tile_tokens, h_is_native
 
 BLOCK = 2048
@@ -92,13 +98,8 @@ def _silu_mul_quant_kernel(
     out = rows * inner + rc[None, :]
     if KEEP:
         tl.store(h_ptr + out, h, mask=mask)
-    if SPLIT:
-        q, lo, scale = _quantize_split_rows(h.to(tl.float32))
-        tl.store(lo_ptr + out, lo, mask=mask)
-    else:
-        q, scale = _quantize_rows(h.to(tl.float32))
-    tl.store(q_ptr + out, q, mask=mask)
-    tl.store(s_ptr + rt.to(tl.int64) * tl.cdiv(inner, GROUP) + g, scale, mask=rt < T)
+    scales = rt.to(tl.int64) * tl.cdiv(inner, GROUP) + g
+    _store_quantized_rows(h, q_ptr, lo_ptr, s_ptr, out, mask, scales, rt < T, SPLIT)
 
 
 def silu_mul_lora(
