@@ -299,23 +299,24 @@ def sweep_weight_only() -> None:
 SPLIT_TOKENS = (1, 8, 32, 64, 127, 256, 512, 1024)
 
 
-def split_table() -> bool:
+def split_table(tokens: tuple[int, ...] = SPLIT_TOKENS) -> bool:
     """`--fp8-activations split` at every 27B shape: the Triton split GEMM (its split launch included)
     against the dynamic FP8 GEMM, the weight-only GEMM and bf16 F.linear, us per call; its error against
     the weight-only reference (x exact, the yardstick it must stay within a bf16 rounding of) and its
-    weight stream. From 128 tokens also the served path (`cublas.fp8_split_linear`: the weight-only one
-    from SPLIT_BELOW), for the crossover. False when an error is NaN or above BOUND."""
+    weight stream. From 128 tokens also cuBLAS's weight-only path (`cublas.fp8_weight_only_linear`,
+    what `cublas.fp8_split_linear` serves from SPLIT_BELOW), for the crossover. False when an error is
+    NaN or above BOUND."""
     from hylora.ops.fp8_linear import cublas
 
     print(f"--- split activations: us per call (cublas.SPLIT_BELOW = {cublas.SPLIT_BELOW})")
     print(f"{'shape':<12} {'M':>4} {'split':>7} {'dynamic':>7} {'w-only':>7} {'bf16':>7} {'split/dyn':>9} "
-          f"{'GB/s':>5} {'err':>8} {'served':>7}")  # fmt: skip
+          f"{'GB/s':>5} {'err':>8} {'cuBLAS':>7}")  # fmt: skip
     ok = True
     for name, (N, K) in SHAPES.items():
         g = torch.Generator(device=DEV).manual_seed(N + K)
         w_fp8, w_scale = R.quantize_weight(torch.randn(N, K, device=DEV, generator=g) * 0.02)
         w16 = R.dequantize_weight(w_fp8, w_scale, dtype=torch.bfloat16)
-        for M in SPLIT_TOKENS:
+        for M in tokens:
             x = torch.randn(M, K, device=DEV, generator=g).bfloat16()
             out = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
             err = max_error(T.fp8_split_linear(x, w_fp8, w_scale), R.fp8_weight_only_linear(x.float(), w_fp8, w_scale))
@@ -326,13 +327,14 @@ def split_table() -> bool:
                 "w-only": bench(lambda: T.fp8_weight_only_linear(x, w_fp8, w_scale, out=out), 20),  # noqa: B023
                 "bf16": bench(lambda: F.linear(x, w16), 20),  # noqa: B023
             }
-            served = bench(lambda: cublas.fp8_split_linear(x, w_fp8, w_scale, out=out), 20) if M >= 128 else None  # noqa: B023
+            w_only = cublas.fp8_weight_only_linear
+            cublas_t = bench(lambda: w_only(x, w_fp8, w_scale, out=out), 20) if M >= cublas.WEIGHT_ONLY_FROM else None  # noqa: B023
             cells = " ".join(f"{t[k] * 1e3:7.1f}" for k in ("split", "dynamic", "w-only", "bf16"))
             gbs = N * K / (t["split"] * 1e-3) / 1e9
             flag = "" if err <= BOUND else "  <-- ERROR"
-            served_cell = f"{served * 1e3:7.1f}" if served is not None else f"{'':>7}"
+            cublas_cell = f"{cublas_t * 1e3:7.1f}" if cublas_t is not None else f"{'':>7}"
             ratio = t["split"] / t["dynamic"]
-            print(f"{name:<12} {M:>4} {cells} {ratio:9.2f} {gbs:5.0f} {err:8.1e} {served_cell}{flag}", flush=True)
+            print(f"{name:<12} {M:>4} {cells} {ratio:9.2f} {gbs:5.0f} {err:8.1e} {cublas_cell}{flag}", flush=True)
         torch.cuda.empty_cache()
     return ok
 
@@ -437,6 +439,12 @@ def main() -> None:
     p.add_argument("--extra-groups", default=str(T.EXTRA_GROUPS), help="K groups per extra chunk, e.g. 1,2,4")
     p.add_argument("--fold", action="store_true", help="split-K partials summed by the last program, or a launch")
     p.add_argument("--split", action="store_true", help="split activations against dynamic, weight-only and bf16")
+    p.add_argument(
+        "--split-tokens",
+        type=lambda s: tuple(int(t) for t in s.split(",")),
+        default=SPLIT_TOKENS,
+        help="--split: the token counts, e.g. 512,640,768,896,1024 for SPLIT_BELOW's crossover",
+    )
     p.add_argument("--sweep-split", action="store_true", help="the split GEMM's tile candidates on pre-split inputs")
     p.add_argument("--sweep-stages", action="store_true", help="the dynamic GEMM's pipeline depth, decode and medium")
     args = p.parse_args()
@@ -446,7 +454,7 @@ def main() -> None:
         fold_splits()
         return
     if args.split:
-        if not split_table():
+        if not split_table(args.split_tokens):
             print(f"FAIL: a split error is NaN or above {BOUND:.1e}")
             sys.exit(1)
         return

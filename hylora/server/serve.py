@@ -290,8 +290,8 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         default="dynamic",
         choices=FP8_ACTIVATIONS,
         help="FP8 weights: dynamic quantises each projection's input (FP8 tensor cores, as the checkpoint says); "
-        "split, below 512 tokens, writes it as two FP8 terms (FP8 tensor cores, a bf16 rounding's precision), "
-        "and from 512 tokens does as none; none keeps it in the model's dtype (weight-only: the dequantised "
+        "split, below 768 tokens, writes it as two FP8 terms (FP8 tensor cores, a bf16 rounding's precision), "
+        "and from 768 tokens does as none; none keeps it in the model's dtype (weight-only: the dequantised "
         "model's arithmetic, bf16's fidelity and about bf16's speed on an H200, FP8's memory)",
     )
     k.add_argument(

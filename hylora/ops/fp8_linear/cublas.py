@@ -36,7 +36,7 @@ from hylora.ops.fp8_linear.reference import BLOCK, Extra, QuantizedActivation, c
 CUBLAS_FROM = 128  # tokens
 PAD_TOKENS = 16
 WEIGHT_ONLY_FROM = 128  # tokens: dequantise then cuBLAS (H200 sweep: bench/fp8_gemm_gpu.py --sweep-weight-only)
-SPLIT_BELOW = 512  # tokens: split activations in Triton's FP8 GEMM; more: the weight-only path (H100: run 52)
+SPLIT_BELOW = 768  # tokens: split activations in Triton's FP8 GEMM; more: the weight-only path (H100: run 55)
 
 
 def usable(tokens: int, N: int, K: int, block: tuple[int, int]) -> bool:
@@ -110,6 +110,10 @@ def fp8_weight_only_linear(
     w = fp8_triton.dequantize_weight(w_fp8, w_scale, block, x.dtype)
     if out is None:
         return F.linear(x, w)
+    if out.dim() == 2 and out.stride(1) == 1 and out.stride(0) >= out.shape[1]:
+        # into `out` as it lies (the GDN in_proj's FP8 rows, a column slice beside its unquantised tail):
+        # cuBLAS takes the row stride as the leading dimension, no [M, N] result and copy
+        return torch.mm(x.reshape(-1, K), w.t(), out=out)
     return out.copy_(F.linear(x, w))
 
 
