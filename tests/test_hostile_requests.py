@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import shutil
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -281,6 +282,17 @@ def post_raw(url: str, raw: str, path: str = "/v1/chat/completions") -> httpx.Re
     return httpx.post(f"{url}{path}", content=raw, headers={"content-type": "application/json"}, timeout=120)
 
 
+def health_during_twice(url: str, fn: Callable[[], httpx.Response]) -> tuple[httpx.Response, float]:
+    """fn()'s response and the slowest /health answer while it ran; where that passed 1 s, the same
+    again, and the better of the two. A body validated on the event loop stalls /health every time
+    (2-5 s); a busy test machine delayed one answer once (1.1 s in one CI run, ~0.1 s otherwise)."""
+    r, slowest = slowest_health_during(url, fn)
+    if slowest >= 1.0:
+        r, again = slowest_health_during(url, fn)
+        slowest = min(slowest, again)
+    return r, slowest
+
+
 def test_huge_lists_are_refused_early_and_no_body_stalls_the_event_loop(server):
     """Bodies under the 8 MB limit that hold 520 000 messages, or millions of token ids, content parts
     or logit_bias entries, took seconds to validate on the event loop (/health waited 2-5 s). They are
@@ -303,15 +315,15 @@ def test_huge_lists_are_refused_early_and_no_body_stalls_the_event_loop(server):
     for param, raw in offenders.items():
         assert len(raw) < 8 << 20
         path = "/detokenize" if param == "tokens" else "/v1/chat/completions"
-        r, slowest = slowest_health_during(server, lambda raw=raw, path=path: post_raw(server, raw, path))
+        r, slowest = health_during_twice(server, lambda raw=raw, path=path: post_raw(server, raw, path))
         assert assert_error(r, 400, "at most")["param"] == param
-        assert slowest < 1.0, f"/health took {slowest:.2f} s during the {param} body"
+        assert slowest < 1.0, f"/health took {slowest:.2f} s during the {param} body, twice"
     # within every bound, yet seconds to validate (2.5M tool calls): validated on a worker thread
     calls = '{"role":"assistant","content":"x","tool_calls":[' + ",".join(["{}"] * 250) + "]}"
     heavy = body('"messages":[' + ",".join([calls] * 10_000) + "]")
-    r, slowest = slowest_health_during(server, lambda: post_raw(server, heavy))
+    r, slowest = health_during_twice(server, lambda: post_raw(server, heavy))
     assert_error(r, 400, "characters, more than fit")
-    assert slowest < 1.0, f"/health took {slowest:.2f} s during the tool calls body"
+    assert slowest < 1.0, f"/health took {slowest:.2f} s during the tool calls body, twice"
     many = [{"role": "user", "content": "x"}] * 20
     r = httpx.post(f"{server}/v1/chat/completions", json={"messages": many, "max_tokens": 1}, timeout=60)
     assert r.status_code == 200, r.text
