@@ -11,7 +11,7 @@ Triton and fla are imported only when a check runs.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -375,15 +375,12 @@ def silu_mul_error(
         from hylora.ops.silu_mul import triton
 
         kernel = triton.silu_mul_quantized if quantized else triton.silu_mul
-    worst = 0.0
-    for T in tokens:
-        gate_up = torch.randn(T, 2 * intermediate, generator=_generator(device, T), device=device).mul(3).to(dtype)
-        if not quantized:
-            worst = max(worst, _rel_error(kernel(gate_up), silu_mul_reference(gate_up)))
-            continue
-        got, want = kernel(gate_up, keep=True, split=split), quantized_reference(gate_up, keep=True, split=split)
-        worst = max(worst, _quantized_error(got, want))
-    return worst
+    inputs = (
+        (torch.randn(T, 2 * intermediate, generator=_generator(device, T), device=device).mul(3).to(dtype),)
+        for T in tokens
+    )
+    reference = quantized_reference if quantized else silu_mul_reference
+    return _producer_error(kernel, reference, inputs, quantized, split)
 
 
 @torch.inference_mode()
@@ -408,17 +405,30 @@ def output_gate_error(
         from hylora.ops.output_gate import triton
 
         kernel = triton.output_gate_quantized if quantized else triton.output_gate
-    worst = 0.0
-    for T in tokens:
+
+    def o_and_gate(T: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = _generator(device, T)
         qkv = torch.randn(T, heads * head_dim * 2 + 2 * kv_heads * head_dim, generator=g, device=device).mul(3)
         gate = qkv.to(dtype)[:, : heads * head_dim * 2].reshape(T, heads, 2 * head_dim).chunk(2, dim=-1)[1]
-        o = torch.randn(T, heads, head_dim, generator=g, device=device).to(dtype)
-        if not quantized:
-            worst = max(worst, _rel_error(kernel(o, gate), output_gate_reference(o, gate)))
-            continue
-        got, want = kernel(o, gate, keep=True, split=split), quantized_reference(o, gate, keep=True, split=split)
-        worst = max(worst, _quantized_error(got, want))
+        return torch.randn(T, heads, head_dim, generator=g, device=device).to(dtype), gate
+
+    reference = quantized_reference if quantized else output_gate_reference
+    return _producer_error(kernel, reference, map(o_and_gate, tokens), quantized, split)
+
+
+def _producer_error(
+    kernel: Callable, reference: Callable, inputs: Iterable[tuple], quantized: bool, split: bool
+) -> float:
+    """The worst error of an op over `inputs` against its reference; `quantized`: one that quantises
+    for the FP8 projection behind it (`split`: as two terms), its dequantised values and the
+    unquantised ones it keeps."""
+    worst = 0.0
+    for args in inputs:
+        if quantized:
+            got, want = kernel(*args, keep=True, split=split), reference(*args, keep=True, split=split)
+            worst = max(worst, _quantized_error(got, want))
+        else:
+            worst = max(worst, _rel_error(kernel(*args), reference(*args)))
     return worst
 
 
