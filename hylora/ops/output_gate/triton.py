@@ -21,7 +21,7 @@ from hylora.ops.fp8_linear.triton import QUANT_BLOCK_M, _check_group, _store_qua
 def output_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     T, H, d = _check(o, gate, "output_gate")
     out = torch.empty(T, H * d, dtype=o.dtype, device=o.device)
-    _launch(o, gate, out, out, out, out, GROUP, quantize=False, keep=True, split=False)
+    _launch(o, gate, out, quantized=None, group=GROUP, split=False)  # the values alone: h is the output
     return out
 
 
@@ -34,7 +34,7 @@ def output_gate_quantized(
     lo = torch.empty_like(q) if split else None
     s = torch.empty(T, triton.cdiv(H * d, group), dtype=torch.float32, device=o.device)
     h = torch.empty(T, H * d, dtype=o.dtype, device=o.device) if keep else None
-    _launch(o, gate, q if h is None else h, q, q if lo is None else lo, s, group, True, keep, split)
+    _launch(o, gate, h, quantized=(q, q if lo is None else lo, s), group=group, split=split)
     return QuantizedActivation(q, s, o.dtype, h, lo)
 
 
@@ -47,13 +47,23 @@ def _check(o: torch.Tensor, gate: torch.Tensor, name: str) -> tuple[int, int, in
     return o.shape
 
 
-def _launch(o, gate, h, q, lo, s, group, quantize, keep, split) -> None:  # noqa: ANN001
+def _launch(
+    o: torch.Tensor,
+    gate: torch.Tensor,
+    h: torch.Tensor | None,  # [T, H·d] the values, written where given
+    quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,  # (q, lo (q unless split), scales)
+    group: int,
+    split: bool,
+) -> None:
     T, H, d = o.shape
+    assert h is not None or quantized is not None
+    q, lo, s = quantized if quantized is not None else (h, h, h)  # (unused pointers where not quantising)
     if T and H * d:
         grid = (triton.cdiv(T, QUANT_BLOCK_M), triton.cdiv(H * d, group))
         _output_gate_kernel[grid](
-            o, gate, h, q, lo, s, T, H * d, d, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1),
-            BLOCK_M=QUANT_BLOCK_M, GROUP=group, QUANT=quantize, KEEP=keep, SPLIT=split,
+            o, gate, q if h is None else h, q, lo, s, T, H * d, d, o.stride(0), o.stride(1), gate.stride(0),
+            gate.stride(1), BLOCK_M=QUANT_BLOCK_M, GROUP=group, QUANT=quantized is not None, KEEP=h is not None,
+            SPLIT=split,
         )  # fmt: skip
 
 
