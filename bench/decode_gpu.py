@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_gpu import QWEN36_27B, _run_workload, fault_check, random_adapters, random_model  # noqa: E402
-from bench.shapes import BW  # noqa: E402
+from bench.shapes import copy_rate  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import write_tokenizer  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -98,7 +98,7 @@ def _gdn_row(cfg: ModelConfig, N: int, dev: str = "cuda", dt: torch.dtype = torc
         "batch": N,
         "triton_ms": bench(lambda: gdn_decode(*args)),
         "reference_ms": bench(lambda: gdn_reference(*args), reps=10),
-        "roofline_ms": 1e3 * (2 * N * hv * dk * dv * 4 + 2 * N * C * 3 * 2) / BW,
+        "roofline_ms": 1e3 * (2 * N * hv * dk * dv * 4 + 2 * N * C * 3 * 2) / copy_rate(),
     }
     try:  # today's CUDA path: gather the slots, fla's fused recurrent kernel, scatter back
         from hylora.ops.gated_delta_rule.fla import varlen_gated_delta_rule
@@ -204,7 +204,7 @@ def _attention_row(cfg: ModelConfig, N: int, ctx: int = 576, dev: str = "cuda") 
         "context": ctx,
         "triton_ms": bench(lambda: paged_decode_attention(*args, max_seq_len=ctx)),
         "reference_ms": bench(lambda: attention_reference(*args), reps=10),
-        "roofline_ms": 1e3 * 2 * N * ctx * Hkv * D * 2 / BW,
+        "roofline_ms": 1e3 * 2 * N * ctx * Hkv * D * 2 / copy_rate(),
     }
 
 
@@ -232,7 +232,7 @@ def _lora_row(cfg: ModelConfig, tokens: int, L: int = 8, r: int = 16, dev: str =
         "masked_ms": bench(lambda: add_lora(x, y, stack, batch, "masked")),
         "grouped_ms": bench(lambda: add_lora(x, y, stack, batch, "grouped"), reps=10),
         "base_gemm_ms": bench(lambda: torch.nn.functional.linear(x, w)),
-        "adapter_bytes_roofline_ms": 1e3 * L * r * (h + 2 * inter) * 2 * 2 / BW,
+        "adapter_bytes_roofline_ms": 1e3 * L * r * (h + 2 * inter) * 2 * 2 / copy_rate(),
     }
 
 
@@ -309,7 +309,7 @@ def decode_steps(engine: LLMEngine, batches=(1, 8, 32, 64), context: int = 576) 
                 if n == 27:
                     continue
                 nbytes = step_bytes(engine, n, context, min(n, 8) if mixed else 0)
-                roofline = 1e3 * sum(nbytes.values()) / BW
+                roofline = 1e3 * sum(nbytes.values()) / copy_rate()
                 row = {
                     "decode step": f"batch {n}, {'8 adapters mixed' if mixed else 'base'}",
                     "graph_ms": wall_ms(lambda rows=rows: graphs.run(rows)),
@@ -446,7 +446,7 @@ def main() -> None:
     def measure(mode: str) -> None:  # the workload, base and 8 mixed adapters
         for label, adapter_of, warm in mixes:
             row = _run_workload(engine, f"{label}, {mode}", adapter_of, warm)
-            row["decode_weight_roofline_ms"] = 1e3 * weight_bytes / BW
+            row["decode_weight_roofline_ms"] = 1e3 * weight_bytes / copy_rate()
             runs.append(row)
             print(row, flush=True)
 

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.shapes import QWEN36_27B, SMALL  # noqa: E402, F401  (re-exported: the benches import them from here)
+from bench.shapes import QWEN36_27B, SMALL, copy_rate  # noqa: E402, F401  (re-exported: the benches import them from here)
 from hylora.adapters.registry import AdapterRegistry  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import DEMO_ADAPTERS, write_demo  # noqa: E402
@@ -308,7 +308,7 @@ def throughput(
         (f"{n_adapters} adapters mixed", lambda i: f"a{i % n_adapters}", n_adapters),
     ]:
         rows.append(
-            _run_workload(engine, label, adapter_of, warm) | {"decode_roofline_ms": 1e3 * weight_bytes / 4.3e12}
+            _run_workload(engine, label, adapter_of, warm) | {"decode_roofline_ms": 1e3 * weight_bytes / copy_rate()}
         )
         print(rows[-1], flush=True)
     rows.append(fault_check(engine, n_adapters))

@@ -12,7 +12,8 @@ shape, `--layers`): finite.
 
 `speed --weights bf16|fp8`: random weights of the 27B text shape cut to `--layers` layers (fp8:
 quantised in memory exactly as an FP8 checkpoint loads), 8 random rank-16 adapters; the decode step
-(CUDA graph) at batch 1/8/32 beside its weight-read floor, one 8k-token prefill, DESIGN.md's workload
+(CUDA graph) at batch 1/8/32 beside its weight-read floor and its whole floor (+ the fp32 GDN state read
+and written, the KV, the logits), both at the card's measured copy rate; one 8k-token prefill, DESIGN.md's workload
 (32 x 512 + 64 greedy) base and 8 mixed adapters at 2048 and 8192 batched tokens (`--step-tokens`). Run both and
 `compare` in one device call; each writes JSON.
 
@@ -39,8 +40,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode_gpu import BW, wall_ms  # noqa: E402
+from bench.decode_gpu import step_bytes, wall_ms  # noqa: E402
 from bench.engine_gpu import QWEN36_27B, _run_workload, random_adapters, random_model, write_random_adapter  # noqa: E402
+from bench.shapes import copy_rate  # noqa: E402
 from hylora.adapters.merge import merge_adapter  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.demo import DEMO_ADAPTERS, write_demo, write_tokenizer  # noqa: E402
@@ -166,8 +168,14 @@ def decode_steps(engine: LLMEngine, floor_bytes: int, batches=(1, 8, 32), contex
         pages = [kv.allocate(kv.pages_needed(context + 1)) for _ in range(n)]
         decode_rows = [DecodeRow(100 + i, context, slots[i], pages[i], -1) for i in range(n)]
         ms = wall_ms(lambda r=decode_rows: graphs.run(r))
-        floor = 1e3 * floor_bytes / BW
-        rows.append({"batch": n, "graph_ms": ms, "weight_floor_ms": floor, "over_floor": ms / floor})
+        floor = 1e3 * floor_bytes / copy_rate()
+        # the step's own floor: the weights, the fp32 GDN state read and written, the KV, the logits
+        moved = step_bytes(engine, n, context, adapters=0)
+        step_floor = floor + 1e3 * (moved["state"] + moved["kv"] + moved["logits"]) / copy_rate()
+        rows.append({
+            "batch": n, "graph_ms": ms, "weight_floor_ms": floor, "over_floor": ms / floor,
+            "step_floor_ms": step_floor, "over_step_floor": ms / step_floor,
+        })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
         for p in pages:
             kv.free(p)
@@ -226,6 +234,7 @@ def speed(args) -> dict:
         "weights": args.weights, "served_as": engine.quantization or "bf16", "weight_gb": floor_bytes / 1e9,
         "fp8_activations": args.fp8_activations, "fold": args.fold, "fused_quant": args.fused_quant,
         "engine_setup_s": time.perf_counter() - t0, "kernels": as_text(engine.kernels),
+        "copy_rate_tb_s": copy_rate() / 1e12,
     }  # fmt: skip
     print(json.dumps({k: v for k, v in result.items() if k != "kernels"}), flush=True)
     print("fp8_linear:", result["kernels"].get("fp8_linear"), flush=True)
@@ -248,7 +257,8 @@ def compare(bf16_path: str, *fp8_paths: str) -> None:
     """One table: bf16, then each FP8 run (dynamic, weight-only, ...) with its ratio to bf16."""
     bf16, *fp8s = (json.loads(Path(p).read_text()) for p in (bf16_path, *fp8_paths))
     names = [f"fp8 ({r.get('fp8_activations', 'dynamic')} activations) | / bf16" for r in fp8s]
-    print(f"| {bf16['card']}, {bf16['layers']} layers, {bf16['date']} | bf16 | {' | '.join(names)} |")
+    rate = f", copy rate {bf16['copy_rate_tb_s']:.2f} TB/s" if "copy_rate_tb_s" in bf16 else ""
+    print(f"| {bf16['card']}{rate}, {bf16['layers']} layers, {bf16['date']} | bf16 | {' | '.join(names)} |")
     print("| --- | --- |" + " --- | --- |" * len(fp8s))
 
     def row(label: str, value) -> None:  # value(run) -> (number, its text)
@@ -260,10 +270,12 @@ def compare(bf16_path: str, *fp8_paths: str) -> None:
 
     def decode(r: dict, i: int) -> tuple[float, str]:
         step = r["decode_steps"][i]
-        return step["graph_ms"], f"{step['graph_ms']:.2f} ({step['over_floor']:.2f}x)"
+        whole = f", {step['over_step_floor']:.2f}x" if "over_step_floor" in step else ""
+        return step["graph_ms"], f"{step['graph_ms']:.2f} ({step['over_floor']:.2f}x{whole})"
 
     for i, step in enumerate(bf16["decode_steps"]):
-        row(f"decode step, batch {step['batch']} (ms; x its weight floor)", lambda r, i=i: decode(r, i))
+        label = f"decode step, batch {step['batch']} (ms; x its weight floor, x weights + state + KV)"
+        row(label, lambda r, i=i: decode(r, i))
     row("prefill 8k tokens (tok/s)", lambda r: (r["prefill_8k"]["tok_s"], f"{r['prefill_8k']['tok_s']:.0f}"))
     for i, run in enumerate(bf16["workload"]):
         row(f"workload {run['run']} (out tok/s)",

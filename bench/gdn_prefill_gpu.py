@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernel_sweep_gpu import bench  # noqa: E402
+from bench.shapes import copy_rate  # noqa: E402
 from hylora.ops.causal_conv1d import reference as conv_reference  # noqa: E402
 from hylora.ops.causal_conv1d import triton as conv_triton  # noqa: E402
 
@@ -76,7 +77,7 @@ def state_case(seqs: int, dev: str) -> str:
 
     scatter = bench(put) * 1e3
     index_copy = bench(lambda: pool[layer].index_copy_(0, slots, new)) * 1e3
-    floor = 2 * new.numel() * new.element_size() / 4.8e12 * 1e6  # read + write
+    floor = 2 * new.numel() * new.element_size() / copy_rate() * 1e6  # read + write
     return f"| {seqs} | {gather:.1f} | {select:.1f} | {scatter:.1f} | {index_copy:.1f} | {floor:.1f} | {same} |"
 
 

@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.shapes import BW, QWEN36_27B  # noqa: E402
+from bench.shapes import QWEN36_27B, copy_rate  # noqa: E402
 from hylora.config import ModelConfig  # noqa: E402
 from hylora.lora import LoRABatch, LoRAStack  # noqa: E402
 from hylora.model.layers import STACKED_LORA_BELOW  # noqa: E402
@@ -115,7 +115,7 @@ def gdn_sweep(cfg: ModelConfig, configs: list[tuple[int, int, int]] | None = Non
         c_ref0, r_ref0 = conv.clone(), rec.clone()
         c_ref, r_ref = conv.clone(), rec.clone()
         o_ref = reference(*args, c_ref, r_ref, slots)
-        roofline = 1e3 * (2 * N * hv * dk * dv * 4 + 2 * N * C * 3 * 2) / BW
+        roofline = 1e3 * (2 * N * hv * dk * dv * 4 + 2 * N * C * 3 * 2) / copy_rate()
         print(f"gdn_decode, batch {N} (roofline {1e3 * roofline:.1f} us)", flush=True)
         batch_rows = []
         for block_v, warps, v_blocks in configs or GDN_CONFIGS:
@@ -168,7 +168,7 @@ def recurrent_sweep(cfg: ModelConfig) -> list[dict]:
         ref_pool = pool0.clone()
         o_ref = recurrent.recurrent_by_slot(**kw, state_pool=ref_pool, block_v=32, num_warps=4)
         writes = N * (1 + (L - 1 if spec else 0))
-        roofline = 1e3 * ((N + writes) * hv * dk * dv * 4 + 4 * T * hv * dv * 2) / BW
+        roofline = 1e3 * ((N + writes) * hv * dk * dv * 4 + 4 * T * hv * dv * 2) / copy_rate()
         name = f"{N} x {L}" + (" verify" if spec else "")
         print(f"recurrent_by_slot, {name} (roofline {1e3 * roofline:.1f} us; the first config is the default)")
         group = []
@@ -208,7 +208,7 @@ def logits_sweep(cfg: ModelConfig) -> list[dict]:
         x = torch.randn(N, cfg.vocab_size, device=DEV)
         x[1, 5] = float("nan")
         ref = reference(x)
-        roofline = 1e3 * N * cfg.vocab_size * 4 / BW
+        roofline = 1e3 * N * cfg.vocab_size * 4 / copy_rate()
         before = bench(partial(torch_path, x))
         batch_rows = [dict(kernel="logits_scan", batch=N, config="torch ops (before the scan)", ms=before,
                            roofline_ms=roofline, err=0.0, ok=True)]  # fmt: skip
@@ -262,7 +262,7 @@ def attention_sweep(cfg: ModelConfig, configs: str = ATTN_CONFIGS, shapes: str =
         lens = torch.full((N,), ctx, device=DEV, dtype=torch.int32)
         args = (q, kc, vc, table, lens, page, D**-0.5)
         ref = reference(*args)
-        roofline = 1e3 * 2 * N * ctx * Hkv * D * 2 / BW
+        roofline = 1e3 * 2 * N * ctx * Hkv * D * 2 / copy_rate()
         print(f"paged_decode_attention, batch {N}, context {ctx}, bound {bound} (roofline {1e3 * roofline:.1f} us)")
         batch_rows = []
         for config in configs.split():
@@ -336,7 +336,8 @@ def lora_sweep(cfg: ModelConfig, L: int = 8, r: int = 16, token_counts=(32, 64, 
         ref = lora_apply_grouped(x, zeros.clone(), stack.a, stack.b, offsets, stack.present, batch.groups)
         base_ms = bench(partial(torch.nn.functional.linear, x, w))
         # bytes: y read + written, x read, each distinct adapter's A and B
-        roofline = 1e3 * (tokens * (2 * start + in_f) * 2 + min(L, tokens) * r * (in_f * len(slices) + start) * 2) / BW
+        moved = tokens * (2 * start + in_f) * 2 + min(L, tokens) * r * (in_f * len(slices) + start) * 2
+        roofline = 1e3 * moved / copy_rate()
         print(f"lora {name} ({in_f} -> {slices}), {tokens} tokens: base GEMM {1e3 * base_ms:.1f} us, "
               f"LoRA roofline {1e3 * roofline:.1f} us", flush=True)  # fmt: skip
         meta = lt.LoRAKernelMeta.build(batch.token_slots, L)
@@ -494,7 +495,7 @@ def expand_sweep(cfg: ModelConfig, configs: str = EXPAND_CONFIGS, L: int = 8, r:
             ref = torch.zeros(tokens, out, device=DEV)  # the delta on y = 0: rounded once, as lora_sweep
             for i, (start, n) in enumerate(offsets):
                 ref[:, start : start + n] = torch.einsum("tr,trn->tn", own[:, i], b[i][slots].float())
-            roofline = 1e3 * (tokens * out * 2 * 2 + L * r * out * 2) / BW
+            roofline = 1e3 * (tokens * out * 2 * 2 + L * r * out * 2) / copy_rate()
             batch_rows = []
             for label, config in [*candidates.items(), ("fp32-h", lt.DECODE_EXPAND)]:
                 hh = h.float() if label == "fp32-h" else h
