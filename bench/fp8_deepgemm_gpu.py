@@ -1,0 +1,111 @@
+"""DeepGEMM's block-scaled FP8 GEMM against cuBLAS's, at the Qwen3.6-27B linear shapes (GPU, sm_90).
+
+Issue 29's 8k prefill (1.43x bf16, target 1.5x) and its 64-layer FP8 workload (1.45x, target 1.6x) wait
+on the FP8 GEMM: cuBLAS's block-scaled kernel (`torch._scaled_mm` with 1 x 128 / 128 x 128 scales, what
+hylora serves from 128 tokens) runs at ~66 % of the FP8 peak, and with the rest of an 8k prefill step
+unchanged the 1.56x the workload needs wants the GEMMs ~14 % faster (docs/BASELINE.md, "What blocks the
+unmet targets"). DeepGEMM (deepseek-ai/DeepGEMM, MIT) is the public kernel that claims more.
+
+For each weight shape N x K and token count M, on the same FP8 operands (the weight quantised in
+128 x 128 blocks, x by hylora's Triton quantisation in 1 x 128 groups): cuBLAS's time, DeepGEMM's
+(`fp8_gemm_nt`, its scale layout prepared once, as a serving path would keep it), TFLOP/s, their ratio,
+and each result's max error against the fp32 reference of the same quantised operands (max |y - ref| /
+max |ref|); then the sum over a GDN layer's and an attention layer's projections. Times: the median of
+one call over calls replayed in a CUDA graph (`kernel_sweep_gpu.bench`). Exits 1 when an error is NaN or
+above BOUND, 2 when deep_gemm is not importable.
+
+    bash bench/build_deepgemm.sh                          # here: .deepgemm/ (DeepGEMM + CUTLASS + fmt headers)
+    bash bench/fp8_deepgemm_gpu.sh [--tokens 8192,2048]   # there: builds it with the device's nvcc, runs this
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.fp8_gemm_gpu import BOUND, SHAPES, max_error  # noqa: E402
+from bench.kernel_sweep_gpu import bench  # noqa: E402
+from hylora.ops.fp8_linear import reference as R  # noqa: E402
+from hylora.ops.fp8_linear import triton as T  # noqa: E402
+
+DEV = "cuda"
+LAYERS = {  # the FP8 projections of a layer of each kind (GDN: 48 of the 64 layers, attention: 16)
+    "GDN layer": ("gdn_in_qkvz", "gdn_out", "gate_up", "down"),
+    "attention layer": ("attn_q_gate", "attn_kv", "attn_o", "gate_up", "down"),
+}
+
+
+def cublas_call(xq: torch.Tensor, xs: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor):
+    """torch._scaled_mm as hylora's cuBLAS path calls it (ops/fp8_linear/cublas.py), into `out`."""
+    sa, sb = xs.t().contiguous().t(), w_scale.t()
+    return lambda: torch._scaled_mm(xq, w_fp8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, out=out)
+
+
+def deepgemm_call(deep_gemm, xq, xs, w_fp8, w_scale, out):
+    """deep_gemm.fp8_gemm_nt (its default recipe for fp32 scales on sm_90: 1 x 128 / 128 x 128), the
+    activation scales made TMA-aligned and MN-major once here, as hylora's quantiser would write them;
+    the weight's [N / 128, K / 128] scales are read as they lie."""
+    sfa = deep_gemm.get_mn_major_tma_aligned_tensor(xs)
+    return lambda: deep_gemm.fp8_gemm_nt((xq, sfa), (w_fp8, w_scale), out, disable_ue8m0_cast=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="8192,2048,512,128")
+    args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    try:
+        import deep_gemm
+    except ImportError as e:
+        print(f"deep_gemm is not importable here ({e}): bash bench/build_deepgemm.sh, then bench/fp8_deepgemm_gpu.sh")
+        return 2
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, deep_gemm {getattr(deep_gemm, '__version__', '?')}"
+    )
+    print(f"{'shape':<12} {'N':>6} {'K':>6} {'M':>5} {'cuBLAS us':>10} {'TFLOP/s':>8} {'DeepGEMM us':>11} "
+          f"{'TFLOP/s':>8} {'cuBLAS/DG':>9} {'err cuBLAS':>10} {'err DG':>9}")  # fmt: skip
+    ok, times = True, {}
+    for name, (N, K) in SHAPES.items():
+        g = torch.Generator(device=DEV).manual_seed(N + K)
+        w_fp8, w_scale = R.quantize_weight(torch.randn(N, K, device=DEV, generator=g) * 0.02)
+        for M in tokens:
+            x = torch.randn(M, K, device=DEV, generator=g).bfloat16()
+            xq, xs = T.quantize_activation(x)
+            ref = R.fp8_linear(x.float(), w_fp8, w_scale)  # the same quantised operands, fp32 sums
+            out_c = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+            out_d = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+            cublas = cublas_call(xq, xs, w_fp8, w_scale, out_c)
+            cublas()
+            err_c = max_error(out_c, ref)
+            try:
+                dg = deepgemm_call(deep_gemm, xq, xs, w_fp8, w_scale, out_d)
+                dg()
+                torch.cuda.synchronize()
+                err_d = max_error(out_d, ref)
+            except Exception as e:  # noqa: BLE001  (a shape DeepGEMM refuses: say so, go on)
+                print(f"{name:<12} {N:>6} {K:>6} {M:>5} DeepGEMM refused: {str(e).splitlines()[0][:120]}")
+                continue
+            ok &= err_c <= BOUND and err_d <= BOUND  # False for NaN too
+            t_c, t_d = bench(cublas, 4), bench(dg, 4)  # ms
+            times[name, M] = (t_c, t_d)
+            flops = 2 * M * N * K
+            flag = "" if err_c <= BOUND and err_d <= BOUND else "  <-- ERROR"
+            print(f"{name:<12} {N:>6} {K:>6} {M:>5} {t_c * 1e3:10.1f} {flops / t_c / 1e9:8.0f} {t_d * 1e3:11.1f} "
+                  f"{flops / t_d / 1e9:8.0f} {t_c / t_d:9.2f} {err_c:10.2e} {err_d:9.2e}{flag}",
+                  flush=True)  # fmt: skip
+        torch.cuda.empty_cache()
+    for M in tokens:
+        for layer, names in LAYERS.items():
+            if all((n, M) in times for n in names):
+                c, d = (sum(times[n, M][i] for n in names) for i in (0, 1))
+                print(f"{layer}, {M} tokens: cuBLAS {c * 1e3:.0f} us, DeepGEMM {d * 1e3:.0f} us ({c / d:.2f}x)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

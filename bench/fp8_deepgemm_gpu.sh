@@ -1,0 +1,34 @@
+#!/bin/bash
+# On the device, from the repo root with .deepgemm carried (bench/build_deepgemm.sh): builds DeepGEMM's
+# C++ module against the device's torch with its nvcc (torch.utils.cpp_extension and ninja, no setuptools
+# or wheel), lays out its JIT include tree as its setup.py does, then runs bench/fp8_deepgemm_gpu.py.
+#   bash bench/fp8_deepgemm_gpu.sh [--tokens 8192,2048,512,128]
+set -uo pipefail
+t0=$(date +%s)
+DG=/tmp/deepgemm
+rm -rf "$DG" && cp -r .deepgemm "$DG"
+mkdir -p "$DG/deep_gemm/include"
+cp -r "$DG/third-party/cutlass/include/cute" "$DG/third-party/cutlass/include/cutlass" "$DG/deep_gemm/include/"
+echo "persistent_envs = dict()" > "$DG/deep_gemm/envs.py"
+export DG_JIT_CACHE_DIR=/tmp/deepgemm_jit PYTHONUNBUFFERED=1
+nvcc --version | tail -2 | head -1
+python3 - "$DG" <<'PY' || { echo "DeepGEMM's build failed after $(( $(date +%s) - t0 )) s"; exit 2; }
+import os, shutil, sys, torch
+from torch.utils.cpp_extension import CUDA_HOME, load
+dg = sys.argv[1]
+os.makedirs(f"{dg}/build", exist_ok=True)
+module = load(
+    name="_C", sources=[f"{dg}/csrc/python_api.cpp"], build_directory=f"{dg}/build", verbose=False,
+    extra_include_paths=[f"{CUDA_HOME}/include", f"{CUDA_HOME}/include/cccl", f"{dg}/deep_gemm/include",
+                         f"{dg}/third-party/cutlass/include", f"{dg}/third-party/fmt/include"],
+    extra_cflags=["-std=c++17", "-O3", "-Wno-psabi", "-Wno-deprecated-declarations"],
+    extra_ldflags=[f"-L{CUDA_HOME}/lib64", "-lcudart", "-lnvrtc"],
+)
+shutil.copy(module.__file__, f"{dg}/deep_gemm/_C.so")
+print(f"built {module.__file__} against torch {torch.__version__}, CUDA {torch.version.cuda} ({CUDA_HOME})")
+PY
+echo "DeepGEMM built in $(( $(date +%s) - t0 )) s"
+PYTHONPATH="$DG:$(pwd)" python3 bench/fp8_deepgemm_gpu.py "$@"
+rc=$?
+echo "fp8_deepgemm_gpu: rc $rc, $(( $(date +%s) - t0 )) s in all"
+exit $rc
