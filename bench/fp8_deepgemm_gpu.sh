@@ -17,8 +17,10 @@ import os, shutil, sys, torch
 from torch.utils.cpp_extension import CUDA_HOME, load
 dg = sys.argv[1]
 os.makedirs(f"{dg}/build", exist_ok=True)
+# with_cuda: link c10_cuda / torch_cuda as DeepGEMM's setup.py (a CUDAExtension) does; session 38's build
+# without it imported but crashed in its first host call (docs/BASELINE.md, run 56)
 module = load(
-    name="_C", sources=[f"{dg}/csrc/python_api.cpp"], build_directory=f"{dg}/build", verbose=False,
+    name="_C", sources=[f"{dg}/csrc/python_api.cpp"], build_directory=f"{dg}/build", verbose=False, with_cuda=True,
     extra_include_paths=[f"{CUDA_HOME}/include", f"{CUDA_HOME}/include/cccl", f"{dg}/deep_gemm/include",
                          f"{dg}/third-party/cutlass/include", f"{dg}/third-party/fmt/include"],
     extra_cflags=["-std=c++17", "-O3", "-Wno-psabi", "-Wno-deprecated-declarations"],
