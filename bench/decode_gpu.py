@@ -400,6 +400,7 @@ def main() -> None:
     )
     ap.add_argument("--skip-eager", action="store_true", help="workload with CUDA graphs only (no eager rows)")
     args = ap.parse_args()
+    copy_rate()  # measured before anything takes the GPU's memory (cached for the rooflines)
     step_tokens = [int(t) for t in args.step_tokens.split(",")]
     shape = dict(QWEN36_27B, num_hidden_layers=args.layers)
     cfg = ModelConfig.from_hf(shape)

@@ -488,6 +488,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
     ap.add_argument("--out")
     args = ap.parse_args()
+    copy_rate()  # measured before anything takes the GPU's memory (cached for the rooflines)
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -298,6 +298,7 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--out")
     args = ap.parse_args()
+    copy_rate()  # measured before anything takes the GPU's memory (cached for the rooflines)
     if args.part == "compare":
         compare(*args.files)
         return

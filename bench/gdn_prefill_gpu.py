@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("--cases", default="8192x1,8192x16,2048x4,512x1,47x32")
     ap.add_argument("--state-seqs", default="1,16,32")
     args = ap.parse_args()
+    copy_rate()  # measured before anything takes the GPU's memory (cached for the rooflines)
     dev = "cuda"
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     print("\nconv1d by slot, bf16, 10240 channels (q | k | v 2048 | 2048 | 6144), K = 4", flush=True)

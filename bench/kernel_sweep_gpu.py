@@ -532,6 +532,7 @@ def main() -> None:
     ap.add_argument("--attention-configs", default=ATTN_CONFIGS, help="'partition,block_t,warps,pv16,stages ...'")
     ap.add_argument("--attention-shapes", default=ATTN_SHAPES, help="'batch:context:bound ...'")
     args = ap.parse_args()
+    copy_rate()  # measured before anything takes the GPU's memory (cached for the rooflines)
     cfg = ModelConfig.from_hf(QWEN36_27B)
     result = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
     tokens = tuple(int(t) for t in args.lora_tokens.split(","))

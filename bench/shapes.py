@@ -12,14 +12,18 @@ BW_H200 = 4.3e12  # bytes/s, the copy rate the device tool's KINDS.md measured o
 @functools.cache
 def copy_rate() -> float:
     """This card's device-to-device copy rate in bytes/s (bytes read + written; the best of 10 copies of
-    1 GiB after 3 warm-ups): the bandwidth a memory-bound kernel can reach, which every roofline divides
-    by. Until run 56 the benches divided by the H200's 4.3e12 on every card, which put an H100's
+    1 GiB, or a quarter of the free memory, after 3 warm-ups): the bandwidth a memory-bound kernel can
+    reach, which every roofline divides by. Cached: the benches call it first, before their engine
+    takes the memory. Until run 56 the benches divided by the H200's 4.3e12 on every card, which put an H100's
     (~3.0e12) floors ~30 % too low. BW_H200 without CUDA."""
     import torch
 
     if not torch.cuda.is_available():
         return BW_H200
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    size = min(1 << 30, torch.cuda.mem_get_info()[0] // 4)
+    if size < 256 << 20:  # a copy within a few L2 sizes would time the cache, not the memory
+        raise RuntimeError("copy_rate: under 1 GiB of GPU memory free; call it before the engine takes the memory")
+    src = torch.empty(size, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best = float("inf")
@@ -32,7 +36,7 @@ def copy_rate() -> float:
             best = min(best, start.elapsed_time(end) / 1e3)
     del src, dst
     torch.cuda.empty_cache()
-    return 2 * (1 << 30) / best
+    return 2 * size / best
 
 
 QWEN36_27B = dict(
