@@ -7,11 +7,12 @@ unchanged the 1.56x the workload needs wants the GEMMs ~14 % faster (docs/BASELI
 unmet targets"). DeepGEMM (deepseek-ai/DeepGEMM, MIT) is the public kernel that claims more.
 
 For each weight shape N x K and token count M, on the same FP8 operands (the weight quantised in
-128 x 128 blocks, x by hylora's Triton quantisation in 1 x 128 groups): cuBLAS's time, DeepGEMM's
-(`fp8_gemm_nt`, its scale layout prepared once, as a serving path would keep it), TFLOP/s, their ratio,
-and each result's max error against the fp32 reference of the same quantised operands (max |y - ref| /
-max |ref|); then the sum over a GDN layer's and an attention layer's projections. Times: the median of
-one call over calls replayed in a CUDA graph (`kernel_sweep_gpu.bench`). Exits 1 when an error is NaN or
+128 x 128 blocks, x by hylora's Triton quantisation in 1 x 128 groups): cuBLAS's time (hylora's path,
+which lays out the activation scales in each call, as DeepGEMM's `fp8_gemm_nt` does too), DeepGEMM's,
+TFLOP/s, their ratio, and each result's max error against the fp32 reference of the same quantised
+operands (max |y - ref| / max |ref|); then the sum over a GDN layer's and an attention layer's
+projections. Times: the median of one call over calls replayed in a CUDA graph
+(`kernel_sweep_gpu.bench`). Exits 1 when an error is NaN or
 above BOUND, 2 when deep_gemm is not importable.
 
     bash bench/build_deepgemm.sh                          # here: .deepgemm/ (DeepGEMM + CUTLASS + fmt headers)
@@ -30,8 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.fp8_gemm_gpu import BOUND, SHAPES, max_error  # noqa: E402
 from bench.kernel_sweep_gpu import bench  # noqa: E402
+from hylora.ops.fp8_linear import cublas  # noqa: E402
 from hylora.ops.fp8_linear import reference as R  # noqa: E402
 from hylora.ops.fp8_linear import triton as T  # noqa: E402
+from hylora.ops.fp8_linear.reference import QuantizedActivation  # noqa: E402
 
 DEV = "cuda"
 LAYERS = {  # the FP8 projections of a layer of each kind (GDN: 48 of the 64 layers, attention: 16)
@@ -41,17 +44,17 @@ LAYERS = {  # the FP8 projections of a layer of each kind (GDN: 48 of the 64 lay
 
 
 def cublas_call(xq: torch.Tensor, xs: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor):
-    """torch._scaled_mm as hylora's cuBLAS path calls it (ops/fp8_linear/cublas.py), into `out`."""
-    sa, sb = xs.t().contiguous().t(), w_scale.t()
-    return lambda: torch._scaled_mm(xq, w_fp8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, out=out)
+    """hylora's serving path from 128 tokens (`ops.fp8_linear.cublas.fp8_linear`, torch._scaled_mm) on
+    an input its producer quantised, into `out`."""
+    x = QuantizedActivation(xq, xs, torch.bfloat16)
+    return lambda: cublas.fp8_linear(x, w_fp8, w_scale, out=out)
 
 
 def deepgemm_call(deep_gemm, xq, xs, w_fp8, w_scale, out):
-    """deep_gemm.fp8_gemm_nt (its default recipe for fp32 scales on sm_90: 1 x 128 / 128 x 128), the
-    activation scales made TMA-aligned and MN-major once here, as hylora's quantiser would write them;
-    the weight's [N / 128, K / 128] scales are read as they lie."""
-    sfa = deep_gemm.get_mn_major_tma_aligned_tensor(xs)
-    return lambda: deep_gemm.fp8_gemm_nt((xq, sfa), (w_fp8, w_scale), out, disable_ue8m0_cast=True)
+    """deep_gemm.fp8_gemm_nt (its default recipe for fp32 scales on sm_90: 1 x 128 / 128 x 128) on the
+    same operands; like the cuBLAS path it lays out the activation scales as its kernel reads them in
+    each call, and reads the weight's [N / 128, K / 128] scales as they lie."""
+    return lambda: deep_gemm.fp8_gemm_nt((xq, xs), (w_fp8, w_scale), out, disable_ue8m0_cast=True)
 
 
 def timed(fn) -> float:
