@@ -80,7 +80,7 @@ def timed(fn) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="8192,2048,512,128")
+    ap.add_argument("--tokens", default="8192,2048,512,128,32")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     try:

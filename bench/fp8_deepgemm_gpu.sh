@@ -1,17 +1,32 @@
 #!/bin/bash
-# On the device, from the repo root with .deepgemm carried (bench/build_deepgemm.sh): builds DeepGEMM's
-# C++ module against the device's torch with its nvcc (torch.utils.cpp_extension and ninja, no setuptools
-# or wheel), lays out its JIT include tree as its setup.py does, then runs bench/fp8_deepgemm_gpu.py.
-#   bash bench/fp8_deepgemm_gpu.sh [--tokens 8192,2048,512,128]
+# On the device, from the repo root: runs bench/fp8_deepgemm_gpu.py on DeepGEMM as stock vLLM 0.20.2
+# serves it, the prebuilt copy its wheel vendors (vllm/third_party/deep_gemm, built against torch 2.11),
+# taken from the carried .vllm bundle (bash bench/peer/build_bundle.sh). Without .vllm it builds
+# DeepGEMM 54e2261 from the carried .deepgemm (bash bench/build_deepgemm.sh) against the device's torch
+# with its nvcc (torch.utils.cpp_extension and ninja), laying out its JIT include tree as its setup.py
+# does; run 56's build of that kind crashed in its first host call.
+#   bash bench/fp8_deepgemm_gpu.sh [--tokens 8192,2048,512,128,32]
 set -uo pipefail
 t0=$(date +%s)
+export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/deepgemm_jit} PYTHONUNBUFFERED=1
+nvcc --version | tail -2 | head -1
+SLIM=.vllm/vllm-0.20.2-slim.tar.xz
+if [ -f "$SLIM" ]; then
+  DG=/tmp/deepgemm_vllm
+  rm -rf "$DG" && mkdir -p "$DG"
+  tar xJf "$SLIM" -C "$DG" vllm/third_party/deep_gemm || { echo "no deep_gemm in $SLIM: rebuild it with bench/peer/build_bundle.sh"; exit 2; }
+  mv "$DG/vllm/third_party/deep_gemm" "$DG/deep_gemm"
+  echo "vLLM 0.20.2's vendored DeepGEMM unpacked in $(( $(date +%s) - t0 )) s"
+  PYTHONPATH="$DG:$(pwd)" python3 bench/fp8_deepgemm_gpu.py "$@"
+  rc=$?
+  echo "fp8_deepgemm_gpu: rc $rc, $(( $(date +%s) - t0 )) s in all"
+  exit $rc
+fi
 DG=/tmp/deepgemm
 rm -rf "$DG" && cp -r .deepgemm "$DG"
 mkdir -p "$DG/deep_gemm/include"
 cp -r "$DG/third-party/cutlass/include/cute" "$DG/third-party/cutlass/include/cutlass" "$DG/deep_gemm/include/"
 echo "persistent_envs = dict()" > "$DG/deep_gemm/envs.py"
-export DG_JIT_CACHE_DIR=/tmp/deepgemm_jit PYTHONUNBUFFERED=1
-nvcc --version | tail -2 | head -1
 python3 - "$DG" <<'PY' || { echo "DeepGEMM's build failed after $(( $(date +%s) - t0 )) s"; exit 2; }
 import os, shutil, sys, torch
 from torch.utils.cpp_extension import CUDA_HOME, load

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Builds what the GPU run of bench/peer/doctor_gpu.sh carries (both folders git-ignored):
-#   .vllm/     a slim vLLM 0.20.2 tree (xz; sm_90 only, no FA2 / MoE / FlashMLA / DeepGEMM) and the
+#   .vllm/     a slim vLLM 0.20.2 tree (xz; sm_90 only, no FA2 / MoE / FlashMLA) and the
 #              py3.12 wheels that only vLLM imports and the GPU machine's image lacks;
 #   .peerwhl/  the wheels hylora serve / doctor need there (the API stack vLLM shares with it, one
 #              version of each), and fla-core.
@@ -26,7 +26,10 @@ grep -qx '/.peerwhl/' .git/info/exclude || echo '/.peerwhl/' >> .git/info/exclud
 unzip -q "$VLLM_WHL" -d "$T/tree"
 (
   cd "$T/tree"
-  rm -rf vllm/third_party/deep_gemm vllm/entrypoints/serve/instrumentator/static
+  # DeepGEMM stays: stock vLLM serves block-FP8 linears with it on Hopper (DeepGemmFp8BlockScaledMMKernel
+  # heads _POSSIBLE_FP8_BLOCK_KERNELS); without it vLLM fell back to CUTLASS in the FP8 peer runs up to
+  # run 56 (docs/PEER.md). 1.3 MB of host code and 27 MB of headers for its JIT, 1.8 MB more with xz
+  rm -rf vllm/entrypoints/serve/instrumentator/static
   rm -f vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C.abi3.so vllm/_flashmla_C.abi3.so \
     vllm/_flashmla_extension_C.abi3.so
   for so in _C.abi3.so _C_stable_libtorch.abi3.so; do
