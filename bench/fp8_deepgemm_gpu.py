@@ -57,6 +57,15 @@ def deepgemm_call(deep_gemm, xq, xs, w_fp8, w_scale, out):
     return lambda: deep_gemm.fp8_gemm_nt((xq, xs), (w_fp8, w_scale), out, disable_ue8m0_cast=True)
 
 
+def module_call(xq, xs, w_fp8, w_scale, out):
+    """hylora's `ops.fp8_linear.deepgemm.fp8_linear` (what the engine serves where DeepGEMM is installed)
+    on the same input, into `out`."""
+    from hylora.ops.fp8_linear import deepgemm as module
+
+    x = QuantizedActivation(xq, xs, torch.bfloat16)
+    return lambda: module.fp8_linear(x, w_fp8, w_scale, out=out)
+
+
 def timed(fn) -> float:
     """`bench` (calls replayed in a CUDA graph), or where DeepGEMM's launcher cannot be captured the
     median of 20 back-to-back eager calls between two events (an 8k-token GEMM is ~1 ms: its launch is
@@ -91,8 +100,12 @@ def main() -> int:
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, deep_gemm {getattr(deep_gemm, '__version__', '?')}"
     )
+    from hylora.ops.fp8_linear import deepgemm as module
+
+    print(f"hylora's ops.fp8_linear.deepgemm sees DeepGEMM: {module.available()}")
     print(f"{'shape':<12} {'N':>6} {'K':>6} {'M':>5} {'cuBLAS us':>10} {'TFLOP/s':>8} {'DeepGEMM us':>11} "
-          f"{'TFLOP/s':>8} {'cuBLAS/DG':>9} {'err cuBLAS':>10} {'err DG':>9}")  # fmt: skip
+          f"{'TFLOP/s':>8} {'cuBLAS/DG':>9} {'hylora+DG us':>12} {'err cuBLAS':>10} {'err DG':>9} "
+          f"{'err hy+DG':>9}")  # fmt: skip
     ok, times = True, {}
     for name, (N, K) in SHAPES.items():
         g = torch.Generator(device=DEV).manual_seed(N + K)
@@ -106,22 +119,25 @@ def main() -> int:
             cublas = cublas_call(xq, xs, w_fp8, w_scale, out_c)
             cublas()
             err_c = max_error(out_c, ref)
+            out_h = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
             try:
                 dg = deepgemm_call(deep_gemm, xq, xs, w_fp8, w_scale, out_d)
                 dg()
+                hy = module_call(xq, xs, w_fp8, w_scale, out_h)
+                hy()
                 torch.cuda.synchronize()
-                err_d = max_error(out_d, ref)
+                err_d, err_h = max_error(out_d, ref), max_error(out_h, ref)
             except Exception as e:  # noqa: BLE001  (a shape DeepGEMM refuses: say so, go on)
                 print(f"{name:<12} {N:>6} {K:>6} {M:>5} DeepGEMM refused: {str(e).splitlines()[0][:120]}")
                 continue
-            ok &= err_c <= BOUND and err_d <= BOUND  # False for NaN too
-            t_c, t_d = bench(cublas, 4), timed(dg)  # ms
+            good = err_c <= BOUND and err_d <= BOUND and err_h <= BOUND  # False for NaN too
+            ok &= good
+            t_c, t_d, t_h = bench(cublas, 4), timed(dg), timed(hy)  # ms
             times[name, M] = (t_c, t_d)
             flops = 2 * M * N * K
-            flag = "" if err_c <= BOUND and err_d <= BOUND else "  <-- ERROR"
             print(f"{name:<12} {N:>6} {K:>6} {M:>5} {t_c * 1e3:10.1f} {flops / t_c / 1e9:8.0f} {t_d * 1e3:11.1f} "
-                  f"{flops / t_d / 1e9:8.0f} {t_c / t_d:9.2f} {err_c:10.2e} {err_d:9.2e}{flag}",
-                  flush=True)  # fmt: skip
+                  f"{flops / t_d / 1e9:8.0f} {t_c / t_d:9.2f} {t_h * 1e3:12.1f} {err_c:10.2e} {err_d:9.2e} "
+                  f"{err_h:9.2e}{'' if good else '  <-- ERROR'}", flush=True)  # fmt: skip
         torch.cuda.empty_cache()
     for M in tokens:
         for layer, names in LAYERS.items():

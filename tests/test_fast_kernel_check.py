@@ -195,11 +195,15 @@ def test_a_slow_start_up_check_logs_its_time(monkeypatch, caplog):
         ({"cublas": 1.0, "triton": 1e-4}, "triton", ["cublas", "triton"], False),
         ({"cublas": "raises", "triton": 1e-4}, "triton", ["cublas", "triton"], False),  # e.g. no block-scaled cuBLAS
         ({"cublas": 1.0, "triton": float("nan")}, "reference", ["cublas", "triton"], True),
+        ({"deepgemm": 1e-4}, "deepgemm+cublas+triton", ["deepgemm"], False),  # installed: checked first
+        ({"deepgemm": float("nan"), "cublas": 1e-4}, "cublas+triton", ["deepgemm", "cublas"], False),
+        ({"deepgemm": "raises", "cublas": 1.0, "triton": 1e-4}, "triton", ["deepgemm", "cublas", "triton"], False),
     ],
 )
 def test_fp8_gemm_is_checked_as_it_serves_then_falls_back(errors, implementation, checked, dequantised):
-    """cuBLAS with Triton below is checked first; a failure falls back to Triton alone, and a failure
-    of that to dequantised weights; the verdict names what serves and, on failure, why."""
+    """DeepGEMM where installed, then cuBLAS with Triton below, are checked first; a failure falls back to
+    the next, down to Triton alone, and a failure of that to dequantised weights; the verdict names what
+    serves and, on failure, why."""
     seen, dequantize = [], Mock()
 
     def check(module):
@@ -211,13 +215,14 @@ def test_fp8_gemm_is_checked_as_it_serves_then_falls_back(errors, implementation
 
         return run
 
-    verdict = select.choose_fp8_gemm(check, dequantize)
+    verdict = select.choose_fp8_gemm(check, dequantize, deepgemm="deepgemm" in errors)
     assert verdict.implementation == implementation and seen == checked
     assert dequantize.called == dequantised == verdict.check_failed
     if dequantised:
         assert "weights dequantised" in verdict.reason
     kernels = select.model_kernels({"fp8_linear": verdict})
-    want = {"cublas+triton": "hylora.ops.fp8_linear.cublas", "triton": "hylora.ops.fp8_linear.triton"}
+    want = {i: f"hylora.ops.fp8_linear.{m}" for i, m in select.FP8_MODULES.items()}
+    want["triton"] = "hylora.ops.fp8_linear.triton"
     assert kernels.fp8_linear.__module__ == want.get(implementation, "hylora.ops.fp8_linear.reference")
 
 

@@ -47,6 +47,11 @@ class KernelsConfig:
     # another; the same values either way. False: the separate launches (a same-run comparison,
     # bench/profile_gpu.py). Split: below cublas.SPLIT_BELOW tokens where cuBLAS serves (kernels/split_inputs.py)
     fp8_fused_quant: bool = True
+    # dynamic FP8 activations: where DeepGEMM is installed (`import deep_gemm` on an sm_90 GPU; stock
+    # vLLM's FP8 GEMM on Hopper) its block-scaled GEMM serves the steps cuBLAS's would, once it passed
+    # its start-up check (ops/fp8_linear/deepgemm.py). Off until a GPU run has timed it against cuBLAS
+    # (bench/fp8_deepgemm_gpu.sh)
+    fp8_deepgemm: bool = False
     # ... and the decoder's norms quantise the in_proj / qkv's, gate_up's and the GDN out_proj's input
     # (ops.rmsnorm's rms_norm_quantized). On an H200 (BASELINE run 35, same call, 16-layer cut, 8192
     # batched tokens): FP8 workload 4001 -> 4069 tok/s base, 3397 -> 3445 mixed; the kernel alone 1.3x

@@ -35,6 +35,8 @@ FAST_KERNELS = (
 )  # fmt: skip
 IMPLEMENTATION = {"prefill_attention": "flash"}  # what a passing kernel is, when not hylora's Triton
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+# the module of hylora.ops.fp8_linear that serves each FP8 verdict's implementation (else "triton")
+FP8_MODULES = {"deepgemm+cublas+triton": "deepgemm", "cublas+triton": "cublas"}
 FP8_TOLERANCE = 1e-2  # the kernel vs the reference on the same FP8 inputs: fp32 sums in another order, bf16 out
 GDN_TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 2e-2, torch.float16: 2e-2}  # fp32 only when forced
 # a start-up check that takes longer is logged with its time: on a fresh machine the checks compile every
@@ -54,7 +56,8 @@ def select_kernels(
     else:
         verdicts |= select_fast_kernels(model, page_size, config)
     if any(isinstance(m, Linear) and m.is_fp8 for m in model.modules()):
-        verdicts["fp8_linear"] = select_fp8_kernel(model, config.fast_kernels, config.fp8_activations)
+        activations, deepgemm = config.fp8_activations, config.fp8_deepgemm
+        verdicts["fp8_linear"] = select_fp8_kernel(model, config.fast_kernels, activations, deepgemm)
         if config.fp8_activations in ("dynamic", "split") and config.fp8_fused_quant:  # the producers quantise
             split = config.fp8_activations == "split"
             verdicts["silu_mul_quantized"] = select_silu_mul_quantized(model, config.fast_kernels, split)
@@ -149,14 +152,14 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
         chosen["silu_mul_lora"] = silu_mul_lora
         chosen["silu_mul_lora_quantizes"] = config.fused_lora_expand_quantized
     if "fp8_linear" in fast:
-        kernel = "cublas" if verdicts["fp8_linear"].implementation == "cublas+triton" else "triton"
+        kernel = FP8_MODULES.get(verdicts["fp8_linear"].implementation, "triton")
     else:
         kernel = "reference"
     fp8_ops = importlib.import_module(f"hylora.ops.fp8_linear.{kernel}")
     if config.fp8_activations != "dynamic" or kernel != "reference":  # the reference's dynamic GEMM is the default
         chosen["fp8_linear"] = getattr(fp8_ops, FP8_GEMMS[config.fp8_activations])
     if config.fp8_activations == "split":  # the quantising producers split where the split GEMM takes it
-        _split_inputs(chosen, fp8_ops.takes_split_input if kernel == "cublas" else lambda tokens: True)
+        _split_inputs(chosen, fp8_ops.takes_split_input if kernel != "triton" else lambda tokens: True)
     if config.lora_backend != "auto":  # forced, for the decoder and the tower alike
         chosen["lora_backend"] = chosen["tower_lora_backend"] = config.lora_backend
     elif "lora" in fast:
@@ -244,14 +247,17 @@ def select_gdn_kernel(model: HybridDecoder, backend: str = "auto") -> KernelVerd
     return passed(name, "fla", error, tolerance)
 
 
-def select_fp8_kernel(model: HybridDecoder, fast_kernels: str = "auto", activations: str = "dynamic") -> KernelVerdict:
+def select_fp8_kernel(
+    model: HybridDecoder, fast_kernels: str = "auto", activations: str = "dynamic", deepgemm: bool = False
+) -> KernelVerdict:
     """The FP8 GEMM for the model's FP8 projections, checked against the reference on the model's
     shapes. activations "dynamic" (quantised activations x dequantised weights): cuBLAS's block-scaled
     GEMM for steps of many tokens with hylora's Triton kernel below ("cublas+triton"), else the Triton
     kernel alone; "none" (weight-only: the activations as they are): the Triton kernel, with the
     weight dequantised for cuBLAS's 16-bit GEMM from `cublas.WEIGHT_ONLY_FROM` tokens ("cublas+triton");
     "split" (activations as two e4m3 terms): the Triton kernel below `cublas.SPLIT_BELOW` tokens, the
-    weight-only path from there.
+    weight-only path from there. Dynamic activations with `deepgemm` where DeepGEMM is installed (sm_90):
+    its GEMM where cuBLAS's would serve, checked first ("deepgemm+cublas+triton").
     On the CPU, or with fast kernels off, the reference (exact, slow: it dequantises per call); on
     CUDA when no kernel passes, the weights are dequantised."""
     name = "fp8_linear"
@@ -268,15 +274,27 @@ def select_fp8_kernel(model: HybridDecoder, fast_kernels: str = "auto", activati
 
         return run
 
-    return choose_fp8_gemm(check, lambda: dequantize_linears(model))
+    if deepgemm and activations == "dynamic":
+        from hylora.ops.fp8_linear import deepgemm as deepgemm_module
+
+        deepgemm = deepgemm_module.available()
+    return choose_fp8_gemm(check, lambda: dequantize_linears(model), deepgemm=deepgemm and activations == "dynamic")
 
 
-def choose_fp8_gemm(check: Callable[[str], Callable[[], float]], dequantize: Callable[[], None]) -> KernelVerdict:
+def choose_fp8_gemm(
+    check: Callable[[str], Callable[[], float]], dequantize: Callable[[], None], deepgemm: bool = False
+) -> KernelVerdict:
     """The FP8 GEMM as it will serve first: the `cublas` module (cuBLAS where it takes the step, the
     Triton kernel below and for the other shapes), so a model that cuBLAS serves from 128 tokens never
-    compiles Triton's tiles for those sizes just to check them. If that fails, the Triton kernel alone
-    at every size; if that fails too, `dequantize()` (the weights in the model's dtype)."""
+    compiles Triton's tiles for those sizes just to check them; with `deepgemm` (installed, dynamic
+    activations) the `deepgemm` module before it, DeepGEMM where cuBLAS would serve. If that fails, the
+    next; after the Triton kernel alone at every size, `dequantize()` (the weights in the model's dtype)."""
     name = "fp8_linear"
+    if deepgemm:
+        with_deepgemm = _verdict(name, check("deepgemm"), FP8_TOLERANCE, implementation="deepgemm+cublas+triton")
+        if not with_deepgemm.check_failed:
+            return with_deepgemm
+        log.warning("DeepGEMM failed its check (%s): cuBLAS serves the FP8 GEMMs", with_deepgemm.reason)
     with_cublas = _verdict(name, check("cublas"), FP8_TOLERANCE, implementation="cublas+triton")
     if not with_cublas.check_failed:
         return with_cublas

@@ -1,0 +1,68 @@
+"""The FP8 linears through DeepGEMM's block-scaled GEMM for steps of many tokens, where it is installed.
+
+DeepGEMM (deepseek-ai/DeepGEMM, MIT; `deep_gemm.fp8_gemm_nt`) is the kernel stock vLLM serves
+block-FP8 linears with on Hopper. It is no PyPI wheel: it is built from source (`pip install
+git+https://github.com/deepseek-ai/DeepGEMM` against the torch it runs with) and compiles its kernels
+at first use with the CUDA toolkit's nvcc. Where `import deep_gemm` works on an sm_90 GPU, `fp8_linear`
+serves the steps that `cublas.usable` gives to cuBLAS with it instead (same FP8 operands: x quantised
+by hylora's Triton kernel in 1 x 128 groups, the checkpoint's 128 x 128 weight blocks, fp32 scales as
+they are, no UE8M0 rounding); everything else is the `cublas` module's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from hylora.ops.fp8_linear import cublas
+from hylora.ops.fp8_linear import triton as fp8_triton
+from hylora.ops.fp8_linear.cublas import fp8_split_linear, fp8_weight_only_linear, takes_split_input
+from hylora.ops.fp8_linear.reference import BLOCK, Extra, QuantizedActivation
+
+__all__ = ["available", "fp8_linear", "fp8_split_linear", "fp8_weight_only_linear", "takes_split_input"]
+
+
+@functools.cache
+def _deep_gemm():  # the module, or None where it is not installed / not for this GPU
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return None
+    try:
+        import deep_gemm
+    except (ImportError, OSError):
+        return None
+    return deep_gemm if hasattr(deep_gemm, "fp8_gemm_nt") else None
+
+
+def available() -> bool:
+    """Whether DeepGEMM is importable here and the GPU is a Hopper (sm_90)."""
+    return _deep_gemm() is not None
+
+
+def fp8_linear(
+    x: torch.Tensor | QuantizedActivation,  # [..., K], or [M, K] quantised already
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [N / 128, K / 128]
+    block: tuple[int, int] = BLOCK,
+    out: torch.Tensor | None = None,  # [..., N (+ E)]
+    extra: Extra | None = None,  # E more output columns from 16-bit rows
+) -> torch.Tensor:
+    *lead, K = x.shape
+    N, M = w_fp8.shape[0], math.prod(lead)
+    deep_gemm = _deep_gemm()
+    if deep_gemm is None or not cublas.usable(M, N, K, block) or x.dtype != torch.bfloat16:  # bf16 out only
+        return cublas.fp8_linear(x, w_fp8, w_scale, block, out=out, extra=extra)
+    if extra is not None:  # DeepGEMM's GEMM into the first N columns, the extra rows by the 16-bit one
+        return cublas._with_extra(lambda y: fp8_linear(x, w_fp8, w_scale, block, out=y), out, extra, lead, N)
+    if isinstance(x, QuantizedActivation):
+        xq, xs = x.q, x.scale
+    else:
+        xq, xs = fp8_triton.quantize_activation(x.reshape(-1, K), block[1])
+    into = out is not None and out.dim() == 2 and out.is_contiguous()
+    y = out if into else torch.empty(M, N, dtype=torch.bfloat16, device=xq.device)
+    deep_gemm.fp8_gemm_nt((xq, xs), (w_fp8, w_scale), y, disable_ue8m0_cast=True)
+    if into:
+        return y
+    y = y.view(*lead, N)
+    return y if out is None else out.copy_(y)
