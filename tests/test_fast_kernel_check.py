@@ -226,7 +226,7 @@ def test_fp8_gemm_is_checked_as_it_serves_then_falls_back(errors, implementation
     assert kernels.fp8_linear.__module__ == want.get(implementation, "hylora.ops.fp8_linear.reference")
 
 
-@pytest.mark.parametrize("gemm", ["cublas+triton", "triton"])
+@pytest.mark.parametrize("gemm", ["cublas+triton", "deepgemm+cublas+triton", "triton", "reference"])
 def test_split_producers_split_where_the_split_gemm_takes_the_terms(gemm, monkeypatch):
     """--fp8-activations split: the norms, the activation and the output gate that quantise for the FP8
     projection behind them write both terms where the split GEMM reads them. Where cuBLAS serves, steps from SPLIT_BELOW
@@ -257,7 +257,7 @@ def test_split_producers_split_where_the_split_gemm_takes_the_terms(gemm, monkey
             "act": (kernels.silu_mul_quantized(gate_up), activations.silu_mul(gate_up)),
             "output gate": (kernels.output_gate_quantized(heads, gate), gates.output_gate(heads, gate)),
         }
-        splits = tokens < 8 or gemm == "triton"
+        splits = tokens < 8 or gemm in ("triton", "reference")  # these split at every size
         for name, (got, plain) in produced.items():
             assert isinstance(got, QuantizedActivation) == splits, name
             if splits:
@@ -277,7 +277,7 @@ def test_split_producers_split_where_the_split_gemm_takes_the_terms(gemm, monkey
     for tokens, group in ((7, 128), (7, None), (8, 128)):
         act(torch.empty(tokens, 512), None, [], None, group, True)
     split, plain = ((128, True), {"split": True}), ((), {})
-    assert calls == [split, plain, split if gemm == "triton" else plain]  # 8 tokens: plain where cuBLAS serves
+    assert calls == [split, plain, split if gemm in ("triton", "reference") else plain]  # 8: plain where cuBLAS serves
 
 
 def test_verdicts_choose_the_model_kernels():

@@ -159,7 +159,7 @@ def model_kernels(verdicts: dict[str, KernelVerdict], config: KernelsConfig | No
     if config.fp8_activations != "dynamic" or kernel != "reference":  # the reference's dynamic GEMM is the default
         chosen["fp8_linear"] = getattr(fp8_ops, FP8_GEMMS[config.fp8_activations])
     if config.fp8_activations == "split":  # the quantising producers split where the split GEMM takes it
-        _split_inputs(chosen, fp8_ops.takes_split_input if kernel != "triton" else lambda tokens: True)
+        _split_inputs(chosen, fp8_ops.takes_split_input if kernel in FP8_MODULES.values() else lambda tokens: True)
     if config.lora_backend != "auto":  # forced, for the decoder and the tower alike
         chosen["lora_backend"] = chosen["tower_lora_backend"] = config.lora_backend
     elif "lora" in fast:
