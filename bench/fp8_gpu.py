@@ -49,7 +49,7 @@ from hylora.demo import DEMO_ADAPTERS, write_demo, write_tokenizer  # noqa: E402
 from hylora.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from hylora.engine.decode_batch import DecodeRow  # noqa: E402
 from hylora.kernels import KernelsConfig, as_text  # noqa: E402
-from hylora.kernels.config import FP8_ACTIVATIONS  # noqa: E402
+from hylora.kernels.config import FP8_ACTIVATIONS, parse_kernel_overrides  # noqa: E402
 from hylora.model.fp8 import quantize_checkpoint, quantize_linears  # noqa: E402
 from hylora.ops.fp8_linear import triton as fp8_triton  # noqa: E402
 
@@ -223,7 +223,9 @@ def speed(args) -> dict:
             max_loras=8,
             max_lora_rank=16,
             enable_prefix_caching=False,  # the workload runs the same prompts at each step size
-            kernels=KernelsConfig(fp8_activations=args.fp8_activations, fp8_fused_quant=args.fused_quant == "on"),
+            kernels=KernelsConfig(
+                fp8_activations=args.fp8_activations, fp8_fused_quant=args.fused_quant == "on", **args.kernels
+            ),
         ),  # fmt: skip
         adapters,
         progress=False,
@@ -233,7 +235,7 @@ def speed(args) -> dict:
         "card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "layers": args.layers,
         "weights": args.weights, "served_as": engine.quantization or "bf16", "weight_gb": floor_bytes / 1e9,
         "fp8_activations": args.fp8_activations, "fold": args.fold, "fused_quant": args.fused_quant,
-        "engine_setup_s": time.perf_counter() - t0, "kernels": as_text(engine.kernels),
+        "kernels_config": args.kernels, "engine_setup_s": time.perf_counter() - t0, "kernels": as_text(engine.kernels),
         "copy_rate_tb_s": copy_rate() / 1e12,
     }  # fmt: skip
     print(json.dumps({k: v for k, v in result.items() if k != "kernels"}), flush=True)
@@ -295,6 +297,10 @@ def main() -> None:
     ap.add_argument(
         "--fused-quant", choices=["on", "off"], default="on",
         help="speed: the norms and the activation quantise (split) the FP8 GEMMs' inputs in their launch",
+    )  # fmt: skip
+    ap.add_argument(
+        "--kernels", type=parse_kernel_overrides, default={},
+        help="speed: more KernelsConfig switches, e.g. fp8_deepgemm=1 (DeepGEMM where importable)",
     )  # fmt: skip
     ap.add_argument("--out")
     args = ap.parse_args()
