@@ -41,13 +41,10 @@ def available() -> bool:
 
 
 def fp8_linear(
-    x: torch.Tensor | QuantizedActivation,  # [..., K], or [M, K] quantised already
-    w_fp8: torch.Tensor,  # [N, K] e4m3
-    w_scale: torch.Tensor,  # [N / 128, K / 128]
-    block: tuple[int, int] = BLOCK,
-    out: torch.Tensor | None = None,  # [..., N (+ E)]
-    extra: Extra | None = None,  # E more output columns from 16-bit rows
-) -> torch.Tensor:
+    x: torch.Tensor | QuantizedActivation, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+    block: tuple[int, int] = BLOCK, out: torch.Tensor | None = None, extra: Extra | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`cublas.fp8_linear` (its arguments, shapes and result), with DeepGEMM's GEMM where cuBLAS's would serve."""
     *lead, K = x.shape
     N, M = w_fp8.shape[0], math.prod(lead)
     deep_gemm = _deep_gemm()
