@@ -1,9 +1,10 @@
 """The FP8 linears through DeepGEMM's block-scaled GEMM for steps of many tokens, where it is installed.
 
 DeepGEMM (deepseek-ai/DeepGEMM, MIT; `deep_gemm.fp8_gemm_nt`) is the kernel stock vLLM serves
-block-FP8 linears with on Hopper. It is no PyPI wheel: it is built from source (`pip install
-git+https://github.com/deepseek-ai/DeepGEMM` against the torch it runs with) and compiles its kernels
-at first use with the CUDA toolkit's nvcc. Where `import deep_gemm` works on an sm_90 GPU, `fp8_linear`
+block-FP8 linears with on Hopper. It has no usable PyPI wheel: it is built from source against the
+torch it runs with (its README's `./install.sh`; vLLM's wheel vendors a prebuilt copy), and it compiles
+its kernels at first use with the CUDA toolkit's nvcc (2.5-8.7 s each on an H100, docs/BASELINE.md run
+57: `KernelsConfig.fp8_deepgemm` is off by default). Where `import deep_gemm` works on an sm_90 GPU, `fp8_linear`
 serves the steps that `cublas.usable` gives to cuBLAS with it instead (same FP8 operands: x quantised
 by hylora's Triton kernel in 1 x 128 groups, the checkpoint's 128 x 128 weight blocks, fp32 scales as
 they are, no UE8M0 rounding); everything else is the `cublas` module's.
