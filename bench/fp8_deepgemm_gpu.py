@@ -15,8 +15,10 @@ projections. Times: the median of one call over calls replayed in a CUDA graph
 (`kernel_sweep_gpu.bench`). Exits 1 when an error is NaN or
 above BOUND, 2 when deep_gemm is not importable.
 
-    bash bench/build_deepgemm.sh                          # here: .deepgemm/ (DeepGEMM + CUTLASS + fmt headers)
-    bash bench/fp8_deepgemm_gpu.sh [--tokens 8192,2048]   # there: builds it with the device's nvcc, runs this
+    bash bench/peer/build_bundle.sh                       # here: .vllm/, with the DeepGEMM vLLM's wheel vendors
+    bash bench/fp8_deepgemm_gpu.sh [--tokens 8192,2048]   # there (.vllm carried): unpacks it, runs this
+(without .vllm the script builds DeepGEMM from .deepgemm/, `bash bench/build_deepgemm.sh`; run 56's such
+build crashed)
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def main() -> int:
     try:
         import deep_gemm
     except ImportError as e:
-        print(f"deep_gemm is not importable here ({e}): bash bench/build_deepgemm.sh, then bench/fp8_deepgemm_gpu.sh")
+        print(f"deep_gemm is not importable here ({e}): run bench/fp8_deepgemm_gpu.sh on an sm_90 GPU with .vllm carried")
         return 2
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, deep_gemm {getattr(deep_gemm, '__version__', '?')}"

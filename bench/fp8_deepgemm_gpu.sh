@@ -17,17 +17,13 @@ if [ -f "$SLIM" ]; then
   tar xJf "$SLIM" -C "$DG" vllm/third_party/deep_gemm || { echo "no deep_gemm in $SLIM: rebuild it with bench/peer/build_bundle.sh"; exit 2; }
   mv "$DG/vllm/third_party/deep_gemm" "$DG/deep_gemm"
   echo "vLLM 0.20.2's vendored DeepGEMM unpacked in $(( $(date +%s) - t0 )) s"
-  PYTHONPATH="$DG:$(pwd)" python3 bench/fp8_deepgemm_gpu.py "$@"
-  rc=$?
-  echo "fp8_deepgemm_gpu: rc $rc, $(( $(date +%s) - t0 )) s in all"
-  exit $rc
-fi
-DG=/tmp/deepgemm
-rm -rf "$DG" && cp -r .deepgemm "$DG"
-mkdir -p "$DG/deep_gemm/include"
-cp -r "$DG/third-party/cutlass/include/cute" "$DG/third-party/cutlass/include/cutlass" "$DG/deep_gemm/include/"
-echo "persistent_envs = dict()" > "$DG/deep_gemm/envs.py"
-python3 - "$DG" <<'PY' || { echo "DeepGEMM's build failed after $(( $(date +%s) - t0 )) s"; exit 2; }
+else
+  DG=/tmp/deepgemm
+  rm -rf "$DG" && cp -r .deepgemm "$DG"
+  mkdir -p "$DG/deep_gemm/include"
+  cp -r "$DG/third-party/cutlass/include/cute" "$DG/third-party/cutlass/include/cutlass" "$DG/deep_gemm/include/"
+  echo "persistent_envs = dict()" > "$DG/deep_gemm/envs.py"
+  python3 - "$DG" <<'PY' || { echo "DeepGEMM's build failed after $(( $(date +%s) - t0 )) s"; exit 2; }
 import os, shutil, sys, torch
 from torch.utils.cpp_extension import CUDA_HOME, load
 dg = sys.argv[1]
@@ -44,7 +40,8 @@ module = load(
 shutil.copy(module.__file__, f"{dg}/deep_gemm/_C.so")
 print(f"built {module.__file__} against torch {torch.__version__}, CUDA {torch.version.cuda} ({CUDA_HOME})")
 PY
-echo "DeepGEMM built in $(( $(date +%s) - t0 )) s"
+  echo "DeepGEMM built in $(( $(date +%s) - t0 )) s"
+fi
 PYTHONPATH="$DG:$(pwd)" python3 bench/fp8_deepgemm_gpu.py "$@"
 rc=$?
 echo "fp8_deepgemm_gpu: rc $rc, $(( $(date +%s) - t0 )) s in all"

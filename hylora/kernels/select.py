@@ -278,7 +278,9 @@ def select_fp8_kernel(
         from hylora.ops.fp8_linear import deepgemm as deepgemm_module
 
         deepgemm = deepgemm_module.available()
-    return choose_fp8_gemm(check, lambda: dequantize_linears(model), deepgemm=deepgemm and activations == "dynamic")
+    else:
+        deepgemm = False
+    return choose_fp8_gemm(check, lambda: dequantize_linears(model), deepgemm=deepgemm)
 
 
 def choose_fp8_gemm(

@@ -61,7 +61,7 @@ def fp8_linear(
     if not usable(M, N, K, block):
         return fp8_triton.fp8_linear(x, w_fp8, w_scale, block, out=out, extra=extra)
     if extra is not None:  # cuBLAS's FP8 GEMM into the first N columns, the extra rows by its 16-bit one
-        return _with_extra(lambda y: fp8_linear(x, w_fp8, w_scale, block, out=y), out, extra, lead, N)
+        return linear_with_extra(lambda y: fp8_linear(x, w_fp8, w_scale, block, out=y), out, extra, lead, N)
     if isinstance(x, QuantizedActivation):
         xq, xs = x.q, x.scale
     else:
@@ -106,7 +106,7 @@ def fp8_weight_only_linear(
         return fp8_triton.fp8_weight_only_linear(x, w_fp8, w_scale, block, out=out, extra=extra)
     if extra is not None:
         linear = lambda y: fp8_weight_only_linear(x, w_fp8, w_scale, block, out=y)  # noqa: E731
-        return _with_extra(linear, out, extra, lead, len(w_fp8))
+        return linear_with_extra(linear, out, extra, lead, len(w_fp8))
     w = fp8_triton.dequantize_weight(w_fp8, w_scale, block, x.dtype)
     if out is None:
         return F.linear(x, w)
@@ -141,7 +141,7 @@ def takes_split_input(tokens: int) -> bool:
     return tokens < SPLIT_BELOW
 
 
-def _with_extra(
+def linear_with_extra(
     linear: Callable[[torch.Tensor], torch.Tensor], out: torch.Tensor | None, extra: Extra, lead: list[int], N: int
 ) -> torch.Tensor:
     """`linear` into out's first N columns, then the extra columns by cuBLAS's 16-bit GEMM."""

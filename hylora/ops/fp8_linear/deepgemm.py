@@ -52,7 +52,7 @@ def fp8_linear(
     if deep_gemm is None or not cublas.usable(M, N, K, block) or x.dtype != torch.bfloat16:  # bf16 out only
         return cublas.fp8_linear(x, w_fp8, w_scale, block, out=out, extra=extra)
     if extra is not None:  # DeepGEMM's GEMM into the first N columns, the extra rows by the 16-bit one
-        return cublas._with_extra(lambda y: fp8_linear(x, w_fp8, w_scale, block, out=y), out, extra, lead, N)
+        return cublas.linear_with_extra(lambda y: fp8_linear(x, w_fp8, w_scale, block, out=y), out, extra, lead, N)
     if isinstance(x, QuantizedActivation):
         xq, xs = x.q, x.scale
     else:
