@@ -100,7 +100,7 @@ def main() -> int:
     try:
         import deep_gemm
     except ImportError as e:
-        print(f"deep_gemm is not importable here ({e}): run bench/fp8_deepgemm_gpu.sh on an sm_90 GPU with .vllm carried")
+        print(f"deep_gemm is not importable here ({e}): bench/fp8_deepgemm_gpu.sh with .vllm carried")
         return 2
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, deep_gemm {getattr(deep_gemm, '__version__', '?')}"
