@@ -19,11 +19,20 @@ above BOUND, 2 when deep_gemm is not importable.
     bash bench/fp8_deepgemm_gpu.sh [--tokens 8192,2048]   # there (.vllm carried): unpacks it, runs this
 (without .vllm the script builds DeepGEMM from .deepgemm/, `bash bench/build_deepgemm.sh`; run 56's such
 build crashed)
+
+`--warm-up 8192` checks hylora's start-up warm-up instead (`ops.fp8_linear.deepgemm.warm_up`, what the
+engine runs with `--kernels fp8_deepgemm=1`): its time over the shapes on a cold JIT cache, the kernels
+DeepGEMM compiled, then steps of random sizes up to that many tokens: none may compile another kernel
+(exit 1 if one does), and their slowest first call.
+
+    DG_JIT_CACHE_DIR=/tmp/dg_cold bash bench/fp8_deepgemm_gpu.sh --warm-up 8192
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -90,10 +99,48 @@ def timed(fn) -> float:
     return sorted(times)[2]
 
 
+def compiled_kernels() -> int:
+    """The kernels in DeepGEMM's JIT cache (a folder with a .cubin each)."""
+    return sum(1 for _ in Path(os.environ.get("DG_JIT_CACHE_DIR", Path.home() / ".deep_gemm")).rglob("*.cubin"))
+
+
+def warm_up_check(max_tokens: int, shapes: dict[str, tuple[int, int]], samples: int = 40) -> int:
+    """hylora's start-up warm-up on these weight shapes, then `samples` steps of random sizes (and the
+    extremes) through the module: 1 if one of them compiled a kernel the warm-up had not."""
+    from hylora.ops.fp8_linear import deepgemm as module
+
+    weights = []
+    for N, K in shapes.values():
+        g = torch.Generator(device=DEV).manual_seed(N + K)
+        weights.append(R.quantize_weight(torch.randn(N, K, device=DEV, generator=g) * 0.02))
+    before = compiled_kernels()
+    t0 = time.perf_counter()
+    runs = module.warm_up(weights, max_tokens)
+    torch.cuda.synchronize()
+    warm_s, after = time.perf_counter() - t0, compiled_kernels()
+    print(f"warm-up: {runs} GEMMs over {len(weights)} shapes, steps of up to {max_tokens} tokens, in {warm_s:.1f} s; "
+          f"kernels in the JIT cache {before} -> {after}")  # fmt: skip
+    sizes = [cublas.CUBLAS_FROM, max_tokens] + random.Random(0).sample(range(cublas.CUBLAS_FROM, max_tokens), samples)
+    slowest = (0.0, 0, "")
+    for M in sizes:
+        for (name, (_, K)), (w, ws) in zip(shapes.items(), weights, strict=True):
+            x = torch.randn(M, K, device=DEV).bfloat16()
+            t0 = time.perf_counter()
+            module.fp8_linear(x, w, ws)
+            torch.cuda.synchronize()
+            slowest = max(slowest, (time.perf_counter() - t0, M, name))
+    added = compiled_kernels() - after
+    flag = "" if added == 0 else "  <-- MISSED"
+    print(f"{len(sizes)} step sizes x {len(shapes)} shapes after it: {added} kernels compiled; slowest first call "
+          f"{slowest[0] * 1e3:.1f} ms ({slowest[2]}, {slowest[1]} tokens){flag}")  # fmt: skip
+    return 0 if added == 0 else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="8192,2048,512,128,32")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="of bench/fp8_gemm_gpu.py's SHAPES")
+    ap.add_argument("--warm-up", type=int, default=0, metavar="MAX_TOKENS", help="check the start-up warm-up")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
@@ -108,6 +155,8 @@ def main() -> int:
     from hylora.ops.fp8_linear import deepgemm as module
 
     print(f"hylora's ops.fp8_linear.deepgemm sees DeepGEMM: {module.available()}")
+    if args.warm_up:
+        return warm_up_check(args.warm_up, shapes)
     print(f"{'shape':<12} {'N':>6} {'K':>6} {'M':>5} {'cuBLAS us':>10} {'TFLOP/s':>8} {'DeepGEMM us':>11} "
           f"{'TFLOP/s':>8} {'cuBLAS/DG':>9} {'hylora+DG us':>12} {'err cuBLAS':>10} {'err DG':>9} "
           f"{'err hy+DG':>9}")  # fmt: skip

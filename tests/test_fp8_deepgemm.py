@@ -107,3 +107,56 @@ def test_without_deep_gemm_everything_is_the_cublas_modules(monkeypatch):
     assert deepgemm.fp8_linear(torch.randn(128, 512).bfloat16(), w, ws) == "cublas module"
     assert deepgemm.fp8_split_linear is cublas.fp8_split_linear
     assert deepgemm.takes_split_input is cublas.takes_split_input
+
+
+@pytest.mark.parametrize("max_tokens", [100, 128, 129, 1000, 2048, 8192])
+def test_the_warm_up_sizes_meet_every_block_count_a_step_can_have(max_tokens):
+    """DeepGEMM's sm_90 heuristic sees a step of M >= 33 rows only through its block counts
+    ceil(M / block_m), block_m in 64, 128, 256: the warm-up's step sizes give every combination a step of
+    CUBLAS_FROM to max_tokens tokens has, and no step size that a step of at most max_tokens cannot
+    share its kernels with."""
+
+    def blocks(M: int) -> tuple[int, ...]:
+        return tuple(-(-M // block_m) for block_m in (64, 128, 256))
+
+    sizes = deepgemm.warm_up_token_counts(max_tokens)
+    assert {blocks(M) for M in sizes} == {blocks(M) for M in range(cublas.CUBLAS_FROM, max_tokens + 1)}
+    assert all(cublas.CUBLAS_FROM <= M < max_tokens + deepgemm.WARM_UP_STRIDE for M in sizes)
+
+
+def test_the_warm_up_runs_each_weight_shape_deepgemm_takes_at_each_size(calls):
+    """One run per distinct [N, K] and step size, on the weights given; shapes cuBLAS would not take
+    (K not a multiple of 512) none; where DeepGEMM is absent, nothing."""
+    weights = [weight(256, 512), weight(256, 512), weight(128, 1024), weight(256, 384)]
+    assert deepgemm.warm_up(weights, max_tokens=300) == 2 * 4
+    assert calls == [(M, N, K) for N, K in ((256, 512), (128, 1024)) for M in (128, 192, 256, 320)]
+    calls.clear()
+    assert deepgemm.warm_up(weights, max_tokens=100) == 0 and calls == []
+
+
+def test_the_kernel_floor_warms_the_fp8_projections_only_where_deepgemm_serves(calls):
+    """kernels/warmup.py: the model's FP8 projections (not its 16-bit ones) at the engine's largest step,
+    after the checks chose DeepGEMM; with the cuBLAS verdict nothing compiles at start-up."""
+    from hylora.kernels.verdict import passed
+    from hylora.kernels.warmup import DEEPGEMM, warm_up_kernels
+    from hylora.model.layers import Linear
+
+    model = torch.nn.Sequential(Linear(512, {"q": 256}), Linear(1024, {"o": 128}), Linear(512, {"bf16": 256}))
+    for linear in list(model)[:2]:
+        linear.set_fp8(*weight(linear.out_features, linear.in_features), R.BLOCK, None, torch.bfloat16)
+    model.device = torch.device("cpu")
+    warm_up_kernels(model, {"fp8_linear": passed("fp8_linear", "cublas+triton", 0.0, 1e-2)}, 300)
+    assert calls == []
+    warm_up_kernels(model, {"fp8_linear": passed("fp8_linear", DEEPGEMM, 0.0, 1e-2)}, 300)
+    assert sorted({(N, K) for _, N, K in calls}) == [(128, 1024), (256, 512)] and len(calls) == 8
+
+
+def test_the_engine_warms_its_kernels_for_its_largest_step(causal_ckpt, monkeypatch):
+    """The engine hands the kernel floor max_num_batched_tokens, the largest step it will run."""
+    import hylora.kernels.select as select
+    from hylora.engine import EngineConfig, LLMEngine
+
+    seen = []
+    monkeypatch.setattr(select, "warm_up_kernels", lambda model, verdicts, tokens: seen.append(tokens))
+    LLMEngine(causal_ckpt[0], EngineConfig(device="cpu", max_model_len=64, max_num_batched_tokens=96), progress=False)
+    assert seen == [96]

@@ -138,7 +138,7 @@ class LLMEngine:
                 dequantize_linears(self.model)
         # the served weights are FP8 values, dequantised (doctor's fp8 check compares against them)
         self.dequantised_fp8 = not fp8 and (round_trip or fp8_checkpoint)
-        self.kernels = select_kernels(self.model, config.page_size, config.kernels)
+        self.kernels = select_kernels(self.model, config.page_size, config.kernels, config.max_num_batched_tokens)
         # what the served weights are ("fp8": FP8 GEMMs; doctor's fp8 check reads it)
         self.quantization = "fp8" if any(getattr(m, "is_fp8", False) for m in self.model.modules()) else None
         if config.kernels.fp8_activations != "dynamic" and self.quantization is None:

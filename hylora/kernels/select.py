@@ -22,6 +22,7 @@ import torch
 from hylora.kernels import checks, split_inputs
 from hylora.kernels.config import FP8_GEMMS, KernelsConfig, triton_usable
 from hylora.kernels.verdict import KernelVerdict, passed, reference
+from hylora.kernels.warmup import warm_up_kernels
 from hylora.model.decoder import HybridDecoder
 from hylora.model.fp8 import dequantize_linears
 from hylora.model.kernels import ModelKernels
@@ -45,10 +46,11 @@ SLOW_CHECK_S = 1.0
 
 
 def select_kernels(
-    model: HybridDecoder, page_size: int, config: KernelsConfig | None = None
+    model: HybridDecoder, page_size: int, config: KernelsConfig | None = None, max_step_tokens: int = 0
 ) -> dict[str, KernelVerdict]:
     """Check every fast kernel on this model's shapes, give the model the ones that pass, and return
-    the verdict of each."""
+    the verdict of each. Those that compile per shape at their first call compile now for steps of up
+    to `max_step_tokens` tokens (kernels/warmup.py)."""
     config = config or KernelsConfig()
     verdicts = {"gated_delta_rule": select_gdn_kernel(model, config.gdn_backend)}
     if config.fast_kernels == "off":
@@ -73,6 +75,7 @@ def select_kernels(
         else:
             log.warning("tower_attention %r: no effect, no vision tower is loaded", config.tower_attention)
     model.use_kernels(model_kernels(verdicts, config))
+    warm_up_kernels(model, verdicts, max_step_tokens)
     return verdicts
 
 

@@ -7,13 +7,15 @@ its kernels at first use with the CUDA toolkit's nvcc (2.5-8.7 s each on an H100
 57: `KernelsConfig.fp8_deepgemm` is off by default). Where `import deep_gemm` works on an sm_90 GPU, `fp8_linear`
 serves the steps that `cublas.usable` gives to cuBLAS with it instead (same FP8 operands: x quantised
 by hylora's Triton kernel in 1 x 128 groups, the checkpoint's 128 x 128 weight blocks, fp32 scales as
-they are, no UE8M0 rounding); everything else is the `cublas` module's.
+they are, no UE8M0 rounding); everything else is the `cublas` module's. `warm_up` compiles, at start-up,
+every kernel the steps can meet, so no step stalls on DeepGEMM's compiler.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -22,7 +24,13 @@ from hylora.ops.fp8_linear import triton as fp8_triton
 from hylora.ops.fp8_linear.cublas import fp8_split_linear, fp8_weight_only_linear, takes_split_input
 from hylora.ops.fp8_linear.reference import BLOCK, Extra, QuantizedActivation
 
-__all__ = ["available", "fp8_linear", "fp8_split_linear", "fp8_weight_only_linear", "takes_split_input"]
+__all__ = [
+    "available", "fp8_linear", "fp8_split_linear", "fp8_weight_only_linear", "takes_split_input", "warm_up",
+    "warm_up_token_counts",
+]  # fmt: skip
+
+# DeepGEMM's smallest block_m for the steps it takes here (from cublas.CUBLAS_FROM = 128 tokens)
+WARM_UP_STRIDE = 64
 
 
 @functools.cache
@@ -64,3 +72,40 @@ def fp8_linear(
         return y
     y = y.view(*lead, N)
     return y if out is None else out.copy_(y)
+
+
+def warm_up_token_counts(max_tokens: int) -> list[int]:
+    """Step sizes that meet every kernel DeepGEMM's sm_90 heuristic can pick for a weight in steps of
+    cublas.CUBLAS_FROM to `max_tokens` tokens. From 33 rows its block_m candidates are 64, 128 and 256,
+    and M enters its choice only through ceil(M / block_m) (DeepGEMM's csrc/jit_kernels/heuristics
+    sm90.hpp: the blocks, waves and last-wave use of each layout), which is the same for every M of
+    (64 (j - 1), 64 j]: one M from each such interval, the multiples of 64. vLLM's "relax" warm-up
+    (VLLM_DEEP_GEMM_WARMUP) runs these among more."""
+    if max_tokens < cublas.CUBLAS_FROM:
+        return []
+    top = -(-max_tokens // WARM_UP_STRIDE) * WARM_UP_STRIDE
+    return list(range(cublas.CUBLAS_FROM, top + 1, WARM_UP_STRIDE))
+
+
+def warm_up(
+    weights: Iterable[tuple[torch.Tensor, torch.Tensor]], max_tokens: int, block: tuple[int, int] = BLOCK
+) -> int:
+    """Run `fp8_linear` on each distinct weight shape ([N, K] e4m3 with its block scales) at every step
+    size of `warm_up_token_counts(max_tokens)` that DeepGEMM takes, so that DeepGEMM compiles each kernel
+    those steps can pick now (seconds each; it keeps them on disk, DG_JIT_CACHE_DIR) and not in a served
+    step. Returns the number of GEMMs run (0 where DeepGEMM is not available)."""
+    if _deep_gemm() is None:
+        return 0
+    shapes: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    for w, w_scale in weights:
+        shapes.setdefault(tuple(w.shape), (w, w_scale))
+    runs = 0
+    for (N, K), (w, w_scale) in shapes.items():
+        counts = [M for M in warm_up_token_counts(max_tokens) if cublas.usable(M, N, K, block)]
+        if not counts:
+            continue
+        x = torch.zeros(counts[-1], K, dtype=torch.bfloat16, device=w.device)
+        for M in counts:
+            fp8_linear(x[:M], w, w_scale, block)
+        runs += len(counts)
+    return runs
