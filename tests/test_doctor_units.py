@@ -738,3 +738,32 @@ def test_a_progress_line_per_phase():
     assert lines[0].startswith("doctor [1/2] sweep: 0/3 requests (")
     assert re.fullmatch(r"doctor \[1/2\] sweep: 3/3 requests in \d+\.\d s \(\d+ s elapsed\)", lines[1])
     assert lines[2].startswith("doctor [2/2] load: 0/1 runs")
+
+
+def test_doctor_kernels_flag_reaches_the_engine_it_checks(demo_cache_dir, monkeypatch):
+    """`hylora doctor --kernels` (as serve's): the in-process deployment is built with those kernel
+    switches, beside doctor's own kernel flags; a clash between the two says which; a bad name is argparse's
+    exit 2 before anything loads."""
+    from hylora.cli import build_parser
+    from hylora.doctor.cli import run_from_args
+
+    class Built(Exception):
+        pass
+
+    seen = []
+
+    def engine(model_dir, config, **kwargs):
+        seen.append(config.kernels)
+        raise Built
+
+    monkeypatch.setattr("hylora.engine.engine.LLMEngine", engine)
+    monkeypatch.setenv("HYLORA_CACHE_DIR", str(demo_cache_dir))
+    argv = ["doctor", "--demo", "--device", "cpu", "--lora-delta-first-from", "0"]
+    with pytest.raises(Built):
+        run_from_args(build_parser().parse_args([*argv, "--kernels", "fp8_deepgemm=1,decode_attention_block_t=64"]))
+    assert seen[0].fp8_deepgemm and seen[0].decode_attention_block_t == 64 and seen[0].lora_delta_first_from == 0
+    clash = [*argv, "--fp8-activations", "none", "--kernels", "fp8_activations=split"]
+    with pytest.raises(ValueError, match="--fp8-activations none and --kernels fp8_activations=split disagree"):
+        run_from_args(build_parser().parse_args(clash))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*argv, "--kernels", "fp8_deepgem=1"])

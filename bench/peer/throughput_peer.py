@@ -1019,13 +1019,11 @@ def add_shared_args(ap: argparse.ArgumentParser) -> None:
 
 
 def kernel_overrides(text: str) -> dict[str, int | str]:
-    """`--kernels`: hylora.kernels.config.parse_kernel_overrides, its error as argparse's."""
-    from hylora.kernels.config import parse_kernel_overrides
+    """`--kernels`: hylora.kernels.config.parse_kernel_overrides, its error as argparse's (hylora imported
+    only when the flag is given)."""
+    from hylora.kernels.config import kernel_overrides_arg
 
-    try:
-        return parse_kernel_overrides(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return kernel_overrides_arg(text)
 
 
 def kernel_switches(kernels: dict[str, int | str]) -> str:

@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hylora.kernels.config import kernel_overrides_arg
+
 
 def add_doctor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", nargs="?", help="the base model's directory (config.json + safetensors)")
@@ -90,6 +92,14 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="in-process: steps of this many tokens write the LoRA delta first, on the Triton LoRA path (as hylora "
         "serve; default: serve's); 0: never",
+    )
+    g.add_argument(
+        "--kernels",
+        type=kernel_overrides_arg,
+        default={},
+        metavar="NAME=VALUE,...",
+        help="in-process: any field of hylora.kernels.KernelsConfig, as hylora serve --kernels (e.g. "
+        "fp8_deepgemm=1), so every check runs on the kernels that deployment serves",
     )
     g.add_argument(
         "--enable-prefix-caching",
@@ -216,7 +226,7 @@ def _run(args: argparse.Namespace) -> int:
     from hylora.engine.config import EngineConfig
     from hylora.engine.engine import LLMEngine
     from hylora.engine.speculative import check_speculative_config
-    from hylora.kernels.config import KernelsConfig
+    from hylora.kernels.config import kernels_with_overrides
     from hylora.tokenizer import load_tokenizer
 
     x = _inputs(args)
@@ -245,6 +255,9 @@ def _run(args: argparse.Namespace) -> int:
     short_steps = args.max_short_step_tokens
     if short_steps is None:  # serve's default
         short_steps = EngineConfig.max_short_step_tokens
+    flags = {"fp8_activations": args.fp8_activations}
+    if args.lora_delta_first_from is not None:
+        flags["lora_delta_first_from"] = args.lora_delta_first_from
     max_num_seqs = 2 if endpoint else args.max_num_seqs  # the reference alone: one sequence at a time
     pages_a_sequence = -(-args.max_model_len // EngineConfig.page_size)
     config = EngineConfig(
@@ -264,10 +277,7 @@ def _run(args: argparse.Namespace) -> int:
         num_speculative_tokens=0 if endpoint else speculative.get("num_speculative_tokens", 0),
         enable_prefix_caching=args.enable_prefix_caching and endpoint is None,
         max_short_step_tokens=0 if endpoint else short_steps,
-        kernels=KernelsConfig(
-            fp8_activations=args.fp8_activations,
-            **({} if args.lora_delta_first_from is None else {"lora_delta_first_from": args.lora_delta_first_from}),
-        ),
+        kernels=kernels_with_overrides(flags, args.kernels),
     )
     # the reference's engine: unquantised weights (an FP8 checkpoint's dequantised), which adapters merge
     # into; in-process it is also the deployment checked, unless that serves FP8 weights

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -150,6 +152,27 @@ def parse_kernel_overrides(text: str) -> dict[str, int | str]:
         out[name] = (value == "1") if kind == "bool" else int(value)
     KernelsConfig(**out)  # type: ignore[arg-type]
     return out
+
+
+def kernel_overrides_arg(text: str) -> dict[str, int | str]:
+    """`parse_kernel_overrides` as an argparse type (`--kernels` of hylora serve and doctor)."""
+    try:
+        return parse_kernel_overrides(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def kernels_with_overrides(flags: dict[str, Any], overrides: dict[str, int | str]) -> KernelsConfig:
+    """KernelsConfig from a command's kernel flags (field name → value), then its `--kernels` overrides
+    (`parse_kernel_overrides`); a field a flag set to other than its default and `--kernels` to another
+    value is a ValueError that names both."""
+    values = dict(flags)
+    for name, value in overrides.items():
+        if name in values and values[name] not in (value, KernelsConfig.__dataclass_fields__[name].default):
+            flag = f"--{name.replace('_', '-')}"
+            raise ValueError(f"{flag} {values[name]} and --kernels {name}={value} disagree: give one")
+        values[name] = value
+    return KernelsConfig(**values)
 
 
 def kernel_switches(kernels: dict[str, int | str]) -> str:

@@ -23,7 +23,8 @@ from hylora.kernels.config import (
     FP8_ACTIVATIONS,
     GDN_BACKENDS,
     TOWER_ATTENTION,
-    parse_kernel_overrides,
+    kernel_overrides_arg,
+    kernels_with_overrides,
     parse_launch,
 )
 from hylora.media import FetchPolicy, MediaError, MediaLimits, MediaPools, ProcessedCache
@@ -311,7 +312,7 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
     )
     k.add_argument(
         "--kernels",
-        type=kernel_overrides,
+        type=kernel_overrides_arg,
         default={},
         metavar="NAME=VALUE,...",
         help="any field of hylora.kernels.KernelsConfig (booleans 0 / 1), e.g. decode_attention_block_t=64 or "
@@ -325,23 +326,9 @@ KERNEL_FLAGS = (
 )  # fmt: skip
 
 
-def kernel_overrides(text: str) -> dict[str, int | str]:
-    """--kernels: KernelsConfig fields as name=value,..."""
-    try:
-        return parse_kernel_overrides(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def kernels_config(args: argparse.Namespace) -> KernelsConfig:
     """The kernel flags, then --kernels; a field set both ways to different values is an error."""
-    values = {name: getattr(args, name) for name in KERNEL_FLAGS}
-    for name, value in args.kernels.items():
-        if name in values and values[name] not in (value, KernelsConfig.__dataclass_fields__[name].default):
-            flag = f"--{name.replace('_', '-')}"
-            raise ValueError(f"{flag} {values[name]} and --kernels {name}={value} disagree: give one")
-        values[name] = value
-    return KernelsConfig(**values)
+    return kernels_with_overrides({name: getattr(args, name) for name in KERNEL_FLAGS}, args.kernels)
 
 
 def lora_modules(items: list[str], base_name: str) -> dict[str, str]:
