@@ -20,10 +20,11 @@ above BOUND, 2 when deep_gemm is not importable.
 (without .vllm the script builds DeepGEMM from .deepgemm/, `bash bench/build_deepgemm.sh`; run 56's such
 build crashed)
 
-`--warm-up 8192` checks hylora's start-up warm-up instead (`ops.fp8_linear.deepgemm.warm_up`, what the
-engine runs with `--kernels fp8_deepgemm=1`): its time over the shapes on a cold JIT cache, the kernels
-DeepGEMM compiled, then steps of random sizes up to that many tokens: none may compile another kernel
-(exit 1 if one does), and their slowest first call.
+`--warm-up 8192` checks hylora's start-up warm-up instead (what the engine runs with `--kernels
+fp8_deepgemm=1`, `kernels/warmup.py`: each distinct shape compiled in a child process, in parallel, then
+every step size in this process): its time over the shapes on a cold JIT cache, the kernels DeepGEMM
+compiled, then steps of random sizes up to that many tokens: none may compile another kernel (exit 1 if
+one does), and their slowest first call.
 
     DG_JIT_CACHE_DIR=/tmp/dg_cold bash bench/fp8_deepgemm_gpu.sh --warm-up 8192
 """
@@ -113,13 +114,19 @@ def warm_up_check(max_tokens: int, shapes: dict[str, tuple[int, int]], samples: 
     for N, K in shapes.values():
         g = torch.Generator(device=DEV).manual_seed(N + K)
         weights.append(R.quantize_weight(torch.randn(N, K, device=DEV, generator=g) * 0.02))
+    from hylora.kernels.warmup import compile_in_processes
+
     before = compiled_kernels()
     t0 = time.perf_counter()
+    distinct = sorted(set(shapes.values()))
+    failed = compile_in_processes(distinct, max_tokens, DEV) if len(distinct) > 1 else []
+    children_s, by_children = time.perf_counter() - t0, compiled_kernels()
     runs = module.warm_up(weights, max_tokens)
     torch.cuda.synchronize()
     warm_s, after = time.perf_counter() - t0, compiled_kernels()
-    print(f"warm-up: {runs} GEMMs over {len(weights)} shapes, steps of up to {max_tokens} tokens, in {warm_s:.1f} s; "
-          f"kernels in the JIT cache {before} -> {after}")  # fmt: skip
+    print(f"warm-up as the engine runs it: {len(distinct)} distinct shapes in child processes in {children_s:.1f} s "
+          f"({len(failed)} failed), then {runs} GEMMs here, steps of up to {max_tokens} tokens: {warm_s:.1f} s in "
+          f"all; kernels in the JIT cache {before} -> {by_children} (children) -> {after}")  # fmt: skip
     sizes = [cublas.CUBLAS_FROM, max_tokens] + random.Random(0).sample(range(cublas.CUBLAS_FROM, max_tokens), samples)
     slowest = (0.0, 0, "")
     for M in sizes:

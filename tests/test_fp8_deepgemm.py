@@ -160,3 +160,41 @@ def test_the_engine_warms_its_kernels_for_its_largest_step(causal_ckpt, monkeypa
     monkeypatch.setattr(select, "warm_up_kernels", lambda model, verdicts, tokens: seen.append(tokens))
     LLMEngine(causal_ckpt[0], EngineConfig(device="cpu", max_model_len=64, max_num_batched_tokens=96), progress=False)
     assert seen == [96]
+
+
+def test_one_weight_shape_warms_up_on_zero_weights(calls):
+    """warm_up_shape (a child process's work): the shape's kernels at every step size, no model needed."""
+    assert deepgemm.warm_up_shape(256, 512, 200, "cpu") == 3  # 256: the block counts of 193-256 tokens
+    assert calls == [(128, 256, 512), (192, 256, 512), (256, 256, 512)]
+
+
+def test_on_a_gpu_each_shape_compiles_in_a_child_first_then_here(calls, monkeypatch):
+    """With a CUDA model and several shapes, the floor hands the distinct DeepGEMM shapes to child
+    processes, then runs every step size itself (which loads what they compiled)."""
+    from hylora.kernels import warmup
+    from hylora.kernels.verdict import passed
+    from hylora.model.layers import Linear
+
+    handed = []
+    monkeypatch.setattr(warmup, "compile_in_processes", lambda *a: handed.append((a, len(calls))) or [])
+    monkeypatch.setattr(warmup.torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(warmup.torch.cuda, "empty_cache", lambda: None)
+    model = torch.nn.Sequential(Linear(512, {"q": 256}), Linear(1024, {"o": 128}), Linear(512, {"k": 256}))
+    for linear in model:
+        linear.set_fp8(*weight(linear.out_features, linear.in_features), R.BLOCK, None, torch.bfloat16)
+    model.device = torch.device("cuda")
+    warmup.warm_up_kernels(model, {"fp8_linear": passed("fp8_linear", warmup.DEEPGEMM, 0.0, 1e-2)}, 300)
+    assert handed == [(([(128, 1024), (256, 512)], 300, "cuda"), 0)]  # before any GEMM here
+    assert len(calls) == 8
+
+
+def test_child_processes_run_the_shapes_and_report_the_ones_that_failed(caplog):
+    """The children are fresh interpreters on this process's import path; one that fails (here: a device
+    this machine lacks) is named in a warning and returned, so this process compiles its shape itself."""
+    from hylora.kernels import warmup
+
+    assert warmup.compile_in_processes([(256, 512), (128, 1024)], 256, "cpu") == []
+    with caplog.at_level("WARNING", logger=warmup.__name__):
+        failed = warmup.compile_in_processes([(256, 512)], 256, "no-such-device")
+    assert failed == [(256, 512)]
+    assert "[256, 512] weights in a child process failed (rc 1" in caplog.text and "compiling them here" in caplog.text

@@ -20,13 +20,14 @@ from collections.abc import Iterable
 import torch
 
 from hylora.ops.fp8_linear import cublas
+from hylora.ops.fp8_linear import reference as R
 from hylora.ops.fp8_linear import triton as fp8_triton
 from hylora.ops.fp8_linear.cublas import fp8_split_linear, fp8_weight_only_linear, takes_split_input
 from hylora.ops.fp8_linear.reference import BLOCK, Extra, QuantizedActivation
 
 __all__ = [
     "available", "fp8_linear", "fp8_split_linear", "fp8_weight_only_linear", "takes_split_input", "warm_up",
-    "warm_up_token_counts",
+    "warm_up_shape", "warm_up_token_counts",
 ]  # fmt: skip
 
 # DeepGEMM's smallest block_m for the steps it takes here (from cublas.CUBLAS_FROM = 128 tokens)
@@ -109,3 +110,11 @@ def warm_up(
             fp8_linear(x[:M], w, w_scale, block)
         runs += len(counts)
     return runs
+
+
+def warm_up_shape(N: int, K: int, max_tokens: int, device: str, block: tuple[int, int] = BLOCK) -> int:
+    """`warm_up` for one [N, K] weight shape on zero weights: DeepGEMM's kernels depend on the shapes,
+    not the values, so a process without the model can compile them into the shared JIT cache."""
+    w = torch.zeros(N, K, dtype=R.FP8_DTYPE, device=device)
+    w_scale = torch.ones(-(-N // block[0]), -(-K // block[1]), dtype=torch.float32, device=device)
+    return warm_up([(w, w_scale)], max_tokens, block)
