@@ -3,7 +3,9 @@ field; the environment only says where files live and what the tools around hylo
 
 - HYLORA_CACHE_DIR: where the demo model is written (default ~/.cache/hylora);
 - TRITON_INTERPRET=1: Triton's own switch to its CPU interpreter (the tests run kernels that way);
-- HYLORA_*: handed on as they are to Ray Serve replicas, which may start on other nodes.
+- HYLORA_*: handed on as they are to Ray Serve replicas, which may start on other nodes;
+- the whole environment, to the child processes that compile DeepGEMM's kernels at start-up (its
+  DG_JIT_CACHE_DIR says where they are kept: kernels/warmup.py).
 """
 
 from __future__ import annotations
@@ -23,3 +25,9 @@ def triton_interpreter() -> bool:
 def hylora_variables() -> dict[str, str]:
     """Every HYLORA_* variable of this process."""
     return {k: v for k, v in os.environ.items() if k.startswith("HYLORA_")}
+
+
+def child_environment(**overrides: str) -> dict[str, str]:
+    """This process's environment with `overrides`, for a child process (e.g. kernels/warmup.py's
+    compilers, which need this process's import path and DeepGEMM's DG_JIT_CACHE_DIR)."""
+    return {**os.environ, **overrides}

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from hylora.env import child_environment
 from hylora.kernels.verdict import KernelVerdict
 from hylora.model.decoder import HybridDecoder
 from hylora.model.layers import Linear
@@ -65,7 +66,7 @@ def compile_in_processes(
     one per shape, at most half the CPUs), each with this process's import path. Returns the shapes whose
     child failed or timed out (logged; the in-process warm-up compiles them instead)."""
     workers = workers or max(1, min(len(shapes), (os.cpu_count() or 2) // 2))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = child_environment(PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     pending, running, failed = list(shapes), [], []
     with contextlib.ExitStack() as files:
         while pending or running:
