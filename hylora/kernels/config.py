@@ -52,8 +52,9 @@ class KernelsConfig:
     # dynamic FP8 activations: where DeepGEMM is installed (`import deep_gemm` on an sm_90 GPU; stock
     # vLLM's FP8 GEMM on Hopper) its block-scaled GEMM serves the steps cuBLAS's would, once it passed
     # its start-up check (ops/fp8_linear/deepgemm.py). H100 (BASELINE run 57): level with cuBLAS at 8192
-    # tokens, 1.10-1.26x faster at 128-1024. Off: its kernels compile at first use (2.5-8.7 s each), and
-    # without a start-up warm-up a step of a new size would stall that long
+    # tokens, 1.10-1.26x faster at 128-1024. Its kernels compile at first use (2.5-8.7 s each), so with it
+    # the start-up compiles them for every step size (kernels/warmup.py; one shape: 61 s, run 58 b). Off
+    # until the engine has run it on a GPU beside cuBLAS
     fp8_deepgemm: bool = False
     # ... and the decoder's norms quantise the in_proj / qkv's, gate_up's and the GDN out_proj's input
     # (ops.rmsnorm's rms_norm_quantized). On an H200 (BASELINE run 35, same call, 16-layer cut, 8192

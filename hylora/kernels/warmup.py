@@ -44,14 +44,12 @@ def warm_up_kernels(model: HybridDecoder, verdicts: dict[str, KernelVerdict], ma
     from hylora.ops.fp8_linear import deepgemm
 
     start = time.perf_counter()
-    by_block: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for m in model.modules():
-        if isinstance(m, Linear) and m.is_fp8:
-            by_block.setdefault(m.quant_block, []).append((m.weight, m.weight_scale))
-    shapes = sorted({tuple(w.shape) for w, _ in by_block.get(deepgemm.BLOCK, [])})
+    weights = [(m.weight, m.weight_scale) for m in model.modules() if isinstance(m, Linear) and m.is_fp8
+               and m.quant_block == deepgemm.BLOCK]  # fmt: skip
+    shapes = sorted({tuple(w.shape) for w, _ in weights if deepgemm.serves_shape(*w.shape)})
     if model.device.type == "cuda" and len(shapes) > 1 and deepgemm.available():
         compile_in_processes(shapes, max_step_tokens, str(model.device))
-    runs = sum(deepgemm.warm_up(weights, max_step_tokens, block) for block, weights in by_block.items())
+    runs = deepgemm.warm_up(weights, max_step_tokens)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
         torch.cuda.empty_cache()  # the warm-up's inputs and outputs, before the caches are planned

@@ -27,7 +27,7 @@ from hylora.ops.fp8_linear.reference import BLOCK, Extra, QuantizedActivation
 
 __all__ = [
     "available", "fp8_linear", "fp8_split_linear", "fp8_weight_only_linear", "takes_split_input", "warm_up",
-    "warm_up_shape", "warm_up_token_counts",
+    "serves_shape", "warm_up_shape", "warm_up_token_counts",
 ]  # fmt: skip
 
 # DeepGEMM's smallest block_m for the steps it takes here (from cublas.CUBLAS_FROM = 128 tokens)
@@ -99,17 +99,19 @@ def warm_up(
         return 0
     shapes: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     for w, w_scale in weights:
-        shapes.setdefault(tuple(w.shape), (w, w_scale))
-    runs = 0
-    for (N, K), (w, w_scale) in shapes.items():
-        counts = [M for M in warm_up_token_counts(max_tokens) if cublas.usable(M, N, K, block)]
-        if not counts:
-            continue
-        x = torch.zeros(counts[-1], K, dtype=torch.bfloat16, device=w.device)
+        if serves_shape(*w.shape, block):
+            shapes.setdefault(tuple(w.shape), (w, w_scale))
+    counts = warm_up_token_counts(max_tokens)
+    for (_, K), (w, w_scale) in shapes.items():
+        x = torch.zeros(max(counts, default=0), K, dtype=torch.bfloat16, device=w.device)
         for M in counts:
             fp8_linear(x[:M], w, w_scale, block)
-        runs += len(counts)
-    return runs
+    return len(shapes) * len(counts)
+
+
+def serves_shape(N: int, K: int, block: tuple[int, int] = BLOCK) -> bool:
+    """Whether DeepGEMM takes an [N, K] weight's steps from cublas.CUBLAS_FROM tokens (cuBLAS's shapes)."""
+    return cublas.usable(cublas.CUBLAS_FROM, N, K, block)
 
 
 def warm_up_shape(N: int, K: int, max_tokens: int, device: str, block: tuple[int, int] = BLOCK) -> int:
