@@ -775,6 +775,46 @@ def test_named_and_single_call_grammars(ll_tokenizer):
     assert not accepts(ll_tokenizer, tags_grammar(GRAMMAR_TOOLS, "qwen3_coder", "echo"), qcall("echo", [("text", "")]))
 
 
+# a pydantic-style schema whose root is a $ref into its own $defs
+REF_ROOT_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "dig",
+        "parameters": {
+            "$defs": {"Dig": {"type": "object", "required": ["site", "depth"],
+                              "properties": {"site": {"type": "string"}, "depth": {"type": "integer"}}}},
+            "$ref": "#/$defs/Dig",
+        },
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "ok"),
+    [
+        ("qwen3_coder", qcall("dig", [("site", "tomb"), ("depth", "3")]), True),
+        ("qwen3_coder", qcall("dig", []), False),  # the referenced object's required properties
+        ("qwen3_coder", qcall("dig", [("site", "tomb"), ("depth", "deep")]), False),
+        ("hermes", hcall("dig", '{"site": "tomb", "depth": 3}'), True),
+        ("hermes", hcall("dig", "{}"), False),
+    ],
+)
+def test_a_root_ref_schema_constrains_the_arguments_as_its_target(ll_tokenizer, fmt, text, ok):
+    assert accepts(ll_tokenizer, tags_grammar([REF_ROOT_TOOL], fmt), text) is ok
+    if ok:
+        (call,) = ToolCallParser(fmt).parse(text, [REF_ROOT_TOOL]).tool_calls
+        assert json.loads(call["function"]["arguments"]) == {"site": "tomb", "depth": 3}
+
+
+def test_a_tool_schema_with_no_finite_arguments_is_refused():
+    endless = {"$defs": {"n": {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}}, "required": ["n"]}},
+               "$ref": "#/$defs/n"}  # fmt: skip
+    tool = {"type": "function", "function": {"name": "nest", "parameters": endless}}
+    for fmt in ("qwen3_coder", "hermes"):
+        with pytest.raises(ValueError, match="'nest'.*admits no finite document"):
+            tool_choice_grammar([tool], fmt)
+
+
 def random_output(m: llguidance.LLMatcher, ll_tokenizer, rng: np.random.Generator, max_tokens: int = 400):
     tokens = []
     for _ in range(max_tokens):

@@ -329,6 +329,17 @@ def test_error_cases(client, server):
         json={"model": "relic", "messages": [{"role": "user", "content": "x" * 300_000}]},
     )
     assert huge.status_code == 413
+
+    def chunks():  # no Content-Length: the limit meets the body while FastAPI reads it
+        body = json.dumps({"model": "relic", "messages": [{"role": "user", "content": "x" * 300_000}]}).encode()
+        for i in range(0, len(body), 65536):
+            yield body[i : i + 65536]
+
+    streamed = httpx.post(
+        f"{server}/v1/chat/completions", content=chunks(), timeout=30, headers={"Content-Type": "application/json"}
+    )
+    assert streamed.status_code == 413, streamed.text
+    assert "request body larger than" in streamed.json()["error"]["message"]
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200
 
 
@@ -829,3 +840,18 @@ def test_request_bodies_with_invalid_unicode_anywhere_are_refused_and_big_clean_
         model = ChatCompletionRequest if "messages" in body else CompletionRequest
         with pytest.raises(ValidationError, match="invalid Unicode"):
             model.model_validate(body)
+
+
+@pytest.mark.parametrize("key", [" 5 ", "5_0", "٥", "+5", "0x5", ""])
+def test_logit_bias_keys_are_decimal_token_ids(key):
+    """int() reads these too ("5_0" as 50, Arabic-Indic "٥" as 5): refused instead, naming the field."""
+    from hylora.server.protocol import ChatCompletionRequest, Unsupported
+
+    def bias(key):
+        body = {"model": "relic", "messages": [{"role": "user", "content": "x"}], "logit_bias": {key: 1.0}}
+        return ChatCompletionRequest.model_validate(body).sampling_params(8, None, None).logit_bias
+
+    assert bias("50") == {50: 1.0}
+    with pytest.raises(Unsupported, match="decimal digits") as e:
+        bias(key)
+    assert e.value.param == "logit_bias"

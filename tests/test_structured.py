@@ -234,6 +234,18 @@ def test_disable_additional_properties(compiler, tokenizer, eos_ids):
     assert allowed_ids(matcher) == set(tokenizer.encode("}", add_special_tokens=False))  # no ', "extra": ...'
 
 
+def test_disable_additional_properties_keeps_a_root_ref_satisfiable(compiler, tokenizer, eos_ids):
+    # `{"$ref": ..., "type": "object"}` (a tool's parameters as hylora types them): closing that node itself
+    # would forbid the properties its $ref requires; the referenced object is closed instead
+    schema = {"$defs": {"A": {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}},
+              "$ref": "#/$defs/A", "type": "object"}  # fmt: skip
+    spec = parse_structured_outputs({"structured_outputs": {"json": schema, "disable_additional_properties": True}})
+    matcher = compiler.compile_blocking(spec).matcher()
+    for t in tokenizer.encode('{"a": true', add_special_tokens=False):
+        matcher.accept(t)
+    assert allowed_ids(matcher) == set(tokenizer.encode("}", add_special_tokens=False))
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_regex_output_fully_matches(compiler, tokenizer, eos_ids, seed):
     matcher = compiler.compile_blocking(StructuredSpec("regex", DATE_REGEX)).matcher()

@@ -81,6 +81,9 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if isinstance(e.__cause__, BodyTooLarge):  # a streamed body past the limit, met while FastAPI read it
+            metrics.rejected.labels(code="413").inc()
+            return error_response(413, str(e.__cause__))
         if e.status_code == 400 and e.detail == BODY_PARSE_ERROR and e.__cause__ is not None:
             return error_response(400, _unparsable_body(e.__cause__))
         return error_response(e.status_code, str(e.detail))
@@ -125,19 +128,22 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise _TooLarge
+                    raise BodyTooLarge(self.limit)
             return message
 
         try:
             await self.app(scope, limited_receive, send)
-        except _TooLarge:
+        except BodyTooLarge:  # read outside FastAPI's body parsing (which wraps it: see install_error_handlers)
             await self._refuse(scope, receive, send)
 
     async def _refuse(self, scope, receive, send):
         self.metrics.rejected.labels(code="413").inc()
-        response = error_response(413, f"request body larger than {self.limit} bytes")
+        response = error_response(413, str(BodyTooLarge(self.limit)))
         await response(scope, receive, send)
 
 
-class _TooLarge(Exception):
-    pass
+class BodyTooLarge(Exception):
+    """A request body past BodyLimit's limit (raised while it is received)."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"request body larger than {limit} bytes")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -218,11 +219,15 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out = {}
     for key, value in bias.items():
-        try:
-            out[int(key)] = value
-        except ValueError:
-            raise Unsupported(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        # ASCII digits only: int() also reads " 5 ", "5_0" and other scripts' digits, and two spellings of one id
+        # would bias it once, silently
+        if _TOKEN_ID.fullmatch(key) is None:
+            raise Unsupported(f"logit_bias keys must be token ids written in decimal digits, got {key!r}", "logit_bias")
+        out[int(key)] = value
     return out
+
+
+_TOKEN_ID = re.compile(r"-?[0-9]+")  # a negative id gets the vocabulary-range message
 
 
 class ChatMessage(_Body):

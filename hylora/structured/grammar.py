@@ -92,10 +92,15 @@ def close_objects(schema: Any) -> Any:
             copy = value  # scalars (and literal data) are shared, not copied
         parent[slot] = copy
     for copy in closing:
-        if (copy.get("type") == "object" or "properties" in copy) and "additionalProperties" not in copy:
+        # `false` forbids every name outside the schema's own `properties`: an object schema that has none
+        # and takes its properties from a `$ref` or a combinator (`{"$ref": ..., "type": "object"}`) stays open
+        borrowed = "properties" not in copy and any(k in copy for k in _BORROWS_PROPERTIES)
+        is_object = copy.get("type") == "object" or "properties" in copy
+        if is_object and "additionalProperties" not in copy and not borrowed:
             copy["additionalProperties"] = False
     return out_root[0]
 
 
 _SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
 _LITERALS = {"enum", "const", "default", "examples"}
+_BORROWS_PROPERTIES = ("$ref", "allOf", "anyOf", "oneOf")

@@ -34,6 +34,7 @@ from hylora.server.parsers.tool_calls.base import TOOL_CALL_END, TOOL_CALL_START
 from hylora.server.parsers.tool_calls.qwen3_coder import valid_function_name
 from hylora.server.parsers.tool_calls.schema import MAX_UNION_DEPTH, is_string_type, json_types, primary_type, resolve
 from hylora.structured.grammar import JSON_LAYOUT, close_objects
+from hylora.structured.limits import check_json_schema
 
 GRAMMAR_FORMATS: tuple[str, ...] = ("qwen3_coder", "hermes")
 FREE_TEXT = "FREE_TEXT"  # the terminal of string values with no constraint (shared)
@@ -74,6 +75,10 @@ def tool_choice_grammar(
         params = fn.get("parameters")
         params = dict(params) if isinstance(params, Mapping) else {"properties": {}}
         params.setdefault("type", "object")  # an untyped schema would let `"arguments": 5` through
+        try:  # the bounds response_format's schemas meet (a schema with no finite instance: no call could end)
+            check_json_schema(params)
+        except ValueError as e:
+            raise ValueError(f"the parameters of the function {name!r}: {e}") from None
         rule = f"call_{i}"
         calls.append(rule)
         if fmt == "hermes":
@@ -131,8 +136,10 @@ def _hermes_call(rule: str, name: str, params: Mapping[str, Any], token_tags: Co
 def _qwen3_coder_call(rule: str, name: str, params: Mapping[str, Any], token_tags: Collection[str]) -> list[str]:
     """One rule per function (its parameters inline) + one terminal per free-text parameter: a
     large tool list stays far below the structured-output bounds on rules."""
-    props = params.get("properties") if isinstance(params.get("properties"), Mapping) else {}
-    required = params.get("required") if isinstance(params.get("required"), list) else []
+    top = resolve(params, params)  # a root `$ref` (into the schema's own $defs) names the arguments' object
+    top = top if isinstance(top, Mapping) else {}
+    props = top.get("properties") if isinstance(top.get("properties"), Mapping) else {}
+    required = top.get("required") if isinstance(top.get("required"), list) else []
     names = list(props) + [r for r in required if isinstance(r, str) and r not in props]
     body, lines = [], []
     for j, key in enumerate(names):

@@ -59,7 +59,8 @@ def resolve(schema: Any, root: Mapping[str, Any]) -> Any:
 
 def property_schema(params: Mapping[str, Any], name: str) -> Any:
     """The (resolved) schema of parameter `name`, or None when the function does not declare it."""
-    props = params.get("properties")
+    top = resolve(params, params)  # a root `$ref` names the arguments' object
+    props = top.get("properties") if isinstance(top, Mapping) else None
     if not isinstance(props, Mapping) or name not in props:
         return None
     return resolve(props[name], params)
