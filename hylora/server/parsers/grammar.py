@@ -32,7 +32,14 @@ import llguidance
 
 from hylora.server.parsers.tool_calls.base import TOOL_CALL_END, TOOL_CALL_START
 from hylora.server.parsers.tool_calls.qwen3_coder import valid_function_name
-from hylora.server.parsers.tool_calls.schema import MAX_UNION_DEPTH, is_string_type, json_types, primary_type, resolve
+from hylora.server.parsers.tool_calls.schema import (
+    MAX_UNION_DEPTH,
+    arguments_schema,
+    is_string_type,
+    json_types,
+    primary_type,
+    resolve,
+)
 from hylora.structured.grammar import JSON_LAYOUT, close_objects
 from hylora.structured.limits import check_json_schema
 
@@ -136,8 +143,7 @@ def _hermes_call(rule: str, name: str, params: Mapping[str, Any], token_tags: Co
 def _qwen3_coder_call(rule: str, name: str, params: Mapping[str, Any], token_tags: Collection[str]) -> list[str]:
     """One rule per function (its parameters inline) + one terminal per free-text parameter: a
     large tool list stays far below the structured-output bounds on rules."""
-    top = resolve(params, params)  # a root `$ref` (into the schema's own $defs) names the arguments' object
-    top = top if isinstance(top, Mapping) else {}
+    top = arguments_schema(params)
     props = top.get("properties") if isinstance(top.get("properties"), Mapping) else {}
     required = top.get("required") if isinstance(top.get("required"), list) else []
     names = list(props) + [r for r in required if isinstance(r, str) and r not in props]

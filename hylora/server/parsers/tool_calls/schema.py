@@ -57,10 +57,16 @@ def resolve(schema: Any, root: Mapping[str, Any]) -> Any:
     return {}
 
 
+def arguments_schema(params: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The object schema of a function's arguments: `params`, or the target of its root `$ref` into its
+    own `$defs` (as pydantic writes some models); {} when that is no schema object."""
+    top = resolve(params, params)
+    return top if isinstance(top, Mapping) else {}
+
+
 def property_schema(params: Mapping[str, Any], name: str) -> Any:
     """The (resolved) schema of parameter `name`, or None when the function does not declare it."""
-    top = resolve(params, params)  # a root `$ref` names the arguments' object
-    props = top.get("properties") if isinstance(top, Mapping) else None
+    props = arguments_schema(params).get("properties")
     if not isinstance(props, Mapping) or name not in props:
         return None
     return resolve(props[name], params)
