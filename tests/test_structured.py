@@ -427,6 +427,28 @@ def test_compile_cache_hit_and_lru_bound(tokenizer, eos_ids):
         compiler.close()
 
 
+def test_compile_cache_bounded_by_spec_text(tokenizer, eos_ids):
+    """Large specs are evicted by their text, not only by count: a few big choice lists must not
+    pin the memory of `cache_size` compiled grammars."""
+    compiler = GrammarCompiler(tokenizer, VOCAB, eos_ids, cache_size=100, cache_chars=2500)
+    try:
+        big = [StructuredSpec("choice", tuple(f"{n}-{i:04d}" for i in range(150))) for n in range(3)]  # ~1k chars each
+        small = StructuredSpec("regex", "[a-z]{2}")
+        kept = compiler.compile_blocking(small)
+        for spec in big:
+            compiler.compile_blocking(spec)
+        assert big[0] not in compiler._cache and small not in compiler._cache  # oldest out first
+        assert big[1] in compiler._cache and big[2] in compiler._cache
+        assert compiler._cached_chars == sum(sum(map(len, s.payload)) for s in big[1:]) <= 2500
+        huge = StructuredSpec("choice", tuple(f"h-{i:05d}" for i in range(400)))  # past the bound alone
+        held = compiler.compile_blocking(huge)
+        assert list(compiler._cache) == [huge] and compiler.compile_blocking(huge) is held
+        assert compiler.compile_blocking(small) is not kept  # evicted with huge: compiled anew
+        assert list(compiler._cache) == [small]
+    finally:
+        compiler.close()
+
+
 def test_async_compile_and_timeout(tokenizer, eos_ids, monkeypatch):
     compiler = GrammarCompiler(tokenizer, VOCAB, eos_ids, timeout_s=0.2)
     try:

@@ -21,7 +21,11 @@ checks run here, in the compile thread, with the pre-compile bounds as the only 
 native crash.
 
 Results, failures included, are cached by spec (timeouts for `timeout_cache_s` only: the machine
-may have been busy); concurrent requests for one spec share one compilation. `compile(spec)`
+may have been busy), least recently used out first past `cache_size` specs or `cache_chars`
+characters of spec text. A compiled grammar's memory follows its text (a 1024-entry, 256 K-character
+choice list holds ~4.7 MiB; CPU, 2026-12-06): 256 of the largest specs would hold ~1.2 GiB, 16 Mi
+characters bound that at ~300 MiB, and 256 typical schemas (a few KiB each) still fit. Concurrent
+requests for one spec share one compilation. `compile(spec)`
 (async, for the server) / `compile_blocking(spec)` return a CompiledGrammar or raise
 StructuredOutputError; `CompiledGrammar.matcher()` gives each request (each of its `n` choices) its
 own GrammarMatcher, a copy of the compiled one (~5 µs, versus milliseconds to compile).
@@ -94,6 +98,7 @@ class GrammarCompiler:
         eos_ids: Sequence[int],
         *,
         cache_size: int = 256,
+        cache_chars: int = 16 << 20,
         timeout_s: float = 10.0,
         max_workers: int = 3,
         mask_threads: int | None = None,
@@ -108,8 +113,8 @@ class GrammarCompiler:
         `eos_ids`: every id that ends generation (the only tokens allowed once the grammar is done);
         `max_workers`: compile threads, each with a worker process (`isolate`);
         `mask_threads`: llguidance's threads for filling a batch's masks (default: 80% of the CPUs)."""
-        if cache_size < 1 or timeout_s <= 0 or max_workers < 1 or queue_timeout_s <= 0:
-            raise ValueError("cache_size and max_workers must be >= 1, timeout_s and queue_timeout_s > 0")
+        if cache_size < 1 or cache_chars < 1 or timeout_s <= 0 or max_workers < 1 or queue_timeout_s <= 0:
+            raise ValueError("cache_size, cache_chars and max_workers must be >= 1, timeout_s and queue_timeout_s > 0")
         if compile_stack_bytes < 4 * probe_stack_bytes:
             raise ValueError("the compile threads' stack must be several times the probe's")
         self.vocab_size = vocab_size
@@ -117,6 +122,8 @@ class GrammarCompiler:
         self.queue_timeout_s = queue_timeout_s
         self.timeout_cache_s = timeout_cache_s
         self.cache_size = cache_size
+        self.cache_chars = cache_chars
+        self._cached_chars = 0  # spec text held by the cache
         self.isolate = isolate
         self._tokenizer = tokenizer
         self._eos_ids = tuple(eos_ids)
@@ -213,10 +220,15 @@ class GrammarCompiler:
             job = _Job(spec)
             heapq.heappush(self._queue, (_size(spec), next(self._arrivals), job))
             self._ready.notify()
+            if (stale := self._cache.pop(spec, None)) is not None:
+                self._cached_chars -= _size(stale.spec)
             self._cache[spec] = job
-            self._cache.move_to_end(spec)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._cached_chars += _size(spec)
+            while len(self._cache) > 1 and (
+                len(self._cache) > self.cache_size or self._cached_chars > self.cache_chars
+            ):  # the newest entry stays, however large: its requester holds it anyway
+                _, evicted = self._cache.popitem(last=False)
+                self._cached_chars -= _size(evicted.spec)
             return job
 
     def _stale(self, job: _Job) -> bool:
