@@ -24,8 +24,8 @@ Results, failures included, are cached by spec (timeouts for `timeout_cache_s` o
 may have been busy), least recently used out first past `cache_size` specs or `cache_chars`
 characters of spec text. A compiled grammar's memory follows its text (a 1024-entry, 256 K-character
 choice list holds ~4.7 MiB; CPU, 2026-12-06): 256 of the largest specs would hold ~1.2 GiB, 16 Mi
-characters bound that at ~300 MiB, and 256 typical schemas (a few KiB each) still fit. Concurrent
-requests for one spec share one compilation. `compile(spec)`
+characters bound it (160 of them: RSS +370 MiB, level from the 64th), and 256 typical schemas (a
+few KiB each) still fit. Concurrent requests for one spec share one compilation. `compile(spec)`
 (async, for the server) / `compile_blocking(spec)` return a CompiledGrammar or raise
 StructuredOutputError; `CompiledGrammar.matcher()` gives each request (each of its `n` choices) its
 own GrammarMatcher, a copy of the compiled one (~5 µs, versus milliseconds to compile).
