@@ -15,7 +15,7 @@ import pytest
 
 from hylora.demo import DEMO_ADAPTERS
 from hylora.engine import LLM, SamplingParams
-from hylora.tokenizer import chat_prompt
+from hylora.tokenizer import chat_prompt, max_token_chars
 from tests.server_helpers import metric, running_server
 
 PROMPTS = [
@@ -189,9 +189,11 @@ def test_logprobs_name_tokens_by_id_when_asked(client, offline):
     assert plain.choices[0].logprobs.tokens == [offline.tokenizer.decode([t]) for t in expected.token_ids]
 
 
-def test_streamed_completions_carry_logprobs(client):
-    """Each chunk carries its tokens' logprobs (OpenAI, vLLM); together they equal the whole reply's."""
-    args = dict(model="relic", prompt="The relic was found", max_tokens=6, temperature=0, logprobs=2)
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_completions_carry_logprobs(client, echo):
+    """Each chunk carries its tokens' logprobs (OpenAI, vLLM); together they equal the whole reply's,
+    with echo the prompt's too (its first chunk, as vLLM)."""
+    args = dict(model="relic", prompt="The relic was found", max_tokens=6, temperature=0, logprobs=2, echo=echo)
     whole = client.completions.create(**args).choices[0]
     tokens, values, offsets, tops, text = [], [], [], [], ""
     for chunk in client.completions.create(**args, stream=True):
@@ -203,8 +205,9 @@ def test_streamed_completions_carry_logprobs(client):
                 offsets += c.logprobs.text_offset
                 tops += c.logprobs.top_logprobs
     assert text == whole.text and tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
-    assert values == pytest.approx(whole.logprobs.token_logprobs, abs=1e-5) and len(values) == 6
-    assert [set(t) for t in tops] == [set(t) for t in whole.logprobs.top_logprobs]
+    assert values == pytest.approx(whole.logprobs.token_logprobs, abs=1e-5)
+    assert (len(values) > 6 and values[0] is None) if echo else len(values) == 6  # the prompt's first: None
+    assert [set(t or ()) for t in tops] == [set(t or ()) for t in whole.logprobs.top_logprobs]
 
 
 def test_return_token_ids_gives_the_prompt_and_the_generated_ids(server, offline):
@@ -249,6 +252,8 @@ def test_continuous_usage_stats(server, offline):
     for counts in per_choice.values():
         assert counts == sorted(counts) and counts[-1] == 6
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12  # include_usage: both
+    quiet = body | {"stream_options": {"include_usage": False, "continuous_usage_stats": True}}
+    assert not any("usage" in json.loads(line[6:]) for line in _sse_lines(server, "completions", quiet))  # as vLLM
 
 
 def test_continue_final_message_continues_the_assistant_prefix(server, offline):
@@ -685,6 +690,60 @@ def test_a_many_sequence_request_does_not_starve_a_small_one(cache_dir, tmp_path
         assert all(c["finish_reason"] == "length" for c in response.json()["choices"])
         # it took the first place that freed (~1/16 of the way); FCFS would queue it behind 20 or more
         assert share < 0.5, share
+
+
+DIG_PARAMETERS = {"type": "object", "properties": {"site": {"type": "string"}}, "required": ["site"]}
+TOOL = {"type": "function", "function": {"name": "dig", "description": "Dig at a site", "parameters": DIG_PARAMETERS}}
+CALLED = [
+    {"role": "user", "content": PROMPTS[0]},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "dig", "arguments": '{"site": "Giza"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "a sealed door"},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": [TOOL], "tool_choice": "none"},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"messages": [{"role": "user", "content": PROMPTS[2]}, {"role": "assistant", "content": "The mural shows"}],
+         "continue_final_message": True, "add_generation_prompt": False},
+        {"messages": CALLED, "tools": [TOOL], "tool_choice": "none"},
+    ],
+    ids=["tools", "template-kwargs", "continue-final-message", "tool-call-history"],
+)  # fmt: skip
+def test_tokenize_counts_a_conversation_as_chat_renders_it(server, extra):
+    """/tokenize with messages renders what a chat request with the same body would: its count is
+    the chat's usage.prompt_tokens (tools, template variables, a continued message, tool turns)."""
+    body = {"model": "relic", "messages": [{"role": "user", "content": PROMPTS[1]}]} | extra
+    chat = httpx.post(f"{server}/v1/chat/completions", json=body | {"max_tokens": 1}, timeout=60)
+    assert chat.status_code == 200, chat.text
+    counted = httpx.post(f"{server}/tokenize", json={k: v for k, v in body.items() if k != "tool_choice"}, timeout=30)
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+    plain = httpx.post(f"{server}/tokenize", json={"model": "relic", "messages": body["messages"]}, timeout=30)
+    assert plain.json()["count"] != counted.json()["count"]  # each field changes the prompt
+
+
+def test_tokenize_refuses_what_chat_refuses(server):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    both = httpx.post(f"{server}/tokenize", json={"messages": msgs, "continue_final_message": True}, timeout=30)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    bad_tool = httpx.post(f"{server}/tokenize", json={"messages": msgs, "tools": [{"type": "function"}]}, timeout=30)
+    assert bad_tool.status_code == 400 and bad_tool.json()["error"]["param"] == "tools", bad_tool.text
+    own = httpx.post(f"{server}/tokenize", json={"messages": msgs, "chat_template": "{{ 1 }}"}, timeout=30)
+    assert own.status_code == 400 and own.json()["error"]["param"] == "chat_template"
+
+
+def test_a_batch_of_prompts_is_checked_prompt_by_prompt(server, offline):
+    """Each prompt of a /v1/completions batch must fit the context, not all of them together."""
+    prompt = "The relic was found " * 20
+    assert len(offline.tokenizer.encode(prompt)) < 512 - 2
+    count = 512 * max_token_chars(offline.tokenizer) // len(prompt) + 1  # together too long for the old summed check
+    body = {"model": "relic", "prompt": [prompt] * count, "max_tokens": 1}
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200 and len(r.json()["choices"]) == count, r.text
 
 
 def test_bad_bodies_get_a_message_that_says_what_to_fix(server):

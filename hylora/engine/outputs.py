@@ -44,11 +44,12 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # the first output with tokens (a stream's echo) and the final one: first entry None, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # final output only
     token_ids: list[int] = field(default_factory=list)  # every generated token
     text: str = ""  # generated text (stop strings removed unless asked to keep them)
     logprobs: list[TokenLogprob] | None = None  # per generated token, when asked for
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # first entry None, when asked for
     timing: RequestTiming | None = None
 
     def merged(self, later: RequestOutput) -> RequestOutput:
@@ -61,6 +62,7 @@ class RequestOutput:
             new_token_ids=self.new_token_ids + later.new_token_ids,
             new_text=self.new_text + later.new_text,
             new_logprobs=new_logprobs,
+            prompt_logprobs=self.prompt_logprobs if later.prompt_logprobs is None else later.prompt_logprobs,
         )
 
 
@@ -130,11 +132,12 @@ class OutputProcessor:
             num_preemptions=req.num_preemptions,
             num_cached_tokens=req.num_cached_tokens,
         )
+        if req.params.prompt_logprobs is not None and (req.finished or (start == 0 and req.output_ids)):
+            out.prompt_logprobs = list(req.prompt_logprobs)  # the prompt is done once a token exists
         if req.finished:
             out.token_ids = list(req.output_ids)
             out.text = stream.text
             out.logprobs = list(req.logprobs) if wants_logprobs else None
-            out.prompt_logprobs = list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None
             out.timing = RequestTiming(req.arrival, req.scheduled_time, req.first_token_time, req.last_token_time)
             self.forget(rid)
         return out

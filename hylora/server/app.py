@@ -35,6 +35,7 @@ from hylora.server.json_body import json_response
 from hylora.server.metrics import ServerMetrics
 from hylora.server.parsers import ReasoningParser, ToolRequest, ToolRequestError, parse_tool_request, think_end_ids
 from hylora.server.protocol import (
+    CONTINUE_NEEDS_NO_GENERATION_PROMPT,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -238,7 +239,7 @@ def build_app(state: ServerState) -> FastAPI:
         body.check_unknown_fields("completions")
         adapter = _route(state, body, request)
         texts = body.prompt_list()
-        _check_chars(state, sum(len(p) for p in texts if isinstance(p, str)))
+        _check_chars(state, max((len(p) for p in texts if isinstance(p, str)), default=0))  # each fits alone
         prompts = [await state.run_text(_tokenize, state, p) if isinstance(p, str) else list(p) for p in texts]
         requested = body.max_tokens if body.max_tokens is not None else 16
         score_only = requested == 0  # the prompt's logprobs are the answer (scoring clients, lm-eval)
@@ -260,6 +261,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(payload: Payload) -> dict[str, Any]:
         body = await _parse(TokenizeRequest, payload)
+        body.check_unknown_fields("tokenize")
         _resolve(state, body.model)
         tokenizer = state.engine.tokenizer
         if (body.prompt is None) == (body.messages is None):
@@ -269,7 +271,7 @@ def build_app(state: ServerState) -> FastAPI:
             add = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await state.run_text(_tokenize, state, body.prompt, add)
         else:
-            parts = [p for m in body.messages or [] for p in _parts(m)]
+            parts = [p for m in body.messages for p in _parts(m)]
             media = sorted({str(p.get("type")) for p in parts if p.get("type") != "text"})
             if media:
                 raise APIError(
@@ -278,12 +280,14 @@ def build_app(state: ServerState) -> FastAPI:
                     "tokens with its images or videos are in /v1/chat/completions' usage.prompt_tokens)",
                     param="messages",
                 )
-            try:
-                messages = [{"role": m.role, "content": m.text()} for m in body.messages or []]
-            except Unsupported as e:
-                raise APIError(400, str(e), param="messages") from None
-            _check_chars(state, sum(len(m["content"]) for m in messages))
-            ids = await state.run_text(_render_chat, state, messages, body.add_generation_prompt)
+            if body.continue_final_message and body.add_generation_prompt:
+                raise APIError(400, CONTINUE_NEEDS_NO_GENERATION_PROMPT, param="continue_final_message")
+            template_kwargs = _template_kwargs(state, body)
+            try:  # the tools as the chat template renders them (tool_choice does not change the prompt)
+                tools = parse_tool_request({"tools": body.tools, "tool_choice": "none"})
+            except ToolRequestError as e:
+                raise APIError(400, str(e), param=e.param) from None
+            ids = await _text_chat_ids(state, body, template_kwargs, tools)
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {
             "count": len(ids),
@@ -400,15 +404,27 @@ async def _chat_prompt(
             raise APIError(400, str(e), code="invalid_media") from None
         except PromptTooLong as e:
             raise _too_long(state, e.chars) from None
+    return await _text_chat_ids(state, body, template_kwargs), None
+
+
+async def _text_chat_ids(
+    state: ServerState,
+    body: ChatCompletionRequest | TokenizeRequest,
+    template_kwargs: dict[str, Any],
+    tools: ToolRequest | None = None,
+) -> list[int]:
+    """Prompt ids of a text-only conversation, as chat requests and /tokenize render it."""
+    if tools is not None and tools.tools:
+        template_kwargs = template_kwargs | {"tools": list(tools.tools)}
+    _check_chars(state, sum(m.text_chars() for m in body.messages))
     try:
         texts = [m.for_template(m.text()) for m in body.messages]
     except Unsupported as e:
         raise APIError(400, str(e), param=e.param or "messages") from None
-    ids = await state.run_text(
+    return await state.run_text(
         _render_chat, state, texts, body.add_generation_prompt, continue_final_message=body.continue_final_message,
         **template_kwargs,
     )  # fmt: skip
-    return ids, None
 
 
 def _parts(message: Any) -> list[dict[str, Any]]:
@@ -417,7 +433,7 @@ def _parts(message: Any) -> list[dict[str, Any]]:
     return [p for p in content if isinstance(p, dict)] if isinstance(content, list) else []
 
 
-def _template_kwargs(state: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:
+def _template_kwargs(state: ServerState, body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
     """The request's chat template variables over the server's defaults (--default-chat-template-kwargs);
     a template of the client's own is refused (as vLLM)."""
     if (body.model_extra or {}).get("chat_template") is not None:

@@ -338,19 +338,24 @@ class Job:
 
         offsets = [0] * len(streams)  # text_offset of each choice's next token
         told_prompt = [False] * len(streams)  # return_token_ids: the prompt's ids go in a choice's first chunk
+        echoed = [not body.echo] * len(streams)
 
-        def choice(i: int, out: RequestOutput | None, finish: str | None) -> dict[str, Any] | None:
-            logprobs = None
-            if out is None:  # the opening chunk: the echoed prompt
+        def choice(i: int, out: RequestOutput, finish: str | None) -> dict[str, Any] | None:
+            text, entries = "", []
+            if not echoed[i]:  # echo (as vLLM): the prompt and its logprobs lead the choice's first chunk
+                echoed[i] = True
                 text = self.tokenizer.decode(self.prompt_of(i))
-                offsets[i] = len(text)
-            else:
-                text = "" if self.score_only else out.new_text
-                if body.logprobs is not None and out.new_logprobs and not self.score_only:
-                    entries = [(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs]
-                    logprobs = self._logprobs_block(entries, offsets[i])
-                    offsets[i] += sum(len(t) for t in logprobs["tokens"])
-            new_ids = [] if out is None or self.score_only else list(out.new_token_ids or [])
+                if body.logprobs is not None:
+                    entries = _prompt_entries(self.prompt_of(i), out.prompt_logprobs)
+            if not self.score_only:
+                text += out.new_text
+                if body.logprobs is not None:
+                    entries += [(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs or []]
+            logprobs = None
+            if entries:
+                logprobs = self._logprobs_block(entries, offsets[i])
+                offsets[i] += sum(len(t) for t in logprobs["tokens"])
+            new_ids = [] if self.score_only else list(out.new_token_ids or [])
             if not text and logprobs is None and not new_ids and finish is None:
                 return None
             item = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -360,7 +365,7 @@ class Job:
                     item["prompt_token_ids"], told_prompt[i] = self.prompt_of(i), True
             return item
 
-        async for event in self._events(streams, base, choice, opening=body.echo):
+        async for event in self._events(streams, base, choice, opening=False):
             yield event
 
     async def _events(
@@ -378,7 +383,8 @@ class Job:
         finals: list[RequestOutput] = []
         ended: set[int] = set()
         generated = [0] * len(streams)  # tokens of each choice so far
-        continuous = bool((self.body.stream_options or {}).get("continuous_usage_stats"))
+        options = self.body.stream_options or {}  # vLLM: continuous usage only along with include_usage
+        continuous = bool(options.get("include_usage") and options.get("continuous_usage_stats"))
 
         def chunk(item: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
             body = base | (extra or {}) | {"choices": [item]}
@@ -417,10 +423,7 @@ class Job:
         yield "data: [DONE]\n\n"
 
     def _completion_logprobs(self, out: RequestOutput, prompt: list[int]) -> dict[str, Any]:
-        entries: list[tuple[int, float | None, dict[int, float] | None]] = []
-        if out.prompt_logprobs is not None:
-            for tid, lp in zip(prompt, out.prompt_logprobs, strict=True):
-                entries.append((tid, None, None) if lp is None else (tid, lp.logprob, lp.top))
+        entries = _prompt_entries(prompt, out.prompt_logprobs)
         for lp in [] if self.score_only else out.logprobs or []:
             entries.append((lp.token_id, lp.logprob, lp.top))
         return self._logprobs_block(entries, 0)
@@ -500,3 +503,15 @@ def _submit_error(e: BaseException) -> BaseException:
 
 def _empty() -> RequestOutput:
     return RequestOutput("", [], [], "", True)
+
+
+def _prompt_entries(
+    prompt: list[int], prompt_logprobs: list[TokenLogprob | None] | None
+) -> list[tuple[int, float | None, dict[int, float] | None]]:
+    """The prompt's (token id, logprob, top) entries for a completions logprobs block (none without them)."""
+    if prompt_logprobs is None:
+        return []
+    return [
+        (t, None, None) if lp is None else (t, lp.logprob, lp.top)
+        for t, lp in zip(prompt, prompt_logprobs, strict=True)
+    ]

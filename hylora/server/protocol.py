@@ -280,6 +280,12 @@ class ChatMessage(_Body):
 _MESSAGES_BOUND = _at_most(MAX_MESSAGES, "messages", "shorten the conversation")
 
 
+CONTINUE_NEEDS_NO_GENERATION_PROMPT = (
+    "continue_final_message needs add_generation_prompt: false (the reply continues the last message "
+    "instead of starting a new one)"
+)
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1), _MESSAGES_BOUND]
     mm_processor_kwargs: dict[str, Any] | None = None  # vLLM: per-request preprocessing (fps, num_frames, ...)
@@ -301,11 +307,7 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise Unsupported("top_logprobs needs logprobs=true", "top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
-            raise Unsupported(
-                "continue_final_message needs add_generation_prompt: false (the reply continues the last message "
-                "instead of starting a new one)",
-                "continue_final_message",
-            )
+            raise Unsupported(CONTINUE_NEEDS_NO_GENERATION_PROMPT, "continue_final_message")
         _check_count("top_logprobs", self.top_logprobs, max_logprobs)
 
     @property
@@ -347,6 +349,9 @@ class TokenizeRequest(_Body):
     messages: Annotated[list[ChatMessage] | None, _MESSAGES_BOUND] = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[Any] | None, _at_most(MAX_TOOLS, "tools", "send the tools the prompt lists")] = None
     return_token_strs: bool = False
 
 
