@@ -550,6 +550,8 @@ def test_numerical_fault_fails_one_request_and_the_next_is_unaffected(client, se
 
 
 def test_metrics_expose_adapter_residency(server):
+    chat = {"model": "relic", "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 3}
+    assert httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=60).status_code == 200
     text = httpx.get(f"{server}/metrics", timeout=10).text
     for name in [
         "hylora_requests_total",
@@ -565,6 +567,25 @@ def test_metrics_expose_adapter_residency(server):
         'hylora_adapter_on_device{adapter="relic"}',
     ]:
         assert name in text, name
+
+
+def test_an_unloaded_adapter_leaves_the_metrics(server):
+    """Runtime adapters come and go: the series of one that was unloaded leave /metrics at the next
+    scrape (kept, a scrape grew with every name ever served), the others' stay."""
+    name = "passing-through"
+    load = {"lora_name": name, "lora_path": "copy_of_relic"}
+    assert httpx.post(f"{server}/v1/load_lora_adapter", json=load, timeout=60).status_code == 200
+    for model in (name, "relic"):
+        chat = {"model": model, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 3}
+        assert httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=60).status_code == 200
+    label = f'adapter="{name}"'
+    text = httpx.get(f"{server}/metrics", timeout=10).text
+    for series in ("hylora_requests_total", "hylora_time_to_first_token_seconds_bucket", "hylora_prefix_cache_queried"):
+        assert any(line.startswith(series) and label in line for line in text.splitlines()), series
+    assert httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30).status_code == 200
+    text = httpx.get(f"{server}/metrics", timeout=10).text
+    assert label not in text
+    assert 'hylora_requests_total{adapter="relic"' in text or 'adapter="relic",status=' in text
 
 
 def test_latency_starts_when_the_request_arrives(server):

@@ -315,7 +315,7 @@ class LLMEngine:
             step_seconds=self.step_seconds,
             add_seconds=self.add_seconds,
             preemptions=sched.num_preemptions,
-            **self._prefix_stats(),
+            **self._prefix_stats({"", *adapters["loaded"], *running, *waiting}),
             spec_drafts=self.spec_stats.drafts,
             spec_draft_tokens=self.spec_stats.draft_tokens,
             spec_accepted_tokens=self.spec_stats.accepted_tokens,
@@ -325,11 +325,14 @@ class LLMEngine:
             waiting_by_adapter=waiting,
         )
 
-    def _prefix_stats(self) -> dict:
+    def _prefix_stats(self, live: set[str]) -> dict:
+        """The prefix cache's counts; the per-adapter ones of adapters no longer loaded, running or
+        waiting are dropped (runtime loading makes names come and go)."""
         cache = self.prefix_cache
         if cache is None:
             return {}
         s = cache.stats
+        s.forget_adapters(live)
         return {
             "prefix_cache_queries": s.queries,
             "prefix_cache_hits": s.hits,

@@ -71,6 +71,12 @@ class PrefixCacheStats:
     by_adapter: Counter = field(default_factory=Counter)  # adapter ("" = base) → hit tokens
     queries_by_adapter: Counter = field(default_factory=Counter)
 
+    def forget_adapters(self, keep: set[str]) -> None:
+        """Drop the per-adapter counts of adapters not in `keep`."""
+        for table in (self.by_adapter, self.queries_by_adapter):
+            for name in [n for n in table if n not in keep]:
+                del table[name]
+
 
 class PrefixCache:
     def __init__(

@@ -155,8 +155,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         stats = await state.aengine.call(state.engine.stats)
         media_cache = state.media.cache if state.media is not None else None
-        state.vllm_metrics.update(stats, media_cache)
-        return Response(state.metrics.render(stats, media_cache), media_type="text/plain; version=0.0.4")
+
+        def render() -> bytes:  # off the event loop: a scrape of many adapters' series takes a while
+            state.vllm_metrics.update(stats, media_cache)
+            return state.metrics.render(stats, media_cache)
+
+        return Response(await state.run_text(render), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

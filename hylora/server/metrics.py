@@ -1,9 +1,14 @@
 """Prometheus metrics: request outcomes and latency per adapter, and the engine's resources,
-including adapter residency (what an adapter-aware router needs)."""
+including adapter residency (what an adapter-aware router needs).
+
+An adapter's series go once it is unloaded and nothing of it runs or waits (at the next scrape):
+with runtime loading, names come and go, and series kept for every name ever served made a scrape
+grow without bound (4,000 load / request / unload cycles: 17 MB and 1.1 s a scrape)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 from hylora.engine.stats import EngineStats
 from hylora.media.cache import ProcessedCache
@@ -117,6 +122,17 @@ class ServerMetrics:
         if media_cache is not None:
             for key, gauge in self.media_gauges.items():
                 gauge.set(len(media_cache) if key == "entries" else getattr(media_cache, key))
+        live = {"", *stats.on_device, *(a for a, n in stats.running_by_adapter.items() if n)}
+        live |= {a for a, n in stats.waiting_by_adapter.items() if n}
+        by_adapter = ("adapter",)
+        for metric, names in (
+            (self.requests, ("status", "adapter")),
+            (self.prompt_tokens, by_adapter),
+            (self.generation_tokens, by_adapter),
+            (self.ttft, by_adapter),
+            (self.itl, by_adapter),
+        ):
+            _drop_adapters(metric, names, live)
         for gauge, values in (
             (self.adapter_on_device, stats.on_device),
             (self.adapter_running, stats.running_by_adapter),
@@ -128,3 +144,15 @@ class ServerMetrics:
             for adapter, value in values.items():
                 gauge.labels(adapter=adapter).set(value)
         return generate_latest(self.registry)
+
+
+def _drop_adapters(metric: MetricWrapperBase, names: tuple[str, ...], live: set[str]) -> None:
+    """Remove `metric`'s series (label `names`, in order) whose adapter label is not in `live`."""
+    stale = {
+        tuple(sample.labels[n] for n in names)
+        for family in metric.collect()
+        for sample in family.samples
+        if sample.labels.get("adapter") not in live
+    }
+    for values in stale:
+        metric.remove(*values)
