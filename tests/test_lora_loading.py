@@ -179,6 +179,12 @@ REFUSALS = {
         lambda t: {k: (torch.full_like(v, 3e38) if "lora_B" in k else v) for k, v in t.items()},
         r"update scale·B·A can reach [0-9.]+e\+38",
     ),
+    # PEFT never writes both spellings; one would silently replace the other
+    "two_spellings": (
+        None,
+        lambda t: t | {k.removeprefix("base_model.model."): v * 2 for k, v in t.items()},
+        "are the same weight; keep one of them",
+    ),
     "activated_lora": (lambda c: c | {"alora_invocation_tokens": [5, 6]}, None, "alora_invocation_tokens .*"),
     "trainable_tokens": (lambda c: c | {"trainable_token_indices": [1]}, None, "trainable_token_indices"),
 }

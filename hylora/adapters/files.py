@@ -210,6 +210,7 @@ def parse_adapter(files: AdapterFiles, config: ModelConfig, name: str | None = N
     pairs: dict[str, dict[str, torch.Tensor]] = {}  # text decoder module path → lora_A / lora_B
     tower_pairs: dict[str, dict[str, torch.Tensor]] = {}  # tower module (under model.visual.) → ...
     unmatched = []
+    first_key: dict[tuple[str, str], str] = {}  # (module, lora_A / lora_B) → the key that gave it
     for key, tensor in tensors.items():
         m = KEY_RE.match(key)
         if m is None:
@@ -218,6 +219,8 @@ def parse_adapter(files: AdapterFiles, config: ModelConfig, name: str | None = N
             continue
         module_path, which = m.groups()
         _refuse_known_unsupported(module_path)
+        if (earlier := first_key.setdefault((module_path, which), key)) != key:  # two spellings of one key
+            raise AdapterError(f"adapter {name!r}: {key!r} and {earlier!r} are the same weight; keep one of them")
         if module_path.startswith(TOWER_PREFIX):
             tower_pairs.setdefault(module_path.removeprefix(TOWER_PREFIX), {})[which] = tensor
         elif MODULE_RE.match(module_path) is not None:
