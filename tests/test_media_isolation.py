@@ -169,6 +169,40 @@ def test_client_leaving_cancels_fetches_and_stops_the_decode_at_its_next_frame(d
     assert decoded == later < 2000  # nothing decoded after the cancel came through
 
 
+def test_an_image_does_not_wait_behind_videos_that_hold_every_decode_thread(demo, monkeypatch):
+    """Two long video decodes (in budget: seconds each) hold both decode threads; an image request
+    arriving then is prepared while they still run (it used to queue behind them)."""
+    pools = MediaPools(decode_threads=2)
+    # 8e9 pixels each; two different files (one file's concurrent requests share one decode)
+    heavy = [data_url(hostile_gif(2000, 2000, 2000, delay_cs=d), "image/gif") for d in (10, 11)]
+    decoding: set[int] = set()
+    charge = DecodeBudget.charge
+
+    def counted(self, width, height):
+        decoding.add(id(self))
+        charge(self, width, height)
+
+    monkeypatch.setattr(DecodeBudget, "charge", counted)
+
+    async def main():
+        s = settings(demo, pools=pools)
+        videos = [asyncio.create_task(multimodal_prompt(s, demo[2], ask(("video_url", v)))) for v in heavy]
+        await until(lambda: len(decoding) == 2, timeout=10.0)
+        image = data_url(image_bytes(64, 64), "image/png")
+        ids, prompt = await multimodal_prompt(s, demo[2], ask(("image_url", image)))
+        still_decoding = [not v.done() for v in videos]
+        for v in videos:
+            v.cancel()
+        await asyncio.gather(*videos, return_exceptions=True)
+        return prompt, still_decoding
+
+    try:
+        prompt, still_decoding = asyncio.run(main())
+    finally:
+        pools.close()
+    assert len(prompt.items) == 1 and still_decoding == [True, True]
+
+
 def test_cancel_flag_stops_a_running_decode():
     cancel = CancelFlag()
     cancel.set()

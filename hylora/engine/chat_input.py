@@ -182,9 +182,9 @@ async def _load(
                 )
         async with slots.fetch:
             data = await fetch_url(ref.url, settings.policy, limits.max_bytes, client=client, pools=pools)
-        process = process_image if ref.kind == "image" else process_video
+        process, pool = (process_image, pools.image_decode) if ref.kind == "image" else (process_video, pools.decode)
         async with slots.decode:
-            return await pools.run(pools.decode, process, data, settings.config, limits, kwargs, cancel, settings.cache)
+            return await pools.run(pool, process, data, settings.config, limits, kwargs, cancel, settings.cache)
     except BaseException:  # this item failed or the request is going away: every decode of it stops
         cancel.set()
         raise
