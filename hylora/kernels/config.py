@@ -53,8 +53,10 @@ class KernelsConfig:
     # vLLM's FP8 GEMM on Hopper) its block-scaled GEMM serves the steps cuBLAS's would, once it passed
     # its start-up check (ops/fp8_linear/deepgemm.py). H100 (BASELINE run 57): level with cuBLAS at 8192
     # tokens, 1.10-1.26x faster at 128-1024. Its kernels compile at first use (2.5-8.7 s each), so with it
-    # the start-up compiles them for every step size (kernels/warmup.py; one shape: 61 s, run 58 b). Off
-    # until the engine has run it on a GPU beside cuBLAS
+    # the start-up compiles them for every step size (kernels/warmup.py; one shape: 61 s, run 58 b). The
+    # engine with it (H100, run 59, 16-layer cut, 8192): 1.02x the FP8 workload's tok/s, base and mixed, in
+    # two A/B pairs; start-up +~60 s on its first start, +4 s on a warm JIT cache. Off until doctor has
+    # passed on that deployment on a GPU (bench/doctor_gpu.sh fp8-deepgemm)
     fp8_deepgemm: bool = False
     # ... and the decoder's norms quantise the in_proj / qkv's, gate_up's and the GDN out_proj's input
     # (ops.rmsnorm's rms_norm_quantized). On an H200 (BASELINE run 35, same call, 16-layer cut, 8192
