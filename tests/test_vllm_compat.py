@@ -297,6 +297,34 @@ def test_vllm_launch_lines_parse_and_start(demo_dir, demo_cache_dir, tmp_path):
         assert flag in help_text
 
 
+def test_launch_flags_that_would_break_every_request_stop_the_start(tmp_path, capsys):
+    """Flags whose mistake used to show only in requests (or never) are refused at start: a chat
+    template file that does not exist (its path was served as the template), a template that does not
+    parse, an empty --api-key (it turned authentication off), an adapter name given twice (the last
+    won), a port past 65535 (bound modulo 65536), a stall timeout of 0 (every stream cut)."""
+    import argparse
+
+    from hylora.server.serve import build_state, chat_template, lora_modules
+
+    with pytest.raises(ValueError, match="no such file"):
+        chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not parse"):
+        chat_template("{% for x in %}")
+    good = tmp_path / "t.jinja"
+    good.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert chat_template(str(good)) == good.read_text() and chat_template("{{ messages }}") == "{{ messages }}"
+    with pytest.raises(ValueError, match="names 'x' twice"):
+        lora_modules(["x=/a", '{"name": "x", "path": "/b"}'], "base")
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    with pytest.raises(ValueError, match="--api-key is empty"):
+        build_state(parser.parse_args(["--demo", "--api-key", ""]))
+    for flags in (["--port", "99999"], ["--stream-stall-timeout", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--demo", *flags])
+        assert flags[0] in capsys.readouterr().err
+
+
 def test_tensor_parallel_above_one_is_refused_with_a_pointer(demo_cache_dir, tmp_path):
     import subprocess
     import sys

@@ -11,6 +11,7 @@ import secrets
 import sys
 from pathlib import Path
 
+import jinja2
 import uvicorn
 
 from hylora.engine.async_engine import AsyncEngine
@@ -93,7 +94,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (default: %(default)s)")
     p.add_argument(
         "--shutdown-timeout",
@@ -103,7 +104,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--stream-stall-timeout",
-        type=float,
+        type=_positive_seconds,
         default=60.0,
         help="cut a streaming client that has read nothing for this many seconds (default: %(default)s)",
     )
@@ -349,9 +350,12 @@ def lora_modules(items: list[str], base_name: str) -> dict[str, str]:
             parent = spec.get("base_model_name")
             if parent not in (None, base_name):
                 log.warning("adapter %s names base model %r; serving it on %r", spec["name"], parent, base_name)
-            out[spec["name"]] = spec["path"]
+            name, path = spec["name"], spec["path"]
         else:
-            out |= _pairs([item], "--lora-modules")
+            ((name, path),) = _pairs([item], "--lora-modules").items()
+        if name in out:
+            raise ValueError(f"--lora-modules names {name!r} twice ({out[name]}, {path}): one name per adapter")
+        out[name] = path
     return out
 
 
@@ -376,6 +380,40 @@ def generation_defaults(source: str, model_dir: Path, overrides: dict | None) ->
     return defaults
 
 
+def chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the template itself (as vLLM); a path that names no file, or
+    a template that does not parse, is refused at start instead of failing every chat request."""
+    path = Path(value)
+    looks_like_a_path = "{" not in value and ("/" in value or path.suffix in (".jinja", ".j2", ".txt"))
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # too long for a path, NUL bytes: an inline template
+        is_file = False
+    if is_file:
+        value = path.read_text()
+    elif looks_like_a_path:
+        raise ValueError(f"--chat-template {value}: no such file")
+    try:
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: the template does not parse (line {e.lineno}: {e.message})") from None
+    return value
+
+
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
+    return port
+
+
+def _positive_seconds(value: str) -> float:
+    seconds = float(value)
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {value}")
+    return seconds
+
+
 def _pairs(items: list[str], flag: str) -> dict[str, str]:
     out = {}
     for item in items:
@@ -390,6 +428,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
     from hylora.demo import DEMO_ADAPTERS, ensure_demo
 
     args = normalise_vllm_args(args)
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty: give the key, or leave the flag out for a server without one")
     if args.demo == bool(args.model_dir):
         raise ValueError("give a MODEL_DIR or --demo (one of them)")
     if args.tensor_parallel_size != 1:
@@ -448,10 +488,10 @@ def build_state(args: argparse.Namespace) -> ServerState:
         language_model_only=args.language_model_only,
     )
     defaults = generation_defaults(args.generation_config, model_dir, args.override_generation_config)
+    template = chat_template(args.chat_template) if args.chat_template else None
     engine = LLMEngine(model_dir, config, lora_modules=lora)
-    if args.chat_template:
-        template = Path(args.chat_template)
-        engine.tokenizer.chat_template = template.read_text() if template.is_file() else args.chat_template
+    if template is not None:
+        engine.tokenizer.chat_template = template
     log.info(
         "sampling defaults for what a request leaves unset: %s", defaults or "hylora's (temperature 1, no filters)"
     )
