@@ -26,7 +26,10 @@ def _model_dir(args: argparse.Namespace) -> Path:
 def cmd_demo_model(args: argparse.Namespace) -> None:
     from hylora.demo import write_demo
 
-    path = write_demo(args.dir)
+    out = Path(args.dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # as merge and quantize: never over a model
+        raise ValueError(f"{out} is not an empty directory; give a new one")
+    path = write_demo(out)
     print(f"wrote the demo model and adapters relic, tomb, mural to {path}")
 
 

@@ -135,3 +135,18 @@ def test_cli_reports_bad_model_dir_without_traceback(tmp_path):
     )
     assert out.returncode == 2
     assert "no config.json" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_demo_model_never_writes_over_a_directory_with_files(tmp_path):
+    """`hylora demo-model DIR` refuses a directory that holds anything (someone's model), as merge does."""
+    import subprocess
+    import sys
+
+    mine = tmp_path / "my-model"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": true}')
+    out = subprocess.run(
+        [sys.executable, "-m", "hylora", "demo-model", str(mine)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2 and "is not an empty directory" in out.stderr, out.stderr
+    assert [p.name for p in mine.iterdir()] == ["config.json"] and "mine" in (mine / "config.json").read_text()

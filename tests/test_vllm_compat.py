@@ -297,7 +297,7 @@ def test_vllm_launch_lines_parse_and_start(demo_dir, demo_cache_dir, tmp_path):
         assert flag in help_text
 
 
-def test_launch_flags_that_would_break_every_request_stop_the_start(tmp_path, capsys):
+def test_launch_flags_that_would_break_every_request_stop_the_start(tmp_path, capsys, demo_cache_dir, monkeypatch):
     """Flags whose mistake used to show only in requests (or never) are refused at start: a chat
     template file that does not exist (its path was served as the template), a template that does not
     parse, an empty --api-key (it turned authentication off), an adapter name given twice (the last
@@ -315,10 +315,13 @@ def test_launch_flags_that_would_break_every_request_stop_the_start(tmp_path, ca
     assert chat_template(str(good)) == good.read_text() and chat_template("{{ messages }}") == "{{ messages }}"
     with pytest.raises(ValueError, match="names 'x' twice"):
         lora_modules(["x=/a", '{"name": "x", "path": "/b"}'], "base")
+    monkeypatch.setenv("HYLORA_CACHE_DIR", str(demo_cache_dir))
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     with pytest.raises(ValueError, match="--api-key is empty"):
         build_state(parser.parse_args(["--demo", "--api-key", ""]))
+    with pytest.raises(ValueError, match="device 'banana'"):
+        build_state(parser.parse_args(["--demo", "--device", "banana"]))
     for flags in (["--port", "99999"], ["--stream-stall-timeout", "0"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["--demo", *flags])

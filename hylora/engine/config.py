@@ -87,6 +87,8 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.device is not None:
+            _check_device(self.device)
 
     @property
     def encoder_cache_bytes(self) -> int:
@@ -97,3 +99,17 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self
         return replace(self, max_num_batched_tokens=8192 if device.startswith("cuda") else 2048)
+
+
+def _check_device(device: str) -> None:
+    """A device this machine has, or a ValueError that says what it has (not torch's assertion)."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r}: {e}; use cuda or cpu") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this machine has no CUDA GPU that torch can use; use cpu")
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"device {device!r}: hylora runs on cuda or cpu")
