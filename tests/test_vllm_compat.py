@@ -320,6 +320,8 @@ def test_launch_flags_that_would_break_every_request_stop_the_start(tmp_path, ca
     add_serve_args(parser)
     with pytest.raises(ValueError, match="--api-key is empty"):
         build_state(parser.parse_args(["--demo", "--api-key", ""]))
+    with pytest.raises(ValueError, match="temperature must be a number"):  # not every request's 400 on its own field
+        build_state(parser.parse_args(["--demo", "--override-generation-config", '{"temperature": "hot"}']))
     with pytest.raises(ValueError, match="device 'banana'"):
         build_state(parser.parse_args(["--demo", "--device", "banana"]))
     for flags in (["--port", "99999"], ["--stream-stall-timeout", "0"]):

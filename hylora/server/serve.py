@@ -361,7 +361,7 @@ def lora_modules(items: list[str], base_name: str) -> dict[str, str]:
 
 def generation_defaults(source: str, model_dir: Path, overrides: dict | None) -> dict:
     """Sampling defaults a request gets for what it leaves unset (vLLM's --generation-config)."""
-    from hylora.server.protocol import SAMPLING_DEFAULTS
+    from hylora.server.protocol import SAMPLING_DEFAULTS, SamplingRequest
 
     defaults: dict = {}
     if source != "vllm":
@@ -376,7 +376,14 @@ def generation_defaults(source: str, model_dir: Path, overrides: dict | None) ->
                 defaults["temperature"] = 0.0
     if overrides is not None and not isinstance(overrides, dict):
         raise ValueError("--override-generation-config expects a JSON object")
+    if ignored := sorted(set(overrides or {}) - set(SAMPLING_DEFAULTS)):
+        log.warning("--override-generation-config: ignoring %s (it sets %s)", ignored, sorted(SAMPLING_DEFAULTS))
     defaults |= {k: v for k, v in (overrides or {}).items() if k in SAMPLING_DEFAULTS}
+    try:  # a default no request could use would fail every request that leaves it unset, as the client's fault
+        SamplingRequest().sampling_params(1, None, None, defaults=defaults)
+    except (ValueError, TypeError) as e:
+        where = "--generation-config / --override-generation-config"
+        raise ValueError(f"sampling defaults {defaults} ({where}): {e}") from None
     return defaults
 
 
