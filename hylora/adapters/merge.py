@@ -16,14 +16,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hylora.adapters.files import LoRAWeight, read_adapter
 from hylora.config import ModelConfig
-from hylora.model.fp8 import prepare_out, set_quantization
-from hylora.model.loader import SCALE_SUFFIX, TEXT_PREFIXES, VISION_PREFIX, weight_files
+from hylora.model.checkpoint_out import checkpoint_copy
+from hylora.model.fp8 import set_quantization
+from hylora.model.loader import SCALE_SUFFIX, TEXT_PREFIXES, VISION_PREFIX, open_shard, weight_files
 from hylora.ops.fp8_linear.reference import dequantize_weight
 
 
@@ -49,26 +49,26 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
             raise ValueError(f"base checkpoint has no {key}")
         deltas[key] = w
 
-    prepare_out(model_dir, out_dir)
-    for path in tqdm(sorted(set(files.values())), desc="merging", unit="file", disable=not progress):
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata()
-            tensors = {}
-            for key in f.keys():  # noqa: SIM118
-                if key.endswith(SCALE_SUFFIX):
-                    continue
-                t = f.get_tensor(key)
-                if key in scales:
-                    with safe_open(str(scales[key]), framework="pt") as sf:
-                        t = dequantize_weight(t, sf.get_tensor(key + SCALE_SUFFIX).float(), block, out_dtype)
-                if key in deltas:
-                    w = deltas[key]
-                    t = (t.float() + w.delta().reshape(t.shape)).to(t.dtype)
-                tensors[key] = t.contiguous()
-        save_file(tensors, out_dir / path.name, metadata=metadata)
-    if scales:
-        _drop_scales_from_index(out_dir)
-        set_quantization(out_dir, None)
+    with checkpoint_copy(model_dir, out_dir) as tmp:  # all or nothing: a failed run leaves no out_dir
+        for path in tqdm(sorted(set(files.values())), desc="merging", unit="file", disable=not progress):
+            with open_shard(path) as f:
+                metadata = f.metadata()
+                tensors = {}
+                for key in f.keys():  # noqa: SIM118
+                    if key.endswith(SCALE_SUFFIX):
+                        continue
+                    t = f.get_tensor(key)
+                    if key in scales:
+                        with open_shard(scales[key]) as sf:
+                            t = dequantize_weight(t, sf.get_tensor(key + SCALE_SUFFIX).float(), block, out_dtype)
+                    if key in deltas:
+                        w = deltas[key]
+                        t = (t.float() + w.delta().reshape(t.shape)).to(t.dtype)
+                    tensors[key] = t.contiguous()
+            save_file(tensors, tmp / path.name, metadata=metadata)
+        if scales:
+            _drop_scales_from_index(tmp)
+            set_quantization(tmp, None)
     return out_dir
 
 

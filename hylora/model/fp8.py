@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hylora.config import ModelConfig, QuantizationConfig
+from hylora.model.checkpoint_out import checkpoint_copy
 from hylora.model.layers import Linear
-from hylora.model.loader import SCALE_SUFFIX, assign_fp8, weight_files
+from hylora.model.loader import SCALE_SUFFIX, assign_fp8, open_shard, weight_files
 from hylora.ops.fp8_linear.reference import quantize_weight
 
 # decoder projections that become FP8 (checkpoint module names)
@@ -50,28 +49,28 @@ def quantize_checkpoint(
     model_dir: str | Path, out_dir: str | Path, block: tuple[int, int] = (128, 128), progress: bool = True
 ) -> Path:
     """Write `model_dir` block-quantised to FP8 into `out_dir` (same files and shards; tokenizer and
-    other files copied)."""
+    other files copied), all or nothing (model/checkpoint_out.py)."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = ModelConfig.from_dir(model_dir)
     if config.quantization is not None:
         raise ValueError(f"{model_dir} is already quantised ({config.quantization.method})")
-    prepare_out(model_dir, out_dir)
     files = weight_files(model_dir)
     kept = sorted(m.group(1) for m in map(KEPT.match, files) if m)
     quant = QuantizationConfig("fp8", block, (*NOT_CONVERTED, *kept))
-    for path in tqdm(sorted(set(files.values())), desc="quantising", unit="file", disable=not progress):
-        with safe_open(str(path), framework="pt") as f:
-            metadata, tensors = f.metadata(), {}
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                t = f.get_tensor(key)
-                if QUANTISED.match(key):
-                    w, scale = quantize_weight(t.float(), block)
-                    tensors[key], tensors[key + SCALE_SUFFIX] = w, scale
-                else:
-                    tensors[key] = t
-        save_file({k: v.contiguous() for k, v in tensors.items()}, out_dir / path.name, metadata=metadata)
-    _rewrite_index(out_dir, {k: p for k, p in files.items() if QUANTISED.match(k)})
-    set_quantization(out_dir, quant)
+    with checkpoint_copy(model_dir, out_dir) as tmp:  # all or nothing: a failed run leaves no out_dir
+        for path in tqdm(sorted(set(files.values())), desc="quantising", unit="file", disable=not progress):
+            with open_shard(path) as f:
+                metadata, tensors = f.metadata(), {}
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    t = f.get_tensor(key)
+                    if QUANTISED.match(key):
+                        w, scale = quantize_weight(t.float(), block)
+                        tensors[key], tensors[key + SCALE_SUFFIX] = w, scale
+                    else:
+                        tensors[key] = t
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / path.name, metadata=metadata)
+        _rewrite_index(tmp, {k: p for k, p in files.items() if QUANTISED.match(k)})
+        set_quantization(tmp, quant)
     return out_dir
 
 
@@ -112,17 +111,6 @@ def set_quantization(model_dir: Path, quant: QuantizationConfig | None) -> None:
     if quant is not None:
         config["quantization_config"] = quant.to_hf()
     path.write_text(json.dumps(config, indent=2))
-
-
-def prepare_out(model_dir: Path, out_dir: Path) -> None:
-    if out_dir.resolve() == model_dir.resolve():
-        raise ValueError("the output directory must differ from the model directory")
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"{out_dir} is not empty")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for item in model_dir.iterdir():
-        if item.is_file() and item.suffix != ".safetensors":
-            shutil.copy2(item, out_dir / item.name)
 
 
 def _rewrite_index(out_dir: Path, quantised: dict[str, Path]) -> None:

@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from hylora.config import ConfigError, ModelConfig
@@ -40,6 +40,16 @@ class CheckpointError(ValueError):
     """The checkpoint does not match the model its config.json describes."""
 
 
+def open_shard(path: Path) -> safe_open:
+    """`safe_open(path)`; a file that cannot be read, or not as safetensors, is a CheckpointError naming it."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} could not be read as safetensors ({e}): is it truncated or corrupt?") from None
+    except OSError as e:
+        raise CheckpointError(f"{path} could not be read ({e.strerror or e})") from None
+
+
 def weight_files(model_dir: Path) -> dict[str, Path]:
     """checkpoint key → the safetensors file holding it."""
     index = model_dir / "model.safetensors.index.json"
@@ -57,7 +67,7 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
         raise CheckpointError(f"{model_dir}: no *.safetensors weights{hint}")
     out: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as handle:
+        with open_shard(f) as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 out[key] = f
     return out
@@ -176,7 +186,7 @@ def load_model(
     scale_files = ScaleFiles(model_dir, scales)
     bar = tqdm(total=len(seen), desc="loading weights", unit="tensor", disable=not progress)
     for path, entries in by_file.items():
-        with safe_open(str(path), framework="pt") as handle:
+        with open_shard(path) as handle:
             for key, name in entries:
                 dest_name, start, rows = layout[name]
                 dest_shape = params[dest_name].shape
@@ -227,7 +237,7 @@ class ScaleFiles:
     def get(self, key: str, weight_shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
         path = self.scales[key]
         if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
+            self._handles[path] = open_shard(path)
         scale = self._handles[path].get_tensor(key + SCALE_SUFFIX)  # type: ignore[attr-defined]
         expected = (-(-weight_shape[0] // block[0]), -(-weight_shape[1] // block[1]))
         if tuple(scale.shape) != expected:
