@@ -184,6 +184,46 @@ def test_ignored_subtle_adapter_fails_on_a_noisy_server(fake, subtle_reference):
     assert all(f.startswith("subtle_mlp at ") for f in check(report, "fidelity").failures)
 
 
+def test_a_wrong_served_model_name_is_the_servers_404_before_the_model_loads(fake, demo_cache_dir, monkeypatch, capsys):
+    """A base-model name the server does not serve: doctor says that the server answered 404, in its
+    own words, with the names it does serve, and stops (exit 1) before loading the reference's model
+    (not "no prompt logprobs" after a full run)."""
+
+    def load(*args, **kwargs):
+        raise AssertionError("doctor went on to load the model")
+
+    monkeypatch.setattr("hylora.engine.engine.LLMEngine", load)
+    monkeypatch.setenv("HYLORA_CACHE_DIR", str(demo_cache_dir))
+    fake.reset()
+    argv = ["doctor", "--demo", "--endpoint", fake.url, "--served-model-name", "no-such-model", "--device", "cpu"]
+    code = run_from_args(build_parser().parse_args(argv + ["--max-model-len", "512"]))
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "HTTP 404: model 'no-such-model' does not exist" in err and "prompt logprobs" not in err
+    assert "check --served-model-name" in err and "fake-base, " in err  # what the server's /v1/models lists
+
+
+def test_an_adapter_the_server_does_not_have_is_reported_on_that_adapter(fake, engine, adapters):
+    """An adapter name the server does not serve (not loaded there): every failure is that adapter's,
+    in the server's words (HTTP 404 and its message), not a numeric difference or a poisoned probe;
+    the base and the other adapters pass."""
+    ghost = {"ghost": adapters["relic"]} | adapters  # first: the pollution check probes it
+    lengths = [1, 65]
+    reference = Reference(engine, ghost, doctor_sequence(engine.tokenizer, 600), lengths[-1])
+    fake.reset()
+    endpoint = Endpoint(fake.url, reference.sequence, list(ghost), request_timeout=120, budget=Budget(400, 600))
+    endpoint.connect()
+    options = DoctorOptions(lengths=lengths, short_max=lengths[-1])
+    report = run_doctor(endpoint, reference, list(ghost), options, TokenTexts(engine.tokenizer))
+    failures = [f for c in report.checks for f in c.failures]
+    refused = "HTTP 404: model 'ghost' does not exist"
+    assert failures and all(f.startswith(("ghost", "probe ghost")) and refused in f for f in failures), failures
+    assert not any("differs" in f or "poison" in f for f in failures), "\n".join(failures)
+    failed = {c.name for c in report.checks if c.status is FAIL}
+    assert failed == {"adapter_effect", "fidelity", "mixed_batches", "pollution", "decode", "prefix_cache"}
+    assert report.exit_code == 1
+
+
 def test_bf16_server_with_the_demo_passes(demo_dir, adapters, reference):
     """A bf16 server (its weights and activations rounded) against the fp32 reference: the noise
     measured from it sets the tolerance, and every check passes."""

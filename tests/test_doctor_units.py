@@ -16,7 +16,7 @@ from hylora.doctor.compare import EXACT, PRESETS, Diff, diff_reference, diff_ser
 from hylora.doctor.decode import DECODE_TOKENS
 from hylora.doctor.deployment import Features, LoadStats
 from hylora.doctor.effect import check_adapter_effect
-from hylora.doctor.endpoint import ECHO, PROMPT_LOGPROBS, Budget, BudgetExhausted, Endpoint, draft_tokens
+from hylora.doctor.endpoint import ECHO, PROMPT_LOGPROBS, Budget, BudgetExhausted, Endpoint, _error_text, draft_tokens
 from hylora.doctor.fastpaths import check_fp8
 from hylora.doctor.html import render_html
 from hylora.doctor.kernels import check_kernels
@@ -228,6 +228,14 @@ def test_draft_tokens_from_a_metrics_page():
     )
     assert draft_tokens(page) == 42.0
     assert draft_tokens("vllm:num_requests_running 3.0\n") is None
+
+
+def test_a_servers_error_message_is_read_from_its_body():
+    """OpenAI's {"error": {"message"}}, vLLM's {"object": "error", "message"} and FastAPI's {"detail"}."""
+    openai = {"error": {"message": "The model `x` does not exist.", "type": "invalid_request_error"}}
+    vllm = {"object": "error", "message": "The model `x` does not exist.", "type": "NotFoundError", "code": 404}
+    assert _error_text(openai) == _error_text(vllm) == "The model `x` does not exist."
+    assert _error_text({"detail": "Not Found"}) == "Not Found"
 
 
 def test_requests_are_bounded_in_count_and_time():
@@ -767,3 +775,20 @@ def test_doctor_kernels_flag_reaches_the_engine_it_checks(demo_cache_dir, monkey
         run_from_args(build_parser().parse_args(clash))
     with pytest.raises(SystemExit):
         build_parser().parse_args([*argv, "--kernels", "fp8_deepgem=1"])
+
+
+@pytest.mark.parametrize("where", ["missing/doctor.json", "."])
+@pytest.mark.parametrize("flag", ["--json", "--report"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_anything_runs(tmp_path, monkeypatch, flag, where):
+    """`--json` / `--report` into a directory that does not exist, or naming a directory: one line
+    naming the path, before the demo is written or a model loads (not after a run of minutes)."""
+    from hylora.cli import build_parser
+    from hylora.doctor.cli import run_from_args
+
+    started = []
+    monkeypatch.setattr("hylora.demo.ensure_demo", lambda *a, **k: started.append(a))
+    monkeypatch.setattr("hylora.engine.engine.LLMEngine", lambda *a, **k: started.append(a))
+    path = tmp_path / where
+    with pytest.raises(ValueError, match=re.escape(f"{flag} {path}: ")) as refused:
+        run_from_args(build_parser().parse_args(["doctor", "--demo", "--device", "cpu", flag, str(path)]))
+    assert "\n" not in str(refused.value) and not started

@@ -69,9 +69,10 @@ def check_mixed(run: MixedRun, texts: TokenTexts, tol: Tolerance) -> CheckResult
             if j != i and other.window == probe.window and diff_served(b, alone[j], texts, tol.tie).ok(tol)
         ]
         hint = f"; it matches {' / '.join(looks_like)} sent alone" if looks_like else ""
+        verb = "could not be compared with" if d.error else "differs from"
         failures.append(
             f"{label(probe.target)}, {probe.window.length}-token prompt, sent with {len(probes) - 1} others "
-            f"(adapters and base) differs from the same request alone: {'; '.join(problems)}{hint}"
+            f"(adapters and base) {verb} the same request alone: {'; '.join(problems)}{hint}"
         )
     repeats = run.repeats(texts, tol.tie)
     for probe, d in zip(probes, repeats, strict=True):
@@ -162,6 +163,9 @@ def judge_pollution(run: PollutionRun, sweep: SweepData, texts: TokenTexts, tol:
             notes.append(f"the video request in the burst ({run.video.name}) was served")
     for probe, before, after in zip(run.probes, run.before, run.after, strict=True):
         name = f"probe {label(probe.target)} ({probe.window.length} tokens)"
+        if before.error:  # refused (e.g. an adapter the server does not have): nothing to compare, no pollution
+            failures.append(f"{name} failed before the burst: {before.error}")
+            continue
         earlier = sweep.results.get((probe.target, probe.window.length))
         if earlier is not None:
             diffs.append(d := diff_served(before, earlier, texts, same.tie))

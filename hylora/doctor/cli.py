@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -152,6 +153,21 @@ def _pairs(items: list[str]) -> dict[str, Path]:
     return out
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse an output path that cannot be written (its directory missing or read-only, or a
+    directory itself) before anything runs, not once the run is over."""
+    for flag, value in (("--json", args.json), ("--report", args.report)):
+        if not value:
+            continue
+        path = Path(value)
+        if path.is_dir():
+            raise ValueError(f"{flag} {path}: is a directory")
+        if not path.parent.is_dir():
+            raise ValueError(f"{flag} {path}: no directory {path.parent}")
+        if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise ValueError(f"{flag} {path}: not writable")
+
+
 @dataclass
 class Inputs:
     model_dir: Path
@@ -185,6 +201,7 @@ def _inputs(args: argparse.Namespace) -> Inputs:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    check_outputs(args)
     import torch
 
     threads = args.threads if args.threads is not None else (1 if args.demo else None)

@@ -191,7 +191,11 @@ def check_adapter_effect(
                 "see fidelity)"
             )
         elif not judged:
-            failures.append(f"{name}: no length could be compared ({_lengths(by['failed'] + by['empty'])} tokens)")
+            error = next((e for n in data.lengths(name) if (e := data.results[(name, n)].error)), None)
+            failures.append(
+                f"{name}: no length could be compared ({_lengths(by['failed'] + by['empty'])} tokens)"
+                + (f": {error}" if error else "")
+            )
         carries = f", carries {beta:.2f}" if beta is not None else ""
         lines.append(f"{name} {len(by['adapter'])}/{len(told)} (effect {effect:.2g}, noise {nu:.2g}{carries})")
     summary = "served closer to the adapter than to the base model at: " + "; ".join(lines)

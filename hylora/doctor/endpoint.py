@@ -74,6 +74,7 @@ class Endpoint:
         self.mode: str | None = None
         self.token_ids = False  # the server renders tokens as `token_id:N` (vLLM's return_tokens_as_token_ids)
         self.limits: list[str] = []
+        self.models: list[str] = []  # the names /v1/models lists
         self.description = f"endpoint {self.url}"
 
     # --- discovery -------------------------------------------------------------------------
@@ -85,13 +86,13 @@ class Endpoint:
         except httpx.HTTPError as e:
             raise ConnectionError(f"{self.url}/v1/models: {e!r}") from None
         if r.status_code != 200:
-            raise ConnectionError(f"{self.url}/v1/models: HTTP {r.status_code}: {r.text[:300]}")
+            raise ConnectionError(f"{self.url}/v1/models: HTTP {r.status_code}: {_error_text(_json_or_text(r))}")
         try:
             listed = r.json()["data"]
         except (ValueError, KeyError, TypeError):
             raise ConnectionError(f"{self.url}/v1/models: not an OpenAI model list: {r.text[:300]}") from None
         models = [m for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)]
-        names = [m["id"] for m in models]
+        names = self.models = [m["id"] for m in models]
         missing = [a for a in self.adapters if a not in names]
         if missing:
             self.limits.append(f"the server lists no model named {', '.join(missing)} (its models: {', '.join(names)})")
@@ -106,14 +107,16 @@ class Endpoint:
     def _detect(self) -> None:
         prompt = self.sequence[:4]
         body = self._body(None, prompt) | {PROMPT_LOGPROBS: SERVED_TOP_K, "return_tokens_as_token_ids": True}
-        status, data = asyncio.run(self._once(body))
-        choice = _first_choice(data) if status == 200 else None
+        first, data = asyncio.run(self._once(body))
+        choice = _first_choice(data) if first == 200 else None
         if choice is not None and isinstance(choice.get(PROMPT_LOGPROBS), list):
             self.mode = PROMPT_LOGPROBS
             self.token_ids = _renders_ids(choice)
             return
         body = self._body(None, prompt) | {"echo": True, "return_tokens_as_token_ids": True}
         status, data = asyncio.run(self._once(body))
+        if first >= 400 and status >= 400:  # refused both ways: the server's own words, not "no logprobs"
+            raise ConnectionError(self._refusal(status, data))
         choice = _first_choice(data) if status == 200 else None
         logprobs = (choice or {}).get("logprobs") or {}
         if isinstance(logprobs.get("token_logprobs"), list) and len(logprobs["token_logprobs"]) == len(prompt) + 1:
@@ -126,8 +129,14 @@ class Endpoint:
             return
         self.limits.append(
             "the server returns no prompt logprobs (neither vLLM's prompt_logprobs nor echo + logprobs): "
-            f"nothing can be compared (last answer: HTTP {status}: {json.dumps(data)[:300]})"
+            f"nothing can be compared (last answer: HTTP {status}: {_error_text(data)})"
         )
+
+    def _refusal(self, status: int, data: Any) -> str:
+        text = f"a request for the base model {self.base_name!r} got HTTP {status}: {_error_text(data)}"
+        if status == 404 and self.base_name not in self.models:  # (a listed name's 404 is not about the name)
+            text += f"; check --served-model-name (the server's /v1/models lists {', '.join(self.models) or 'nothing'})"
+        return text
 
     # --- scoring ---------------------------------------------------------------------------
     def score(self, probes: list[Probe], concurrent: bool = False) -> list[Scores]:
@@ -241,10 +250,7 @@ class Endpoint:
             return 0, {"error": f"no answer within {self.timeout:g} s (--request-timeout)"}
         except httpx.HTTPError as e:
             return 0, {"error": f"request failed: {e!r}"}
-        try:
-            return r.status_code, json.loads(r.text)  # (json.loads reads NaN / Infinity literals)
-        except ValueError:
-            return r.status_code, {"error": r.text[:300]}
+        return r.status_code, _json_or_text(r)
 
     # --- fast paths (fastpaths.py) ----------------------------------------------------------
     def features(self) -> Features:
@@ -464,13 +470,23 @@ def _sortable(value: Any) -> float:
     return -math.inf if math.isnan(v) else v
 
 
+def _json_or_text(r: httpx.Response) -> Any:
+    try:
+        return json.loads(r.text)  # (json.loads reads NaN / Infinity literals)
+    except ValueError:
+        return {"error": r.text[:300]}
+
+
 def _error_text(data: Any) -> str:
+    """The server's own message in an error body: OpenAI's {"error": {"message"}}, vLLM's
+    {"message"} or FastAPI's {"detail"}."""
     if isinstance(data, dict):
         err = data.get("error")
         if isinstance(err, dict):
             return str(err.get("message") or err)[:300]
         if err is not None:
             return str(err)[:300]
-        if "detail" in data:
-            return str(data["detail"])[:300]
+        for key in ("message", "detail"):
+            if key in data:
+                return str(data[key])[:300]
     return json.dumps(data)[:300]

@@ -170,7 +170,8 @@ def judge_prefix_cache(run: PrefixRun, texts: TokenTexts, tol: Tolerance) -> Che
         d = diff_generations(r[warm], r[cold], texts, tol)
         diffs.append(d)
         if d.problems:
-            failures.append(f"{what} ({n}-token prompt) differs from the same prompt cold: {'; '.join(d.problems)}")
+            verb = "could not be compared with" if r[warm].error or r[cold].error else "differs from"
+            failures.append(f"{what} ({n}-token prompt) {verb} the same prompt cold: {'; '.join(d.problems)}")
     hits = {k: g.cached_tokens for k, g in r.items() if g.cached_tokens is not None}
     leaked = hits.get("adapter after base") or 0
     if leaked > 0:
