@@ -54,6 +54,7 @@ QWEN36_27B = dict(
     linear_value_head_dim=128,
     linear_conv_kernel_dim=4,
     full_attention_interval=4,
+    max_position_embeddings=262144,  # Qwen3.6-27B's (transformers' default, 32768, would cap the 32k-token runs)
     mamba_ssm_dtype="float32",  # as Qwen3.6's config.json: vLLM keeps the GDN state in this dtype (bf16 without it)
     rope_parameters={
         "rope_type": "default",

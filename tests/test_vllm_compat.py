@@ -330,6 +330,41 @@ def test_launch_flags_that_would_break_every_request_stop_the_start(tmp_path, ca
         assert flags[0] in capsys.readouterr().err
 
 
+def test_sizes_the_model_or_the_machine_cannot_serve_stop_the_start(demo_cache_dir, monkeypatch, capsys):
+    """Sizes that were accepted and then served wrongly or crashed: --max-model-len past the model's
+    max_position_embeddings (untrained positions, vLLM refuses), --page-size and --block-size both (one
+    silently won), fewer CPU adapter copies than device slots, a zero body limit (every request a 413),
+    and a KV cache larger than the machine (the allocator's error, or the OOM killer later)."""
+    import argparse
+
+    from hylora.engine import EngineConfig
+    from hylora.engine.memory import CacheSizeError
+    from hylora.server.serve import build_state
+
+    monkeypatch.setenv("HYLORA_CACHE_DIR", str(demo_cache_dir))
+    monkeypatch.delenv("HYLORA_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    cpu = ["--demo", "--device", "cpu", "--dtype", "float32"]
+    with pytest.raises(ValueError, match=r"max_position_embeddings \(32768"):
+        build_state(parser.parse_args([*cpu, "--max-model-len", "32769"]))
+    EngineConfig(max_model_len=32768).check_context(32768)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's escape hatch, as vLLM reads it
+    EngineConfig(max_model_len=32769).check_context(32768)
+    with pytest.raises(ValueError, match="--page-size 32 and --block-size 16"):
+        build_state(parser.parse_args([*cpu, "--page-size", "32", "--block-size", "16"]))
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be >= max_loras \(2\)"):
+        build_state(parser.parse_args([*cpu, "--max-loras", "2", "--max-cpu-loras", "1"]))
+    with pytest.raises(CacheSizeError, match="more than this machine's available memory.*lower --num-pages"):
+        build_state(parser.parse_args([*cpu, "--num-pages", str(10**9)]))
+    with pytest.raises(SystemExit):
+        parser.parse_args([*cpu, "--max-body-bytes", "0"])
+    assert "--max-body-bytes" in capsys.readouterr().err
+    engine = build_state(parser.parse_args([*cpu, "--max-model-len", "256", "--block-size", "32"])).aengine.engine
+    assert engine.config.page_size == 32 and engine.kv.page_size == 32
+
+
 def test_tensor_parallel_above_one_is_refused_with_a_pointer(demo_cache_dir, tmp_path):
     import subprocess
     import sys

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from hylora.env import allow_long_max_model_len
 from hylora.kernels.config import KernelsConfig
 
 QUANTIZATIONS = (None, "fp8", "dequantized", "fp8-dequantized")
@@ -77,6 +78,11 @@ class EngineConfig:
             (self.page_size >= 1, "page_size must be >= 1"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.max_loras >= 1 and self.max_lora_rank >= 1, "max_loras and max_lora_rank must be >= 1"),
+            (
+                self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): every adapter on "
+                "the device keeps its weights in host memory too",
+            ),
             (self.max_num_encoder_tokens >= 1, "max_num_encoder_tokens must be >= 1"),
             (self.encoder_cache_gb >= 0, "encoder_cache_gb must be >= 0"),
             (self.prefix_cache_states is None or self.prefix_cache_states >= 0, "prefix_cache_states must be >= 0"),
@@ -93,6 +99,17 @@ class EngineConfig:
     @property
     def encoder_cache_bytes(self) -> int:
         return int(self.encoder_cache_gb * (1 << 30))
+
+    def check_context(self, max_position_embeddings: int) -> None:
+        """max_model_len within the model's trained context (vLLM's rule, and its escape hatch)."""
+        if self.max_model_len <= max_position_embeddings or allow_long_max_model_len():
+            return
+        raise ValueError(
+            f"max_model_len {self.max_model_len} is more than the model's max_position_embeddings "
+            f"({max_position_embeddings}, config.json): positions past it were never trained and the output degrades "
+            f"without an error; lower --max-model-len to at most {max_position_embeddings}, or set "
+            "HYLORA_ALLOW_LONG_MAX_MODEL_LEN=1 (or vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) to serve it anyway"
+        )
 
     def for_device(self, device: str) -> EngineConfig:
         """This config with the device-dependent defaults filled in."""

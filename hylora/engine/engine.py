@@ -122,6 +122,7 @@ class LLMEngine:
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
         self.model_dir = Path(model_dir)
         model_config = None if model is not None else ModelConfig.from_dir(model_dir)
+        config.check_context((model_config or model.config).max_position_embeddings)  # before the weights load
         vision = model_config is not None and model_config.vision is not None and not config.language_model_only
         speculate = config.num_speculative_tokens > 0
         fp8 = model_config is not None and serve_fp8(model_config, config.quantization, device, dtype)

@@ -16,6 +16,10 @@ log = logging.getLogger(__name__)
 GiB = 1 << 30
 
 
+class CacheSizeError(ValueError):
+    """The caches the configuration asks for do not fit the memory there is (a launch-flag error)."""
+
+
 @dataclass
 class CachePlan:
     num_pages: int
@@ -39,12 +43,17 @@ def plan_caches(model: HybridDecoder, config: EngineConfig) -> CachePlan:
     snapshots = snapshot_slots(config)
     per_seq_pages = -(-config.max_model_len // config.page_size)
     if model.device.type != "cuda":
-        return CachePlan(config.num_pages or config.max_num_seqs * per_seq_pages, slots, snapshots)
+        plan = CachePlan(config.num_pages or config.max_num_seqs * per_seq_pages, slots, snapshots)
+        _check_fits(model, config, plan, _host_available_bytes(), "this machine's available memory")
+        return plan
     if config.num_pages is not None:
         # Still one forward at the full token budget: Triton's autotuners (fla's chunked kernels) pick
         # their configurations now, not for seconds inside the first large request.
-        _profile_step(model, config)
-        return CachePlan(config.num_pages, slots, snapshots)
+        activation_peak = _profile_step(model, config)
+        plan = CachePlan(config.num_pages, slots, snapshots)
+        free = torch.cuda.mem_get_info(model.device)[0] - activation_peak
+        _check_fits(model, config, plan, free, "the GPU's free memory after weights and one step's activations")
+        return plan
 
     # GPU: what is left of the budget after weights, LoRA slots and one profiled step.
     dev = model.device
@@ -63,7 +72,7 @@ def plan_caches(model: HybridDecoder, config: EngineConfig) -> CachePlan:
     state_bytes = _state_bytes_per_slot(model)
     page_bytes = _page_bytes(model, config.page_size)
     if budget < (slots + snapshots) * state_bytes + per_seq_pages * page_bytes:
-        raise MemoryError(
+        raise CacheSizeError(
             f"after weights ({used_before / GiB:.1f} GiB in use), activations ({activation_peak / GiB:.1f} GiB; "
             f"vision tower {tower_peak / GiB:.1f}) and the encoder cache ({encoder_cache / GiB:.1f} GiB) the "
             f"budget ({config.gpu_memory_utilization:.0%} of {total / GiB:.1f} GiB) leaves no room for "
@@ -91,6 +100,33 @@ def plan_caches(model: HybridDecoder, config: EngineConfig) -> CachePlan:
         num_pages * page_bytes / GiB,
     )
     return CachePlan(num_pages, slots, snapshots)
+
+
+def _check_fits(model: HybridDecoder, config: EngineConfig, plan: CachePlan, available: int | None, where: str) -> None:
+    """Caches asked for explicitly (or sized by max_num_seqs x max_model_len on the CPU) that would not fit:
+    a message with their sizes, not the allocator's error (or, on the CPU, the OOM killer mid-serving)."""
+    kv = plan.num_pages * _page_bytes(model, config.page_size)
+    states = (plan.num_slots + plan.num_snapshots) * _state_bytes_per_slot(model)
+    if available is None or kv + states <= available:
+        return
+    pages = "--num-pages" if config.num_pages is not None else "--max-model-len or --max-num-seqs (or set --num-pages)"
+    raise CacheSizeError(
+        f"the KV cache ({plan.num_pages} pages x {config.page_size} tokens = {kv / GiB:.2f} GiB) and the GDN states "
+        f"({plan.num_slots} slots + {plan.num_snapshots} prefix-cache states = {states / GiB:.2f} GiB) need "
+        f"{(kv + states) / GiB:.2f} GiB, more than {where} ({available / GiB:.2f} GiB); lower {pages}"
+    )
+
+
+def _host_available_bytes() -> int | None:
+    """MemAvailable (Linux); None where the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _state_bytes_per_slot(model: HybridDecoder) -> int:

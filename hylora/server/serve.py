@@ -95,7 +95,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
-    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (default: %(default)s)")
+    p.add_argument(
+        "--max-body-bytes", type=_positive_int, default=8 << 20, help="largest request body (default: %(default)s)"
+    )
     p.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -199,6 +201,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "max_num_batched_tokens": "8192 on CUDA, 2048 on CPU",
         "max_cpu_loras": "2 x max_loras",
         "num_pages": "from the memory budget on a GPU, max_num_seqs x max_model_len on CPU",
+        "page_size": f"{d['page_size'].default}; --block-size is vLLM's name",
     }
     for name in (
         "max_model_len",
@@ -210,7 +213,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "num_pages",
         "page_size",
     ):
-        default = d[name].default
+        default = None if name == "page_size" else d[name].default  # None: not given (--block-size may set it)
         help_ = f"(default: {unset.get(name, default)})"
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=help_)
     p.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"].default)
@@ -414,6 +417,13 @@ def _port(value: str) -> int:
     return port
 
 
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return number
+
+
 def _positive_seconds(value: str) -> float:
     seconds = float(value)
     if not seconds > 0:
@@ -469,7 +479,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        page_size=args.page_size,
+        page_size=EngineConfig.page_size if args.page_size is None else args.page_size,
         num_pages=args.num_pages,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_loras=args.max_loras,

@@ -137,6 +137,11 @@ def normalise_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(missing_model_message(args.model_dir))
     args.dtype = DTYPES[args.dtype]
     if args.block_size is not None:
+        if args.page_size not in (None, args.block_size):
+            raise ValueError(
+                f"--page-size {args.page_size} and --block-size {args.block_size}: both name the KV tokens per page; "
+                "give one"
+            )
         args.page_size = args.block_size
     args.speculative_config = check_speculative_config(args.speculative_config)
     try:
