@@ -19,6 +19,7 @@ from hylora.doctor.endpoint import ECHO, PROMPT_LOGPROBS, Budget, Endpoint
 from hylora.doctor.noise import TolerancePolicy
 from hylora.doctor.prompts import doctor_sequence
 from hylora.doctor.reference import Reference
+from hylora.doctor.report import render_text
 from hylora.doctor.scores import TokenTexts
 from hylora.engine import EngineConfig, LLMEngine
 from tests.doctor_helpers import SUBTLE_ADAPTERS, Faults, fake_server, write_subtle_adapters
@@ -222,6 +223,9 @@ def test_an_adapter_the_server_does_not_have_is_reported_on_that_adapter(fake, e
     failed = {c.name for c in report.checks if c.status is FAIL}
     assert failed == {"adapter_effect", "fidelity", "mixed_batches", "pollution", "decode", "prefix_cache"}
     assert report.exit_code == 1
+    fidelity = next(c for c in report.checks if c.name == "fidelity")
+    assert "ghost: every request refused" in fidelity.summary and "ghost fails from" not in fidelity.summary
+    assert "ghost: refused" in render_text(report) and "ghost: cliff" not in render_text(report)
 
 
 def test_bf16_server_with_the_demo_passes(demo_dir, adapters, reference):

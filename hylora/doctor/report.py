@@ -42,7 +42,7 @@ def sweep_table(sweeps: list[TargetSweep], tol: Tolerance) -> list[str]:
     for n in lengths:
         row = "".join(f"{cell(by[(name, n)], tol) if (name, n) in by else '-':>10}" for name in names)
         lines.append(f"{n:>7}  {row}")
-    cliffs = [f"{label(s.target)}: cliff at {s.cliff}" for s in sweeps if s.cliff is not None]
+    cliffs = [f"{label(s.target)}: " + ("refused" if s.refused else f"cliff at {s.cliff}") for s in sweeps if s.cliff]
     if cliffs:
         lines.append("first failing length — " + ", ".join(cliffs))
     return lines

@@ -50,10 +50,24 @@ class TargetSweep:
     cliff: int | None  # first length that fails
     jump: tuple[int, float] | None  # (length, max |Δ| / median max |Δ| of the shorter lengths)
 
+    @property
+    def refused(self) -> bool:
+        """Every length answered with an error (e.g. an adapter the server does not have): no cliff."""
+        return bool(self.diffs) and all(d.error is not None for d in self.diffs)
+
+    def headline(self) -> str | None:
+        """'relic fails from 65 tokens' / 'ghost: every request refused', or None when it passes."""
+        if self.refused:
+            return f"{label(self.target)}: every request refused"
+        if self.cliff:
+            return f"{label(self.target)} fails from {self.cliff} token{'s' * (self.cliff > 1)}"
+        return None
+
     def as_dict(self) -> dict:
         return {
             "target": label(self.target),
             "cliff": self.cliff,
+            "refused": self.refused,
             "jump": None if self.jump is None else {"length": self.jump[0], "ratio": self.jump[1]},
             "lengths": [d.as_dict() for d in self.diffs],
         }
@@ -91,7 +105,7 @@ def check_fidelity(
     every = [d for s in sweeps for d in s.diffs]
     total = pooled(every)
     lengths = sorted({d.length for d in every})
-    cliffs = [f"{label(s.target)} fails from {s.cliff} token{'s' * (s.cliff > 1)}" for s in sweeps if s.cliff]
+    cliffs = [line for s in sweeps if (line := s.headline())]
     rate = total.top1_rate
     summary = "no prompts were sent"
     if lengths:
