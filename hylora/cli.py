@@ -25,10 +25,10 @@ def _model_dir(args: argparse.Namespace) -> Path:
 
 def cmd_demo_model(args: argparse.Namespace) -> None:
     from hylora.demo import write_demo
+    from hylora.model.checkpoint_out import refuse_filled
 
     out = Path(args.dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # as merge and quantize: never over a model
-        raise ValueError(f"{out} is not an empty directory; give a new one")
+    refuse_filled(out)  # as merge and quantize: never over a model
     path = write_demo(out)
     print(f"wrote the demo model and adapters relic, tomb, mural to {path}")
 

@@ -27,6 +27,12 @@ class OutputDirError(ValueError):
     """OUT_DIR cannot be written (it holds something, its parent is not writable) or writing it failed."""
 
 
+def refuse_filled(out_dir: Path) -> None:
+    """An OUT_DIR that is a file or holds anything is never written over (merge, quantize, demo-model)."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise OutputDirError(f"{out_dir} is not an empty directory; give a new one")
+
+
 @contextmanager
 def atomic_dir(out_dir: str | Path) -> Iterator[Path]:
     """Yield an empty temporary directory beside `out_dir` to write into; on a clean exit it becomes
@@ -35,8 +41,7 @@ def atomic_dir(out_dir: str | Path) -> Iterator[Path]:
     out_dir = Path(out_dir)
     target = Path(os.path.abspath(out_dir))
     try:
-        if target.exists() and (not target.is_dir() or any(target.iterdir())):
-            raise OutputDirError(f"{out_dir} is not an empty directory; give a new one")
+        refuse_filled(out_dir)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.parent / f".{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
