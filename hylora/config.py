@@ -18,6 +18,18 @@ class ConfigError(ValueError):
     """The model directory's config.json describes something hylora cannot serve."""
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """One of the model directory's JSON files (config.json, generation_config.json, the processors');
+    ConfigError naming the file where it cannot be read or is not a JSON object (a truncated copy)."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        raise ConfigError(f"{path} could not be read as JSON ({e}); is the copy complete?") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
 # transformers' Qwen3_5VisionConfig / Qwen3_5Config defaults: a key that config.json omits means
 # what it means to transformers.
 _VISION_DEFAULTS: dict[str, Any] = dict(
@@ -231,7 +243,7 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
-        return cls.from_hf(json.loads(path.read_text()))
+        return cls.from_hf(read_json_object(path))
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:

@@ -11,8 +11,12 @@ twice) and a 2-block vision tower, the image / video processor configs, PEFT-for
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,10 +157,31 @@ def default_demo_dir() -> Path:
 def ensure_demo(path: Path | None = None) -> Path:
     """Write the demo into `path` (default cache dir) unless it is already complete there."""
     path = Path(path) if path else default_demo_dir()
-    marker = path / "DEMO_COMPLETE"
-    if not marker.is_file() or marker.read_text().strip() != DEMO_VERSION:
-        write_demo(path)
+    if _complete(path):
+        return path
+    # written beside `path` and renamed in whole: two servers starting at once on a fresh machine each
+    # write their own copy, the first rename wins, and no one loads a half-written demo
+    tmp = path.parent / f".{path.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        write_demo(tmp)
+        if path.exists() and not _complete(path):  # an older version, or a write killed before the marker
+            stale = path.parent / f".{path.name}.stale-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            with contextlib.suppress(FileNotFoundError):  # another process moved it first
+                path.rename(stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            tmp.rename(path)
+        except OSError:
+            if not _complete(path):  # not another process's finished copy
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _complete(path: Path) -> bool:
+    marker = path / "DEMO_COMPLETE"
+    return marker.is_file() and marker.read_text().strip() == DEMO_VERSION
 
 
 def write_demo(path: str | Path, shape: DemoShape = DemoShape(), media: bool = True) -> Path:

@@ -8,6 +8,8 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from hylora.config import read_json_object
+
 # apply_chat_template's own arguments: a request may not set them through chat_template_kwargs
 # (a template of the client's choosing is prompt forgery and unbounded work on a shared worker;
 # vLLM refuses it too). Everything else is a variable the template may read, e.g. enable_thinking.
@@ -42,7 +44,13 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     model_dir = Path(model_dir)
     if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no tokenizer.json / tokenizer_config.json")
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception:
+        for name in ("tokenizer_config.json", "tokenizer.json"):  # transformers' JSON errors name no file
+            if (model_dir / name).is_file():
+                read_json_object(model_dir / name)
+        raise
 
 
 def check_template_kwargs(kwargs: Any) -> dict[str, Any]:

@@ -150,3 +150,31 @@ def test_demo_model_never_writes_over_a_directory_with_files(tmp_path):
     )
     assert out.returncode == 2 and "is not an empty directory" in out.stderr, out.stderr
     assert [p.name for p in mine.iterdir()] == ["config.json"] and "mine" in (mine / "config.json").read_text()
+
+
+def test_an_interrupted_demo_write_leaves_nothing_and_the_next_start_completes_it(tmp_path, monkeypatch):
+    """The demo appears whole or not at all: a write that dies midway (a kill, a full disk) leaves no
+    half-written model at the path a second server would load, and an older or unfinished demo there is
+    replaced by a complete one."""
+    import hylora.demo as demo
+
+    target = tmp_path / "cache" / "demo"
+
+    def dies(path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "write_demo_media", dies)
+    with pytest.raises(KeyboardInterrupt):
+        demo.ensure_demo(target)
+    assert not target.exists() and list(target.parent.iterdir()) == []
+    monkeypatch.undo()
+
+    target.mkdir(parents=True)  # an older version's leftovers, no completion marker
+    (target / "config.json").write_text("{")
+    (target / "stale.bin").write_bytes(b"x")
+    assert demo.ensure_demo(target) == target
+    assert _digest(target) == _digest(write_demo(tmp_path / "fresh"))
+    assert [p.name for p in target.parent.iterdir()] == ["demo"]
+    before = (target / "DEMO_COMPLETE").stat().st_mtime_ns
+    demo.ensure_demo(target)  # complete: left as it is
+    assert (target / "DEMO_COMPLETE").stat().st_mtime_ns == before

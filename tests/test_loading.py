@@ -106,3 +106,32 @@ def test_half_precision_load_stays_close(causal_ckpt, dtype):
     assert torch.isfinite(half).all()
     rel = (half - full).norm() / full.norm()
     assert rel < 3e-2
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "video_preprocessor_config.json",
+    ],
+)
+def test_a_damaged_json_file_of_the_model_is_named(demo_dir, tmp_path, name):
+    """A truncated copy of any of the model directory's JSON files stops the start with its path, not a
+    bare `Expecting value` (which file?) or a traceback."""
+    import argparse
+
+    from hylora.server.serve import add_serve_args, build_state
+
+    model = tmp_path / "model"
+    shutil.copytree(demo_dir, model)
+    (model / name).write_text('{"eos_token_id": ')
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    with pytest.raises(ValueError, match=rf"{model / name} could not be read as JSON .*is the copy complete"):
+        build_state(parser.parse_args([str(model), "--device", "cpu", "--dtype", "float32"]))
+    (model / name).write_text("[]")
+    with pytest.raises(ValueError, match=rf"{model / name}: expected a JSON object, found list"):
+        build_state(parser.parse_args([str(model), "--device", "cpu", "--dtype", "float32"]))

@@ -5,7 +5,6 @@ prompt chunks, engine/plan_ahead.py)."""
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import threading
 import time
@@ -18,7 +17,7 @@ import torch
 
 from hylora.adapters.registry import AdapterRegistry, PreparedAdapter
 from hylora.cache import PagedKVCache, StatePool
-from hylora.config import ModelConfig, parse_dtype
+from hylora.config import ModelConfig, parse_dtype, read_json_object
 from hylora.engine.chat_input import MediaSettings
 from hylora.engine.config import EngineConfig
 from hylora.engine.cuda_graphs import make_graph_draft
@@ -868,7 +867,7 @@ class LLMEngine:
         ids = set(self.model.config.eos_token_ids)
         gen = self.model_dir / "generation_config.json"
         if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
+            eos = read_json_object(gen).get("eos_token_id")
             ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)

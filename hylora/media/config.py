@@ -9,13 +9,13 @@ back to `preprocessor_config.json` (videos).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hylora.config import read_json_object
 from hylora.media.errors import MediaError
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -232,10 +232,7 @@ def _positive_int(key: str, value: Any) -> int:
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text())
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path)
 
 
 def _parse(cls: type[C], raw: Mapping[str, Any], legacy_pixels: bool = False) -> C:

@@ -14,6 +14,7 @@ from pathlib import Path
 import jinja2
 import uvicorn
 
+from hylora.config import read_json_object
 from hylora.engine.async_engine import AsyncEngine
 from hylora.engine.chat_input import MediaSettings
 from hylora.engine.config import EngineConfig
@@ -373,7 +374,7 @@ def generation_defaults(source: str, model_dir: Path, overrides: dict | None) ->
         if source != "auto" and not path.is_file():
             raise ValueError(f"--generation-config {source}: no generation_config.json there")
         if path.is_file():
-            config = json.loads(path.read_text())
+            config = read_json_object(path)
             defaults = {k: config[k] for k in SAMPLING_DEFAULTS if config.get(k) is not None}
             if config.get("do_sample") is False:
                 defaults["temperature"] = 0.0
