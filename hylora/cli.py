@@ -145,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from hylora.server.dotted_args import expand_dotted_args
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        argv = expand_dotted_args(argv)
+    except ValueError as e:
+        print(f"hylora: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

@@ -521,3 +521,78 @@ def test_batched_and_echo_completions(client):
         assert "".join(lp.tokens) == text and lp.token_logprobs[0] is None
         assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
     assert scored.usage.completion_tokens == 0
+
+
+# A Qwen3.6 multimodal launch line as users write it for vLLM: single-GPU no-ops, the dotted JSON spelling,
+# and the HTTP flags
+RECIPE_MM = (
+    "serve MODEL --mm-encoder-tp-mode data --mm-processor-cache-type shm --skip-mm-profiling --async-scheduling "
+    '--enable-expert-parallel --disable-custom-all-reduce --compilation-config \'{"cudagraph_mode": "FULL"}\' '
+    "--limit-mm-per-prompt.video 0 --limit-mm-per-prompt.image 2 --default-chat-template-kwargs.enable_thinking "
+    "false --load-format safetensors --tokenizer-mode auto -dp 1 --disable-fastapi-docs --disable-uvicorn-access-log "
+    "--root-path /llm --return-tokens-as-token-ids --enable-force-include-usage --enable-request-id-headers "
+    "--max-model-len 512"
+)
+
+
+def test_the_multimodal_launch_line_runs_and_says_what_does_nothing(demo_dir, demo_cache_dir, tmp_path):
+    import shlex
+
+    args = shlex.split(RECIPE_MM.replace("MODEL", str(demo_dir)))[1:]
+    with running_server([*args, "--device", "cpu", "--dtype", "float32"], demo_cache_dir, tmp_path / "log") as s:
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=PLAIN | {"logprobs": True}, timeout=60)
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["message"].get("reasoning_content") is None
+        tokens = [t["token"] for t in r.json()["choices"][0]["logprobs"]["content"]]
+        assert tokens and all(t.startswith("token_id:") for t in tokens)  # --return-tokens-as-token-ids
+        assert len(r.headers["x-request-id"]) == 32  # --enable-request-id-headers: a fresh id
+        with httpx.stream("POST", f"{s.url}/v1/chat/completions", json=PLAIN | {"stream": True},
+                          headers={"X-Request-Id": "trace-7"}, timeout=60) as stream:  # fmt: skip
+            assert stream.headers["x-request-id"] == "trace-7"  # the client's own, on a stream too
+            events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] > 0  # forced usage
+        video = {"type": "video_url", "video_url": {"url": "file:///nowhere.mp4"}}
+        body = PLAIN | {"messages": [{"role": "user", "content": [video, {"type": "text", "text": "What?"}]}]}
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "video" in r.json()["error"]["message"]  # --limit-mm-per-prompt.video 0
+        assert httpx.get(f"{s.url}/openapi.json", timeout=30).status_code == 404  # --disable-fastapi-docs
+        log = s.log_path.read_text()
+        for flag in ("--mm-encoder-tp-mode", "--mm-processor-cache-type", "--skip-mm-profiling",
+                     "--enable-expert-parallel", "--disable-custom-all-reduce", "--compilation-config"):  # fmt: skip
+            assert f"{flag}: accepted, no effect" in log, flag
+        assert '"POST /v1/chat/completions HTTP/1.1" 200' not in log  # --disable-uvicorn-access-log
+
+
+def test_dotted_json_flags_and_the_parallel_and_http_refusals(demo_dir, tmp_path, capsys):
+    """vLLM's `--flag.key value` is the flag with a JSON object (merged over one given whole); more than one
+    GPU's worth of parallelism, --hf-overrides and broken HTTPS settings stop the start with one line."""
+    from hylora.cli import main
+    from hylora.server.dotted_args import expand_dotted_args
+
+    argv = ["--speculative-config", '{"method": "mtp"}', "--speculative-config.num_speculative_tokens", "2",
+            "--compilation-config.sizes+", "8", "--compilation-config.sizes+=16", "--mm-processor-kwargs.fps", "1.5",
+            "--limit-mm-per-prompt", "image=2", "--other.key", "x"]  # fmt: skip
+    out = expand_dotted_args(argv)
+    assert json.loads(out[out.index("--speculative-config") + 1]) == {"method": "mtp", "num_speculative_tokens": 2}
+    assert json.loads(out[out.index("--compilation-config") + 1]) == {"sizes": [8, 16]}
+    assert json.loads(out[out.index("--mm-processor-kwargs") + 1]) == {"fps": 1.5}
+    assert out[-4:] == ["--limit-mm-per-prompt", "image=2", "--other.key", "x"]  # not JSON, not a JSON flag: as given
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    key.write_text("k")
+    refusals = [
+        (["--speculative-config.method", "mtp", "--speculative-config.num_speculative_tokens", "9"], "in [1, 4]"),
+        (["-dp", "2"], "--data-parallel-size 2: hylora runs one engine per GPU"),
+        (["--pipeline-parallel-size", "2"], "--replicas"),
+        (["--tensor-parallel-size", "2"], "--replicas"),
+        (["--hf-overrides.max_position_embeddings", "65536"], "copy of the model directory's config.json"),
+        (["--ssl-keyfile", str(key)], "--ssl-keyfile and --ssl-certfile go together"),
+        (["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)], f"--ssl-certfile {cert}: no such file"),
+        (["--root-path", "llm"], "must start with '/'"),
+        (["--speculative-config.method"], "needs a value"),
+    ]
+    for flags, message in refusals:
+        with pytest.raises(SystemExit) as stop:
+            main(["serve", "--demo", "--device", "cpu", *flags])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (flags, err)

@@ -32,7 +32,11 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_RAY_UNAVAILABLE
     from hylora.deploy.application import application
     from hylora.deploy.replica import INGRESS_NAME
+    from hylora.server.serve import HTTP_FLAGS
 
+    if given := [f"--{f.replace('_', '-')}" for f in HTTP_FLAGS if getattr(args, f, None)]:
+        log.error("%s: not with --replicas (Ray Serve's proxy serves the HTTP); leave them out", ", ".join(given))
+        return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
     if args.demo:  # write it once here, not in every replica at the same time

@@ -45,6 +45,7 @@ from hylora.server.protocol import (
     UnloadLoRARequest,
     Unsupported,
 )
+from hylora.server.request_id_header import RequestIdHeader
 from hylora.server.routing import ConflictError, RouteError, TaskRouter
 from hylora.server.security import Forbidden, RequireKey, adapter_dir_under
 from hylora.server.streaming import EventStream
@@ -82,6 +83,9 @@ class ServerState:
     template_defaults: dict[str, Any] = field(default_factory=dict)  # --default-chat-template-kwargs
     max_logprobs: int = 20  # --max-logprobs
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage reports cached prompt tokens
+    tokens_as_ids: bool = False  # --return-tokens-as-token-ids: every request's default
+    force_include_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
+    request_id_headers: bool = False  # --enable-request-id-headers: X-Request-Id on every response
     cors: dict[str, Any] | None = None  # CORSMiddleware's arguments (--allowed-origins & co)
     reasoning_parser: str | None = None  # --reasoning-parser
     tool_call_parser: str | None = None  # --tool-call-parser
@@ -111,7 +115,9 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, functools.partial(fn, *args, **kwargs))
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, docs: bool = True) -> FastAPI:
+    """The API over `state`; `docs=False` (--disable-fastapi-docs) leaves out /docs, /redoc, /openapi.json."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if not state.aengine.alive:
@@ -120,7 +126,8 @@ def build_app(state: ServerState) -> FastAPI:
         await state.aengine.shutdown(state.shutdown_grace_s)
         state.text_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="hylora", lifespan=lifespan)
+    off = dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="hylora", lifespan=lifespan, **({} if docs else off))
     app.state.hylora = state
     _document_bodies(app, {
         "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
@@ -141,6 +148,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     if state.cors is not None:  # a browser's preflight needs no API key
         app.add_middleware(CORSMiddleware, **state.cors)
+    if state.request_id_headers:
+        app.add_middleware(RequestIdHeader)
     app.add_middleware(StampArrival)  # outermost: a request's latencies start at its headers
 
     @app.get("/health")

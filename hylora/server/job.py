@@ -282,7 +282,7 @@ class Job:
     def _token(self, token_id: int) -> str:
         """A token as logprobs name it: its text, or "token_id:N" (vLLM's return_tokens_as_token_ids:
         tokens whose text is not a whole character, or that several ids share, stay distinct)."""
-        if self.body.return_tokens_as_token_ids:
+        if self.body.return_tokens_as_token_ids or self.state.tokens_as_ids:
             return f"token_id:{token_id}"
         return self._decode(token_id)
 
@@ -418,7 +418,7 @@ class Job:
                     for item in items if isinstance(items, list) else [items]:
                         yield chunk(item)
             yield _sse(APIError(500, f"internal server error: {e!r}", "server_error", "internal_error").body())
-        if (self.body.stream_options or {}).get("include_usage"):
+        if (self.body.stream_options or {}).get("include_usage") or self.state.force_include_usage:
             yield _sse(base | {"choices": [], "usage": self._usage(finals)})
         yield "data: [DONE]\n\n"
 

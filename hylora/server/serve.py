@@ -112,6 +112,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="cut a streaming client that has read nothing for this many seconds (default: %(default)s)",
     )
     p.add_argument("--timeout-keep-alive", type=float, default=5.0, help="close idle keep-alive connections after")
+    h = p.add_argument_group("HTTP (vLLM's names; one server, not --replicas)")
+    h.add_argument("--root-path", default="", help="the path prefix a proxy serves this API under (FastAPI's)")
+    h.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS with this key (and --ssl-certfile)")
+    h.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this certificate chain")
+    h.add_argument("--ssl-ca-certs", metavar="FILE", help="CA certificates to verify clients with")
+    h.add_argument("--ssl-cert-reqs", type=int, default=0, help="0: no client certificate, 1: optional, 2: required")
+    h.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per HTTP request")
+    h.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
     r = p.add_argument_group("scale out on Ray Serve (pip install 'hylora[ray]'; docs/DEPLOY.md)")
     r.add_argument("--replicas", type=int, default=None, help="N engine replicas behind one endpoint (Ray Serve)")
     r.add_argument("--ray-address", metavar="ADDRESS", help="join this Ray cluster (default: start a local one)")
@@ -450,11 +458,6 @@ def build_state(args: argparse.Namespace) -> ServerState:
         raise ValueError("--api-key is empty: give the key, or leave the flag out for a server without one")
     if args.demo == bool(args.model_dir):
         raise ValueError("give a MODEL_DIR or --demo (one of them)")
-    if args.tensor_parallel_size != 1:
-        raise ValueError(
-            "--tensor-parallel-size: hylora runs one engine per GPU (no tensor parallelism); to use more GPUs, run "
-            "replicas (--replicas, issue 13)"
-        )
     tasks = _pairs(args.task, "--task")
     if args.task_map:
         tasks = TaskRouter.read_task_map(args.task_map) | tasks
@@ -531,6 +534,9 @@ def build_state(args: argparse.Namespace) -> ServerState:
         template_defaults=dict(args.default_chat_template_kwargs or {}),
         max_logprobs=args.max_logprobs,
         prompt_tokens_details=args.enable_prompt_tokens_details,
+        tokens_as_ids=args.return_tokens_as_token_ids,
+        force_include_usage=args.enable_force_include_usage,
+        request_id_headers=args.enable_request_id_headers,
         cors=cors_settings(args),
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
@@ -634,10 +640,38 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+HTTP_FLAGS = ("root_path", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "disable_fastapi_docs")
+
+
+def http_options(args: argparse.Namespace) -> dict:
+    """uvicorn's settings from vLLM's HTTP flags, checked before the model loads."""
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS")
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(args, flag)
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file")
+    if args.ssl_cert_reqs not in (0, 1, 2):
+        raise ValueError("--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required)")
+    if args.ssl_cert_reqs and not args.ssl_ca_certs:
+        raise ValueError("--ssl-cert-reqs verifies client certificates: give --ssl-ca-certs to verify them with")
+    if args.root_path and not args.root_path.startswith("/"):
+        raise ValueError(f"--root-path {args.root_path!r} must start with '/'")
+    return dict(
+        root_path=args.root_path.rstrip("/"),
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        access_log=not args.disable_uvicorn_access_log,
+    )
+
+
 def serve(args: argparse.Namespace) -> None:
     """One engine behind one HTTP server (`hylora serve` without --replicas)."""
     if args.ray_address or args.replica_gpus is not None:
         raise ValueError("--ray-address and --replica-gpus go with --replicas N")
+    http_options(args)  # a wrong path stops the start before the weights load
     state = build_state(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning(
@@ -654,12 +688,13 @@ def serve(args: argparse.Namespace) -> None:
         args.port,
     )
     config = uvicorn.Config(
-        build_app(state),
+        build_app(state, docs=not args.disable_fastapi_docs),
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,
         timeout_keep_alive=max(1, round(args.timeout_keep_alive)),
         timeout_graceful_shutdown=5,
+        **http_options(args),
     )
     server = DrainingServer(config, state)
     server.run()

@@ -27,6 +27,44 @@ TOOL_CALL_PARSERS = ("qwen3_coder", "hermes")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+# Flags of vLLM launch lines that change nothing for one engine on one GPU: accepted, and said at start.
+_FLAG = dict(action="store_true")
+NO_EFFECT: list[tuple[tuple[str, ...], dict[str, Any], str]] = [
+    (("--mm-encoder-tp-mode",), dict(choices=["weights", "data"]), "one GPU: the vision tower runs whole either way"),
+    (
+        ("--mm-processor-cache-type",),
+        dict(choices=["lru", "shm"]),
+        "preprocessed media are cached in the server's own process (--mm-processor-cache-gb sizes it)",
+    ),
+    (("--skip-mm-profiling",), _FLAG, "hylora sizes the tower's activations from --max-num-encoder-tokens"),
+    (("--enable-expert-parallel",), _FLAG, "the dense Qwen3.5 / Qwen3.6 models have no experts"),
+    (("--disable-custom-all-reduce",), _FLAG, "one GPU: no all-reduce"),
+    (("--fully-sharded-loras",), _FLAG, "one GPU: adapters are not sharded"),
+    (("--disable-frontend-multiprocessing",), _FLAG, "the API and the engine share one process"),
+    (("--api-server-count",), dict(type=int), "one API process (--replicas scales out)"),
+    (
+        ("--compilation-config",),
+        dict(type=json.loads, metavar="JSON"),
+        "hylora captures its own CUDA graphs (--enforce-eager: none)",
+    ),
+    (("--optimization-level", "-O"), dict(metavar="LEVEL"), "hylora captures its own CUDA graphs"),
+    (("--cuda-graph-sizes",), dict(type=int, nargs="+"), "hylora sizes its own CUDA graphs"),
+    (("--max-seq-len-to-capture",), dict(type=int), "hylora sizes its own CUDA graphs"),
+    (("--attention-backend",), dict(metavar="NAME"), "hylora picks its kernels at start (--kernels; logged)"),
+    (("--mm-encoder-attn-backend",), dict(metavar="NAME"), "hylora picks its kernels at start (--kernels; logged)"),
+    (("--guided-decoding-backend",), dict(metavar="NAME"), "hylora compiles every constraint with llguidance"),
+    (
+        ("--structured-outputs-config",),
+        dict(type=json.loads, metavar="JSON"),
+        "hylora compiles every constraint with llguidance",
+    ),
+    (("--swap-space",), dict(type=float, metavar="GB"), "hylora does not swap KV pages to the CPU"),
+    (("--max-parallel-loading-workers",), dict(type=int), "the weights load in one pass"),
+    (("--download-dir",), dict(metavar="DIR"), "hylora serves local directories and downloads nothing"),
+    (("--revision",), dict(metavar="REV"), "the local directory is served as it is"),
+]
+
+
 def add_vllm_args(p: argparse.ArgumentParser) -> None:
     v = p.add_argument_group("vLLM launch flags (docs/SERVING.md says which are active)")
     v.add_argument("--model", dest="model_flag", metavar="MODEL_DIR", help="the model directory (vLLM's spelling)")
@@ -65,6 +103,13 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache",
     )
+    v.add_argument(
+        "--return-tokens-as-token-ids", action="store_true", help='logprobs name tokens "token_id:N" (every request)'
+    )
+    v.add_argument("--enable-force-include-usage", action="store_true", help="every stream ends with a usage chunk")
+    v.add_argument(
+        "--enable-request-id-headers", action="store_true", help="X-Request-Id on every response (the client's own)"
+    )
     v.add_argument("--disable-log-stats", action="store_true", help="accepted; hylora logs no periodic stats")
     v.add_argument("--enable-log-requests", action="store_true", help="a log line per request (the default)")
     v.add_argument("--max-logprobs", type=int, default=20, help="most logprobs / top_logprobs a request may ask for")
@@ -99,6 +144,22 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
         "--language-model-only", action="store_true",
         help="text only: the vision tower is not loaded, images and videos are a 400",
     )  # fmt: skip
+    v.add_argument(
+        "--data-parallel-size", "-dp", type=int, default=1, help="1 only: one engine a process (--replicas scales out)"
+    )
+    v.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="1 only: one engine a GPU")
+    v.add_argument(
+        "--load-format", choices=["auto", "safetensors"], default="auto", help="safetensors only (pickles are refused)"
+    )
+    v.add_argument("--tokenizer-mode", choices=["auto", "hf"], default="auto", help="the model directory's tokenizer")
+    v.add_argument("--config-format", choices=["auto", "hf"], default="auto", help="the model directory's config.json")
+    v.add_argument("--scheduling-policy", choices=["fcfs"], default="fcfs", help="first come, first served")
+    v.add_argument(
+        "--hf-overrides", type=json.loads, default=None, metavar="JSON",
+        help="refused unless empty: hylora serves config.json as it is (change a copy of the model directory)",
+    )  # fmt: skip
+    for flags, kwargs, why in NO_EFFECT:
+        v.add_argument(*flags, **kwargs, help=f"accepted, no effect: {why}")
     v.add_argument("--allowed-origins", type=json.loads, default=None, metavar="JSON", help="CORS, e.g. '[\"*\"]'")
     v.add_argument("--allowed-methods", type=json.loads, default=None, metavar="JSON", help="CORS methods")
     v.add_argument("--allowed-headers", type=json.loads, default=None, metavar="JSON", help="CORS headers")
@@ -150,6 +211,17 @@ def normalise_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--default-chat-template-kwargs: {e}") from None
     if not args.max_logprobs >= 0:
         raise ValueError("--max-logprobs must be >= 0")
+    for flag in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, flag, 1) != 1:
+            raise ValueError(
+                f"--{flag.replace('_', '-')} {getattr(args, flag)}: hylora runs one engine per GPU (no tensor, "
+                "data or pipeline parallelism); to use more GPUs, run replicas (--replicas N, docs/DEPLOY.md)"
+            )
+    if args.hf_overrides:
+        raise ValueError(
+            "--hf-overrides: hylora serves the model directory's config.json as it is; put the change in a copy "
+            "of the model directory's config.json"
+        )
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (qwen3_coder for Qwen3.5 / Qwen3.6)")
     for flag in ("allowed_origins", "allowed_methods", "allowed_headers"):
@@ -163,7 +235,11 @@ def normalise_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
 
 def inactive_flags(args: argparse.Namespace) -> list[str]:
     """A line for each accepted flag that changes nothing today."""
-    notes = []
+    notes = [
+        f"{flags[0]}: accepted, no effect ({why})"
+        for flags, _, why in NO_EFFECT
+        if getattr(args, flags[0].lstrip("-").replace("-", "_"), None) not in (None, False)
+    ]
     if args.enable_chunked_prefill is False:
         notes.append("--no-enable-chunked-prefill: accepted, but hylora always chunks long prompts")
     if args.disable_log_stats:
