@@ -629,6 +629,16 @@ def test_vllm_option_spellings_merge_like_vllm(cfg):
     assert layer_overrides({"num_frames": 8, "max_frames": 20}, {"fps": 1}) == {"max_frames": 20, "fps": 1}
     assert layer_overrides({"fps": 1}, {"num_frames": 4}) == {"num_frames": 4}
     assert layer_overrides({"fps": 1}, None) == {"fps": 1}
+    # launch lines' `{"truncation": false}` (hylora never truncates) and `{"do_sample_frames": false}`: every frame
+    assert process_video(data, cfg, LIMITS, {"truncation": False}).key == base.key
+    with pytest.raises(MediaError, match="never truncates"):
+        apply_overrides(cfg.video, {"truncation": True}, LIMITS)
+    every = process_video(data, cfg, LIMITS, {"do_sample_frames": False})
+    assert every.grid_thw[0] * cfg.video.temporal_patch_size == 30 > base.grid_thw[0] * 2  # all 30 frames
+    with pytest.raises(MediaError, match="30 frames sampled; the server takes at most 16"):
+        process_video(data, cfg, MediaLimits(max_frames=16), {"do_sample_frames": False})
+    with pytest.raises(MediaError, match="do_sample_frames must be true or false"):
+        apply_overrides(cfg.video, {"do_sample_frames": "no"}, LIMITS)
 
 
 def test_frame_count_of_a_zero_frame_header_stops_at_the_cap(cfg):

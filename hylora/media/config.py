@@ -125,9 +125,10 @@ class MediaLimits:
 
 
 IMAGE_OVERRIDES = frozenset({"min_pixels", "max_pixels", "size"})
-VIDEO_OVERRIDES = frozenset({"fps", "num_frames", "min_frames", "max_frames", "size"})
-# transformers' choice of processor class (fast / slow): hylora has one preprocessing; accepted, no effect
-IGNORED_OVERRIDES = frozenset({"use_fast"})
+VIDEO_OVERRIDES = frozenset({"fps", "num_frames", "min_frames", "max_frames", "size", "do_sample_frames"})
+# transformers' choice of processor class (fast / slow): hylora has one preprocessing; accepted, no effect.
+# `truncation` (the processor's tokenizer): hylora never cuts a prompt, so only false is accepted (below).
+IGNORED_OVERRIDES = frozenset({"use_fast", "truncation"})
 C = TypeVar("C", ImageConfig, VideoConfig)
 
 
@@ -140,6 +141,8 @@ def apply_overrides(cfg: C, overrides: Mapping[str, Any] | None, limits: MediaLi
     """
     if overrides is not None and not isinstance(overrides, Mapping):
         raise MediaError("mm_processor_kwargs must be a JSON object")
+    if (overrides or {}).get("truncation") not in (None, False):
+        raise MediaError("mm_processor_kwargs truncation: hylora never truncates a prompt (one too long is a 400)")
     overrides = {k: v for k, v in (overrides or {}).items() if k not in IGNORED_OVERRIDES}
     unknown = set(overrides) - IMAGE_OVERRIDES - VIDEO_OVERRIDES
     if unknown:
@@ -217,6 +220,10 @@ def _video_overrides(cfg: VideoConfig, own: dict[str, Any], limits: MediaLimits)
     if min_frames > max_frames:
         raise MediaError(f"min_frames={min_frames} is above max_frames={max_frames}")
     changes.update(max_frames=max_frames, min_frames=min_frames)
+    if own.get("do_sample_frames") is not None:  # false: every decoded frame (clients that sampled already)
+        if not isinstance(own["do_sample_frames"], bool):
+            raise MediaError(f"do_sample_frames must be true or false, got {own['do_sample_frames']!r}")
+        changes["do_sample_frames"] = own["do_sample_frames"]
     num_frames = changes.get("num_frames", cfg.num_frames)
     if num_frames is not None and num_frames > limits.max_frames:
         changes["num_frames"] = limits.max_frames
