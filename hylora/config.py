@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from hylora.json_merge import merge_json
+
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -178,6 +180,46 @@ class QuantizationConfig:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN context extension (`rope_parameters.rope_type: yarn`, as Qwen3.5 / Qwen3.6 model cards give it
+    for contexts past 262144 tokens): interpolated low frequencies, and cos / sin scaled by `attention_factor`."""
+
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+    @classmethod
+    def from_rope(cls, rope: dict[str, Any], max_position_embeddings: int) -> YarnScaling:
+        original = int(rope.get("original_max_position_embeddings") or max_position_embeddings)
+        factor = rope.get("factor")
+        factor = float(max_position_embeddings / original if factor is None else factor)
+        if not factor >= 1:
+            raise ConfigError(f"rope_parameters.factor must be at least 1 for YaRN, got {factor}")
+        attention_factor = rope.get("attention_factor")
+        if attention_factor is None:  # the paper's 0.1 ln(s) + 1, or DeepSeek's ratio of two such
+            mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+            if mscale and mscale_all_dim:
+                attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            else:
+                attention_factor = _yarn_mscale(factor)
+        return cls(
+            factor=factor,
+            original_max_position_embeddings=original,
+            attention_factor=float(attention_factor),
+            beta_fast=float(rope.get("beta_fast") or 32),
+            beta_slow=float(rope.get("beta_slow") or 1),
+            truncate=bool(rope.get("truncate", True)),
+        )
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The text decoder of a Qwen3.5 / Qwen3.6 hybrid model (Gated DeltaNet + gated attention)."""
 
@@ -201,6 +243,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
+    yarn: YarnScaling | None = None  # YaRN-scaled rotary (rope_type "yarn"); None: plain M-RoPE
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: torch.dtype = torch.float32
     # True for the vision-language wrapper (`model_type: qwen3_5`), whose text weights live
@@ -217,6 +260,14 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def max_context(self) -> int:
+        """The longest context the rotary was trained or scaled for: max_position_embeddings, or with YaRN
+        original_max_position_embeddings x factor (vLLM's rule)."""
+        if self.yarn is None:
+            return self.max_position_embeddings
+        return int(self.yarn.original_max_position_embeddings * self.yarn.factor)
 
     @property
     def linear_key_dim(self) -> int:  # Hk * dk
@@ -239,11 +290,22 @@ class ModelConfig:
         return [i for i, t in enumerate(self.layer_types) if t == FULL]
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+    def from_dir(cls, model_dir: str | Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """The model directory's config.json, with `overrides` (vLLM's --hf-overrides) merged over it key by
+        key (nested objects merged, other values replaced)."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
-        return cls.from_hf(read_json_object(path))
+        hf = read_json_object(path)
+        text = hf.get("text_config")
+        if isinstance(text, dict):  # a VL checkpoint's decoder reads text_config: top-level keys would do nothing
+            misplaced = sorted(k for k in overrides or {} if k not in hf and k in text)
+            if misplaced:
+                raise ConfigError(
+                    f"--hf-overrides: {misplaced} belong to this checkpoint's text_config; give them as "
+                    f'{{"text_config": {{"{misplaced[0]}": ...}}}}'
+                )
+        return cls.from_hf(merge_json(hf, overrides or {}))
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -280,8 +342,10 @@ class ModelConfig:
 
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default' M-RoPE)")
+        if rope_type not in ("default", "yarn"):
+            raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default' and 'yarn' M-RoPE)")
+        max_positions = int(text.get("max_position_embeddings", 32768))
+        yarn = YarnScaling.from_rope(rope, max_positions) if rope_type == "yarn" else None
         rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
         partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
         head_dim = int(text.get("head_dim") or need("hidden_size") // need("num_attention_heads"))
@@ -323,7 +387,8 @@ class ModelConfig:
             linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=tie,
-            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            max_position_embeddings=max_positions,
+            yarn=yarn,
             eos_token_ids=tuple(int(e) for e in eos_ids),
             checkpoint_dtype=parse_dtype(str(dtype_name)),
             is_multimodal=is_multimodal,

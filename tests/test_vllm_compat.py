@@ -563,11 +563,13 @@ def test_the_multimodal_launch_line_runs_and_says_what_does_nothing(demo_dir, de
         assert '"POST /v1/chat/completions HTTP/1.1" 200' not in log  # --disable-uvicorn-access-log
 
 
-def test_dotted_json_flags_and_the_parallel_and_http_refusals(demo_dir, tmp_path, capsys):
+def test_dotted_json_flags_and_the_parallel_and_http_refusals(demo_dir, tmp_path, capsys, monkeypatch):
     """vLLM's `--flag.key value` is the flag with a JSON object (merged over one given whole); more than one
-    GPU's worth of parallelism, --hf-overrides and broken HTTPS settings stop the start with one line."""
+    GPU's worth of parallelism, --hf-overrides the model cannot serve (they do reach its config) and broken
+    HTTPS settings stop the start with one line."""
     from hylora.cli import main
     from hylora.server.dotted_args import expand_dotted_args
+    from hylora.server.serve import DrainingServer
 
     argv = ["--speculative-config", '{"method": "mtp"}', "--speculative-config.num_speculative_tokens", "2",
             "--compilation-config.sizes+", "8", "--compilation-config.sizes+=16", "--mm-processor-kwargs.fps", "1.5",
@@ -584,12 +586,16 @@ def test_dotted_json_flags_and_the_parallel_and_http_refusals(demo_dir, tmp_path
         (["-dp", "2"], "--data-parallel-size 2: hylora runs one engine per GPU"),
         (["--pipeline-parallel-size", "2"], "--replicas"),
         (["--tensor-parallel-size", "2"], "--replicas"),
-        (["--hf-overrides.max_position_embeddings", "65536"], "copy of the model directory's config.json"),
+        (["--hf-overrides.text_config.max_position_embeddings", "4096"], "max_position_embeddings (4096, config"),
+        (["--hf-overrides.text_config.rope_parameters.rope_type", "longrope"], "rope_type 'longrope' is not"),
+        (["--hf-overrides.rope_parameters.rope_type", "yarn"], '{"text_config": {"rope_parameters": ...}}'),
+        (["--hf-overrides", "[1]"], "--hf-overrides expects a JSON object"),
         (["--ssl-keyfile", str(key)], "--ssl-keyfile and --ssl-certfile go together"),
         (["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)], f"--ssl-certfile {cert}: no such file"),
         (["--root-path", "llm"], "must start with '/'"),
         (["--speculative-config.method"], "needs a value"),
     ]
+    monkeypatch.setattr(DrainingServer, "run", lambda self: pytest.fail("a refused launch started serving"))
     for flags, message in refusals:
         with pytest.raises(SystemExit) as stop:
             main(["serve", "--demo", "--device", "cpu", *flags])

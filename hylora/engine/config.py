@@ -34,6 +34,9 @@ class EngineConfig:
     # text only (vLLM's --language-model-only): a VL checkpoint's vision tower is not loaded (~0.9 GB at the
     # 27B shape) and requests with images or videos are refused
     language_model_only: bool = False
+    # vLLM's --hf-overrides: merged over the checkpoint's config.json (e.g. YaRN rope_parameters for contexts past
+    # 262144 tokens, as Qwen's model cards give them)
+    hf_overrides: dict | None = None
     # vision: tower output tokens encoded per step (an image, or one temporal patch of a video, must fit)
     max_num_encoder_tokens: int = 16384
     encoder_cache_gb: float = 1.0  # tower outputs kept by media content (the same video for several adapters)
@@ -100,13 +103,13 @@ class EngineConfig:
     def encoder_cache_bytes(self) -> int:
         return int(self.encoder_cache_gb * (1 << 30))
 
-    def check_context(self, max_position_embeddings: int) -> None:
+    def check_context(self, max_position_embeddings: int, source: str = "config.json") -> None:
         """max_model_len within the model's trained context (vLLM's rule, and its escape hatch)."""
         if self.max_model_len <= max_position_embeddings or allow_long_max_model_len():
             return
         raise ValueError(
             f"max_model_len {self.max_model_len} is more than the model's max_position_embeddings "
-            f"({max_position_embeddings}, config.json): positions past it were never trained and the output degrades "
+            f"({max_position_embeddings}, {source}): positions past it were never trained and the output degrades "
             f"without an error; lower --max-model-len to at most {max_position_embeddings}, or set "
             "HYLORA_ALLOW_LONG_MAX_MODEL_LEN=1 (or vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) to serve it anyway"
         )

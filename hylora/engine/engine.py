@@ -120,14 +120,17 @@ class LLMEngine:
         self.config = config = config.for_device(device)
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
         self.model_dir = Path(model_dir)
-        model_config = None if model is not None else ModelConfig.from_dir(model_dir)
-        config.check_context((model_config or model.config).max_position_embeddings)  # before the weights load
+        model_config = None if model is not None else ModelConfig.from_dir(model_dir, config.hf_overrides)
+        served = model_config or model.config
+        yarn = "config.json's YaRN rope_parameters: original_max_position_embeddings x factor"
+        config.check_context(served.max_context, yarn if served.yarn else "config.json")  # before the weights load
         vision = model_config is not None and model_config.vision is not None and not config.language_model_only
         speculate = config.num_speculative_tokens > 0
         fp8 = model_config is not None and serve_fp8(model_config, config.quantization, device, dtype)
         self.model = model or load_model(
-            model_dir, dtype=dtype, device=device, progress=progress, vision=vision, mtp=speculate, fp8=fp8
-        )
+            model_dir, dtype=dtype, device=device, progress=progress, vision=vision, mtp=speculate, fp8=fp8,
+            config=model_config,
+        )  # fmt: skip
         # --quantization fp8 on an unquantised checkpoint (or its values, dequantised, for doctor's reference)
         round_trip = config.quantization == "fp8-dequantized"
         fp8_checkpoint = model_config is not None and model_config.quantization is not None

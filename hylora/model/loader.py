@@ -115,8 +115,10 @@ def load_model(
     vision: bool = False,
     mtp: bool = False,
     fp8: bool = False,
+    config: ModelConfig | None = None,
 ) -> HybridDecoder:
-    """Build the decoder from `model_dir`. dtype None = the checkpoint's dtype.
+    """Build the decoder from `model_dir`. dtype None = the checkpoint's dtype; `config`: the model directory's
+    config as read already (with --hf-overrides), else config.json.
 
     vision=True also loads the vision tower of a VL checkpoint as `model.visual` (same dtype and
     device); otherwise its tensors are skipped with a note. mtp=True also loads the
@@ -127,7 +129,7 @@ def load_model(
     FP8 rows and scales (`Linear.set_fp8`) and compute with the FP8 kernel; everything else (embeddings,
     head, vision tower, the rows a checkpoint keeps unquantised) is dequantised or loaded as is."""
     model_dir = Path(model_dir)
-    config = ModelConfig.from_dir(model_dir)
+    config = config or ModelConfig.from_dir(model_dir)
     if vision and config.vision is None:
         raise ConfigError(f"{model_dir}: a text-only checkpoint has no vision tower to load")
     if mtp and config.mtp_num_hidden_layers < 1:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 
+from hylora.json_merge import merge_json
+
 # flags that take a JSON object, and so vLLM's dotted form: `--limit-mm-per-prompt.video 0`
 JSON_FLAGS = (
     "--limit-mm-per-prompt", "--mm-processor-kwargs", "--media-io-kwargs", "--speculative-config",
@@ -33,7 +35,7 @@ def expand_dotted_args(argv: list[str]) -> list[str]:
                 if token not in objects:
                     objects[token], slots[token] = {}, len(out) + 1
                     out += [token, ""]
-                objects[token] = _deep_merge(whole, objects[token])
+                objects[token] = merge_json(whole, objects[token])
                 i += 2
                 continue
             out.append(token)
@@ -76,11 +78,3 @@ def _json_object(flag: str, text: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{flag} expects a JSON object")
     return value
-
-
-def _deep_merge(base: dict, over: dict) -> dict:
-    merged = dict(base)
-    for key, value in over.items():
-        both = isinstance(value, dict) and isinstance(merged.get(key), dict)
-        merged[key] = _deep_merge(merged[key], value) if both else value
-    return merged

@@ -507,6 +507,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         queue_drafts=args.queue_drafts,
         fault_injection=args.enable_fault_injection,
         language_model_only=args.language_model_only,
+        hf_overrides=args.hf_overrides,
     )
     defaults = generation_defaults(args.generation_config, model_dir, args.override_generation_config)
     template = chat_template(args.chat_template) if args.chat_template else None

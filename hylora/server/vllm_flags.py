@@ -156,7 +156,7 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--scheduling-policy", choices=["fcfs"], default="fcfs", help="first come, first served")
     v.add_argument(
         "--hf-overrides", type=json.loads, default=None, metavar="JSON",
-        help="refused unless empty: hylora serves config.json as it is (change a copy of the model directory)",
+        help="merged over config.json, e.g. YaRN rope_parameters for contexts past 262144 tokens",
     )  # fmt: skip
     for flags, kwargs, why in NO_EFFECT:
         v.add_argument(*flags, **kwargs, help=f"accepted, no effect: {why}")
@@ -217,11 +217,8 @@ def normalise_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
                 f"--{flag.replace('_', '-')} {getattr(args, flag)}: hylora runs one engine per GPU (no tensor, "
                 "data or pipeline parallelism); to use more GPUs, run replicas (--replicas N, docs/DEPLOY.md)"
             )
-    if args.hf_overrides:
-        raise ValueError(
-            "--hf-overrides: hylora serves the model directory's config.json as it is; put the change in a copy "
-            "of the model directory's config.json"
-        )
+    if args.hf_overrides is not None and not isinstance(args.hf_overrides, dict):
+        raise ValueError("--hf-overrides expects a JSON object (merged over config.json)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (qwen3_coder for Qwen3.5 / Qwen3.6)")
     for flag in ("allowed_origins", "allowed_methods", "allowed_headers"):
