@@ -56,9 +56,9 @@ class KernelsConfig:
     # the start-up compiles them for every step size (kernels/warmup.py; one shape: 61 s, run 58 b). The
     # engine with it (H100, run 59, 16-layer cut, 8192): 1.02x the FP8 workload's tok/s, base and mixed, in
     # two A/B pairs; start-up +~60 s on its first start, +4 s on a warm JIT cache. Doctor passes every check
-    # on that deployment (H200, run 60: bench/doctor_gpu.sh fp8-deepgemm). Off by default until the 27B's
-    # first start with it is timed: its 6 weight shapes compile in parallel child processes, and one shape
-    # alone took 61 s cold (run 58 b); a user pays that on every fresh machine for +2 %
+    # on that deployment (H200, run 60: bench/doctor_gpu.sh fp8-deepgemm). The 27B's first start with it: its
+    # 6 weight shapes compile in parallel child processes, 88 s on a cold JIT cache, 7 s warm (H100, run 61 a).
+    # Off by default until one GPU start of the engine checks it as the default (docs/BASELINE.md, after run 61)
     fp8_deepgemm: bool = False
     # ... and the decoder's norms quantise the in_proj / qkv's, gate_up's and the GDN out_proj's input
     # (ops.rmsnorm's rms_norm_quantized). On an H200 (BASELINE run 35, same call, 16-layer cut, 8192
