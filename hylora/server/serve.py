@@ -672,7 +672,7 @@ def serve(args: argparse.Namespace) -> None:
     """One engine behind one HTTP server (`hylora serve` without --replicas)."""
     if args.ray_address or args.replica_gpus is not None:
         raise ValueError("--ray-address and --replica-gpus go with --replicas N")
-    http_options(args)  # a wrong path stops the start before the weights load
+    http = http_options(args)  # a wrong path stops the start before the weights load
     state = build_state(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning(
@@ -695,7 +695,7 @@ def serve(args: argparse.Namespace) -> None:
         log_level=args.uvicorn_log_level,
         timeout_keep_alive=max(1, round(args.timeout_keep_alive)),
         timeout_graceful_shutdown=5,
-        **http_options(args),
+        **http,
     )
     server = DrainingServer(config, state)
     server.run()
