@@ -100,7 +100,7 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
         default={},
         metavar="NAME=VALUE,...",
         help="in-process: any field of hylora.kernels.KernelsConfig, as hylora serve --kernels (e.g. "
-        "fp8_deepgemm=1), so every check runs on the kernels that deployment serves",
+        "fp8_deepgemm=0), so every check runs on the kernels that deployment serves",
     )
     g.add_argument(
         "--enable-prefix-caching",

@@ -58,8 +58,10 @@ class KernelsConfig:
     # two A/B pairs; start-up +~60 s on its first start, +4 s on a warm JIT cache. Doctor passes every check
     # on that deployment (H200, run 60: bench/doctor_gpu.sh fp8-deepgemm). The 27B's first start with it: its
     # 6 weight shapes compile in parallel child processes, 88 s on a cold JIT cache, 7 s warm (H100, run 61 a).
-    # Off by default until one GPU start of the engine checks it as the default (docs/BASELINE.md, after run 61)
-    fp8_deepgemm: bool = False
+    # On by default since run 62 (H100, beside stock vLLM on one FP8 checkpoint: 1.16x base and 1.41-1.45x
+    # mixed at 2048 and 8192; level with cuBLAS at 2048). Where `import deep_gemm` fails (the CPU, other GPUs,
+    # no DeepGEMM) it changes nothing. False: cuBLAS / Triton serve those steps, no DeepGEMM compile at start
+    fp8_deepgemm: bool = True
     # ... and the decoder's norms quantise the in_proj / qkv's, gate_up's and the GDN out_proj's input
     # (ops.rmsnorm's rms_norm_quantized). On an H200 (BASELINE run 35, same call, 16-layer cut, 8192
     # batched tokens): FP8 workload 4001 -> 4069 tok/s base, 3397 -> 3445 mixed; the kernel alone 1.3x

@@ -251,7 +251,7 @@ def select_gdn_kernel(model: HybridDecoder, backend: str = "auto") -> KernelVerd
 
 
 def select_fp8_kernel(
-    model: HybridDecoder, fast_kernels: str = "auto", activations: str = "dynamic", deepgemm: bool = False
+    model: HybridDecoder, fast_kernels: str = "auto", activations: str = "dynamic", deepgemm: bool = True
 ) -> KernelVerdict:
     """The FP8 GEMM for the model's FP8 projections, checked against the reference on the model's
     shapes. activations "dynamic" (quantised activations x dequantised weights): cuBLAS's block-scaled

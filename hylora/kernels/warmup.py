@@ -1,6 +1,7 @@
 """Kernels that compile at their first call, compiled at start-up instead, once the checks chose them:
-DeepGEMM's (`--kernels fp8_deepgemm=1`) compiles one kernel per configuration its heuristic picks for a
-weight shape and step size, seconds each, which a served step would otherwise wait for.
+DeepGEMM's (`KernelsConfig.fp8_deepgemm`, on where it is installed) compiles one kernel per
+configuration its heuristic picks for a weight shape and step size, seconds each, which a served step
+would otherwise wait for.
 
 DeepGEMM compiles one kernel at a time (nvcc, ~4.4 s each: 14 kernels in 61 s for one 27B shape on an
 H100, docs/BASELINE.md run 58 b), and a model has several weight shapes (the 27B: 6). So on a GPU each
@@ -47,6 +48,9 @@ def warm_up_kernels(model: HybridDecoder, verdicts: dict[str, KernelVerdict], ma
     weights = [(m.weight, m.weight_scale) for m in model.modules() if isinstance(m, Linear) and m.is_fp8
                and m.quant_block == deepgemm.BLOCK]  # fmt: skip
     shapes = sorted({tuple(w.shape) for w, _ in weights if deepgemm.serves_shape(*w.shape)})
+    log.info("DeepGEMM warm-up: compiling its kernels for %d FP8 weight shapes at step sizes up to %d tokens "
+             "(a minute or two on a cold DG_JIT_CACHE_DIR, seconds on a warm one; --kernels fp8_deepgemm=0 "
+             "serves cuBLAS instead)", len(shapes), max_step_tokens)  # fmt: skip
     if model.device.type == "cuda" and len(shapes) > 1 and deepgemm.available():
         compile_in_processes(shapes, max_step_tokens, str(model.device))
     runs = deepgemm.warm_up(weights, max_step_tokens)

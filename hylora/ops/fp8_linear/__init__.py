@@ -10,7 +10,7 @@
   registers); `quantize_activation_split` and `fp8_split_linear`, the GEMM on x split into two e4m3
   terms (two FP8 dots per weight tile).
 - `cublas` (the FP8 GEMMs as served on Hopper): cuBLAS where it takes the step, the Triton kernels below.
-- `deepgemm` (`--kernels fp8_deepgemm=1`, where DeepGEMM is installed): `cublas`, with DeepGEMM's GEMM
+- `deepgemm` (where DeepGEMM is installed, unless `--kernels fp8_deepgemm=0`): `cublas`, with DeepGEMM's GEMM
   in cuBLAS's place.
 """
 

@@ -4,11 +4,12 @@ DeepGEMM (deepseek-ai/DeepGEMM, MIT; `deep_gemm.fp8_gemm_nt`) is the kernel stoc
 block-FP8 linears with on Hopper. It has no usable PyPI wheel: it is built from source against the
 torch it runs with (its README's `./install.sh`; vLLM's wheel vendors a prebuilt copy), and it compiles
 its kernels at first use with the CUDA toolkit's nvcc (2.5-8.7 s each on an H100, docs/BASELINE.md run
-57: `KernelsConfig.fp8_deepgemm` is off by default). Where `import deep_gemm` works on an sm_90 GPU, `fp8_linear`
-serves the steps that `cublas.usable` gives to cuBLAS with it instead (same FP8 operands: x quantised
-by hylora's Triton kernel in 1 x 128 groups, the checkpoint's 128 x 128 weight blocks, fp32 scales as
-they are, no UE8M0 rounding); everything else is the `cublas` module's. `warm_up` compiles, at start-up,
-every kernel the steps can meet, so no step stalls on DeepGEMM's compiler.
+57; `kernels/warmup.py` compiles them at start-up; `--kernels fp8_deepgemm=0` turns DeepGEMM off).
+Where `import deep_gemm` works on an sm_90 GPU, `fp8_linear` serves the steps that `cublas.usable`
+gives to cuBLAS with it instead (same FP8 operands: x quantised by hylora's Triton kernel in 1 x 128
+groups, the checkpoint's 128 x 128 weight blocks, fp32 scales as they are, no UE8M0 rounding);
+everything else is the `cublas` module's. `warm_up` compiles, at start-up, every kernel the steps can
+meet, so no step stalls on DeepGEMM's compiler.
 """
 
 from __future__ import annotations
