@@ -145,11 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from hylora.server.dotted_args import expand_dotted_args
+    from hylora.server.vllm_argv import vllm_argv
 
     argv = sys.argv[1:] if argv is None else argv
     try:
-        argv = expand_dotted_args(argv)
+        argv = vllm_argv(argv)
     except ValueError as e:
         print(f"hylora: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -46,6 +46,11 @@ def test_builder_config_reads_hylora_serve_flags():
     assert args.demo and args.replicas == 2 and args.max_loras == 2 and not args.enforce_eager
     assert args.lora_modules == ["a=/x", "b=/y"] and args.task == ["t=a"] and args.limit_mm_per_prompt == {"image": 1}
     assert parse_config({"model_dir": "/models/m"}).model_dir == "/models/m"
+    # vLLM's dotted keys of a JSON flag, over the flag given whole, and its sizes
+    args = parse_config({"speculative_config": {"method": "mtp"}, "speculative-config.num_speculative_tokens": 2,
+                         "limit_mm_per_prompt.video": 0, "max_model_len": "2k"})  # fmt: skip
+    assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
+    assert args.limit_mm_per_prompt == {"video": 0} and args.max_model_len == 2000
     with pytest.raises(ValueError, match="unknown option 'max_lora'"):
         parse_config({"max_lora": 2})
 

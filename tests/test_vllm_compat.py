@@ -503,6 +503,84 @@ def test_launch_flag_spellings_and_refusals(demo_dir, tmp_path):
         parser.parse_args(["--demo", "--mamba-ssm-cache-dtype", "bfloat16"])  # the GDN state is float32
 
 
+def test_vllm_spellings_of_flag_names_sizes_and_graph_switches(demo_dir, capsys, monkeypatch):
+    """What vLLM's own parser reads and argparse would not: `--max_model_len` (underscores), the short
+    `-sc` / `-cc` / `-ac` (dotted too), `key+ a,b`, sizes `2k` / `2K` and `auto`; `-O0` and cudagraph_mode
+    NONE turn CUDA graphs off (as --enforce-eager); a size that is no count stops the start with one line."""
+    import argparse
+
+    from hylora.cli import main
+    from hylora.server.serve import DrainingServer, build_state
+    from hylora.server.vllm_argv import vllm_argv
+    from hylora.server.vllm_flags import inactive_flags, normalise_vllm_args
+
+    argv = vllm_argv(["--demo", "--max_model_len=2k", "--max_num_batched_tokens", "1K", "-sc.method", "mtp",
+                      "-sc.num_speculative_tokens=2", "-cc.custom_ops+", "-quant,+rms", "-ac", '{"backend": "x"}',
+                      "--limit_mm_per_prompt.video", "0", "--hf-overrides.text_config.rope_theta", "1M",
+                      "--kernels", "lora_delta_first_from=0"])  # fmt: skip
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = normalise_vllm_args(parser.parse_args(argv))
+    assert (args.max_model_len, args.max_num_batched_tokens) == (2000, 1024)
+    assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
+    assert args.compilation_config == {"custom_ops": ["-quant", "+rms"]} and args.attention_config == {"backend": "x"}
+    assert args.limit_mm_per_prompt == {"video": 0} and args.hf_overrides == {"text_config": {"rope_theta": 1 << 20}}
+    assert args.kernels == {"lora_delta_first_from": 0}  # values keep their underscores
+    assert not args.enforce_eager and "--attention-config: accepted, no effect" in " ".join(inactive_flags(args))
+    graph_switches = [
+        ["-O0"],
+        ["-O", "0"],
+        ["-cc.cudagraph_mode=NONE"],
+        ["--compilation-config", '{"cudagraph_mode": 0}'],
+    ]
+    for graphs_off in graph_switches:
+        args = normalise_vllm_args(parser.parse_args(vllm_argv(["--demo", *graphs_off])))
+        assert args.enforce_eager, graphs_off
+        assert not any(n.startswith("--optimization-level") for n in inactive_flags(args))
+    graphs_on = vllm_argv(["--demo", "-O3", "-cc.cudagraph_mode", "FULL"])
+    assert not normalise_vllm_args(parser.parse_args(graphs_on)).enforce_eager
+
+    # auto: the model's own context (the demo's config.json), through the engine the server builds
+    args = normalise_vllm_args(parser.parse_args(vllm_argv(["--demo", "--max-model-len", "auto", "--device", "cpu",
+                                                            "--max-num-seqs", "2", "--dtype", "float32"])))  # fmt: skip
+    state = build_state(args)
+    context = json.loads((demo_dir / "config.json").read_text())["text_config"]["max_position_embeddings"]
+    assert state.engine.config.max_model_len == context
+
+    monkeypatch.setattr(DrainingServer, "run", lambda self: pytest.fail("a refused launch started serving"))
+    for flags, message in [(["--max-model-len", "2.5K"], "no decimals with the binary suffix K"),
+                           (["--max-num-batched-tokens", "lots"], "'lots' is not a count")]:  # fmt: skip
+        with pytest.raises(SystemExit) as stop:
+            main(["serve", "--demo", "--device", "cpu", *flags])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and message in err and "Traceback" not in err, (flags, err)
+
+
+def test_max_model_len_auto_shortens_to_what_the_memory_holds(demo_dir, monkeypatch):
+    """`--max-model-len auto` where the model's whole context does not fit: the longest that does, whole pages,
+    and a prompt past it refused as any too-long prompt (on the CPU: max_num_seqs sequences in half the memory)."""
+    from hylora.engine import EngineConfig, LLMEngine, SamplingParams, memory
+    from hylora.engine.config import AUTO
+    from hylora.engine.errors import RequestError
+
+    seqs, pages = 2, 24
+    probe = LLMEngine(demo_dir, EngineConfig(max_model_len=64, max_num_seqs=seqs, device="cpu", dtype="float32"),
+                      progress=False)  # fmt: skip
+    page_bytes = memory._page_bytes(probe.model, probe.config.page_size)
+    plan = memory.plan_caches(probe.model, probe.config)
+    states = (plan.num_slots + plan.num_snapshots) * memory._state_bytes_per_slot(probe.model)
+    del probe
+    monkeypatch.setattr(memory, "_host_available_bytes", lambda: 2 * (states + seqs * pages * page_bytes + 100))
+    engine = LLMEngine(demo_dir, EngineConfig(max_model_len=AUTO, max_num_seqs=seqs, device="cpu", dtype="float32"),
+                       progress=False)  # fmt: skip
+    page_size = engine.config.page_size
+    assert engine.config.max_model_len == pages * page_size and engine.kv.num_pages >= seqs * pages
+    fits = list(range(5, 5 + pages * page_size - 8))
+    assert _run_one(engine, fits, SamplingParams(max_tokens=4, temperature=0)).finished
+    with pytest.raises(RequestError, match=str(pages * page_size)):
+        engine.add_request("long", list(range(5, 5 + pages * page_size + 1)), SamplingParams(max_tokens=1))
+
+
 def test_batched_and_echo_completions(client):
     """A list of prompts gives one choice set per prompt, `index` in order, each equal to that prompt
     sent alone; echo with max_tokens 0 scores a prompt (lm-evaluation-harness' loglikelihood)."""
@@ -568,15 +646,15 @@ def test_dotted_json_flags_and_the_parallel_and_http_refusals(demo_dir, tmp_path
     GPU's worth of parallelism, --hf-overrides the model cannot serve (they do reach its config) and broken
     HTTPS settings stop the start with one line."""
     from hylora.cli import main
-    from hylora.server.dotted_args import expand_dotted_args
     from hylora.server.serve import DrainingServer
+    from hylora.server.vllm_argv import expand_dotted_args
 
     argv = ["--speculative-config", '{"method": "mtp"}', "--speculative-config.num_speculative_tokens", "2",
             "--compilation-config.sizes+", "8", "--compilation-config.sizes+=16", "--mm-processor-kwargs.fps", "1.5",
             "--limit-mm-per-prompt", "image=2", "--other.key", "x"]  # fmt: skip
     out = expand_dotted_args(argv)
     assert json.loads(out[out.index("--speculative-config") + 1]) == {"method": "mtp", "num_speculative_tokens": 2}
-    assert json.loads(out[out.index("--compilation-config") + 1]) == {"sizes": [8, 16]}
+    assert json.loads(out[out.index("--compilation-config") + 1]) == {"sizes": ["8", "16"]}  # vLLM's: strings
     assert json.loads(out[out.index("--mm-processor-kwargs") + 1]) == {"fps": 1.5}
     assert out[-4:] == ["--limit-mm-per-prompt", "image=2", "--other.key", "x"]  # not JSON, not a JSON flag: as given
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"

@@ -25,12 +25,19 @@ def serve_parser() -> argparse.ArgumentParser:
 def parse_config(config: Mapping[str, Any]) -> argparse.Namespace:
     """`hylora serve` flags given as a mapping (a builder's `args`: `serve run ... demo=true replicas=2`
     or a config file's `args:`). Keys are flag names with '_' or '-'; `model_dir` (or `model`) is
-    the positional model directory; lists stand for repeated values, booleans for switches."""
+    the positional model directory; lists stand for repeated values, booleans for switches; a JSON flag
+    takes a mapping or vLLM's dotted keys (`limit_mm_per_prompt.video: 0`)."""
+    from hylora.server.vllm_argv import JSON_FLAGS, expand_dotted_args
+
     parser = serve_parser()
     actions = {a.dest: a for a in parser._actions if a.option_strings}
     argv: list[str] = []
     for key, value in config.items():
-        dest = key.replace("-", "_")
+        dest, dot, path = key.replace("-", "_").partition(".")
+        flag = "--" + dest.replace("_", "-")
+        if dot and flag in JSON_FLAGS:  # vLLM's dotted key: one key of the flag's JSON object
+            argv += [f"{flag}.{path}", _text(value)]
+            continue
         if dest in ("model_dir", "model"):
             argv.insert(0, str(value))
             continue
@@ -48,7 +55,7 @@ def parse_config(config: Mapping[str, Any]) -> argparse.Namespace:
         elif value is not None:
             argv += [flag, _text(value)]
     try:
-        return parser.parse_args(argv)
+        return parser.parse_args(expand_dotted_args(argv))
     except SystemExit:  # argparse has printed why
         raise ValueError(f"invalid hylora serve options: {argv}") from None
 

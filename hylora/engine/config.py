@@ -8,11 +8,13 @@ from hylora.env import allow_long_max_model_len
 from hylora.kernels.config import KernelsConfig
 
 QUANTIZATIONS = (None, "fp8", "dequantized", "fp8-dequantized")
+# max_model_len AUTO (vLLM's `--max-model-len auto` / -1): the model's context, shortened to what the memory holds
+AUTO = -1
 
 
 @dataclass
 class EngineConfig:
-    max_model_len: int = 8192  # prompt + generated tokens per request
+    max_model_len: int = 8192  # prompt + generated tokens per request (AUTO: the model's context, as memory allows)
     max_num_seqs: int = 32  # running sequences (each holds one GDN state slot)
     # tokens per step (long prompts are chunked to fit); None: 8192 on CUDA (vLLM's serving default:
     # larger prefill steps keep the GPU busy), 2048 on the CPU
@@ -75,7 +77,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         step_tokens = self.max_num_batched_tokens
         checks = [
-            (self.max_model_len >= 1, "max_model_len must be >= 1"),
+            (self.max_model_len >= 1 or self.max_model_len == AUTO, "max_model_len must be >= 1 (or auto)"),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
             (step_tokens is None or step_tokens >= 1, "max_num_batched_tokens must be >= 1"),
             (self.page_size >= 1, "page_size must be >= 1"),
@@ -105,7 +107,7 @@ class EngineConfig:
 
     def check_context(self, max_position_embeddings: int, source: str = "config.json") -> None:
         """max_model_len within the model's trained context (vLLM's rule, and its escape hatch)."""
-        if self.max_model_len <= max_position_embeddings or allow_long_max_model_len():
+        if self.max_model_len <= max_position_embeddings or allow_long_max_model_len():  # AUTO too
             return
         raise ValueError(
             f"max_model_len {self.max_model_len} is more than the model's max_position_embeddings "

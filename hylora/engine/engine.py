@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,7 +19,7 @@ from hylora.adapters.registry import AdapterRegistry, PreparedAdapter
 from hylora.cache import PagedKVCache, StatePool
 from hylora.config import ModelConfig, parse_dtype, read_json_object
 from hylora.engine.chat_input import MediaSettings
-from hylora.engine.config import EngineConfig
+from hylora.engine.config import AUTO, EngineConfig
 from hylora.engine.cuda_graphs import make_graph_draft
 from hylora.engine.encoder_cache import EncoderCache
 from hylora.engine.errors import DeviceFault, RequestError, is_device_error
@@ -124,6 +124,9 @@ class LLMEngine:
         served = model_config or model.config
         yarn = "config.json's YaRN rope_parameters: original_max_position_embeddings x factor"
         config.check_context(served.max_context, yarn if served.yarn else "config.json")  # before the weights load
+        auto_len = config.max_model_len == AUTO  # the model's context; plan_caches may shorten it to fit
+        if auto_len:
+            config = replace(config, max_model_len=served.max_context)
         vision = model_config is not None and model_config.vision is not None and not config.language_model_only
         speculate = config.num_speculative_tokens > 0
         fp8 = model_config is not None and serve_fp8(model_config, config.quantization, device, dtype)
@@ -150,7 +153,13 @@ class LLMEngine:
         self.adapters = AdapterRegistry(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         for name, path in (lora_modules or {}).items():
             self.adapters.load(name, path)
-        plan = plan_caches(self.model, config)
+        plan = plan_caches(self.model, config, shorten_to_fit=auto_len)
+        if auto_len:
+            config = replace(config, max_model_len=plan.max_model_len or config.max_model_len)
+            shortened = " (shortened to what the memory holds)" if plan.max_model_len else ""
+            log.info("max_model_len auto: %d tokens, the model's context %d%s", config.max_model_len,
+                     served.max_context, shortened)  # fmt: skip
+        self.config = config
         self.kv = PagedKVCache(
             self.model.config,
             plan.num_pages,

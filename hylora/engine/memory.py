@@ -25,6 +25,7 @@ class CachePlan:
     num_pages: int
     num_slots: int
     num_snapshots: int = 0  # GDN state snapshots of the prefix cache
+    max_model_len: int | None = None  # shorter than asked, to fit (shorten_to_fit); None: as asked
 
 
 def snapshot_slots(config: EngineConfig) -> int:
@@ -38,13 +39,23 @@ def snapshot_slots(config: EngineConfig) -> int:
     return max(4, config.max_num_seqs // 2)
 
 
-def plan_caches(model: HybridDecoder, config: EngineConfig) -> CachePlan:
+def plan_caches(model: HybridDecoder, config: EngineConfig, shorten_to_fit: bool = False) -> CachePlan:
+    """The caches for `config`. shorten_to_fit (vLLM's `--max-model-len auto`): where one max_model_len
+    sequence (on the CPU: max_num_seqs of them in half the available memory) would not fit, max_model_len
+    shortened to what does."""
     slots = config.max_num_seqs * (1 + config.num_speculative_tokens)  # speculation: a state per draft
     snapshots = snapshot_slots(config)
     per_seq_pages = -(-config.max_model_len // config.page_size)
     if model.device.type != "cuda":
         plan = CachePlan(config.num_pages or config.max_num_seqs * per_seq_pages, slots, snapshots)
-        _check_fits(model, config, plan, _host_available_bytes(), "this machine's available memory")
+        available = _host_available_bytes()
+        if shorten_to_fit and config.num_pages is None and available is not None:
+            states = (slots + snapshots) * _state_bytes_per_slot(model)
+            fit = _tokens_that_fit(available // 2 - states, config.max_num_seqs * _page_bytes(model, config.page_size),
+                                   config.page_size)  # fmt: skip
+            if config.page_size <= fit < config.max_model_len:
+                plan = CachePlan(config.max_num_seqs * (fit // config.page_size), slots, snapshots, fit)
+        _check_fits(model, config, plan, available, "this machine's available memory")
         return plan
     if config.num_pages is not None:
         # Still one forward at the full token budget: Triton's autotuners (fla's chunked kernels) pick
@@ -71,7 +82,11 @@ def plan_caches(model: HybridDecoder, config: EngineConfig) -> CachePlan:
     budget = total * config.gpu_memory_utilization - used_before - max(activation_peak, tower_peak) - encoder_cache
     state_bytes = _state_bytes_per_slot(model)
     page_bytes = _page_bytes(model, config.page_size)
-    if budget < (slots + snapshots) * state_bytes + per_seq_pages * page_bytes:
+    max_model_len = None
+    if budget < (slots + snapshots) * state_bytes + per_seq_pages * page_bytes and shorten_to_fit:
+        fit = _tokens_that_fit(budget - (slots + snapshots) * state_bytes, page_bytes, config.page_size)
+        max_model_len = fit if config.page_size <= fit < config.max_model_len else None
+    if budget < (slots + snapshots) * state_bytes + per_seq_pages * page_bytes and max_model_len is None:
         raise CacheSizeError(
             f"after weights ({used_before / GiB:.1f} GiB in use), activations ({activation_peak / GiB:.1f} GiB; "
             f"vision tower {tower_peak / GiB:.1f}) and the encoder cache ({encoder_cache / GiB:.1f} GiB) the "
@@ -99,7 +114,14 @@ def plan_caches(model: HybridDecoder, config: EngineConfig) -> CachePlan:
         config.page_size,
         num_pages * page_bytes / GiB,
     )
-    return CachePlan(num_pages, slots, snapshots)
+    return CachePlan(num_pages, slots, snapshots, max_model_len)
+
+
+def _tokens_that_fit(free_bytes: float, page_bytes: int, page_size: int) -> int:
+    """Whole pages' tokens that `free_bytes` holds at `page_bytes` a page (0 where none)."""
+    if page_bytes <= 0:
+        return 1 << 62
+    return max(0, int(free_bytes // page_bytes)) * page_size
 
 
 def _check_fits(model: HybridDecoder, config: EngineConfig, plan: CachePlan, available: int | None, where: str) -> None:

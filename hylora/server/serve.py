@@ -35,9 +35,12 @@ from hylora.media.config import apply_overrides, merge_overrides
 from hylora.model.layers import LORA_BACKENDS
 from hylora.server.app import ServerState, build_app
 from hylora.server.routing import TaskRouter
+from hylora.server.vllm_argv import human_readable_int, max_model_len_arg
 from hylora.server.vllm_flags import DTYPES, add_vllm_args, normalise_vllm_args, parse_mm_limits
 
 log = logging.getLogger(__name__)
+# the flags vLLM reads as sizes (`32k`, `1M`; --max-model-len also `auto`)
+SIZE_TYPES = {"max_model_len": max_model_len_arg, "max_num_batched_tokens": human_readable_int}
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
@@ -224,7 +227,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     ):
         default = None if name == "page_size" else d[name].default  # None: not given (--block-size may set it)
         help_ = f"(default: {unset.get(name, default)})"
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=help_)
+        kind = SIZE_TYPES.get(name, int)
+        if kind is max_model_len_arg:
+            help_ += "; 32k: 32000, 32K: 32768; auto or -1: the model's context, as far as the memory holds it"
+        elif kind is not int:
+            help_ += "; 32k: 32000, 32K: 32768"
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=help_)
     p.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"].default)
     p.add_argument("--dtype", default="auto", choices=list(DTYPES))
     p.add_argument(

@@ -45,9 +45,18 @@ NO_EFFECT: list[tuple[tuple[str, ...], dict[str, Any], str]] = [
     (
         ("--compilation-config",),
         dict(type=json.loads, metavar="JSON"),
-        "hylora captures its own CUDA graphs (--enforce-eager: none)",
+        "hylora captures its own CUDA graphs; only its cudagraph_mode NONE is read, as --enforce-eager",
     ),
-    (("--optimization-level", "-O"), dict(metavar="LEVEL"), "hylora captures its own CUDA graphs"),
+    (
+        ("--optimization-level", "-O"),
+        dict(metavar="LEVEL"),
+        "hylora captures its own CUDA graphs; only -O0 is read, as --enforce-eager",
+    ),
+    (
+        ("--attention-config",),
+        dict(type=json.loads, metavar="JSON"),
+        "hylora picks its kernels at start (--kernels; logged)",
+    ),
     (("--cuda-graph-sizes",), dict(type=int, nargs="+"), "hylora sizes its own CUDA graphs"),
     (("--max-seq-len-to-capture",), dict(type=int), "hylora sizes its own CUDA graphs"),
     (("--attention-backend",), dict(metavar="NAME"), "hylora picks its kernels at start (--kernels; logged)"),
@@ -219,6 +228,10 @@ def normalise_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
             )
     if args.hf_overrides is not None and not isinstance(args.hf_overrides, dict):
         raise ValueError("--hf-overrides expects a JSON object (merged over config.json)")
+    graphs_off = graphs_off_by(args)
+    if graphs_off is not None:
+        args.enforce_eager = True
+        log.info("%s: no CUDA graphs, as --enforce-eager", graphs_off)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (qwen3_coder for Qwen3.5 / Qwen3.6)")
     for flag in ("allowed_origins", "allowed_methods", "allowed_headers"):
@@ -230,12 +243,24 @@ def normalise_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def graphs_off_by(args: argparse.Namespace) -> str | None:
+    """The vLLM flag that turns CUDA graphs off (-O0, or --compilation-config's cudagraph_mode NONE), if any."""
+    if str(args.optimization_level).strip().lstrip("=") == "0":
+        return "-O0"
+    mode = (args.compilation_config or {}).get("cudagraph_mode") if isinstance(args.compilation_config, dict) else None
+    if mode == 0 or (isinstance(mode, str) and mode.upper() == "NONE"):
+        return "--compilation-config cudagraph_mode NONE"
+    return None
+
+
 def inactive_flags(args: argparse.Namespace) -> list[str]:
-    """A line for each accepted flag that changes nothing today."""
+    """A line for each accepted flag that changes nothing today (the graph switches of `graphs_off_by` change
+    one thing, and say so at start)."""
     notes = [
         f"{flags[0]}: accepted, no effect ({why})"
         for flags, _, why in NO_EFFECT
         if getattr(args, flags[0].lstrip("-").replace("-", "_"), None) not in (None, False)
+        and not (flags[0] == "--optimization-level" and graphs_off_by(args) == "-O0")
     ]
     if args.enable_chunked_prefill is False:
         notes.append("--no-enable-chunked-prefill: accepted, but hylora always chunks long prompts")
