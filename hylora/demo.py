@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from hylora.env import cache_dir
+from hylora.model.checkpoint_out import partial_sibling, remove_stale_partials
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -161,7 +162,9 @@ def ensure_demo(path: Path | None = None) -> Path:
         return path
     # written beside `path` and renamed in whole: two servers starting at once on a fresh machine each
     # write their own copy, the first rename wins, and no one loads a half-written demo
-    tmp = path.parent / f".{path.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(path)
+    tmp = partial_sibling(path)
     try:
         write_demo(tmp)
         if path.exists() and not _complete(path):  # an older version, or a write killed before the marker

@@ -87,6 +87,37 @@ def test_success_leaves_only_out_dir(demo, tmp_path):
     load_model(tmp_path / "merged", progress=False)
 
 
+def test_a_run_killed_outright_leaves_a_sibling_the_next_run_removes(demo, tmp_path):
+    """SIGKILL (or the OOM killer) gives a run no chance to remove its hidden sibling, a model's worth of
+    disk; the next run for that OUT_DIR on this machine removes it. A running writer's and another
+    machine's siblings are kept (a shared file system)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    single, _ = demo
+    out = tmp_path / "fp8"
+    code = ("import sys; from hylora.model.fp8 import quantize_checkpoint; import hylora.model.fp8 as m; "
+            "real = m.save_file\n"
+            "def stall(*a, **k):\n    real(*a, **k); print('written', flush=True); sys.stdin.read()\n"
+            "m.save_file = stall; quantize_checkpoint(sys.argv[1], sys.argv[2], progress=False)")  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", code, str(single), str(out)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert child.stdout.readline().strip() == "written"  # the weights are in its sibling, not yet renamed
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    left = [p for p in tmp_path.iterdir() if p.name.startswith(".fp8.partial-")]
+    assert len(left) == 1 and not out.exists() and any(left[0].iterdir())
+    host = socket.gethostname()
+    running = tmp_path / f".fp8.partial-{host}-{os.getpid()}-0123abcd"  # this process: a writer still running
+    elsewhere = tmp_path / f".fp8.partial-{host}x-{child.pid}-0123abcd"  # another machine's
+    running.mkdir(), elsewhere.mkdir()
+    assert quantize_checkpoint(single, out, progress=False) == out
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["fp8", running.name, elsewhere.name])
+    load_model(out, progress=False)
+
+
 def test_out_dir_that_is_a_file_is_refused_untouched(demo, tmp_path, capsys):
     single, _ = demo
     out = tmp_path / "out"

@@ -1,16 +1,21 @@
 """Writing a model directory all or nothing (`hylora merge`, `hylora quantize`).
 
-The files go into a hidden sibling of OUT_DIR (`.OUT_DIR.partial-<pid>-<random>`, same file system),
-flushed to disk and renamed to OUT_DIR only once every one is written: a run that fails midway (a
-full disk, a corrupt input shard, Ctrl-C) removes its sibling and leaves no OUT_DIR, or the empty
-directory it was given untouched. A model already at OUT_DIR is never written over.
+The files go into a hidden sibling of OUT_DIR (`.OUT_DIR.partial-<host>-<pid>-<random>`, same file
+system), flushed to disk and renamed to OUT_DIR only once every one is written: a run that fails midway
+(a full disk, a corrupt input shard, Ctrl-C) removes its sibling and leaves no OUT_DIR, or the empty
+directory it was given untouched. A run killed outright (SIGKILL, the OOM killer, a power cut) cannot
+remove its sibling; the next run for the same OUT_DIR on that machine does (`remove_stale_partials`).
+A model already at OUT_DIR is never written over.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import re
 import shutil
+import socket
 import stat
 import uuid
 from collections.abc import Iterator
@@ -21,6 +26,7 @@ from safetensors import SafetensorError
 
 # safetensors reports its own I/O errors (a full disk, a missing directory) as SafetensorError
 _WRITE_ERRORS = (OSError, SafetensorError)
+log = logging.getLogger(__name__)
 
 
 class OutputDirError(ValueError):
@@ -43,7 +49,8 @@ def atomic_dir(out_dir: str | Path) -> Iterator[Path]:
     try:
         refuse_filled(out_dir)
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.parent / f".{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        remove_stale_partials(target)
+        tmp = partial_sibling(target)
         tmp.mkdir()
     except OSError as e:
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -69,6 +76,38 @@ def atomic_dir(out_dir: str | Path) -> Iterator[Path]:
         raise
     with suppress(OSError):  # the rename on disk too; some file systems cannot sync a directory
         _fsync(target.parent)
+
+
+def partial_sibling(target: Path) -> Path:
+    """A fresh hidden sibling of `target` to write into before renaming it to `target`."""
+    return target.parent / f".{target.name}.partial-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def remove_stale_partials(target: Path) -> list[Path]:
+    """Remove the siblings of `target` that a run on this machine left when it was killed before it could
+    (its process is gone), and return them. Those of a running process, of another machine (a shared file
+    system) or without a host in their name are kept."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.partial-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{{8}}")
+    removed = []
+    with suppress(OSError):
+        for path in target.parent.iterdir():
+            match = pattern.fullmatch(path.name)
+            if match is None or match["host"] != socket.gethostname() or _running(int(match["pid"])):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            log.warning("removed %s, left by a run of pid %s that was killed before it finished", path, match["pid"])
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _fsync(path: Path) -> None:
