@@ -50,3 +50,32 @@ def test_hf_overrides_serve_the_yarn_model_and_set_its_context(yarn_ckpt, causal
     assert (hylora_logits(engine.model, ids) - hf_logits(ref, ids)).abs().max().item() <= ATOL
     with pytest.raises(ValueError, match=r"\(256, config.json's YaRN rope_parameters"):
         LLMEngine(causal_ckpt[0], EngineConfig(device="cpu", max_model_len=257, hf_overrides=overrides))
+
+
+def test_doctor_checks_the_model_its_hf_overrides_make(yarn_ckpt, causal_ckpt):
+    """`hylora doctor --hf-overrides` (as the server was started): the model it serves in-process and
+    transformers' reference both read the overridden config, and the model directory is left as it was."""
+    import argparse
+    import json
+
+    from transformers import Qwen3_5ForCausalLM
+
+    from hylora.doctor.cli import _inputs, add_doctor_args
+    from hylora.server.vllm_argv import vllm_argv
+
+    plain_dir, (_, yarn_ref) = causal_ckpt[0], yarn_ckpt
+    before = (plain_dir / "config.json").read_text()
+    parser = argparse.ArgumentParser()
+    add_doctor_args(parser)
+    argv = [str(plain_dir), "--hf-overrides.max_position_embeddings", "64", "--lengths", "8"]
+    argv += [f"--hf-overrides.rope_parameters.{key}={json.dumps(value)}" for key, value in YARN.items()]
+    inputs = _inputs(parser.parse_args(vllm_argv(argv)))
+    assert inputs.model_dir != plain_dir and (plain_dir / "config.json").read_text() == before
+    ids = random_ids(300, yarn_ref.config.vocab_size, seed=5)
+    want = hf_logits(yarn_ref, ids)
+    reference = Qwen3_5ForCausalLM.from_pretrained(inputs.model_dir, dtype=torch.float32)
+    assert (hf_logits(reference, ids) - want).abs().max().item() <= ATOL
+    assert (hylora_logits(load_model(inputs.model_dir, progress=False), ids) - want).abs().max().item() <= ATOL
+    bad = parser.parse_args([str(plain_dir), "--hf-overrides", '{"rope_parameters": {"rope_type": "longrope"}}'])
+    with pytest.raises(ValueError, match="rope_type 'longrope' is not"):
+        _inputs(bad)

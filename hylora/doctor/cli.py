@@ -43,6 +43,14 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-limit", type=float, default=3600.0, help="seconds doctor may spend sending requests")
     g = p.add_argument_group("the model (in-process, and the reference)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--hf-overrides",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="as hylora serve --hf-overrides (e.g. YaRN rope_parameters): merged over config.json for the model "
+        "checked in-process and for the reference",
+    )
     g.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda when available)")
     g.add_argument(
         "--quantization",
@@ -193,6 +201,12 @@ def _inputs(args: argparse.Namespace) -> Inputs:
         model_dir = Path(args.model_dir)
     if video is not None and not video.is_file():
         raise FileNotFoundError(f"--video {video}: no such file")
+    if args.hf_overrides is not None:
+        from hylora.model.config_overlay import overridden_model_dir
+
+        if not isinstance(args.hf_overrides, dict):
+            raise ValueError("--hf-overrides expects a JSON object (merged over config.json)")
+        model_dir = overridden_model_dir(model_dir, args.hf_overrides)
     limit = args.max_model_len - 1
     lengths = parse_lengths(args.lengths) if args.lengths else sweep_lengths(limit)
     if lengths[-1] > limit:
