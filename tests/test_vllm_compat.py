@@ -581,6 +581,35 @@ def test_max_model_len_auto_shortens_to_what_the_memory_holds(demo_dir, monkeypa
         engine.add_request("long", list(range(5, 5 + pages * page_size + 1)), SamplingParams(max_tokens=1))
 
 
+def test_max_model_len_auto_on_a_gpu_takes_the_pages_the_budget_leaves(monkeypatch):
+    """The GPU's plan (its memory calls stood in for): with auto, a context the budget cannot hold becomes the
+    whole pages it can, and every page of the budget is still planned; without auto the same is refused."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hylora.engine import EngineConfig, memory
+
+    gib = 1 << 30
+    page, state = 4 << 20, 100 << 20  # bytes a page, a GDN state slot
+    cuda = SimpleNamespace(synchronize=lambda dev: None, empty_cache=lambda: None,
+                           mem_get_info=lambda dev: (70 * gib, 80 * gib))  # 10 GiB in use: the weights  # fmt: skip
+    monkeypatch.setattr(memory.torch, "cuda", cuda)
+    for name, value in (("_profile_step", 2 * gib), ("_profile_tower", 0)):
+        monkeypatch.setattr(memory, name, lambda model, config, value=value: value)
+    monkeypatch.setattr(memory, "_state_bytes_per_slot", lambda model: state)
+    monkeypatch.setattr(memory, "_page_bytes", lambda model, page_size: page)
+    model = SimpleNamespace(device=torch.device("cuda"), visual=None)
+    config = EngineConfig(max_model_len=262144, max_num_seqs=4, gpu_memory_utilization=0.5, enable_prefix_caching=False)
+    budget = 40 * gib - 10 * gib - 2 * gib - 4 * state  # 0.5 x 80 GiB - in use - activations - 4 states
+    plan = memory.plan_caches(model, config, shorten_to_fit=True)
+    assert plan.num_pages == budget // page and plan.max_model_len == plan.num_pages * config.page_size < 262144
+    with pytest.raises(memory.CacheSizeError, match="one 262144-token sequence"):
+        memory.plan_caches(model, config)
+    small = EngineConfig(max_model_len=32768, max_num_seqs=4, gpu_memory_utilization=0.5, enable_prefix_caching=False)
+    assert memory.plan_caches(model, small, shorten_to_fit=True).max_model_len is None  # it fits: as asked
+
+
 def test_batched_and_echo_completions(client):
     """A list of prompts gives one choice set per prompt, `index` in order, each equal to that prompt
     sent alone; echo with max_tokens 0 scores a prompt (lm-evaluation-harness' loglikelihood)."""

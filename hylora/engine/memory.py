@@ -82,11 +82,12 @@ def plan_caches(model: HybridDecoder, config: EngineConfig, shorten_to_fit: bool
     budget = total * config.gpu_memory_utilization - used_before - max(activation_peak, tower_peak) - encoder_cache
     state_bytes = _state_bytes_per_slot(model)
     page_bytes = _page_bytes(model, config.page_size)
-    max_model_len = None
-    if budget < (slots + snapshots) * state_bytes + per_seq_pages * page_bytes and shorten_to_fit:
+    max_model_len = None  # as asked
+    one_sequence_fits = budget >= (slots + snapshots) * state_bytes + per_seq_pages * page_bytes
+    if not one_sequence_fits and shorten_to_fit:
         fit = _tokens_that_fit(budget - (slots + snapshots) * state_bytes, page_bytes, config.page_size)
         max_model_len = fit if config.page_size <= fit < config.max_model_len else None
-    if budget < (slots + snapshots) * state_bytes + per_seq_pages * page_bytes and max_model_len is None:
+    if not one_sequence_fits and max_model_len is None:
         raise CacheSizeError(
             f"after weights ({used_before / GiB:.1f} GiB in use), activations ({activation_peak / GiB:.1f} GiB; "
             f"vision tower {tower_peak / GiB:.1f}) and the encoder cache ({encoder_cache / GiB:.1f} GiB) the "
