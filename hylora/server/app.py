@@ -46,6 +46,7 @@ from hylora.server.protocol import (
     Unsupported,
 )
 from hylora.server.request_id_header import RequestIdHeader
+from hylora.server.responses import ResponseBuilder, ResponsesRequest, response_events
 from hylora.server.routing import ConflictError, RouteError, TaskRouter
 from hylora.server.security import Forbidden, RequireKey, adapter_dir_under
 from hylora.server.streaming import EventStream
@@ -131,6 +132,7 @@ def build_app(state: ServerState, docs: bool = True) -> FastAPI:
     app.state.hylora = state
     _document_bodies(app, {
         "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+        "/v1/responses": ResponsesRequest,
         "/v1/load_lora_adapter": LoadLoRARequest, "/v1/unload_lora_adapter": UnloadLoRARequest,
         "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
     })  # fmt: skip
@@ -224,25 +226,29 @@ def build_app(state: ServerState, docs: bool = True) -> FastAPI:
         clock.mark("read")
         body = await _parse(ChatCompletionRequest, payload)
         body.check_unknown_fields("chat/completions")
-        adapter = _route(state, body, request)
-        tools = _tool_request(state, body)
-        template_kwargs = _template_kwargs(state, body)
-        prompt_ids, mm = await _chat_prompt(state, body, template_kwargs, tools)
-        max_tokens = _max_tokens(state, len(prompt_ids), body.requested_max_tokens)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        grammar = await _grammar(state, body, _tool_grammar(state, body, tools))
-        outputs_as = _chat_outputs(state, prompt_ids, template_kwargs, tools)
-        after = think_end_ids(state.engine.tokenizer) if grammar is not None and outputs_as.in_reasoning else ()
-        job = Job(
-            state, "chatcmpl", body, adapter, [prompt_ids], [max_tokens], logprobs, body.prompt_logprobs, mm, grammar,
-            chat_outputs=outputs_as, grammar_after=after, bad_words_ids=await _bad_words(state, body),
-            clock=clock,
-        )  # fmt: skip
-        streams = await job.start(request)
+        job, streams = await _start_chat(state, body, request, clock)
         if body.stream:
             return EventStream(job.chat_events(streams), state.stream_stall_timeout_s, state.metrics)
         outputs = await job.collect(streams, request)
         return await state.run_text(lambda: json_response(job.chat_response(outputs)))
+
+    @app.post("/v1/responses")
+    async def responses(payload: Payload, request: Request) -> Response:
+        clock = IntakeClock(request, state.metrics.intake)
+        clock.mark("read")
+        body = await _parse(ResponsesRequest, payload)
+        body.check_unknown_fields("responses")
+        body.check_supported()
+        chat = body.chat_request()
+        if body.stream:  # the chat stream's usage chunk gives the Response its usage
+            chat |= {"stream": True, "stream_options": {"include_usage": True}}
+        job, streams = await _start_chat(state, await _parse(ChatCompletionRequest, chat), request, clock)
+        builder = ResponseBuilder(body, job.model)
+        if body.stream:
+            events = response_events(builder, job.chat_events(streams))
+            return EventStream(events, state.stream_stall_timeout_s, state.metrics)
+        outputs = await job.collect(streams, request)
+        return await state.run_text(lambda: json_response(builder.from_chat(job.chat_response(outputs))))
 
     @app.post("/v1/completions")
     async def completions(payload: Payload, request: Request) -> Response:
@@ -326,6 +332,26 @@ def build_app(state: ServerState, docs: bool = True) -> FastAPI:
 
 
 # --- request handling ------------------------------------------------------------------------
+
+
+async def _start_chat(
+    state: ServerState, body: ChatCompletionRequest, request: Request, clock: IntakeClock
+) -> tuple[Job, list[Any]]:
+    """A chat completion's job, started: routed, templated, its media, tools and grammar prepared."""
+    adapter = _route(state, body, request)
+    tools = _tool_request(state, body)
+    template_kwargs = _template_kwargs(state, body)
+    prompt_ids, mm = await _chat_prompt(state, body, template_kwargs, tools)
+    max_tokens = _max_tokens(state, len(prompt_ids), body.requested_max_tokens)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    grammar = await _grammar(state, body, _tool_grammar(state, body, tools))
+    outputs_as = _chat_outputs(state, prompt_ids, template_kwargs, tools)
+    after = think_end_ids(state.engine.tokenizer) if grammar is not None and outputs_as.in_reasoning else ()
+    job = Job(
+        state, "chatcmpl", body, adapter, [prompt_ids], [max_tokens], logprobs, body.prompt_logprobs, mm, grammar,
+        chat_outputs=outputs_as, grammar_after=after, bad_words_ids=await _bad_words(state, body), clock=clock,
+    )  # fmt: skip
+    return job, await job.start(request)
 
 
 async def _parse(model: type[M], payload: Any) -> M:

@@ -1,0 +1,173 @@
+"""OpenAI's Responses API (`/v1/responses`) through the official `openai` client: the same answer as the
+chat completion it stands for (reasoning, text, function calls, adapters, images, JSON schema), whole and
+streamed as typed events, and clear 400s for what hylora does not keep or run."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.scripted_model import write_scripted_model
+from tests.server_helpers import running_server
+
+CALL_TAGS = ("<function=find_relic>", "<parameter=site>", "</parameter>", "</function>")
+# thinking (the template opens <think>), an answer, then a call
+SCRIPT = ["\n", "The", " relic", " is", " bronze", "</think>", " jade", ".", "<tool_call>", *CALL_TAGS[:2], "t",
+          "omb", *CALL_TAGS[2:], "</tool_call>", "<|im_end|>"]  # fmt: skip
+FIND_RELIC = {
+    "type": "function",
+    "name": "find_relic",
+    "description": "Where a relic was found",
+    "parameters": {"type": "object", "properties": {"site": {"type": "string"}}, "required": ["site"]},
+}
+ASK = "Where was the relic found?"
+
+
+def _client(handle) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{handle.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def scripted(demo_dir, demo_cache_dir, tmp_path_factory):
+    model = write_scripted_model(demo_dir, tmp_path_factory.mktemp("scripted") / "m", SCRIPT, CALL_TAGS)
+    args = [str(model), "--device", "cpu", "--dtype", "float32", "--max-model-len", "1024", "--served-model-name",
+            "scripted", "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser",
+            "qwen3_coder"]  # fmt: skip
+    with running_server(args, demo_cache_dir, tmp_path_factory.mktemp("logs") / "server.log") as handle:
+        yield _client(handle)
+
+
+@pytest.fixture(scope="module")
+def demo(demo_cache_dir, tmp_path_factory):
+    args = ["--demo", "--max-model-len", "512", "--dtype", "float32", "--device", "cpu"]
+    with running_server(args, demo_cache_dir, tmp_path_factory.mktemp("logs") / "server.log") as handle:
+        yield _client(handle)
+
+
+def _shape(output) -> list[tuple]:
+    """Output items without their ids: (type, text or call)."""
+    shape = []
+    for item in output:
+        if item.type == "message":
+            shape.append(("message", "".join(part.text for part in item.content)))
+        elif item.type == "reasoning":
+            shape.append(("reasoning", "".join(part.text for part in item.content or [])))
+        else:
+            shape.append((item.type, item.name, json.loads(item.arguments)))
+    return shape
+
+
+def test_reasoning_text_and_function_call_as_output_items(scripted):
+    chat = scripted.chat.completions.create(model="scripted", messages=[{"role": "user", "content": ASK}],
+                                            tools=[{"type": "function", "function": {k: v for k, v in FIND_RELIC.items()
+                                                                                      if k != "type"}}])  # fmt: skip
+    response = scripted.responses.create(model="scripted", input=ASK, tools=[FIND_RELIC])
+    assert response.status == "completed" and response.model == "scripted"
+    assert _shape(response.output) == [("reasoning", "The relic is bronze"), ("message", " jade."),
+                                       ("function_call", "find_relic", {"site": "tomb"})]  # fmt: skip
+    assert response.output_text == chat.choices[0].message.content == " jade."
+    call = response.output[2]
+    assert call.call_id.startswith("call_") and call.status == "completed"
+    usage = response.usage
+    assert (usage.input_tokens, usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+
+
+def test_the_stream_is_typed_events_that_add_up_to_the_response(scripted):
+    whole = scripted.responses.create(model="scripted", input=ASK, tools=[FIND_RELIC])
+    events = list(scripted.responses.create(model="scripted", input=ASK, tools=[FIND_RELIC], stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert _shape(final.output) == _shape(whole.output) and final.usage.output_tokens == whole.usage.output_tokens
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert (reasoning, text, json.loads(arguments)) == ("The relic is bronze", " jade.", {"site": "tomb"})
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert added == [d.type for d in done] == ["reasoning", "message", "function_call"]
+    assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1, 2]
+    assert done[1].content[0].text == " jade." and json.loads(done[2].arguments) == {"site": "tomb"}
+
+
+def test_max_output_tokens_ends_incomplete_and_history_items_render(scripted):
+    cut = scripted.responses.create(model="scripted", input=ASK, max_output_tokens=3)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    streamed = list(scripted.responses.create(model="scripted", input=ASK, max_output_tokens=3, stream=True))
+    assert streamed[-1].type == "response.incomplete" and streamed[-1].response.usage.output_tokens == 3
+    history = [
+        {"role": "user", "content": [{"type": "input_text", "text": ASK}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call", "call_id": "call_1", "name": "find_relic", "arguments": '{"site": "tomb"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "north chamber"},
+        {"role": "developer", "content": "Answer briefly."},
+    ]
+    again = scripted.responses.create(model="scripted", input=history, instructions="You dig.", tools=[FIND_RELIC])
+    assert again.output[-1].type == "function_call" and again.instructions == "You dig."
+    assert again.usage.input_tokens > cut.usage.input_tokens  # the call and its result are in the prompt
+
+
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({"previous_response_id": "resp_1"}, "send the conversation so far in input"),
+        ({"background": True}, "background"),
+        ({"tools": [{"type": "web_search"}]}, "hosted tool"),
+        ({"input": [{"type": "computer_call_output"}]}, "item type 'computer_call_output'"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input_file"),
+        ({"model": "no-such-adapter"}, "no-such-adapter"),
+    ],
+)
+def test_what_hylora_does_not_keep_or_run_is_a_400(scripted, fields, needle):
+    with pytest.raises(openai.APIStatusError) as err:
+        scripted.responses.create(**({"model": "scripted", "input": ASK} | fields))
+    assert err.value.status_code in (400, 404) and needle in str(err.value)
+
+
+def test_adapters_images_and_json_schema_as_on_chat(demo, demo_dir):
+    """Each request reaches its adapter (the same greedy text as the chat completion under that name), an
+    input_image is seen, and text.format json_schema constrains the answer."""
+    texts = {}
+    for model in ("hylora-demo", "relic", "tomb"):
+        chat = demo.chat.completions.create(model=model, messages=[{"role": "user", "content": ASK}], max_tokens=12,
+                                            temperature=0)  # fmt: skip
+        response = demo.responses.create(model=model, input=ASK, max_output_tokens=12, temperature=0)
+        assert response.output_text == chat.choices[0].message.content and response.model == model
+        texts[model] = response.output_text
+    assert len(set(texts.values())) == 3  # each adapter answers its own way
+    image = "data:image/png;base64," + base64.b64encode((demo_dir / "media" / "relic.png").read_bytes()).decode()
+    seen = demo.responses.create(model="relic", max_output_tokens=4, input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": image}, {"type": "input_text", "text": "What is this?"}]}])  # fmt: skip
+    plain = demo.responses.create(model="relic", max_output_tokens=4, input="What is this?")
+    assert seen.usage.input_tokens > plain.usage.input_tokens + 4  # the image's tokens
+    schema = {"type": "object", "properties": {"material": {"enum": ["bronze", "jade"]}}, "required": ["material"],
+              "additionalProperties": False}  # fmt: skip
+    shaped = demo.responses.create(model="tomb", input=ASK, max_output_tokens=40,
+                                   text={"format": {"type": "json_schema", "name": "m", "schema": schema}})  # fmt: skip
+    jsonschema.validate(json.loads(shaped.output_text), schema)
+
+
+def test_a_client_gone_mid_stream_aborts_its_request(demo):
+    """Hanging up on a Responses stream aborts the request beneath it and frees its pages, as on chat."""
+    url = str(demo.base_url).rstrip("/")
+    body = {"model": "relic", "input": "Describe.", "max_output_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/responses", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if "response.output_text.delta" in line:
+                break  # go away mid-stream
+    metrics = url.removesuffix("/v1") + "/metrics"
+    for _ in range(100):
+        text = httpx.get(metrics, timeout=10).text
+        running = [line for line in text.splitlines() if line.startswith("hylora_running_requests ")]
+        if running and float(running[0].split()[1]) == 0:
+            break
+        time.sleep(0.1)
+    assert running and float(running[0].split()[1]) == 0
+    assert 'hylora_requests_total{adapter="relic",status="abort"}' in text
