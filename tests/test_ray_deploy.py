@@ -73,6 +73,7 @@ def test_multiplexed_model_id_is_the_adapter_after_task_routing():
         return multiplexed_model_id(table, path, json.dumps(body).encode(), header)
 
     assert mid({"model": "tomb"}) == "tomb"
+    assert mid({"model": "tomb", "input": "Where?"}, path="/v1/responses") == "tomb"  # the Responses API too
     assert mid({"model": "base"}) == mid({}) == ""  # base model: any replica
     assert mid({"task": "dig"}) == mid({}, header="dig") == "relic"
     assert mid({"task": "dig"}, header="other") == "relic"  # the body's task wins, as in the server

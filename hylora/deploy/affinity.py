@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
 
 @dataclass
