@@ -131,6 +131,34 @@ def test_what_hylora_does_not_keep_or_run_is_a_400(scripted, fields, needle):
     assert err.value.status_code in (400, 404) and needle in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"input": [{"role": "user", "content": ["a bare string part"]}]},
+        {"input": [{"role": "user", "content": {"type": "input_text", "text": "not a list"}}]},
+        {"input": [{"role": ["user"], "content": "x"}]},
+        {"input": [{"type": "function_call", "call_id": 5, "name": "find_relic", "arguments": "{}"}]},
+        {"input": [{"type": "function_call", "call_id": "c", "name": "find_relic", "arguments": "{not json"}]},
+        {"input": [{"type": "function_call_output", "call_id": ["c"], "output": "x"}]},
+        {"input": []},
+        {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+        {"text": {"format": "json"}},
+        {"text": {"format": {"type": "json_schema", "name": "m", "schema": {"type": "nonsense"}}}},
+        {"tools": [{"type": "function"}]},
+        {"tools": [FIND_RELIC], "tool_choice": {"type": "function", "name": "nope"}},
+        {"max_output_tokens": -1},
+        {"temperature": "hot"},
+    ],
+)
+def test_malformed_responses_requests_are_400s_and_serving_goes_on(scripted, fields):
+    body = {"model": "scripted", "input": ASK} | fields
+    url = str(scripted.base_url).rstrip("/")
+    r = httpx.post(f"{url}/responses", json=body, timeout=60)
+    assert r.status_code == 400, (fields, r.status_code, r.text)
+    assert r.json()["error"]["message"]
+    assert scripted.responses.create(model="scripted", input=ASK, max_output_tokens=2).status == "incomplete"
+
+
 def test_adapters_images_and_json_schema_as_on_chat(demo, demo_dir):
     """Each request reaches its adapter (the same greedy text as the chat completion under that name), an
     input_image is seen, and text.format json_schema constrains the answer."""

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from hylora.server.protocol import _MESSAGES_BOUND, Unsupported, _Body
+from hylora.server.protocol import MAX_MESSAGES, Unsupported, _at_most, _Body
 
 log = logging.getLogger(__name__)
 # fields a Responses request shares with a chat completion request (the vLLM extensions included)
@@ -35,7 +35,12 @@ ROLES = {"user": "user", "system": "system", "developer": "system", "assistant":
 
 class ResponsesRequest(_Body):
     model: str | None = None
-    input: str | Annotated[list[dict[str, Any]], Field(min_length=1), _MESSAGES_BOUND]
+    input: (
+        str
+        | Annotated[
+            list[dict[str, Any]], Field(min_length=1), _at_most(MAX_MESSAGES, "input items", "shorten the conversation")
+        ]
+    )
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -100,6 +105,8 @@ class ResponsesRequest(_Body):
         if self.tool_choice is not None:
             chat["tool_choice"] = _chat_tool_choice(self.tool_choice)
         fmt = (self.text or {}).get("format")
+        if fmt is not None and not isinstance(fmt, dict):
+            raise Unsupported('text.format must be an object, e.g. {"type": "json_schema", "name": ..., "schema": ...}')
         if fmt is not None and fmt.get("type") != "text":
             chat["response_format"] = _chat_response_format(fmt)
         return chat
@@ -113,20 +120,31 @@ class ResponsesRequest(_Body):
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
             if kind == "message":
-                role = ROLES.get(item.get("role", ""))
+                given = item.get("role")
+                role = ROLES.get(given) if isinstance(given, str) else None
                 if role is None:
                     roles = "user, system, developer or assistant"
                     raise Unsupported(f"input[{i}]: role {item.get('role')!r}; use {roles}", "input")
                 messages.append({"role": role, "content": _chat_content(item.get("content", ""), i)})
             elif kind == "function_call":
-                call = {"id": item.get("call_id") or item.get("id") or f"call_{i}", "type": "function",
-                        "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "")}}  # fmt: skip
+                call_id, name, arguments = (
+                    item.get("call_id") or item.get("id") or f"call_{i}",
+                    item.get("name"),
+                    item.get("arguments", ""),
+                )
+                if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, (str, dict)):
+                    raise Unsupported(
+                        f"input[{i}]: a function_call needs call_id, name and arguments as strings", "input"
+                    )
+                call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
                 last = messages[-1] if messages else None
                 if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
                     last["tool_calls"].append(call)  # parallel calls: one assistant turn
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif kind == "function_call_output":
+                if not isinstance(item.get("call_id", ""), str):
+                    raise Unsupported(f"input[{i}]: a function_call_output's call_id is a string", "input")
                 output = item.get("output", "")
                 text = output if isinstance(output, str) else json.dumps(output)
                 messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""), "content": text})
@@ -144,8 +162,12 @@ class ResponsesRequest(_Body):
 def _chat_content(content: Any, index: int) -> Any:
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise Unsupported(f"input[{index}]: content must be a string or a list of content parts", "input")
     parts = []
-    for part in content if isinstance(content, list) else []:
+    for part in content:
+        if not isinstance(part, dict):
+            raise Unsupported(f"input[{index}]: each content part is an object with a type (input_text, ...)", "input")
         kind = part.get("type")
         if kind in ("input_text", "output_text", "text"):
             parts.append({"type": "text", "text": part.get("text", "")})
