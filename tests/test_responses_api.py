@@ -182,6 +182,13 @@ def test_adapters_images_and_json_schema_as_on_chat(demo, demo_dir):
     jsonschema.validate(json.loads(shaped.output_text), schema)
 
 
+def test_a_stored_response_asked_for_is_a_404_that_says_none_are_kept(scripted):
+    for call in (scripted.responses.retrieve, scripted.responses.delete, scripted.responses.cancel,
+                 scripted.responses.input_items.list):  # fmt: skip
+        with pytest.raises(openai.NotFoundError, match="keeps no responses"):
+            call("resp_123")
+
+
 def test_a_client_gone_mid_stream_aborts_its_request(demo):
     """Hanging up on a Responses stream aborts the request beneath it and frees its pages, as on chat."""
     url = str(demo.base_url).rstrip("/")

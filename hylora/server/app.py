@@ -46,7 +46,7 @@ from hylora.server.protocol import (
     Unsupported,
 )
 from hylora.server.request_id_header import RequestIdHeader
-from hylora.server.responses import ResponseBuilder, ResponsesRequest, response_events
+from hylora.server.responses import NOT_STORED, ResponseBuilder, ResponsesRequest, response_events
 from hylora.server.routing import ConflictError, RouteError, TaskRouter
 from hylora.server.security import Forbidden, RequireKey, adapter_dir_under
 from hylora.server.streaming import EventStream
@@ -249,6 +249,12 @@ def build_app(state: ServerState, docs: bool = True) -> FastAPI:
             return EventStream(events, state.stream_stall_timeout_s, state.metrics)
         outputs = await job.collect(streams, request)
         return await state.run_text(lambda: json_response(builder.from_chat(job.chat_response(outputs))))
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    @app.post("/v1/responses/{response_id}/cancel")
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def stored_response(response_id: str) -> Response:
+        raise APIError(404, f"response {response_id!r}: {NOT_STORED}", code="not_found")
 
     @app.post("/v1/completions")
     async def completions(payload: Payload, request: Request) -> Response:

@@ -24,6 +24,7 @@ from pydantic import Field
 from hylora.server.protocol import MAX_MESSAGES, Unsupported, _at_most, _Body
 
 log = logging.getLogger(__name__)
+NOT_STORED = "hylora keeps no responses (store is off); send the conversation so far in input"
 # fields a Responses request shares with a chat completion request (the vLLM extensions included)
 SAME_ON_CHAT = (
     "temperature", "top_p", "parallel_tool_calls", "seed", "chat_template_kwargs", "top_k", "min_p",
@@ -72,11 +73,7 @@ class ResponsesRequest(_Body):
 
     def check_supported(self) -> None:
         if self.previous_response_id:
-            raise Unsupported(
-                "hylora keeps no responses (store is off): send the conversation so far in input instead of "
-                "previous_response_id",
-                "previous_response_id",
-            )
+            raise Unsupported(f"{NOT_STORED} instead of previous_response_id", "previous_response_id")
         if self.background:
             raise Unsupported("background responses are not supported: send the request without it", "background")
         if self.truncation == "auto":
