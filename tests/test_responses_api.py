@@ -182,6 +182,24 @@ def test_adapters_images_and_json_schema_as_on_chat(demo, demo_dir):
     jsonschema.validate(json.loads(shaped.output_text), schema)
 
 
+def test_logprobs_of_the_answer_whole_and_streamed(demo, scripted):
+    """include message.output_text.logprobs (+ top_logprobs): the answer's tokens with their logprobs, as the
+    chat completion gives them; with a reasoning split, only the answer's (after </think>)."""
+    ask = dict(model="tomb", input=ASK, max_output_tokens=5, temperature=0, top_logprobs=2,
+               include=["message.output_text.logprobs"])  # fmt: skip
+    chat = demo.chat.completions.create(model="tomb", messages=[{"role": "user", "content": ASK}], max_tokens=5,
+                                        temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    want = [(t.token, round(t.logprob, 4), len(t.top_logprobs)) for t in chat.choices[0].logprobs.content]
+    part = demo.responses.create(**ask).output[0].content[0]
+    assert [(t.token, round(t.logprob, 4), len(t.top_logprobs)) for t in part.logprobs] == want
+    assert len(want) == 5  # one per token (their text may split a character: the demo's byte-level tokens)
+    deltas = [e for e in demo.responses.create(**ask, stream=True) if e.type == "response.output_text.delta"]
+    assert [(t.token, round(t.logprob, 4), len(t.top_logprobs)) for e in deltas for t in e.logprobs] == want
+    answer = scripted.responses.create(model="scripted", input=ASK, include=["message.output_text.logprobs"],
+                                       max_output_tokens=7).output[1].content[0]  # fmt: skip
+    assert answer.text == " jade." and [t.token for t in answer.logprobs] == [" jade", "."]
+
+
 def test_a_stored_response_asked_for_is_a_404_that_says_none_are_kept(scripted):
     for call in (scripted.responses.retrieve, scripted.responses.delete, scripted.responses.cancel,
                  scripted.responses.input_items.list):  # fmt: skip

@@ -58,6 +58,8 @@ class ResponsesRequest(_Body):
     truncation: Literal["disabled", "auto"] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs" is read; the rest have nothing to add
+    top_logprobs: int | None = None
     # vLLM's extensions, passed to the chat request as they are (e.g. chat_template_kwargs {"enable_thinking": false})
     seed: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -93,6 +95,8 @@ class ResponsesRequest(_Body):
             chat["model"] = self.model
         if self.max_output_tokens is not None:
             chat["max_completion_tokens"] = self.max_output_tokens
+        if self.wants_logprobs:
+            chat |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
         for name in SAME_ON_CHAT:
             value = getattr(self, name)
             if value is not None:
@@ -107,6 +111,10 @@ class ResponsesRequest(_Body):
         if fmt is not None and fmt.get("type") != "text":
             chat["response_format"] = _chat_response_format(fmt)
         return chat
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or []) or bool(self.top_logprobs)
 
     def _messages(self) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
@@ -244,7 +252,10 @@ class ResponseBuilder:
         if message.get("reasoning_content"):
             output.append(reasoning_item(_item_id("rs"), message["reasoning_content"]))
         if message.get("content") or not message.get("tool_calls"):
-            output.append(message_item(_item_id("msg"), message.get("content") or ""))
+            text = message.get("content") or ""
+            everything = (choice.get("logprobs") or {}).get("content") or []
+            logprobs = _answer_logprobs(everything, bool(message.get("reasoning_content")))
+            output.append(message_item(_item_id("msg"), text, logprobs=logprobs))
         for call in message.get("tool_calls") or []:
             output.append(function_call_item(_item_id("fc"), call["id"], call["function"]["name"],
                                              call["function"]["arguments"]))  # fmt: skip
@@ -256,14 +267,25 @@ def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[s
             "content": [{"type": "reasoning_text", "text": text}] if text else []}  # fmt: skip
 
 
-def message_item(item_id: str, text: str | None, status: str = "completed") -> dict[str, Any]:
-    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+def message_item(item_id: str, text: str | None, status: str = "completed", logprobs: list | None = None) -> dict:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    content = [] if text is None else [part]
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
 def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}  # fmt: skip
+
+
+def _answer_logprobs(logprobs: list[dict[str, Any]], reasoning: bool) -> list[dict[str, Any]]:
+    """The logprobs of the answer's tokens: after a reasoning split, the chat's cover the reasoning too, so
+    the tokens after the last </think> (all of them where it is not found, e.g. tokens named by id)."""
+    if reasoning:
+        ends = [i for i, lp in enumerate(logprobs) if lp["token"] == "</think>"]
+        if ends:
+            return logprobs[ends[-1] + 1 :]
+    return logprobs
 
 
 def _item_id(prefix: str) -> str:
@@ -299,7 +321,8 @@ async def response_events(builder: ResponseBuilder, chat_events: AsyncIterator[s
                     continue
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or []:
-                    for event in stream.delta(choice.get("delta") or {}):
+                    logprobs = (choice.get("logprobs") or {}).get("content")
+                    for event in stream.delta(choice.get("delta") or {}, logprobs=logprobs):
                         yield event
                     finish = choice.get("finish_reason") or finish
         for event in stream.close_all():
@@ -328,28 +351,40 @@ class _EventWriter:
         self.output: list[dict[str, Any]] = []  # closed items
         self.open: dict[str, Any] | None = None  # the item being written: {"kind", "id", "text", ...}
         self.calls: dict[int, dict[str, Any]] = {}  # chat tool-call index → its open function_call
+        # the answer's last text delta, held until the next chat item: the chat stream sends a step's logprobs
+        # in an item of their own right after its text, and the Responses delta carries both
+        self.pending: tuple[str, list] | None = None
+        self.unplaced: list = []  # logprobs of tokens with no text yet (a character's first bytes) before any item
 
     def event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence} | fields
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-    def delta(self, delta: dict[str, Any], empty_message: bool = False) -> list[str]:
-        events: list[str] = []
+    def delta(self, delta: dict[str, Any], empty_message: bool = False, logprobs: list | None = None) -> list[str]:
+        """The events of one chat delta; `logprobs`: its tokens' (kept where the delta is the answer's text)."""
+        if logprobs and not delta and self.pending is not None:  # the logprobs of the text just written
+            self.open["logprobs"] += logprobs  # type: ignore[index]
+            self.pending = (self.pending[0], self.pending[1] + logprobs)
+            return self._flush()
+        if logprobs and not delta and (self.open is None or self.open["kind"] == "message"):
+            self.unplaced += logprobs  # tokens whose text is held back: they go with the answer's next text
+            return []
+        events = self._flush()
         if delta.get("reasoning_content"):
             events += self._write("reasoning", delta["reasoning_content"])
         if delta.get("content") or empty_message:
-            events += self._write("message", delta.get("content") or "")
+            events += self._write("message", delta.get("content") or "", logprobs or [])
         for call in delta.get("tool_calls") or []:
             events += self._call(call)
         return events
 
-    def _write(self, kind: str, text: str) -> list[str]:
+    def _write(self, kind: str, text: str, logprobs: list | None = None) -> list[str]:
         events = []
         if self.open is None or self.open["kind"] != kind:
             events += self.close_all()
             item_id = _item_id("rs" if kind == "reasoning" else "msg")
-            self.open = {"kind": kind, "id": item_id, "text": "", "index": len(self.output)}
+            self.open = {"kind": kind, "id": item_id, "text": "", "index": len(self.output), "logprobs": []}
             empty = reasoning_item(item_id, "", "in_progress") if kind == "reasoning" else message_item(
                 item_id, None, "in_progress")  # fmt: skip
             events.append(self.event("response.output_item.added", output_index=self.open["index"], item=empty))
@@ -358,12 +393,23 @@ class _EventWriter:
                 part |= {"annotations": [], "logprobs": []}
             events.append(self.event("response.content_part.added", item_id=item_id, output_index=self.open["index"],
                                      content_index=0, part=part))  # fmt: skip
+        if self.unplaced:
+            logprobs, self.unplaced = (self.unplaced + (logprobs or []) if kind == "message" else logprobs), []
         self.open["text"] += text
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        events.append(self.event(name, item_id=self.open["id"], output_index=self.open["index"], content_index=0,
-                                 delta=text, **extra))  # fmt: skip
+        self.open["logprobs"] += logprobs or []
+        if kind == "message":
+            self.pending = (text, list(logprobs or []))
+            return events
+        events.append(self.event("response.reasoning_text.delta", item_id=self.open["id"],
+                                 output_index=self.open["index"], content_index=0, delta=text))  # fmt: skip
         return events
+
+    def _flush(self) -> list[str]:
+        if self.pending is None or self.open is None:
+            return []
+        (text, logprobs), self.pending = self.pending, None
+        return [self.event("response.output_text.delta", item_id=self.open["id"], output_index=self.open["index"],
+                           content_index=0, delta=text, logprobs=logprobs)]  # fmt: skip
 
     def _call(self, call: dict[str, Any]) -> list[str]:
         events = []
@@ -385,7 +431,9 @@ class _EventWriter:
         return events
 
     def close_all(self) -> list[str]:
-        events = []
+        if self.unplaced and self.open is not None and self.open["kind"] == "message":
+            self._write("message", "")  # tokens that never became text (a cut character): an empty delta
+        events = self._flush()
         if self.open is not None:
             item_id, index, text, kind = self.open["id"], self.open["index"], self.open["text"], self.open["kind"]
             if kind == "reasoning":
@@ -393,9 +441,10 @@ class _EventWriter:
                                          content_index=0, text=text))  # fmt: skip
                 part, item = {"type": "reasoning_text", "text": text}, reasoning_item(item_id, text)
             else:
+                logprobs = self.open["logprobs"]
                 events.append(self.event("response.output_text.done", item_id=item_id, output_index=index,
-                                         content_index=0, text=text, logprobs=[]))  # fmt: skip
-                item = message_item(item_id, text)
+                                         content_index=0, text=text, logprobs=logprobs))  # fmt: skip
+                item = message_item(item_id, text, logprobs=logprobs)
                 part = item["content"][0]
             events.append(self.event("response.content_part.done", item_id=item_id, output_index=index,
                                      content_index=0, part=part))  # fmt: skip
