@@ -33,7 +33,8 @@ def parse_config(config: Mapping[str, Any]) -> argparse.Namespace:
     actions = {a.dest: a for a in parser._actions if a.option_strings}
     argv: list[str] = []
     for key, value in config.items():
-        dest, dot, path = key.replace("-", "_").partition(".")
+        name, dot, path = key.partition(".")  # the JSON keys after the dot keep their spelling
+        dest = name.replace("-", "_")
         flag = "--" + dest.replace("_", "-")
         if dot and flag in JSON_FLAGS:  # vLLM's dotted key: one key of the flag's JSON object
             argv += [f"{flag}.{path}", _text(value)]
