@@ -159,6 +159,38 @@ def test_malformed_responses_requests_are_400s_and_serving_goes_on(scripted, fie
     assert scripted.responses.create(model="scripted", input=ASK, max_output_tokens=2).status == "incomplete"
 
 
+def test_hostile_responses_beside_a_stream_leave_it_unchanged(demo):
+    """A streaming Responses request runs while malformed ones and a broken image arrive: each of those fails
+    alone, and the stream's text is the one it gives alone."""
+    import threading
+
+    ask = dict(model="relic", input=ASK, max_output_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+
+    def streamed_text() -> str:
+        events = demo.responses.create(**ask, stream=True)
+        return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+    alone = streamed_text()
+    result = {}
+    neighbour = threading.Thread(target=lambda: result.setdefault("text", streamed_text()))
+    neighbour.start()
+    url = str(demo.base_url).rstrip("/")
+    broken_image = "data:image/png;base64," + base64.b64encode(b"\x89PNG not an image").decode()
+    hostile = [
+        {"model": "relic", "input": [{"role": "user", "content": ["bare"]}]},
+        {"model": "relic", "input": ASK, "temperature": -3},
+        {
+            "model": "relic",
+            "input": [{"role": "user", "content": [{"type": "input_image", "image_url": broken_image}]}],
+        },
+        {"model": "relic", "input": ASK, "text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}},
+    ]
+    for body in hostile:
+        assert httpx.post(f"{url}/responses", json=body, timeout=60).status_code == 400, body
+    neighbour.join(timeout=120)
+    assert result["text"] == alone and alone
+
+
 def test_adapters_images_and_json_schema_as_on_chat(demo, demo_dir):
     """Each request reaches its adapter (the same greedy text as the chat completion under that name), an
     input_image is seen, and text.format json_schema constrains the answer."""

@@ -222,10 +222,7 @@ def build_app(state: ServerState, docs: bool = True) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(payload: Payload, request: Request) -> Response:
-        clock = IntakeClock(request, state.metrics.intake)
-        clock.mark("read")
-        body = await _parse(ChatCompletionRequest, payload)
-        body.check_unknown_fields("chat/completions")
+        body, clock = await _generation_body(state, ChatCompletionRequest, payload, request, "chat/completions")
         job, streams = await _start_chat(state, body, request, clock)
         if body.stream:
             return EventStream(job.chat_events(streams), state.stream_stall_timeout_s, state.metrics)
@@ -234,10 +231,7 @@ def build_app(state: ServerState, docs: bool = True) -> FastAPI:
 
     @app.post("/v1/responses")
     async def responses(payload: Payload, request: Request) -> Response:
-        clock = IntakeClock(request, state.metrics.intake)
-        clock.mark("read")
-        body = await _parse(ResponsesRequest, payload)
-        body.check_unknown_fields("responses")
+        body, clock = await _generation_body(state, ResponsesRequest, payload, request, "responses")
         body.check_supported()
         chat = body.chat_request()
         if body.stream:  # the chat stream's usage chunk gives the Response its usage
@@ -258,10 +252,7 @@ def build_app(state: ServerState, docs: bool = True) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(payload: Payload, request: Request) -> Response:
-        clock = IntakeClock(request, state.metrics.intake)
-        clock.mark("read")
-        body = await _parse(CompletionRequest, payload)
-        body.check_unknown_fields("completions")
+        body, clock = await _generation_body(state, CompletionRequest, payload, request, "completions")
         adapter = _route(state, body, request)
         texts = body.prompt_list()
         _check_chars(state, max((len(p) for p in texts if isinstance(p, str)), default=0))  # each fits alone
@@ -338,6 +329,17 @@ def build_app(state: ServerState, docs: bool = True) -> FastAPI:
 
 
 # --- request handling ------------------------------------------------------------------------
+
+
+async def _generation_body(
+    state: ServerState, model: type[M], payload: Any, request: Request, route: str
+) -> tuple[M, IntakeClock]:
+    """A generation route's body, validated and its unknown fields checked, and the clock of its intake."""
+    clock = IntakeClock(request, state.metrics.intake)
+    clock.mark("read")
+    body = await _parse(model, payload)
+    body.check_unknown_fields(route)  # type: ignore[attr-defined]
+    return body, clock
 
 
 async def _start_chat(

@@ -306,7 +306,7 @@ def _usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
 async def response_events(builder: ResponseBuilder, chat_events: AsyncIterator[str]) -> AsyncIterator[str]:
     """The Responses stream of a chat stream (one choice, usage included): response.created, then each
     output item opened, its deltas, closed, then response.completed (or .incomplete, or .failed on an error)."""
-    stream = _EventWriter(builder)
+    stream = _EventWriter()
     yield stream.event("response.created", response=builder.response("in_progress", []))
     yield stream.event("response.in_progress", response=builder.response("in_progress", []))
     finish, usage, error = None, None, None
@@ -345,8 +345,7 @@ async def response_events(builder: ResponseBuilder, chat_events: AsyncIterator[s
 class _EventWriter:
     """The output items of a stream as they open, grow and close; each event numbered."""
 
-    def __init__(self, builder: ResponseBuilder):
-        self.builder = builder
+    def __init__(self) -> None:
         self.sequence = 0
         self.output: list[dict[str, Any]] = []  # closed items
         self.open: dict[str, Any] | None = None  # the item being written: {"kind", "id", "text", ...}
