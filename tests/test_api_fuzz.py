@@ -89,6 +89,74 @@ COMPLETION = COMMON | {
     "logprobs": st.one_of(st.integers(-1, 25), anything),
     "suffix": anything,
 }
+input_part = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "text"]), "text": text}),
+    st.fixed_dictionaries({"type": st.just("input_image"), "image_url": st.one_of(text, anything)}),
+    st.dictionaries(st.sampled_from(["type", "text", "image_url", "file_id"]), anything, max_size=3),
+    anything,
+)
+input_item = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant", "system", "developer"]),
+            "content": st.one_of(text, st.lists(input_part, max_size=3)),
+        },
+        optional={"type": st.just("message")},
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call"),
+            "call_id": st.one_of(text, anything),
+            "name": st.one_of(text, anything),
+            "arguments": st.one_of(st.just('{"a": 1}'), text, anything),
+        }  # fmt: skip
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": st.one_of(text, anything), "output": anything}
+    ),
+    st.fixed_dictionaries({"type": st.just("reasoning"), "summary": anything}),
+    st.dictionaries(st.sampled_from(["type", "role", "content", "call_id", "name", "arguments"]), anything, max_size=4),
+)
+function_tool = st.fixed_dictionaries(
+    {"type": st.just("function"), "name": st.one_of(st.just("lookup"), text, anything)},
+    optional={"parameters": st.one_of(st.just({"type": "object", "properties": {}}), anything), "strict": anything},
+)
+RESPONSES = {
+    "model": COMMON["model"],
+    "task": COMMON["task"],
+    "input": st.one_of(text, st.lists(input_item, min_size=1, max_size=3), anything),
+    "instructions": st.one_of(text, anything),
+    "max_output_tokens": st.one_of(st.integers(1, 4), small_int, anything),
+    "temperature": COMMON["temperature"],
+    "top_p": COMMON["top_p"],
+    "tools": st.one_of(st.lists(function_tool, max_size=2), anything),
+    "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), anything),
+    "text": st.one_of(st.just({"format": {"type": "json_object"}}), st.dictionaries(st.just("format"), anything)),
+    "include": st.one_of(st.just(["message.output_text.logprobs"]), anything),
+    "top_logprobs": st.one_of(st.integers(-1, 25), anything),
+    "stream": st.booleans(),
+    "store": anything,
+    "previous_response_id": anything,
+    "truncation": anything,
+    "metadata": anything,
+    "seed": COMMON["seed"],
+    "stop": COMMON["stop"],
+}
+TOKENIZE = {
+    "model": COMMON["model"],
+    "prompt": st.one_of(text, anything),
+    "messages": CHAT["messages"],
+    "add_special_tokens": anything,
+    "add_generation_prompt": anything,
+    "continue_final_message": anything,
+    "chat_template_kwargs": anything,
+    "tools": anything,
+    "return_token_strs": anything,
+}
+DETOKENIZE = {
+    "model": COMMON["model"],
+    "tokens": st.one_of(st.lists(st.integers(-3, 300), max_size=6), st.lists(small_int, max_size=3), anything),
+}
 LOAD = {
     "lora_name": st.one_of(text, anything),
     "lora_path": st.one_of(text, st.sampled_from(["spare", ".."]), anything),
@@ -126,6 +194,26 @@ VALID_COMPLETION = VALID_COMMON | {
     "prompt": st.one_of(valid_text.filter(bool), st.lists(st.integers(0, 1000), min_size=1, max_size=20)),
     "echo": st.booleans(),
     "logprobs": st.integers(0, 20),
+}
+
+VALID_RESPONSES = {
+    "model": VALID_COMMON["model"],
+    "input": st.one_of(
+        valid_text.filter(bool),
+        st.lists(
+            st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer"]), "content": valid_text}),
+            min_size=1,
+            max_size=3,
+        ),
+    ),
+    "instructions": valid_text,
+    "max_output_tokens": st.integers(1, 6),
+    "temperature": VALID_COMMON["temperature"],
+    "top_p": VALID_COMMON["top_p"],
+    "include": st.just(["message.output_text.logprobs"]),
+    "top_logprobs": st.integers(0, 5),
+    "stream": st.booleans(),
+    "seed": VALID_COMMON["seed"],
 }
 
 
@@ -175,6 +263,12 @@ def send(url: str, path: str, body: object) -> None:
                 assert payload["error"]["message"] and payload["error"]["type"], payload
             return
         lines = [line for line in r.iter_lines() if line]
+    if path == "/v1/responses":
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+        assert events[-1]["type"] in ("response.completed", "response.incomplete", "response.failed"), events[-3:]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert "internal server error" not in ((events[-1]["response"].get("error") or {}).get("message") or "")
+        return
     assert lines and lines[-1] == "data: [DONE]", lines[-3:]
     events = [json.loads(line[6:]) for line in lines[:-1]]
     finished = {c["index"] for e in events for c in e.get("choices", []) if c.get("finish_reason")}
@@ -194,6 +288,18 @@ def test_fuzz_chat_completions(server, before, body):
 @given(body=bodies(COMPLETION, VALID_COMPLETION, ("prompt",)))
 def test_fuzz_completions(server, before, body):
     send(server, "/v1/completions", body)
+
+
+@FUZZ
+@given(body=bodies(RESPONSES, VALID_RESPONSES, ("input",)))
+def test_fuzz_responses(server, before, body):
+    send(server, "/v1/responses", body)
+
+
+@settings(FUZZ, max_examples=max(10, EXAMPLES // 3))
+@given(body=st.one_of(bodies(TOKENIZE, TOKENIZE, ()), bodies(DETOKENIZE, DETOKENIZE, ("tokens",))))
+def test_fuzz_tokenize_endpoints(server, before, body):
+    send(server, "/detokenize" if isinstance(body, dict) and "tokens" in body else "/tokenize", body)
 
 
 @settings(FUZZ, max_examples=max(10, EXAMPLES // 3))

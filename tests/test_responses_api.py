@@ -97,6 +97,19 @@ def test_the_stream_is_typed_events_that_add_up_to_the_response(scripted):
     assert done[1].content[0].text == " jade." and json.loads(done[2].arguments) == {"site": "tomb"}
 
 
+def test_instructions_with_unicode_line_separators_stay_on_their_event_lines(demo):
+    """The stream's first events echo the instructions; U+2028 / U+2029 / U+0085 in them end a line for
+    Python's str.splitlines (httpx's iter_lines): escaped, every data line is whole JSON."""
+    instructions = "Answer\u2028briefly\u2029and\x85plainly"
+    body = {"model": "relic", "input": "Hi", "instructions": instructions, "max_output_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{demo.base_url}responses", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        data = [line for line in r.iter_lines() if line.startswith("data: ")]
+    events = [json.loads(line[len("data: ") :]) for line in data]
+    assert events[0]["response"]["instructions"] == instructions
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+
+
 def test_max_output_tokens_ends_incomplete_and_history_items_render(scripted):
     cut = scripted.responses.create(model="scripted", input=ASK, max_output_tokens=3)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"

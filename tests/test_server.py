@@ -210,6 +210,19 @@ def test_streamed_completions_carry_logprobs(client, echo):
     assert [set(t or ()) for t in tops] == [set(t or ()) for t in whole.logprobs.top_logprobs]
 
 
+def test_a_text_with_unicode_line_separators_stays_on_its_event_line(server):
+    """U+2028, U+2029 and U+0085 end a line for Python's str.splitlines, and so for httpx's iter_lines
+    and clients built on it: in a streamed text (here the echoed prompt) each event still parses."""
+    prompt = "The relic\u2028was\u2029found\x85here"
+    body = {"model": "relic", "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    chunks = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+    assert "".join(c["text"] for chunk in chunks for c in chunk["choices"]).startswith(prompt)
+
+
 def test_return_token_ids_gives_the_prompt_and_the_generated_ids(server, offline):
     """vLLM's return_token_ids: prompt_token_ids (chat: top level; completions: per choice) and each
     choice's token_ids; streamed, the prompt's ids once and each chunk's new ids."""

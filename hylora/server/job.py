@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -23,6 +22,7 @@ from hylora.engine.multimodal import MultimodalPrompt
 from hylora.engine.request import TokenLogprob
 from hylora.server.chat_output import ChatOutputs
 from hylora.server.errors import APIError
+from hylora.server.json_body import event_json
 from hylora.server.protocol import CompletionRequest, SamplingRequest
 from hylora.structured import CompiledGrammar
 
@@ -484,7 +484,7 @@ def _finite(logprob: float) -> float:
 
 
 def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {event_json(payload)}\n\n"
 
 
 def _submit_error(e: BaseException) -> BaseException:

@@ -44,6 +44,20 @@ def _render(value: Any, out: list[bytes]) -> None:
         out.append(b"]")
 
 
+# Python's str.splitlines, and so httpx's iter_lines and the clients built on it, also end a line at U+0085,
+# U+2028 and U+2029 (the SSE spec ends lines at CR and LF only): escaped, a text holding one cannot cut an event's line
+_LINE_BREAKS = ("\x85", "\u2028", "\u2029")
+
+
+def event_json(payload: dict[str, Any]) -> str:
+    """`payload` as one line of JSON for a server-sent event's data."""
+    text = json.dumps(payload, ensure_ascii=False)
+    for char in _LINE_BREAKS:
+        if char in text:
+            text = text.replace(char, f"\\u{ord(char):04x}")
+    return text
+
+
 def _size(value: Any) -> int:
     """About how many JSON values `value` holds; a list is judged by its first and last elements
     (a response's lists are alike but for a leading None, e.g. the first prompt token's logprobs)."""

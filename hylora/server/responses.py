@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from hylora.server.json_body import event_json
 from hylora.server.protocol import MAX_MESSAGES, Unsupported, _at_most, _Body
 
 log = logging.getLogger(__name__)
@@ -358,7 +359,7 @@ class _EventWriter:
     def event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence} | fields
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return f"event: {kind}\ndata: {event_json(data)}\n\n"
 
     def delta(self, delta: dict[str, Any], empty_message: bool = False, logprobs: list | None = None) -> list[str]:
         """The events of one chat delta; `logprobs`: its tokens' (kept where the delta is the answer's text)."""
