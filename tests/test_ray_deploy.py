@@ -160,6 +160,36 @@ def test_a_stream_cut_short_ends_every_open_choice():
     assert ended["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "abort"}]
 
 
+def _response_event(kind: str, sequence: int, **fields) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': sequence} | fields)}\n\n".encode()
+
+
+def test_a_responses_stream_cut_short_ends_with_response_failed():
+    """A /v1/responses stream whose replica dies ends as hylora serve ends one that fails: a typed
+    response.failed event (next sequence number, the Response so far), not chat chunks and [DONE]."""
+    created = {"id": "resp_1", "object": "response", "status": "in_progress", "model": "relic", "output": []}
+    item = {"type": "reasoning", "id": "rs_1", "summary": [], "content": []}
+    tracker = StreamTracker(1, "/v1/responses")
+    tracker.observe(_response_event("response.created", 0, response=created))
+    tracker.observe(_response_event("response.output_item.done", 1, output_index=0, item=item))
+    tracker.observe(_response_event("response.output_text.delta", 2, delta="jade"))
+    text = tracker.ending(APIError(503, "gone", "server_error", "replica_failed"), "error").decode()
+    kind, data = text.strip().split("\n")
+    failed = json.loads(data[len("data: ") :])
+    assert kind == "event: response.failed" and failed["type"] == "response.failed"
+    assert failed["sequence_number"] == 3 and "[DONE]" not in text
+    response = failed["response"]
+    assert (response["id"], response["status"], response["output"]) == ("resp_1", "failed", [item])
+    assert response["error"] == {"code": "replica_failed", "message": "gone"}
+    finished = StreamTracker(1, "/v1/responses")
+    finished.observe(_response_event("response.created", 0, response=created) +
+                     _response_event("response.completed", 1, response=created | {"status": "completed"}))  # fmt: skip
+    assert finished.ending(APIError(503, "x"), "abort") == b""
+    early_end = StreamTracker(1, "/v1/responses").ending(APIError(503, "x"), "abort")
+    early = json.loads(early_end.decode().split("data: ")[1])
+    assert early["sequence_number"] == 0 and early["response"]["status"] == "failed"
+
+
 def test_replica_metrics_carry_a_replica_label():
     board = ReplicaMetricsBoard(stale_after_s=60)
     text = '# HELP hylora_requests_total r\n# TYPE hylora_requests_total counter\nhylora_requests_total{adapter="relic",status="stop"} 3.0\n'  # noqa: E501

@@ -171,19 +171,19 @@ class HyloraIngress:
                 return _response(head)
             handed_over = True
             relayed = _Relayed(head, on_close=lambda: self._closed(relayed, response))
-            relayed.body_iterator = self._rest(head, chunks, relayed, forwarded.body)
+            relayed.body_iterator = self._rest(head, chunks, relayed, forwarded)
             return relayed
         finally:
             if not handed_over:
                 self._done()
 
     async def _rest(
-        self, head: ResponseHead, chunks: AsyncIterator, relayed: _Relayed, body: bytes
+        self, head: ResponseHead, chunks: AsyncIterator, relayed: _Relayed, forwarded: ForwardedRequest
     ) -> AsyncIterator[bytes]:
         """The body after the head; a stream whose replica fails (or that shutdown ends) is closed
         the way `hylora serve` closes a stream that ends early."""
         events = (head.header("content-type") or "").startswith("text/event-stream")
-        tracker = StreamTracker(StreamTracker.requested_choices(body))
+        tracker = StreamTracker(StreamTracker.requested_choices(forwarded.body), forwarded.path)
         if events:
             tracker.observe(head.body)
         yield head.body
