@@ -22,7 +22,7 @@ class Outcome:
     finish_reasons: list[str | None] = field(default_factory=list)
     replica: str | None = None
     error: dict | None = None
-    done: bool = False  # a stream ended with [DONE]
+    done: bool = False  # a stream ended with [DONE] (a Responses stream: with its final event)
 
 
 def chat(url: str, model: str | None, prompt: str, max_tokens: int = 12, stream: bool = False, **extra) -> Outcome:
@@ -59,6 +59,9 @@ def post(url: str, path: str, body: dict, timeout: float = 120) -> Outcome:
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
+            if path == "/v1/responses":
+                _response_event(outcome, json.loads(line[len("data: ") :]))
+                continue
             data = line[len("data: ") :]
             if data == "[DONE]":
                 outcome.done = True
@@ -72,6 +75,19 @@ def post(url: str, path: str, body: dict, timeout: float = 120) -> Outcome:
                 if c.get("finish_reason") is not None:
                     outcome.finish_reasons.append(c["finish_reason"])
     return outcome
+
+
+RESPONSE_ENDS = {"response.completed": "stop", "response.incomplete": "length", "response.failed": "error"}
+
+
+def _response_event(outcome: Outcome, event: dict) -> None:
+    """A Responses stream's event, read as a chat stream's: the final event gives the finish reason."""
+    if event["type"] == "response.output_text.delta":
+        outcome.text += event["delta"]
+    elif event["type"] in RESPONSE_ENDS:
+        outcome.finish_reasons.append(RESPONSE_ENDS[event["type"]])
+        outcome.error = event["response"].get("error")
+        outcome.done = True
 
 
 def replica_pids(log_path: Path, ancestor: int) -> dict[str, int]:

@@ -332,9 +332,12 @@ def test_a_replica_killed_under_load_loses_no_request_and_the_endpoint_keeps_ans
     url = ray_server.url
     pids = replica_pids(ray_server.log_path, ray_server.proc.pid)
     assert len(pids) == 2, pids
-    with ThreadPoolExecutor(12) as pool:
+    with ThreadPoolExecutor(16) as pool:
         streams = [i % 3 != 0 for i in range(12)]
         futures = [(s, pool.submit(chat, url, MODELS[i % 4], f"dig {i}", 200, s)) for i, s in enumerate(streams)]
+        for model in MODELS:  # Responses streams too: one cut short ends with response.failed
+            body = {"model": model, "input": "dig on", "max_output_tokens": 200, "temperature": 0, "stream": True}
+            futures.append((True, pool.submit(post, url, "/v1/responses", body)))
         time.sleep(1.0)
         victim = chat(url, "relic", "which replica?", max_tokens=1).replica
         os.kill(pids[victim], signal.SIGKILL)
