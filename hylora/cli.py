@@ -153,7 +153,16 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         print(f"hylora: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        hint = ""
+        if getattr(args, "command", None) == "serve":  # most likely a vLLM flag from a recipe
+            hint = (
+                "; `hylora serve --help` lists the flags hylora takes, and docs/SERVING.md which of vLLM's it "
+                "accepts, ignores or refuses"
+            )
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     try:
         args.func(args)
     except (ValueError, FileNotFoundError, LookupError) as e:  # config / checkpoint / usage errors: a message

@@ -556,6 +556,18 @@ def test_vllm_spellings_of_flag_names_sizes_and_graph_switches(demo_dir, capsys,
         assert stop.value.code == 2 and message in err and "Traceback" not in err, (flags, err)
 
 
+def test_a_vllm_flag_hylora_lacks_stops_the_start_pointing_at_the_list(capsys, monkeypatch):
+    from hylora.cli import main
+    from hylora.server.serve import DrainingServer
+
+    monkeypatch.setattr(DrainingServer, "run", lambda self: pytest.fail("a refused launch started serving"))
+    with pytest.raises(SystemExit) as stop:
+        main(["serve", "--demo", "--device", "cpu", "--enable-sleep-mode"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "unrecognized arguments: --enable-sleep-mode" in err
+    assert "`hylora serve --help` lists the flags" in err and "docs/SERVING.md" in err
+
+
 def test_max_model_len_auto_shortens_to_what_the_memory_holds(demo_dir, monkeypatch):
     """`--max-model-len auto` where the model's whole context does not fit: the longest that does, whole pages,
     and a prompt past it refused as any too-long prompt (on the CPU: max_num_seqs sequences in half the memory)."""
