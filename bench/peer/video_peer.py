@@ -162,9 +162,11 @@ class Videos:
     max_tokens: int
 
 
-def make_videos(tiny: bool, rate: float | None = None, profile: bool = False) -> Videos:
+def make_videos(tiny: bool, rate: float | None = None, profile: bool = False, full_warm_up: bool = False) -> Videos:
     """`bench/video_workload_gpu.py`'s videos: new ones for each pattern, a short one for the warm-up;
-    `profile`: also PROFILED's jobs, all at once on new videos of their own (after the timed patterns)."""
+    `profile`: also PROFILED's jobs, all at once on new videos of their own (after the timed patterns);
+    `full_warm_up`: the warm-up is the all-at-once pattern on full-size videos of its own (the last indices),
+    so that every step size the patterns run has run once before the clock (kernels compiled at first use)."""
     from bench import video_workload_gpu as vw
     from bench.vision_gpu import synthetic_video
 
@@ -182,6 +184,11 @@ def make_videos(tiny: bool, rate: float | None = None, profile: bool = False) ->
         extra = range(count, count + n)
         frames |= {v: vw.video_frames(base, v, count + n, w.frames) for v in extra}
         jobs[PROFILED] = [Job(f"{PROFILED}-v{v}-{a}", v, a) for v in extra for a in ADAPTERS]
+    if full_warm_up:
+        start = max(frames) + 1
+        extra = range(start, start + n)
+        frames |= {v: vw.video_frames(base, v, start + n, w.frames) for v in extra}
+        jobs["warm"] = [Job(f"warm-v{v}-{a}", v, a) for v in extra for a in ADAPTERS]
     for job, at in zip(jobs["poisson"], vw.poisson_arrivals(len(jobs["poisson"]), rate or w.rate, SEED), strict=True):
         job.arrival = at
     return Videos(frames, jobs, vw.FPS, w.max_tokens)
@@ -462,7 +469,8 @@ def phase_vllm(args: argparse.Namespace) -> None:
         raise SystemExit("torchvision is not importable: vLLM's Qwen3-VL video processor needs it")
     save(work, data)
     try:
-        run_vllm(work, ckpt, kwargs, data, make_videos(args.tiny, args.rate), args.patterns)
+        videos = make_videos(args.tiny, args.rate, full_warm_up=args.full_warm_up)
+        run_vllm(work, ckpt, kwargs, data, videos, args.patterns)
     except BaseException as e:
         data["error"] = f"{type(e).__name__}: {e}"[:2000]
         save(work, data)
@@ -545,7 +553,7 @@ def phase_hylora(args: argparse.Namespace) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     data = new_result("hylora", ("torch", "triton", "transformers", "fla-core"), args)
     save(work, data)
-    videos = make_videos(args.tiny, args.rate, profile=args.profile)
+    videos = make_videos(args.tiny, args.rate, profile=args.profile, full_warm_up=args.full_warm_up)
     config = EngineConfig(
         max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MNBT,
         max_loras=len(ADAPTERS), max_lora_rank=RANK, enable_prefix_caching=False, device=device,
@@ -788,6 +796,13 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         type=tp.kernel_overrides,
         default={},
         help="hylora: KernelsConfig fields, e.g. tower_attention=cudnn (a same-machine comparison)",
+    )
+    ap.add_argument(
+        "--full-warm-up",
+        action="store_true",
+        help="warm up with the all-at-once pattern on full-size videos of its own (4 tokens each) instead of "
+        "one short video per adapter: kernels an engine compiles at first use (vLLM's DeepGEMM with "
+        "VLLM_DEEP_GEMM_WARMUP=skip) compile before the clock",
     )
     ap.add_argument(
         "--encode-media-ahead",

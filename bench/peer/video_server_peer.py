@@ -226,7 +226,7 @@ def phase_engine(engine: str, args: argparse.Namespace) -> None:
     vp.require_ckpt(args)
     packages = ("vllm", "torch", "transformers") if engine == "vllm" else ("torch", "triton", "transformers")
     data = vp.new_result(engine, packages, args)
-    videos = vp.make_videos(args.tiny, args.rate)
+    videos = vp.make_videos(args.tiny, args.rate, full_warm_up=args.full_warm_up)
     urls = frame_urls(videos)
     cmd = server_args(engine, args, videos)
     port = dp.free_port()
