@@ -10,7 +10,8 @@ task adapters, both engines driven alike through their offline engine APIs.
 - Workload (`bench/video_workload_gpu.py`'s): 8 synthetic 10 s 720p videos at 2 fps (20 frames of
   1280x720, decoded: no file is read), each analysed by the three adapters, 128 greedy tokens each
   (ignore_eos): 24 requests of ~8.9k prompt tokens (8800 visual). Two arrival patterns on new videos
-  each: `all` (at once, in video order) and `poisson` (0.5 requests/s, seed 0). A warm-up video first.
+  each: `all` (at once, in video order) and `poisson` (0.5 requests/s, seed 0). A warm-up first: the `all`
+  pattern on videos of its own, 4 tokens a request (`--no-full-warm-up`: one short video, as up to run 63).
 - Both engines: max_num_seqs 24, max_num_batched_tokens 8192, max model length 10240, prefix caching off
   (its entries are per adapter: the workload has no hits), 3 adapters on the GPU. Each engine turns a
   request's frames into the tower's input itself, inside the clock: resize, normalise, patchify, once
@@ -799,10 +800,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--full-warm-up",
-        action="store_true",
-        help="warm up with the all-at-once pattern on full-size videos of its own (4 tokens each) instead of "
-        "one short video per adapter: kernels an engine compiles at first use (vLLM's DeepGEMM with "
-        "VLLM_DEEP_GEMM_WARMUP=skip) compile before the clock",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="warm up with the all-at-once pattern on full-size videos of its own (4 tokens each; "
+        "--no-full-warm-up: one short video per adapter, as up to run 63): kernels an engine compiles at first "
+        "use (vLLM's DeepGEMM with VLLM_DEEP_GEMM_WARMUP=skip) compile before the clock",
     )
     ap.add_argument(
         "--encode-media-ahead",
