@@ -310,28 +310,39 @@ def test_videos_decode_with_pyav_19_which_has_no_metadata_errors(cfg, monkeypatc
 # --- prompt expansion ---------------------------------------------------------------------------------------
 
 
-def _qwen_tokenizer(model_dir: Path):
+# merges that join a video's first timestamp to the text before it (`?<`, ` <`): real vocabularies have such
+# tokens; the demo's has none
+JOINING_MERGES = [("?", "<"), ("Ġ", "<")]
+
+
+def _qwen_tokenizer(model_dir: Path, extra_merges: list[tuple[str, str]] = ()):
     from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 
     model = json.loads((model_dir / "tokenizer.json").read_text())["model"]
-    tok = Qwen3_5Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]])
+    vocab = dict(model["vocab"])
+    for a, b in extra_merges:
+        vocab[a + b] = len(vocab)
+    tok = Qwen3_5Tokenizer(vocab=vocab, merges=[tuple(m) for m in model["merges"]] + list(extra_merges))
     tok.add_tokens(SPECIAL_TOKENS, special_tokens=True)
     return tok
 
 
-@pytest.mark.parametrize("tokenizer", ["demo", "qwen3_5"])
+@pytest.mark.parametrize("tokenizer", ["demo", "qwen3_5", "qwen3_5-joining"])
 def test_prompt_expansion_equals_transformers_processor(cfg, hf, model_dir, tokenizer):
+    """transformers 5.25's processor: a video's outer wrapper collapses, and its first timestamp is tokenized
+    with the text before it (the `-joining` vocabulary merges across that join)."""
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
-    tok = hf["tokenizer"] if tokenizer == "demo" else _qwen_tokenizer(model_dir)
+    merges = JOINING_MERGES if tokenizer.endswith("-joining") else []
+    tok = hf["tokenizer"] if tokenizer == "demo" else _qwen_tokenizer(model_dir, merges)
     image_a, image_b = image_bytes(100, 60, seed=1), image_bytes(40, 90, "RGBA", seed=2)
     video_a, video_b = clip("h264-30f"), clip("vp8-webm-12f")
     image_ph, video_ph = "<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>"
     text = (
         f"<|im_start|>user\n{image_ph}What happens at 12 seconds?{video_ph} Compare {image_ph}"
-        f"with{video_ph}<|im_end|>\n<|im_start|>assistant\n"
+        f"with {video_ph}{video_ph}<|im_end|>\n<|im_start|>assistant\n"
     )
-    frames = [decode_all(v) for v in (video_a, video_b)]
+    frames = [decode_all(v) for v in (video_a, video_b, video_a)]  # the last two back to back
     with pytest.MonkeyPatch.context() as mp:
         install_torchvision_stand_in(mp)
         proc = Qwen3VLProcessor(image_processor=hf["image"], tokenizer=tok, video_processor=hf["video"])
@@ -348,13 +359,19 @@ def test_prompt_expansion_equals_transformers_processor(cfg, hf, model_dir, toke
         process_video(video_a, cfg, LIMITS),
         process_image(image_b, cfg, LIMITS),
         process_video(video_b, cfg, LIMITS),
+        process_video(video_a, cfg, LIMITS),
     ]
     ids = expand_prompt_ids(tok.encode(text, add_special_tokens=False), items, tok)
     assert ids == ref["input_ids"][0].tolist()
     tokens = VisionTokens.from_tokenizer(tok)
     assert ids.count(tokens.image_pad) + ids.count(tokens.video_pad) == sum(i.num_tokens for i in items)
+    # each frame has its own wrapper; the template's outer one is gone
+    assert ids.count(tokens.vision_start) == 2 + sum(item.grid_thw[0] for item in items if item.kind == "video")
+    if merges:
+        assert {tok.convert_tokens_to_ids(a + b) for a, b in merges} <= set(ids)  # the joins were merged
     torch.testing.assert_close(torch.cat([items[0].pixel_values, items[2].pixel_values]), ref["pixel_values"])
-    torch.testing.assert_close(torch.cat([items[1].pixel_values, items[3].pixel_values]), ref["pixel_values_videos"])
+    videos = torch.cat([items[1].pixel_values, items[3].pixel_values, items[4].pixel_values])
+    torch.testing.assert_close(videos, ref["pixel_values_videos"])
 
 
 def test_placeholder_count_must_match_items(cfg, hf):

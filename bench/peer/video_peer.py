@@ -18,8 +18,9 @@ task adapters, both engines driven alike through their offline engine APIs.
   per video (vLLM's processor cache, keyed by `multi_modal_uuids`; hylora's driver keeps the processed
   video, as its server's media cache does), so both pay the same preprocessing.
 - Prompts: the same token ids for both, `<|im_start|>user` + the video placeholder + a question; each
-  engine expands the placeholder itself (hylora keeps the template's outer `<|vision_start|>` …
-  `<|vision_end|>` as transformers does, vLLM drops it: 2 tokens; the table shows both lengths).
+  engine expands the placeholder itself; both drop the template's outer `<|vision_start|>` … `<|vision_end|>`
+  (hylora since 2026-12-07, as transformers 5.25; before, its prompts were 2 tokens longer; the table shows
+  both lengths).
 - The driver adds each request when its arrival time has come and steps the engine until all finish;
   times are host times from arrival: TTFT (first token seen), E2E (finished), TPOT. vLLM through
   `LLM.llm_engine` (`add_request` / `step`, outputs as deltas; its engine core, a process of its own,

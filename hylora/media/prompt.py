@@ -1,14 +1,15 @@
-"""Prompt expansion on token ids, equal to transformers 5.x `Qwen3VLProcessor` expanding the text and tokenizing.
+"""Prompt expansion on token ids, equal to transformers 5.25's `Qwen3VLProcessor` expanding the text and tokenizing.
 
 The chat template renders one placeholder per item: `<|vision_start|><|image_pad|><|vision_end|>` or the same
-with `<|video_pad|>`. transformers replaces the pad token of an image with `<|image_pad|>` × num_tokens, and of a
-video with, per temporal patch, `<{t:.1f} seconds><|vision_start|>` + `<|video_pad|>` × tokens_per_frame +
-`<|vision_end|>`; the template's outer wrapper stays (vLLM drops it; transformers does not).
+with `<|video_pad|>`. transformers replaces the pad token of an image with `<|image_pad|>` × num_tokens. A
+video's wrapper collapses to its pad token (each frame brings a wrapper of its own), which becomes, per temporal
+patch, `<{t:.1f} seconds><|vision_start|>` + `<|video_pad|>` × tokens_per_frame + `<|vision_end|>`: the format
+Qwen's own processor writes and vLLM serves. (transformers 5.17-5.24 kept the template's outer wrapper too.)
 
-Why ids equal: special tokens split the text before pre-tokenisation, so each piece between them is tokenized
-alone. The only new text is a timestamp, always between two special tokens (`<|vision_start|>` or
-`<|vision_end|>` before it, `<|vision_start|>` after it), so it is encoded here between the same guards and
-the guards are cut off.
+Why ids equal: added tokens split the text before pre-tokenisation, so each piece between them is tokenized
+alone. A timestamp after a frame sits between two added tokens and is encoded between the same guards. The
+first timestamp of a video joins the text piece before it (`Look:<0.5 seconds>`; byte-level BPE may merge
+across that join), so that piece is decoded and encoded again with the timestamp.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ ROLES = {
 class Tokenizer(Protocol):
     def convert_tokens_to_ids(self, tokens: str) -> int | None: ...
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = ..., clean_up_tokenization_spaces: bool = ...
+    ) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class VisionTokens:
     vision_end: int
     vision_start_text: str
     vision_end_text: str
+    added: frozenset[int] = frozenset()  # every added token's id: the tokenizer splits the text at each of them
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer, model_config: Mapping[str, Any] | None = None) -> VisionTokens:
@@ -63,6 +68,7 @@ class VisionTokens:
             vision_end=found["vision_end"][1],
             vision_start_text=found["vision_start"][0],
             vision_end_text=found["vision_end"][0],
+            added=frozenset(getattr(tokenizer, "added_tokens_decoder", {})) | {i for _, i in found.values()},
         )
 
 
@@ -83,7 +89,10 @@ def expand_prompt_ids(
     queues = {pad: iter(by_kind[kind]) for kind, pad in pads.items()}
     stamp_ids: dict[str, list[int]] = {}
     out: list[int] = []
-    for token_id in ids:
+    i = 0
+    while i < len(ids):
+        token_id = ids[i]
+        i += 1
         if token_id not in queues:
             out.append(token_id)
             continue
@@ -91,15 +100,31 @@ def expand_prompt_ids(
         if item.kind == "image":
             out.extend([tokens.image_pad] * item.num_tokens)
             continue
-        for t in item.timestamps:
+        if out[-1:] == [tokens.vision_start] and ids[i : i + 1] == [tokens.vision_end]:  # the template's wrapper
+            out.pop()
+            i += 1
+        for k, t in enumerate(item.timestamps):
             text = f"<{t:.1f} seconds>"
-            if text not in stamp_ids:
-                stamp_ids[text] = _encode_between_guards(text, tokenizer, tokens)
-            out.extend(stamp_ids[text])
+            if k == 0 and out and out[-1] not in tokens.added:
+                _join_text_before(out, text, tokenizer, tokens)
+            else:
+                if text not in stamp_ids:
+                    stamp_ids[text] = _encode_between_guards(text, tokenizer, tokens)
+                out.extend(stamp_ids[text])
             out.append(tokens.vision_start)
             out.extend([tokens.video_pad] * item.tokens_per_frame)
             out.append(tokens.vision_end)
     return out
+
+
+def _join_text_before(out: list[int], text: str, tokenizer: Tokenizer, tokens: VisionTokens) -> None:
+    """Encode the text piece that ends `out` (back to its last added token) together with `text`, in place: the
+    tokens transformers gets from the rendered text, where the timestamp follows that piece."""
+    start = len(out)
+    while start > 0 and out[start - 1] not in tokens.added:
+        start -= 1
+    piece = tokenizer.decode(out[start:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    out[start:] = _encode_between_guards(piece + text, tokenizer, tokens)
 
 
 def _encode_between_guards(text: str, tokenizer: Tokenizer, tokens: VisionTokens) -> list[int]:
