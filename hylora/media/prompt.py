@@ -45,7 +45,7 @@ class VisionTokens:
     vision_end: int
     vision_start_text: str
     vision_end_text: str
-    added: frozenset[int] = frozenset()  # every added token's id: the tokenizer splits the text at each of them
+    added: frozenset[int]  # every added token's id: the tokenizer splits the text at each of them
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer, model_config: Mapping[str, Any] | None = None) -> VisionTokens:
