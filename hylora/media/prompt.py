@@ -3,8 +3,8 @@
 The chat template renders one placeholder per item: `<|vision_start|><|image_pad|><|vision_end|>` or the same
 with `<|video_pad|>`. transformers replaces the pad token of an image with `<|image_pad|>` × num_tokens. A
 video's wrapper collapses to its pad token (each frame brings a wrapper of its own), which becomes, per temporal
-patch, `<{t:.1f} seconds><|vision_start|>` + `<|video_pad|>` × tokens_per_frame + `<|vision_end|>`: the format
-Qwen's own processor writes and vLLM serves. (transformers 5.17-5.24 kept the template's outer wrapper too.)
+patch, `<{t:.1f} seconds><|vision_start|>` + `<|video_pad|>` × tokens_per_frame + `<|vision_end|>`, as vLLM
+serves it too (transformers 5.17-5.24 kept the template's outer wrapper around the frames; docs/MEDIA.md).
 
 Why ids equal: added tokens split the text before pre-tokenisation, so each piece between them is tokenized
 alone. A timestamp after a frame sits between two added tokens and is encoded between the same guards. The
