@@ -39,9 +39,15 @@ SPECIAL_TOKENS = [
 # with skip_special_tokens), each one token, as in the released tokenizers
 TEXT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 # Qwen3.5 / Qwen3.6's chat template in short: tools in a system block with the qwen3_coder call
-# format, assistant tool calls and tool results in the history, and thinking on unless
+# format, assistant tool calls and tool results in the history, an assistant turn's reasoning
+# (`reasoning_content`, or the text before `</think>` in its content) in a think block on the turns after
+# the last user message (on every turn with preserve_thinking), dropped before it, and thinking on unless
 # enable_thinking is false (the generation prompt then closes an empty think block).
 CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_query_index=-1) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}{%- set ns.last_query_index = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
     "{%- if tools -%}"
     "{{- '<|im_start|>system\\n' -}}"
     "{%- if messages[0]['role'] == 'system' and messages[0]['content'] is string -%}"
@@ -59,6 +65,19 @@ CHAT_TEMPLATE = (
     "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' -}}"
     "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
     "{%- else -%}"
+    "{%- if message['role'] == 'assistant' and message['content'] is not mapping"
+    " and (message['content'] is string or message['content'] is not iterable or message['content'] is not defined) -%}"
+    "{%- set content = message['content'] if message['content'] is string else '' -%}"
+    "{%- set reasoning = '' -%}"
+    "{%- if message['reasoning_content'] is string -%}{%- set reasoning = message['reasoning_content'] -%}"
+    "{%- elif '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{%- if (preserve_thinking is defined and preserve_thinking is true) or loop.index0 > ns.last_query_index -%}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning | trim + '\\n</think>\\n\\n' + content -}}"
+    "{%- else -%}{{- '<|im_start|>assistant\\n' + content -}}{%- endif -%}"
+    "{%- else -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
     "{%- if message['content'] is string -%}{{- message['content'] -}}"
     "{%- elif message['content'] is not none -%}{%- for part in message['content'] -%}"
@@ -66,6 +85,7 @@ CHAT_TEMPLATE = (
     "{%- elif part['type'] == 'video' -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
     "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
+    "{%- endif -%}"
     "{%- if message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
     "{%- for call in message['tool_calls'] -%}"
     "{%- set fn = call['function'] if call['function'] is defined else call -%}"
@@ -127,7 +147,7 @@ DEMO_ADAPTERS = {
     ),
 }
 SEED = 1234
-DEMO_VERSION = "6"  # bump when the demo changes: an older demo in the cache is rewritten
+DEMO_VERSION = "7"  # bump when the demo changes: an older demo in the cache is rewritten
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
-from hylora.tokenizer import chat_prompt, load_tokenizer
+from hylora.tokenizer import chat_prompt, load_tokenizer, render_chat
 from tests.scripted_model import write_scripted_model
 from tests.server_helpers import running_server
 
@@ -221,3 +222,70 @@ def test_required_and_named_tool_choice_are_enforced_by_the_grammar(demo_dir, de
                 model=str(demo_dir), messages=ASK, tools=[COUNT], max_tokens=5,
                 tool_choice={"type": "function", "function": {"name": "nope"}},
             )  # fmt: skip
+
+
+# An agent loop: the assistant turn that called a tool, sent back with its reasoning (Qwen3.6 is trained
+# to read it there: its template shows the reasoning of the turns after the last user message).
+AGENT_REASONING = "The site list names the tomb first."
+CALL_1 = {"id": "call_1", "type": "function", "function": {"name": "find_relic", "arguments": '{"site": "tomb"}'}}
+
+
+def _agent_turns(**reasoning) -> list[dict]:
+    return [*ASK, {"role": "assistant", "content": None, "tool_calls": [CALL_1], **reasoning},
+            {"role": "tool", "tool_call_id": "call_1", "content": "north chamber"}]  # fmt: skip
+
+
+def _tokenize(client: openai.OpenAI, body: dict) -> httpx.Response:
+    return httpx.post(str(client.base_url).removesuffix("/v1/") + "/tokenize", json=body, timeout=30)
+
+
+def _rendered(client: openai.OpenAI, body: dict) -> str:
+    """The prompt the server renders for a chat body, as text (its model's own tokenizer decodes it)."""
+    tokens = _tokenize(client, body)
+    assert tokens.status_code == 200, tokens.text
+    url = str(client.base_url).removesuffix("/v1/") + "/detokenize"
+    return httpx.post(url, json={"tokens": tokens.json()["tokens"]}, timeout=30).json()["prompt"]
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_an_agent_turns_reasoning_is_in_its_think_block(caller, demo_dir, field):
+    """`reasoning` (vLLM >= 0.20's name) or `reasoning_content` (what hylora answers, and what clients
+    send back) on an earlier assistant turn: the prompt is the chat template's with that reasoning,
+    not the empty think block it had when hylora dropped the field."""
+    got = _rendered(caller, {"messages": _agent_turns(**{field: AGENT_REASONING}), "tools": [FIND_RELIC]})
+    as_template = _agent_turns(reasoning_content=AGENT_REASONING)
+    as_template[1]["tool_calls"] = [{**CALL_1, "function": {"name": "find_relic", "arguments": {"site": "tomb"}}}]
+    assert got == render_chat(load_tokenizer(demo_dir), as_template, tools=[FIND_RELIC])
+    assert f"<|im_start|>assistant\n<think>\n{AGENT_REASONING}\n</think>\n\n\n<tool_call>" in got
+    without = _rendered(caller, {"messages": _agent_turns(), "tools": [FIND_RELIC]})
+    assert "<|im_start|>assistant\n<think>\n\n</think>\n\n\n<tool_call>" in without
+    reply = caller.chat.completions.create(
+        model="caller", messages=_agent_turns(**{field: AGENT_REASONING}), tools=[FIND_RELIC], max_tokens=30
+    )
+    counted = _tokenize(caller, {"messages": _agent_turns(**{field: AGENT_REASONING}), "tools": [FIND_RELIC]})
+    assert reply.usage.prompt_tokens == counted.json()["count"] and reply.choices[0].finish_reason == "tool_calls"
+
+
+def test_an_answer_sent_back_keeps_its_reasoning_where_the_template_asks(thinker):
+    """The message a thinking answer gives (reasoning and reasoning_content alike) goes back as history
+    unchanged: its reasoning is dropped before a later user message, as Qwen's template does, and kept
+    with chat_template_kwargs {"preserve_thinking": true}."""
+    answer = thinker.chat.completions.create(model="thinker", messages=ASK, max_tokens=20).choices[0].message
+    sent_back = answer.model_dump(exclude_none=True)
+    assert sent_back["reasoning_content"] == sent_back["reasoning"] == "The relic is bronze"
+    history = [*ASK, sent_back, {"role": "user", "content": "Why jade?"}]
+    dropped = _rendered(thinker, {"messages": history})
+    kept = _rendered(thinker, {"messages": history, "chat_template_kwargs": {"preserve_thinking": True}})
+    assert "The relic is bronze" not in dropped and "<|im_start|>assistant\n jade." in dropped
+    assert "<|im_start|>assistant\n<think>\nThe relic is bronze\n</think>\n\n jade." in kept
+
+
+def test_two_different_reasonings_on_one_turn_are_a_400_and_serving_goes_on(caller):
+    turns = _agent_turns(reasoning=AGENT_REASONING, reasoning_content="Something else.")
+    with pytest.raises(openai.BadRequestError, match="reasoning and reasoning_content") as refused:
+        caller.chat.completions.create(model="caller", messages=turns, max_tokens=5)
+    assert refused.value.body["param"].startswith("messages.1")
+    huge = _agent_turns(reasoning="x" * 2_000_000)  # counted with the prompt's characters before tokenising
+    with pytest.raises(openai.BadRequestError, match="characters"):
+        caller.chat.completions.create(model="caller", messages=huge, max_tokens=5)
+    assert caller.chat.completions.create(model="caller", messages=ASK, max_tokens=30).choices[0].finish_reason

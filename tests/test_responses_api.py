@@ -13,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 
+from hylora.server.responses import ResponsesRequest
 from tests.scripted_model import write_scripted_model
 from tests.server_helpers import running_server
 
@@ -161,6 +162,8 @@ def test_what_hylora_does_not_keep_or_run_is_a_400(scripted, fields, needle):
         {"tools": [FIND_RELIC], "tool_choice": {"type": "function", "name": "nope"}},
         {"max_output_tokens": -1},
         {"temperature": "hot"},
+        {"input": [{"role": "user", "content": "x"}, {"type": "reasoning", "id": "rs_1", "summary": "a string"}]},
+        {"input": [{"role": "user", "content": "x"}, {"type": "reasoning", "content": [{"type": "reasoning_text"}]}]},
     ],
 )
 def test_malformed_responses_requests_are_400s_and_serving_goes_on(scripted, fields):
@@ -269,3 +272,53 @@ def test_a_client_gone_mid_stream_aborts_its_request(demo):
         time.sleep(0.1)
     assert running and float(running[0].split()[1]) == 0
     assert 'hylora_requests_total{adapter="relic",status="abort"}' in text
+
+
+REASONING = "The site list names the tomb first."
+CALL = {"type": "function_call", "call_id": "call_1", "name": "find_relic", "arguments": '{"site": "tomb"}'}
+
+
+def _reasoning_item(text: str, where: str = "content") -> dict:
+    parts = {"content": [{"type": "reasoning_text", "text": text}], "summary": []}
+    if where == "summary":
+        parts = {"content": [], "summary": [{"type": "summary_text", "text": text}]}
+    return {"type": "reasoning", "id": "rs_1", **parts}
+
+
+def test_one_turns_items_are_one_assistant_message_with_its_reasoning():
+    """A Response's output items for one turn (reasoning, message, function calls) come back as the one
+    assistant message the chat template renders: the reasoning in its think block (vLLM makes each item
+    a message of its own); a summary serves where there is no reasoning text; encrypted content alone
+    (hylora writes none) is left out; reasoning with no output after it is a turn of its own."""
+    user = {"role": "user", "content": ASK}
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "north chamber"}
+    turn = ResponsesRequest(input=[user, _reasoning_item(REASONING), said, CALL, output])._messages()
+    assert [m["role"] for m in turn] == ["user", "assistant", "tool"]
+    assert turn[1]["reasoning"] == REASONING and turn[1]["tool_calls"][0]["id"] == "call_1"
+    assert turn[1]["content"] == [{"type": "text", "text": "Let me look."}]
+    summary = ResponsesRequest(input=[user, _reasoning_item(REASONING, "summary"), CALL])._messages()
+    assert summary[1]["reasoning"] == REASONING
+    sealed = {"type": "reasoning", "id": "rs_2", "summary": [], "encrypted_content": "gAAA"}
+    assert "reasoning" not in ResponsesRequest(input=[user, sealed, CALL])._messages()[1]
+    alone = ResponsesRequest(input=[user, _reasoning_item(REASONING), output])._messages()
+    assert alone[1] == {"role": "assistant", "content": "", "reasoning": REASONING} and alone[2]["role"] == "tool"
+
+
+def test_a_reasoning_item_sent_back_is_in_the_prompt_as_on_chat(scripted):
+    """The reasoning item before a function call counts in the prompt as the chat request's assistant
+    turn with that reasoning does (until now it was dropped)."""
+    items = [{"role": "user", "content": ASK}, _reasoning_item(REASONING), CALL,
+             {"type": "function_call_output", "call_id": "call_1", "output": "north chamber"}]  # fmt: skip
+    with_it = scripted.responses.create(model="scripted", input=items, tools=[FIND_RELIC], max_output_tokens=1)
+    without = scripted.responses.create(model="scripted", input=items[:1] + items[2:], tools=[FIND_RELIC],
+                                        max_output_tokens=1)  # fmt: skip
+    call = {"id": "call_1", "type": "function", "function": {"name": "find_relic", "arguments": CALL["arguments"]}}
+    chat = scripted.chat.completions.create(
+        model="scripted",
+        messages=[{"role": "user", "content": ASK}, {"role": "assistant", "content": None, "tool_calls": [call],
+                  "reasoning": REASONING}, {"role": "tool", "tool_call_id": "call_1", "content": "north chamber"}],
+        tools=[{"type": "function", "function": {k: v for k, v in FIND_RELIC.items() if k != "type"}}],
+        max_tokens=1,
+    )  # fmt: skip
+    assert with_it.usage.input_tokens == chat.usage.prompt_tokens > without.usage.input_tokens

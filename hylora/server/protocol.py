@@ -238,19 +238,44 @@ class ChatMessage(_Body):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result: the call it answers
     name: str | None = None
-    reasoning_content: str | None = None  # an earlier turn's reasoning, as vLLM returns it (not rendered)
+    # an earlier assistant turn's reasoning: `reasoning` as vLLM >= 0.20 reads it, `reasoning_content` as
+    # hylora and older vLLM return it (clients send back what they got); the template decides where it shows
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _one_reasoning(self) -> ChatMessage:
+        if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
+            raise ValueError(
+                "an assistant message has reasoning and reasoning_content with different texts; send one of them "
+                "(reasoning, vLLM's name, or reasoning_content, as the answer gave it)"
+            )
+        return self
+
+    def earlier_reasoning(self) -> str | None:
+        """The reasoning an assistant turn carries for the chat template (None on other roles)."""
+        if self.role != "assistant":
+            return None
+        return self.reasoning if self.reasoning is not None else self.reasoning_content
 
     def text_chars(self) -> int:
-        """Characters of the message's text (its text parts; media parts count 0), without raising."""
+        """Characters of the message's text (its text parts and an assistant turn's reasoning; media parts
+        count 0), without raising."""
+        reasoning = len(self.earlier_reasoning() or "")
         if isinstance(self.content, str):
-            return len(self.content)
-        return sum(len(str(p.get("text", ""))) for p in self.content or [] if isinstance(p, dict))
+            return len(self.content) + reasoning
+        return sum(len(str(p.get("text", ""))) for p in self.content or [] if isinstance(p, dict)) + reasoning
 
     def for_template(self, content: Any) -> dict[str, Any]:
         """The message as the chat template takes it, with `content` (text, or normalised parts):
         tool calls with their arguments as objects (OpenAI sends JSON strings; Qwen's templates
-        iterate them), the tool call id of a tool result."""
+        iterate them), the tool call id of a tool result, an assistant turn's reasoning under both names
+        (Qwen3.5 / 3.6's templates read `reasoning_content`: the turns after the last user query show it in
+        their think block, every turn with `preserve_thinking`; vLLM passes both)."""
         out: dict[str, Any] = {"role": self.role, "content": content}
+        reasoning = self.earlier_reasoning()
+        if reasoning is not None:
+            out["reasoning_content"] = out["reasoning"] = reasoning
         if self.tool_calls:
             out["tool_calls"] = [_call_for_template(call, i) for i, call in enumerate(self.tool_calls)]
         if self.tool_call_id is not None:

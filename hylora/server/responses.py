@@ -118,20 +118,39 @@ class ResponsesRequest(_Body):
         return "message.output_text.logprobs" in (self.include or []) or bool(self.top_logprobs)
 
     def _messages(self) -> list[dict[str, Any]]:
+        """The chat messages the input stands for. One assistant turn's items (its reasoning, message and
+        function calls, in the order a Response gives them) become one assistant message: the reasoning as
+        that message's `reasoning`, which the chat template shows in the turn's think block."""
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
+        reasoning: list[str] = []  # the reasoning items before the turn's output items
+
+        def assistant_turn(message: dict[str, Any]) -> dict[str, Any]:
+            if reasoning:
+                message["reasoning"] = "\n".join(reasoning)
+                reasoning.clear()
+            messages.append(message)
+            return message
+
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
+            last = messages[-1] if messages else None
             if kind == "message":
                 given = item.get("role")
                 role = ROLES.get(given) if isinstance(given, str) else None
                 if role is None:
                     roles = "user, system, developer or assistant"
                     raise Unsupported(f"input[{i}]: role {item.get('role')!r}; use {roles}", "input")
-                messages.append({"role": role, "content": _chat_content(item.get("content", ""), i)})
+                message = {"role": role, "content": _chat_content(item.get("content", ""), i)}
+                if role == "assistant":
+                    assistant_turn(message)
+                    continue
+                if reasoning:  # a turn of reasoning alone
+                    assistant_turn({"role": "assistant", "content": ""})
+                messages.append(message)
             elif kind == "function_call":
                 call_id, name, arguments = (
                     item.get("call_id") or item.get("id") or f"call_{i}",
@@ -143,26 +162,45 @@ class ResponsesRequest(_Body):
                         f"input[{i}]: a function_call needs call_id, name and arguments as strings", "input"
                     )
                 call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-                last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
-                    last["tool_calls"].append(call)  # parallel calls: one assistant turn
+                if last is not None and last["role"] == "assistant" and not reasoning:
+                    last.setdefault("tool_calls", []).append(call)  # the turn's text, or a parallel call
                 else:
-                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                    assistant_turn({"role": "assistant", "content": None, "tool_calls": [call]})
             elif kind == "function_call_output":
                 if not isinstance(item.get("call_id", ""), str):
                     raise Unsupported(f"input[{i}]: a function_call_output's call_id is a string", "input")
                 output = item.get("output", "")
                 text = output if isinstance(output, str) else json.dumps(output)
+                if reasoning:
+                    assistant_turn({"role": "assistant", "content": ""})
                 messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""), "content": text})
             elif kind == "reasoning":
-                continue  # an earlier turn's reasoning: the chat template drops it from history too
+                text = _reasoning_text(item, i)
+                if text:  # encrypted content alone: hylora writes none and cannot read it
+                    reasoning.append(text)
             else:
                 raise Unsupported(
                     f"input[{i}]: item type {kind!r} is not supported; send message, function_call, "
                     "function_call_output or reasoning items",
                     "input",
                 )
+        if reasoning:
+            assistant_turn({"role": "assistant", "content": ""})
         return messages
+
+
+def _reasoning_text(item: dict[str, Any], index: int) -> str:
+    """A reasoning item's text: its reasoning_text content (what hylora writes), else its summary."""
+    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key) or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+            raise Unsupported(f"input[{index}]: a reasoning item's {key} is a list of {part_type} parts", "input")
+        texts = [p.get("text") for p in parts if p.get("type", part_type) == part_type]
+        if not all(isinstance(t, str) for t in texts):
+            raise Unsupported(f"input[{index}]: each {part_type} part of a reasoning item needs a string text", "input")
+        if texts:
+            return "".join(texts)
+    return ""
 
 
 def _chat_content(content: Any, index: int) -> Any:
