@@ -495,6 +495,8 @@ def test_launch_flag_spellings_and_refusals(demo_dir, tmp_path):
         "method": "mtp", "num_speculative_tokens": 1}  # fmt: skip
     with pytest.raises(ValueError, match="--tool-call-parser"):
         normalised("--demo", "--enable-auto-tool-choice")
+    xml = normalised("--demo", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_xml")
+    assert xml.tool_call_parser == "qwen3_coder"  # vLLM's other parser of Qwen's XML calls
     with pytest.raises(ValueError, match="chat_template"):
         normalised("--demo", "--default-chat-template-kwargs", '{"chat_template": "x"}')
     with pytest.raises(SystemExit):

@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
           "float32": "float32"}  # fmt: skip
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
-TOOL_CALL_PARSERS = ("qwen3_coder", "hermes")
+TOOL_CALL_PARSERS = ("qwen3_coder", "qwen3_xml", "hermes")
+# vLLM's second parser of Qwen's <tool_call><function=...><parameter=...> calls: the same format
+TOOL_CALL_ALIASES = {"qwen3_xml": "qwen3_coder"}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -232,6 +234,10 @@ def normalise_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
     if graphs_off is not None:
         args.enforce_eager = True
         log.info("%s: no CUDA graphs, as --enforce-eager", graphs_off)
+    if args.tool_call_parser in TOOL_CALL_ALIASES:
+        same = TOOL_CALL_ALIASES[args.tool_call_parser]
+        log.info("--tool-call-parser %s: parsed as %s (the same call format)", args.tool_call_parser, same)
+        args.tool_call_parser = same
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (qwen3_coder for Qwen3.5 / Qwen3.6)")
     for flag in ("allowed_origins", "allowed_methods", "allowed_headers"):
