@@ -99,6 +99,21 @@ def test_thinking_on_splits_reasoning_from_content(thinker):
     assert (parts["reasoning"], parts["content"], parts["finish"]) == ("The relic is bronze", " jade.", "stop")
 
 
+def test_include_reasoning_false_leaves_the_reasoning_out(thinker):
+    """vLLM's include_reasoning: false: the model still thinks (the usage counts those tokens), the answer is
+    the content alone, whole and streamed."""
+    extra = {"include_reasoning": False}
+    reply = thinker.chat.completions.create(model="thinker", messages=ASK, max_tokens=20, extra_body=extra)
+    message = reply.choices[0].message
+    assert message.content == " jade." and message.reasoning_content is None
+    assert message.model_extra["reasoning"] is None
+    assert reply.usage.completion_tokens == len(THINKER) - 1  # all but <|im_end|>, the reasoning included
+    parts = streamed(
+        thinker.chat.completions.create(model="thinker", messages=ASK, max_tokens=20, stream=True, extra_body=extra)
+    )
+    assert (parts["reasoning"], parts["content"], parts["finish"]) == ("", " jade.", "stop")
+
+
 def test_thinking_off_is_all_content(thinker):
     kwargs = dict(model="thinker", messages=ASK, max_tokens=20, extra_body={"chat_template_kwargs": {
         "enable_thinking": False}})  # fmt: skip

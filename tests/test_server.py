@@ -802,11 +802,17 @@ def test_bad_bodies_get_a_message_that_says_what_to_fix(server):
 
 def test_vllm_fields_that_would_change_the_output_are_refused_not_ignored(server):
     chat = {"model": "relic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    for field, value in (("logits_processors", ["x"]), ("echo", True), ("truncate_prompt_tokens", 8)):
+    refused = [("logits_processors", ["x"]), ("echo", True), ("truncate_prompt_tokens", 8), ("use_beam_search", True),
+               ("thinking_token_budget", 0), ("thinking_token_budget", 256),
+               ("repetition_detection", {"max_pattern_size": 8, "min_count": 3})]  # fmt: skip
+    for field, value in refused:
         r = httpx.post(f"{server}/v1/chat/completions", json=chat | {field: value}, timeout=30)
         assert r.status_code == 400, (field, r.text)
         assert r.json()["error"]["param"] == field and "not supported by hylora" in r.json()["error"]["message"]
-    for field, value in (("allowed_token_ids", []), ("bad_words", None), ("echo", False), ("priority", 3)):
+    asks_nothing = [("allowed_token_ids", []), ("bad_words", None), ("echo", False), ("priority", 3),
+                    ("use_beam_search", False), ("thinking_token_budget", None),
+                    ("repetition_detection", None)]  # fmt: skip
+    for field, value in asks_nothing:
         assert httpx.post(f"{server}/v1/chat/completions", json=chat | {field: value}, timeout=60).status_code == 200
 
 

@@ -353,7 +353,7 @@ async def _start_chat(
     max_tokens = _max_tokens(state, len(prompt_ids), body.requested_max_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     grammar = await _grammar(state, body, _tool_grammar(state, body, tools))
-    outputs_as = _chat_outputs(state, prompt_ids, template_kwargs, tools)
+    outputs_as = _chat_outputs(state, prompt_ids, template_kwargs, tools, body.include_reasoning)
     after = think_end_ids(state.engine.tokenizer) if grammar is not None and outputs_as.in_reasoning else ()
     job = Job(
         state, "chatcmpl", body, adapter, [prompt_ids], [max_tokens], logprobs, body.prompt_logprobs, mm, grammar,
@@ -568,7 +568,11 @@ def _tool_grammar(state: ServerState, body: ChatCompletionRequest, tools: ToolRe
 
 
 def _chat_outputs(
-    state: ServerState, prompt_ids: list[int], template_kwargs: dict[str, Any], tools: ToolRequest
+    state: ServerState,
+    prompt_ids: list[int],
+    template_kwargs: dict[str, Any],
+    tools: ToolRequest,
+    include_reasoning: bool = True,
 ) -> ChatOutputs:
     """How the request's choices are read: the reasoning split off when the server has a reasoning
     parser and the prompt leaves the model inside `<think>`, tool calls when tools may be called."""
@@ -577,7 +581,7 @@ def _chat_outputs(
     if parser is not None:  # the generation turn: the prompt's last tokens
         tail = state.engine.tokenizer.decode(prompt_ids[-64:], skip_special_tokens=False)
         in_reasoning = parser.starts_in_reasoning(tail, template_kwargs.get("enable_thinking"))
-    return ChatOutputs(parser, in_reasoning, tools, state.tool_call_parser or DEFAULT_TOOL_FORMAT)
+    return ChatOutputs(parser, in_reasoning, tools, state.tool_call_parser or DEFAULT_TOOL_FORMAT, include_reasoning)
 
 
 async def _grammar(

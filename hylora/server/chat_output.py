@@ -23,6 +23,7 @@ class ChatOutputs:
     in_reasoning: bool = False
     tools: ToolRequest | None = None
     tool_format: str = DEFAULT_TOOL_FORMAT
+    include_reasoning: bool = True  # false: the reasoning is split off and left out (vLLM's include_reasoning)
 
     @property
     def reads_calls(self) -> bool:
@@ -35,7 +36,7 @@ class ChatOutputs:
             reasoning, content = self.reasoning.split(text) if self.in_reasoning else (None, text or None)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if self.reasoning is not None:
-            message["reasoning_content"] = message["reasoning"] = reasoning
+            message["reasoning_content"] = message["reasoning"] = reasoning if self.include_reasoning else None
         called = False
         if self.reads_calls:
             parsed = ToolCallParser(self.tool_format).parse(content or "", self._tool_list())
@@ -89,7 +90,8 @@ class ChoiceStream:
         return deltas, finish_reason(engine_reason, self.outputs.tools, called)
 
     def _split(self, reasoning: str, content: str) -> list[dict[str, Any]]:
-        deltas = [{"reasoning_content": reasoning, "reasoning": reasoning}] if reasoning else []
+        shown = reasoning and self.outputs.include_reasoning
+        deltas = [{"reasoning_content": reasoning, "reasoning": reasoning}] if shown else []
         return deltas + self._content(content)
 
     def _content(self, text: str) -> list[dict[str, Any]]:

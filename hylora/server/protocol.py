@@ -76,7 +76,7 @@ class _Body(BaseModel):
         """Refuse a vLLM field hylora does not implement that would change the output; log the rest."""
         extra = self.model_extra or {}
         for name, instead in UNIMPLEMENTED_FIELDS.items():
-            if name in extra and extra[name] not in (None, False, [], {}, 0):
+            if name in extra and not _asks_nothing(name, extra[name]):
                 raise Unsupported(f"{name} is not supported by hylora: {instead}", param=name)
         if extra:
             log.warning("%s: ignoring unknown fields %s", route, sorted(extra)[:20])
@@ -89,7 +89,19 @@ UNIMPLEMENTED_FIELDS = {
     "logits_processors": "hylora runs no custom logits processors",
     "truncate_prompt_tokens": "shorten the prompt yourself",
     "echo": "on chat, prepend the prompt yourself (/v1/completions takes echo)",
+    "use_beam_search": "hylora has no beam search; sample n choices instead",
+    "thinking_token_budget": "hylora does not cut the reasoning short; bound the whole answer with max_tokens, "
+    'or turn thinking off with chat_template_kwargs {"enable_thinking": false}',
+    "repetition_detection": "hylora does not end repetitive output early; bound it with max_tokens, or set "
+    "repetition_penalty / frequency_penalty",
 }
+# values that ask for nothing (vLLM's defaults); thinking_token_budget 0 does ask for something
+_INERT: dict[str, tuple[Any, ...]] = {"thinking_token_budget": (None,)}
+
+
+def _asks_nothing(name: str, value: Any) -> bool:
+    inert = _INERT.get(name, (None, False, [], {}, 0))
+    return any(value is v or (type(value) is type(v) and value == v) for v in inert)
 
 
 class SamplingRequest(_Body):
@@ -323,6 +335,7 @@ class ChatCompletionRequest(SamplingRequest):
     ] = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True  # vLLM: false leaves the reasoning out of the answer (it is still generated)
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM: the reply continues the last (assistant) message
