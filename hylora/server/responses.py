@@ -128,12 +128,15 @@ class ResponsesRequest(_Body):
             return [*messages, {"role": "user", "content": self.input}]
         reasoning: list[str] = []  # the reasoning items before the turn's output items
 
-        def assistant_turn(message: dict[str, Any]) -> dict[str, Any]:
+        def assistant_turn(message: dict[str, Any]) -> None:
             if reasoning:
                 message["reasoning"] = "\n".join(reasoning)
                 reasoning.clear()
             messages.append(message)
-            return message
+
+        def close_turn() -> None:  # reasoning with no output item after it: a turn of its own
+            if reasoning:
+                assistant_turn({"role": "assistant", "content": ""})
 
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
@@ -148,8 +151,7 @@ class ResponsesRequest(_Body):
                 if role == "assistant":
                     assistant_turn(message)
                     continue
-                if reasoning:  # a turn of reasoning alone
-                    assistant_turn({"role": "assistant", "content": ""})
+                close_turn()
                 messages.append(message)
             elif kind == "function_call":
                 call_id, name, arguments = (
@@ -171,8 +173,7 @@ class ResponsesRequest(_Body):
                     raise Unsupported(f"input[{i}]: a function_call_output's call_id is a string", "input")
                 output = item.get("output", "")
                 text = output if isinstance(output, str) else json.dumps(output)
-                if reasoning:
-                    assistant_turn({"role": "assistant", "content": ""})
+                close_turn()
                 messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""), "content": text})
             elif kind == "reasoning":
                 text = _reasoning_text(item, i)
@@ -184,8 +185,7 @@ class ResponsesRequest(_Body):
                     "function_call_output or reasoning items",
                     "input",
                 )
-        if reasoning:
-            assistant_turn({"role": "assistant", "content": ""})
+        close_turn()
         return messages
 
 
